@@ -1,0 +1,22 @@
+# The two set-up commands of the README. Both create .venv with Python 3.12 (selected by
+# .python-version under pyenv) and install the project into it.
+PYTHON ?= python3.12
+VENV := .venv
+STAMP := $(VENV)/.installed
+
+.PHONY: quickstart test test-slow
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install --upgrade pip
+	$(VENV)/bin/pip install -e ".[dev]"
+	touch $(STAMP)
+
+quickstart: $(STAMP)  ## install, then record -> train -> eval on the default lift task
+	$(VENV)/bin/vla-rl quickstart
+
+test: $(STAMP)  ## install, then run the default test suite (about 10 minutes on 2 cores)
+	$(VENV)/bin/python -m pytest
+
+test-slow: $(STAMP)  ## the long end-to-end tests (the full quickstart with its success threshold)
+	$(VENV)/bin/python -m pytest -m slow

@@ -1,0 +1,225 @@
+"""A small diffusion policy in the style of Diffusion Policy (Chi et al.), sized for CPU training.
+
+- Vision: a 3-layer CNN per camera ending in spatial softmax (learned keypoints), which localizes
+  objects precisely from few demonstrations.
+- Instruction: mean of learned word embeddings over a vocabulary taken from the dataset's tasks.
+- Denoiser: residual MLP over the flattened chunk (H*A), FiLM-conditioned on the observation
+  embedding and the diffusion timestep; epsilon prediction.
+- Noise: `diffusers` DDPMScheduler for training, DDIMScheduler for sampling.
+
+Actions are normalized to [-1, 1] with the dataset min/max, states to zero mean and unit variance;
+the statistics are buffers, so they travel inside every checkpoint's weights.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import torch
+import torch.nn.functional as F
+from diffusers import DDIMScheduler, DDPMScheduler
+from torch import nn
+
+from policies.diffusion.configuration import DiffusionConfig
+from vla_rl.types import ACTION, OBS_STATE, TASK, ActionChunk, image_key
+
+UNKNOWN_WORD = "<unk>"
+
+
+def tokenize(instruction: str) -> list[str]:
+    return re.findall(r"[a-z0-9]+", instruction.lower())
+
+
+def build_vocabulary(instructions: list[str]) -> list[str]:
+    return [UNKNOWN_WORD] + sorted({w for text in instructions for w in tokenize(text)})
+
+
+class SpatialSoftmax(nn.Module):
+    """(B, C, h, w) feature maps -> (B, 2K) expected image coordinates of K learned keypoints."""
+
+    def __init__(self, in_channels: int, num_keypoints: int):
+        super().__init__()
+        self.proj = nn.Conv2d(in_channels, num_keypoints, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, _, h, w = x.shape
+        attn = self.proj(x).flatten(2).softmax(-1)  # (B, K, h*w)
+        ys = torch.linspace(-1, 1, h, device=x.device)
+        xs = torch.linspace(-1, 1, w, device=x.device)
+        grid = torch.stack(torch.meshgrid(ys, xs, indexing="ij"), -1).reshape(h * w, 2)
+        return (attn @ grid).reshape(b, -1)
+
+
+class ImageEncoder(nn.Module):
+    """(B, 3, S, S) in [0, 1] -> (B, 2K) keypoint coordinates."""
+
+    def __init__(self, channels: int, num_keypoints: int):
+        super().__init__()
+        c = channels
+        self.net = nn.Sequential(
+            nn.Conv2d(3, c, 3, stride=2, padding=1), nn.GroupNorm(8, c), nn.Mish(),
+            nn.Conv2d(c, 2 * c, 3, stride=2, padding=1), nn.GroupNorm(8, 2 * c), nn.Mish(),
+            nn.Conv2d(2 * c, 2 * c, 3, padding=1), nn.GroupNorm(8, 2 * c), nn.Mish(),
+        )  # fmt: skip
+        self.keypoints = SpatialSoftmax(2 * c, num_keypoints)
+
+    def forward(self, image: torch.Tensor) -> torch.Tensor:
+        return self.keypoints(self.net(image * 2.0 - 1.0))
+
+
+def timestep_embedding(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """(B,) integer timesteps -> (B, dim) sinusoidal embedding."""
+    half = dim // 2
+    freqs = torch.exp(-math.log(10000.0) * torch.arange(half, device=t.device) / half)
+    angles = t.float()[:, None] * freqs[None]
+    return torch.cat([angles.sin(), angles.cos()], -1)
+
+
+class FiLMBlock(nn.Module):
+    def __init__(self, dim: int, cond_dim: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.film = nn.Linear(cond_dim, 2 * dim)
+        self.fc1 = nn.Linear(dim, dim)
+        self.fc2 = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
+        scale, shift = self.film(cond).chunk(2, -1)
+        h = self.norm(x) * (1 + scale) + shift
+        return x + self.fc2(F.mish(self.fc1(F.mish(h))))
+
+
+class DiffusionPolicy(nn.Module):
+    """Implements `vla_rl.types.Policy`: observation batch -> ActionChunk of (B, horizon, action_dim)."""
+
+    policy_type = "diffusion"
+
+    def __init__(self, config: DiffusionConfig):
+        super().__init__()
+        if config.state_dim < 1 or config.action_dim < 1 or not config.cameras:
+            raise ValueError("DiffusionConfig needs state_dim, action_dim and cameras (they come from the dataset)")
+        self.config = config
+        cfg = config
+        self.image_encoders = nn.ModuleDict({cam: ImageEncoder(cfg.vision_channels, cfg.num_keypoints) for cam in cfg.cameras})
+        self.word_index = {w: i for i, w in enumerate(cfg.vocabulary or [UNKNOWN_WORD])}
+        self.word_embedding = nn.EmbeddingBag(len(self.word_index), cfg.text_dim, mode="mean")
+        obs_dim = len(cfg.cameras) * 2 * cfg.num_keypoints + cfg.state_dim + cfg.text_dim
+        cond_dim = cfg.hidden_dim
+        self.obs_proj = nn.Sequential(nn.Linear(obs_dim, cond_dim), nn.Mish(), nn.Linear(cond_dim, cond_dim))
+        self.time_proj = nn.Sequential(nn.Linear(cond_dim, cond_dim), nn.Mish(), nn.Linear(cond_dim, cond_dim))
+        flat = cfg.horizon * cfg.action_dim
+        self.input_proj = nn.Linear(flat, cfg.hidden_dim)
+        self.blocks = nn.ModuleList([FiLMBlock(cfg.hidden_dim, cond_dim) for _ in range(cfg.num_blocks)])
+        self.output_proj = nn.Sequential(nn.LayerNorm(cfg.hidden_dim), nn.Linear(cfg.hidden_dim, flat))
+
+        self.register_buffer("state_mean", torch.zeros(cfg.state_dim))
+        self.register_buffer("state_std", torch.ones(cfg.state_dim))
+        self.register_buffer("action_min", -torch.ones(cfg.action_dim))
+        self.register_buffer("action_max", torch.ones(cfg.action_dim))
+
+        sched = dict(num_train_timesteps=cfg.num_train_timesteps, beta_schedule=cfg.beta_schedule, clip_sample=True)
+        self.train_scheduler = DDPMScheduler(**sched, prediction_type="epsilon")
+        self.sample_scheduler = DDIMScheduler(**sched, prediction_type="epsilon")
+
+    # -- normalization ------------------------------------------------------------------------
+
+    def set_normalization(self, state_mean, state_std, action_min, action_max) -> None:
+        """Copy dataset statistics into the buffers; near-constant dimensions are guarded."""
+        self.state_mean.copy_(torch.as_tensor(state_mean))
+        self.state_std.copy_(torch.as_tensor(state_std).clamp_min(1e-3))
+        lo, hi = torch.as_tensor(action_min), torch.as_tensor(action_max)
+        pad = ((1e-3 - (hi - lo)) / 2).clamp_min(0)  # widen a constant action dim to a 1e-3 range
+        self.action_min.copy_(lo - pad)
+        self.action_max.copy_(hi + pad)
+
+    def normalize_action(self, a: torch.Tensor) -> torch.Tensor:
+        return (a - self.action_min) / (self.action_max - self.action_min) * 2 - 1
+
+    def unnormalize_action(self, a: torch.Tensor) -> torch.Tensor:
+        return (a + 1) / 2 * (self.action_max - self.action_min) + self.action_min
+
+    # -- conditioning -------------------------------------------------------------------------
+
+    def _encode_text(self, instructions: list[str], device) -> torch.Tensor:
+        ids, offsets = [], []
+        unk = self.word_index[UNKNOWN_WORD]
+        for text in instructions:
+            offsets.append(len(ids))
+            ids.extend(self.word_index.get(w, unk) for w in tokenize(text) or [UNKNOWN_WORD])
+        return self.word_embedding(torch.tensor(ids, device=device), torch.tensor(offsets, device=device))
+
+    def encode_observation(self, obs: dict) -> torch.Tensor:
+        """Observation batch -> (B, hidden_dim) condition. Validates shapes and finiteness."""
+        self.check_observation(obs)
+        state = obs[OBS_STATE]
+        feats = [self.image_encoders[cam](obs[image_key(cam)]) for cam in self.config.cameras]
+        feats.append((state - self.state_mean) / self.state_std)
+        feats.append(self._encode_text(list(obs[TASK]), state.device))
+        return self.obs_proj(torch.cat(feats, -1))
+
+    def check_observation(self, obs: dict) -> None:
+        cfg = self.config
+        state = obs.get(OBS_STATE)
+        if state is None or state.ndim != 2 or state.shape[1] != cfg.state_dim:
+            got = None if state is None else tuple(state.shape)
+            raise ValueError(f"{OBS_STATE} must be (B, {cfg.state_dim}), got {got}")
+        b = state.shape[0]
+        expected = (b, 3, cfg.image_size, cfg.image_size)
+        for cam in cfg.cameras:
+            img = obs.get(image_key(cam))
+            if img is None:
+                raise ValueError(f"missing {image_key(cam)}: this policy was trained with cameras {cfg.cameras}")
+            if tuple(img.shape) != expected:
+                raise ValueError(
+                    f"{image_key(cam)} must be {expected} (B, C, H, W) in [0, 1], got {tuple(img.shape)}; "
+                    f"resize images to {cfg.image_size}x{cfg.image_size}"
+                )
+            if not torch.isfinite(img).all():
+                raise ValueError(f"{image_key(cam)} contains NaN or inf")
+        if not torch.isfinite(state).all():
+            raise ValueError(f"{OBS_STATE} contains NaN or inf")
+        if TASK not in obs or len(obs[TASK]) != b:
+            raise ValueError(f"'{TASK}' must be a list of {b} instruction strings")
+
+    # -- training and inference ---------------------------------------------------------------
+
+    def denoise(self, noisy: torch.Tensor, t: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
+        """noisy (B, H, A), t (B,), cond (B, D) -> predicted noise (B, H, A)."""
+        b = noisy.shape[0]
+        c = cond + self.time_proj(timestep_embedding(t, cond.shape[-1]))
+        x = self.input_proj(noisy.reshape(b, -1))
+        for block in self.blocks:
+            x = block(x, c)
+        return self.output_proj(x).reshape(noisy.shape)
+
+    def forward(self, batch: dict, generator: torch.Generator | None = None) -> torch.Tensor:
+        """batch: observation keys + ``action`` (B, H, A) + ``action_is_pad`` (B, H) -> scalar loss."""
+        actions = batch[ACTION]
+        if not torch.isfinite(actions).all():
+            raise ValueError("the training batch has NaN or inf actions; check the dataset")
+        target = self.normalize_action(actions)
+        cond = self.encode_observation(batch)
+        b = target.shape[0]
+        noise = torch.randn(target.shape, generator=generator, device=target.device)
+        t = torch.randint(0, self.config.num_train_timesteps, (b,), generator=generator, device=target.device)
+        noisy = self.train_scheduler.add_noise(target, noise, t)
+        err = F.mse_loss(self.denoise(noisy, t, cond), noise, reduction="none").mean(-1)  # (B, H)
+        valid = ~batch["action_is_pad"]
+        return (err * valid).sum() / valid.sum().clamp_min(1)
+
+    @torch.no_grad()
+    def predict_chunk(self, obs: dict, obs_step: torch.Tensor | None = None) -> ActionChunk:
+        """obs batch of size B -> ActionChunk (B, horizon, action_dim) in dataset units."""
+        cond = self.encode_observation(obs)
+        b = cond.shape[0]
+        cfg = self.config
+        x = torch.randn(b, cfg.horizon, cfg.action_dim, device=cond.device)
+        self.sample_scheduler.set_timesteps(cfg.num_inference_steps)
+        for t in self.sample_scheduler.timesteps:
+            eps = self.denoise(x, t.expand(b).to(cond.device), cond)
+            x = self.sample_scheduler.step(eps, t, x).prev_sample
+        actions = self.unnormalize_action(x.clamp(-1, 1))
+        if obs_step is None:
+            obs_step = torch.zeros(b, dtype=torch.long, device=cond.device)
+        return ActionChunk(actions=actions, obs_step=obs_step)

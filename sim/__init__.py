@@ -1,0 +1,1 @@
+"""Batched simulation environments. Imports no policy code."""

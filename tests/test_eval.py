@@ -1,0 +1,58 @@
+import json
+import math
+
+import imageio.v2 as imageio
+import pytest
+
+from sim.config import EnvConfig
+from vla_rl.eval import EvalConfig, evaluate, wilson_interval
+
+
+def test_wilson_interval_hand_values():
+    # p = 0.5, n = 50, z = 1.96: centre = (0.5 + 0.0384) / 1.0768 = 0.5; half = 1.96*sqrt(0.005 + 0.00038416)/1.0768
+    lo, hi = wilson_interval(25, 50)
+    assert lo == pytest.approx(0.3664, abs=1e-4) and hi == pytest.approx(0.6336, abs=1e-4)
+    lo, hi = wilson_interval(50, 50)  # all successes: upper bound 1, lower bound n / (n + z^2)
+    assert hi == 1.0 and lo == pytest.approx(50 / (50 + 1.96**2), abs=1e-4)
+    assert wilson_interval(0, 0) == (0.0, 1.0)
+
+
+def test_eval_writes_results_and_is_reproducible(tiny_checkpoint, tmp_path):
+    out, _ = tiny_checkpoint
+    cfg = EvalConfig(
+        checkpoint=str(out), env=EnvConfig(num_envs=3, max_episode_steps=12), num_episodes=5, seed=5,
+        video_episodes=2, video_size=64, output_dir=str(tmp_path / "a"),
+    )  # fmt: skip
+    result = evaluate(cfg)
+    assert result["episodes"] == 5
+    assert [(e["round"], e["world"], e["seed"]) for e in result["per_episode"]] == [
+        (0, 0, 5), (0, 1, 5), (0, 2, 5), (1, 0, 6), (1, 1, 6)
+    ]  # fmt: skip
+    assert all(1 <= e["length"] <= 12 for e in result["per_episode"])
+    assert result["success_rate"] == result["successes"] / 5
+    saved = json.loads((tmp_path / "a" / "eval.json").read_text())
+    assert saved["success_ci95"] == list(wilson_interval(result["successes"], 5))
+    assert "95% CI" in (tmp_path / "a" / "summary.md").read_text()
+    frames = imageio.mimread(tmp_path / "a" / "rollouts.mp4", memtest=False)
+    assert len(frames) == max(e["length"] for e in result["per_episode"] if e["round"] == 0)
+    assert frames[0].shape == (64, 128, 3)
+
+    cfg.output_dir = str(tmp_path / "b")
+    again = evaluate(cfg)
+    assert again["per_episode"] == result["per_episode"]
+
+
+def test_eval_ensemble_mode_replans_every_step(tiny_checkpoint, tmp_path):
+    out, _ = tiny_checkpoint
+    result = evaluate(EvalConfig(
+        checkpoint=str(out), env=EnvConfig(num_envs=2, max_episode_steps=5), num_episodes=2, merge="ensemble",
+        n_action_steps=1, video_episodes=0, output_dir=str(tmp_path),
+    ))  # fmt: skip
+    assert result["merge"] == "ensemble" and result["n_action_steps"] == 1
+    assert not (tmp_path / "rollouts.mp4").exists()
+
+
+def test_eval_rejects_mismatched_image_size(tiny_checkpoint, tmp_path):
+    out, _ = tiny_checkpoint
+    with pytest.raises(ValueError, match="--env.image_size=64"):
+        evaluate(EvalConfig(checkpoint=str(out), env=EnvConfig(num_envs=1, image_size=96), output_dir=str(tmp_path)))

@@ -1,0 +1,86 @@
+import pytest
+import torch
+
+from policies.diffusion import DiffusionConfig, DiffusionPolicy
+from policies.diffusion.modeling import SpatialSoftmax, build_vocabulary
+from vla_rl.types import ActionChunk, Policy
+
+
+def make_policy(**kw):
+    cfg = DiffusionConfig(state_dim=3, action_dim=2, cameras=["front"], image_size=32, horizon=4, n_action_steps=2,
+                          vocabulary=build_vocabulary(["pick up the red cube"]), **kw)  # fmt: skip
+    return DiffusionPolicy(cfg)
+
+
+def obs(b=2, size=32):
+    return {"observation.images.front": torch.rand(b, 3, size, size), "observation.state": torch.randn(b, 3),
+            "task": ["pick up the red cube"] * b}  # fmt: skip
+
+
+def test_predict_chunk_shapes_and_range():
+    policy = make_policy()
+    assert isinstance(policy, Policy)
+    policy.set_normalization([0, 0, 0], [1, 1, 1], [0.2, -1.0], [0.4, 3.0])
+    chunk = policy.predict_chunk(obs(), torch.tensor([3, 7]))
+    assert isinstance(chunk, ActionChunk) and chunk.actions.shape == (2, 4, 2)
+    assert chunk.obs_step.tolist() == [3, 7]
+    # Outputs are un-normalized into the dataset's action range.
+    assert (chunk.actions[..., 0] >= 0.2 - 1e-6).all() and (chunk.actions[..., 0] <= 0.4 + 1e-6).all()
+
+
+def test_action_normalization_round_trip():
+    policy = make_policy()
+    policy.set_normalization([0, 0, 0], [1, 1, 1], [0.0, 2.0], [1.0, 2.0])  # second dim constant
+    a = torch.tensor([[0.25, 2.0]])
+    assert policy.normalize_action(a)[0, 0].item() == pytest.approx(-0.5)
+    assert policy.normalize_action(a)[0, 1].item() == pytest.approx(0.0)  # constant dim maps to the centre
+    torch.testing.assert_close(policy.unnormalize_action(policy.normalize_action(a)), a)
+
+
+def test_spatial_softmax_finds_the_peak():
+    ss = SpatialSoftmax(1, 1)
+    with torch.no_grad():
+        ss.proj.weight.fill_(50.0)
+        ss.proj.bias.zero_()
+    x = torch.zeros(1, 1, 9, 9)
+    x[0, 0, 2, 6] = 1.0  # row 2 (y = -0.5), column 6 (x = 0.5) on a [-1, 1] grid
+    y, xx = ss(x)[0].tolist()
+    assert y == pytest.approx(-0.5, abs=1e-3) and xx == pytest.approx(0.5, abs=1e-3)
+
+
+def test_bad_inputs_are_named():
+    policy = make_policy()
+    with pytest.raises(ValueError, match=r"must be \(2, 3, 32, 32\).*resize images to 32x32"):
+        policy.predict_chunk(obs(size=48))
+    bad = obs()
+    bad["observation.state"][1, 0] = float("nan")
+    with pytest.raises(ValueError, match="observation.state contains NaN"):
+        policy.predict_chunk(bad)
+    missing = obs()
+    del missing["observation.images.front"]
+    with pytest.raises(ValueError, match="missing observation.images.front"):
+        policy.predict_chunk(missing)
+    batch = {**obs(), "action": torch.full((2, 4, 2), float("nan")), "action_is_pad": torch.zeros(2, 4, dtype=bool)}
+    with pytest.raises(ValueError, match="NaN or inf actions"):
+        policy(batch)
+
+
+def test_padding_is_excluded_from_the_loss(monkeypatch):
+    policy = make_policy()
+    monkeypatch.setattr(policy, "denoise", lambda noisy, t, cond: torch.zeros_like(noisy))
+    batch = {**obs(), "action": torch.zeros(2, 4, 2), "action_is_pad": torch.zeros(2, 4, dtype=bool)}
+    batch["action_is_pad"][0, 2:] = True  # episode 0 ends after two steps
+    loss = policy(batch, torch.Generator().manual_seed(0))
+    noise = torch.randn(2, 4, 2, generator=torch.Generator().manual_seed(0))  # the first draw in forward()
+    per_step = (noise**2).mean(-1)  # (2, 4) error of predicting zeros
+    expected = (per_step[0, :2].sum() + per_step[1].sum()) / 6
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-6)
+
+
+def test_unknown_words_map_to_unk():
+    policy = make_policy()
+    emb_known = policy._encode_text(["pick up the red cube"], "cpu")
+    emb_unknown = policy._encode_text(["zzz qqq"], "cpu")
+    unk = policy.word_embedding.weight[0]
+    torch.testing.assert_close(emb_unknown[0], unk)
+    assert not torch.allclose(emb_known[0], unk)

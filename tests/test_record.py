@@ -1,0 +1,67 @@
+import numpy as np
+import pytest
+import torch
+from lerobot.datasets.lerobot_dataset import LeRobotDataset
+
+from sim.config import EnvConfig
+from vla_rl.record import RecordConfig, record
+
+
+def test_lerobot_reads_the_recorded_dataset(tiny_dataset):
+    root, summary = tiny_dataset
+    ds = LeRobotDataset("local/lift", root=root, video_backend="pyav")
+    assert ds.meta.info["codebase_version"] == "v3.0"
+    assert ds.num_episodes == 6 == summary["episodes"]
+    assert len(ds) == summary["frames"]
+    assert ds.fps == 20
+    assert ds.meta.features["observation.images.front"]["shape"] == (64, 64, 3) or ds.meta.features[
+        "observation.images.front"
+    ]["shape"] == [64, 64, 3]
+    frame = ds[0]
+    assert frame["observation.images.front"].shape == (3, 64, 64)
+    assert frame["observation.state"].shape == (11,)
+    assert frame["action"].shape == (4,)
+    assert frame["task"] == "pick up the red cube"
+    # Episode boundaries: frame_index restarts at 0 at each episode start, and every episode
+    # ends with the success flag raised (only successful expert episodes are kept).
+    episodes = ds.hf_dataset["episode_index"]
+    frame_index = ds.hf_dataset["frame_index"]
+    success = ds.hf_dataset["next.success"]
+    starts = [i for i in range(len(ds)) if i == 0 or episodes[i] != episodes[i - 1]]
+    assert len(starts) == 6
+    assert all(int(frame_index[s]) == 0 for s in starts)
+    ends = [s - 1 for s in starts[1:]] + [len(ds) - 1]
+    flags = [bool(torch.as_tensor(s).reshape(-1)[0]) for s in success]
+    assert all(flags[e] for e in ends)
+    assert sum(flags) == 6
+    # The action is an end-effector target close to the current end-effector position (state[8:11]).
+    state = torch.stack([torch.as_tensor(s) for s in ds.hf_dataset["observation.state"]])
+    action = torch.stack([torch.as_tensor(a) for a in ds.hf_dataset["action"]])
+    assert (action[:, :3] - state[:, 8:11]).norm(dim=1).max() <= 0.0251
+    assert set(np.unique(action[:, 3].numpy())) <= {0.0, 1.0}
+
+
+def test_record_refuses_to_overwrite_and_leaves_no_temp(tiny_dataset):
+    root, _ = tiny_dataset
+    with pytest.raises(FileExistsError, match="--overwrite=true"):
+        record(RecordConfig(env=EnvConfig(num_envs=2), num_episodes=1, output_dir=str(root)))
+    assert not any(p.name.endswith(".tmp") for p in root.parent.iterdir())
+
+
+def test_interrupted_recording_leaves_no_dataset(tmp_path, monkeypatch):
+    import sim.mujoco_env as env_mod
+
+    calls = {"n": 0}
+    real_step = env_mod.MujocoBatchedEnv.step
+
+    def step_then_interrupt(self, actions):
+        calls["n"] += 1
+        if calls["n"] == 30:
+            raise KeyboardInterrupt
+        return real_step(self, actions)
+
+    monkeypatch.setattr(env_mod.MujocoBatchedEnv, "step", step_then_interrupt)
+    out = tmp_path / "ds"
+    with pytest.raises(KeyboardInterrupt):
+        record(RecordConfig(env=EnvConfig(num_envs=2), num_episodes=5, output_dir=str(out)))
+    assert not out.exists()

@@ -1,0 +1,236 @@
+"""ActionChunkExecutor: merge rules, env masks, delay augmentation and input checks, with hand-computed numbers."""
+
+import math
+
+import pytest
+import torch
+
+from vla_rl.runtime import ActionChunkExecutor
+from vla_rl.types import OBS_COMMITTED_ACTIONS, OBS_COMMITTED_MASK, OBS_DELAY_STEPS, ActionChunk
+
+
+def chunk(values, obs_step):
+    """One-env, one-dim chunk: values (H,) -> actions (1, H, 1)."""
+    return ActionChunk(torch.tensor(values, dtype=torch.float32).view(1, -1, 1), torch.tensor([obs_step]))
+
+
+def drain(ex, n):
+    """Emit n steps of a one-env, one-dim executor: ([action, ...], [valid, ...])."""
+    actions, valids = [], []
+    for _ in range(n):
+        a, v = ex.next_action()
+        actions.append(a.item())
+        valids.append(v.item())
+    return actions, valids
+
+
+# ---- latest-only ---------------------------------------------------------------------------
+
+
+def test_latest_emits_chunk_in_order_then_holds_last_action():
+    ex = ActionChunkExecutor(num_envs=1, action_dim=1, horizon=4)
+    ex.add_chunk(chunk([1, 2, 3, 4], obs_step=0))
+    assert ex.queue_length().tolist() == [4]
+    actions, valids = drain(ex, 6)
+    assert actions == [1, 2, 3, 4, 4, 4]
+    assert valids == [True, True, True, True, False, False]
+    assert ex.step.tolist() == [6]
+    assert ex.queue_length().tolist() == [0]
+
+
+def test_latest_new_chunk_replaces_future():
+    ex = ActionChunkExecutor(num_envs=1, action_dim=1, horizon=4)
+    ex.add_chunk(chunk([1, 2, 3, 4], obs_step=0))
+    assert drain(ex, 2)[0] == [1, 2]
+    ex.add_chunk(chunk([10, 20, 30, 40], obs_step=2))  # covers steps 2..5, replaces 3, 4
+    assert drain(ex, 5) == ([10, 20, 30, 40, 40], [True, True, True, True, False])
+
+
+def test_latest_discards_queue_past_new_chunk():
+    ex = ActionChunkExecutor(num_envs=1, action_dim=1, horizon=4)
+    ex.add_chunk(chunk([1, 2, 3, 4], obs_step=0))
+    drain(ex, 1)
+    ex.add_chunk(chunk([10, 20], obs_step=1))  # covers steps 1, 2; old action 4 for step 3 is dropped
+    assert ex.queue_length().tolist() == [2]
+    assert drain(ex, 3) == ([10, 20, 20], [True, True, False])
+
+
+def test_latest_late_chunk_drops_past_actions():
+    ex = ActionChunkExecutor(num_envs=1, action_dim=1, horizon=4)
+    # Nothing queued yet: invalid, holding zeros.
+    assert drain(ex, 2) == ([0, 0], [False, False])
+    ex.add_chunk(chunk([1, 2, 3, 4], obs_step=0))  # arrives at step 2: actions 1, 2 are in the past
+    assert ex.queue_length().tolist() == [2]
+    assert drain(ex, 3) == ([3, 4, 4], [True, True, False])
+
+
+def test_held_action_is_not_aliased_by_caller_edits():
+    ex = ActionChunkExecutor(num_envs=1, action_dim=1, horizon=2)
+    ex.add_chunk(chunk([5], obs_step=0))
+    a, _ = ex.next_action()
+    a.zero_()
+    a, v = ex.next_action()
+    assert (a.item(), v.item()) == (5.0, False)
+
+
+# ---- temporal ensembling -------------------------------------------------------------------
+
+
+def test_ensemble_zero_coeff_is_plain_mean():
+    ex = ActionChunkExecutor(num_envs=1, action_dim=1, horizon=4, merge="ensemble", ensemble_coeff=0.0)
+    ex.add_chunk(chunk([1, 2, 3, 4], obs_step=0))  # steps 0..3
+    assert drain(ex, 1)[0] == [1]
+    ex.add_chunk(chunk([10, 20, 30, 40], obs_step=1))  # steps 1..4
+    # step 1: (2 + 10) / 2 = 6; step 2: (3 + 20) / 2 = 11.5; step 3: (4 + 30) / 2 = 17; step 4: only 40
+    actions, valids = drain(ex, 5)
+    assert actions == pytest.approx([6.0, 11.5, 17.0, 40.0, 40.0])
+    assert valids == [True, True, True, True, False]
+
+
+def test_ensemble_older_predictions_weigh_more():
+    # c = ln 2: weights 1, 1/2, 1/4 for the oldest, second and third prediction of a step.
+    ex = ActionChunkExecutor(num_envs=1, action_dim=1, horizon=4, merge="ensemble", ensemble_coeff=math.log(2))
+    ex.add_chunk(chunk([1, 2, 3, 4], obs_step=0))  # A: steps 0..3
+    ex.add_chunk(chunk([10, 20, 30, 40], obs_step=0))  # B: steps 0..3, second prediction
+    # step 0: (1*1 + 10*0.5) / 1.5 = 6 / 1.5 = 4
+    assert drain(ex, 1)[0] == pytest.approx([4.0])
+
+
+def test_ensemble_three_overlapping_chunks():
+    ex = ActionChunkExecutor(num_envs=1, action_dim=1, horizon=4, merge="ensemble", ensemble_coeff=math.log(2))
+    ex.add_chunk(chunk([1, 2, 3, 4], obs_step=0))  # A: steps 0..3
+    a0, _ = drain(ex, 1)
+    ex.add_chunk(chunk([10, 20, 30, 40], obs_step=1))  # B: steps 1..4
+    a1, _ = drain(ex, 1)
+    ex.add_chunk(chunk([100, 200, 300, 400], obs_step=2))  # C: steps 2..5
+    assert ex.queue_length().tolist() == [4]
+    rest, valids = drain(ex, 5)
+    expected = [
+        1.0,  # step 0: A only
+        7.0 / 1.5,  # step 1: (2*1 + 10*0.5) / 1.5 = 4.667
+        38.0 / 1.75,  # step 2: (3*1 + 20*0.5 + 100*0.25) / 1.75 = (3 + 10 + 25) / 1.75 = 21.714
+        69.0 / 1.75,  # step 3: (4*1 + 30*0.5 + 200*0.25) / 1.75 = (4 + 15 + 50) / 1.75 = 39.429
+        190.0 / 1.5,  # step 4: (40*1 + 300*0.5) / 1.5 = 126.667
+        400.0,  # step 5: C only
+        400.0,  # step 6: nothing queued, hold
+    ]
+    assert a0 + a1 + rest == pytest.approx(expected)
+    assert valids == [True, True, True, True, False]
+
+
+def test_ensemble_late_chunk_only_adds_future_steps():
+    ex = ActionChunkExecutor(num_envs=1, action_dim=1, horizon=4, merge="ensemble", ensemble_coeff=0.0)
+    ex.add_chunk(chunk([1, 2, 3, 4], obs_step=0))
+    drain(ex, 2)
+    ex.add_chunk(chunk([10, 20, 30, 40], obs_step=0))  # arrives at step 2: 10, 20 are in the past
+    # step 2: (3 + 30) / 2 = 16.5; step 3: (4 + 40) / 2 = 22
+    assert drain(ex, 3) == ([16.5, 22.0, 22.0], [True, True, False])
+
+
+# ---- env masks and reset -------------------------------------------------------------------
+
+
+def test_env_mask_and_reset_touch_only_selected_envs():
+    ex = ActionChunkExecutor(num_envs=3, action_dim=2, horizon=4)
+    actions = torch.tensor(
+        [
+            [[1.0, -1.0], [2.0, -2.0], [3.0, -3.0]],
+            [[4.0, -4.0], [5.0, -5.0], [6.0, -6.0]],
+            [[7.0, -7.0], [8.0, -8.0], [9.0, -9.0]],
+        ]
+    )  # (3, 3, 2)
+    ex.add_chunk(ActionChunk(actions, torch.zeros(3, dtype=torch.long)), env_mask=torch.tensor([True, False, True]))
+    assert ex.queue_length().tolist() == [3, 0, 3]
+
+    a, v = ex.next_action()
+    assert v.tolist() == [True, False, True]
+    assert a.tolist() == [[1.0, -1.0], [0.0, 0.0], [7.0, -7.0]]
+
+    ex.reset(env_mask=torch.tensor([True, False, False]))
+    assert ex.step.tolist() == [0, 1, 1]
+    assert ex.queue_length().tolist() == [0, 0, 2]
+    a, v = ex.next_action()
+    assert v.tolist() == [False, False, True]
+    # env 0 was reset, so it holds zeros rather than its old action [1, -1].
+    assert a.tolist() == [[0.0, 0.0], [0.0, 0.0], [8.0, -8.0]]
+
+    ex.reset()
+    assert ex.step.tolist() == [0, 0, 0]
+    assert ex.queue_length().tolist() == [0, 0, 0]
+    a, v = ex.next_action()
+    assert v.tolist() == [False, False, False]
+    assert a.tolist() == [[0.0, 0.0]] * 3
+
+
+# ---- delay augmentation --------------------------------------------------------------------
+
+
+def test_delay_augmentation_rows_and_mask():
+    ex = ActionChunkExecutor(num_envs=3, action_dim=1, horizon=4, max_delay=3)
+    actions = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0, 8.0, 9.0]]).unsqueeze(-1)  # (3, 3, 1)
+    ex.add_chunk(ActionChunk(actions, torch.zeros(3, dtype=torch.long)))
+    ex.next_action()  # step 1: queues are [2, 3], [5, 6], [8, 9]
+
+    # env 0: d = 0, nothing committed; env 1: d = 1 < queue 2; env 2: d = 3 > queue 2.
+    aug = ex.delay_augmentation(torch.tensor([0, 1, 3]))
+    assert aug[OBS_COMMITTED_ACTIONS].shape == (3, 3, 1)
+    assert aug[OBS_COMMITTED_ACTIONS].squeeze(-1).tolist() == [[0, 0, 0], [5, 0, 0], [8, 9, 0]]
+    assert aug[OBS_COMMITTED_MASK].tolist() == [[False] * 3, [True, False, False], [True, True, False]]
+    assert aug[OBS_DELAY_STEPS].dtype == torch.long
+    assert aug[OBS_DELAY_STEPS].tolist() == [0, 1, 3]
+
+
+def test_delay_augmentation_uses_ensembled_actions():
+    ex = ActionChunkExecutor(num_envs=1, action_dim=1, horizon=4, merge="ensemble", ensemble_coeff=0.0, max_delay=2)
+    ex.add_chunk(chunk([1, 2], obs_step=0))
+    ex.add_chunk(chunk([3, 4], obs_step=0))
+    aug = ex.delay_augmentation(torch.tensor([2]))
+    # step 0: (1 + 3) / 2 = 2; step 1: (2 + 4) / 2 = 3
+    assert aug[OBS_COMMITTED_ACTIONS].flatten().tolist() == [2.0, 3.0]
+    assert aug[OBS_COMMITTED_MASK].tolist() == [[True, True]]
+
+
+def test_delay_augmentation_max_delay_beyond_horizon_is_padded():
+    ex = ActionChunkExecutor(num_envs=1, action_dim=1, horizon=2, max_delay=4)
+    ex.add_chunk(chunk([1, 2], obs_step=0))
+    aug = ex.delay_augmentation(torch.tensor([4]))
+    assert aug[OBS_COMMITTED_ACTIONS].flatten().tolist() == [1, 2, 0, 0]
+    assert aug[OBS_COMMITTED_MASK].tolist() == [[True, True, False, False]]
+
+
+# ---- input checks --------------------------------------------------------------------------
+
+
+def test_rejects_bad_chunks_and_leaves_queue_unchanged():
+    ex = ActionChunkExecutor(num_envs=2, action_dim=3, horizon=4)
+    steps = torch.zeros(2, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"action_dim=3.*got \(2, 4, 2\)"):
+        ex.add_chunk(ActionChunk(torch.zeros(2, 4, 2), steps))
+    with pytest.raises(ValueError, match=r"num_envs=2.*got \(3, 4, 3\)"):
+        ex.add_chunk(ActionChunk(torch.zeros(3, 4, 3), torch.zeros(3, dtype=torch.long)))
+    with pytest.raises(ValueError, match=r"\[1, 4\], got 5"):
+        ex.add_chunk(ActionChunk(torch.zeros(2, 5, 3), steps))
+    nan = torch.zeros(2, 4, 3)
+    nan[1, 2, 0] = float("nan")
+    with pytest.raises(ValueError, match="NaN"):
+        ex.add_chunk(ActionChunk(nan, steps))
+    with pytest.raises(ValueError, match="ahead of executor step"):
+        ex.add_chunk(ActionChunk(torch.zeros(2, 4, 3), torch.tensor([0, 1])))
+    with pytest.raises(ValueError, match="env_mask"):
+        ex.add_chunk(ActionChunk(torch.zeros(2, 4, 3), steps), env_mask=torch.tensor([1, 0]))
+    assert ex.queue_length().tolist() == [0, 0]
+
+
+def test_rejects_bad_delay_steps():
+    ex = ActionChunkExecutor(num_envs=2, action_dim=1, horizon=4, max_delay=2)
+    with pytest.raises(ValueError, match=r"\[0, max_delay=2\], got \[0, 3\]"):
+        ex.delay_augmentation(torch.tensor([0, 3]))
+    with pytest.raises(ValueError, match="max_delay"):
+        ex.delay_augmentation(torch.tensor([-1, 0]))
+    with pytest.raises(ValueError, match=r"shape \(2,\)"):
+        ex.delay_augmentation(torch.tensor([1]))
+
+
+def test_rejects_unknown_merge_mode():
+    with pytest.raises(ValueError, match="merge must be one of"):
+        ActionChunkExecutor(num_envs=1, action_dim=1, horizon=4, merge="average")

@@ -1,0 +1,110 @@
+import numpy as np
+import pytest
+import torch
+
+from sim.config import EnvConfig
+from sim.mujoco_env import MujocoBatchedEnv
+from sim.tasks import LiftExpert, get_task
+from vla_rl.types import OBS_STATE, TASK, BatchedEnv
+
+
+@pytest.fixture
+def env():
+    with MujocoBatchedEnv(EnvConfig(num_envs=8)) as e:
+        yield e
+
+
+def test_observation_layout(env):
+    assert isinstance(env, BatchedEnv)
+    obs = env.reset(seed=0)
+    img = obs["observation.images.front"]
+    assert img.shape == (8, 3, 64, 64) and img.dtype == torch.float32
+    assert 0.0 <= img.min() and img.max() <= 1.0 and img.std() > 0.05  # a real rendered scene, not a blank
+    assert obs[OBS_STATE].shape == (8, 11)
+    assert obs[TASK] == ["pick up the red cube"] * 8
+    # state = 7 joints, gripper width (open: 2 x 0.04 m), end-effector xyz (the grasp site)
+    np.testing.assert_allclose(obs[OBS_STATE][:, 7].numpy(), 0.08, atol=1e-3)
+    np.testing.assert_allclose(obs[OBS_STATE][:, 8:].numpy(), env.ee_positions(), atol=1e-6)
+
+
+def test_reset_is_seeded_and_randomized(env):
+    env.reset(seed=3)
+    cubes_a = env.object_positions()
+    env.reset(seed=3)
+    np.testing.assert_array_equal(env.object_positions(), cubes_a)
+    env.reset(seed=4)
+    assert not np.allclose(env.object_positions(), cubes_a)
+    task = get_task("lift")
+    assert (cubes_a[:, 0] >= task.cube_x_range[0]).all() and (cubes_a[:, 0] <= task.cube_x_range[1]).all()
+    assert np.ptp(cubes_a[:, 1]) > 0.02  # worlds differ from each other
+
+
+def test_controller_tracks_end_effector_target(env):
+    env.reset(seed=0)
+    target = env.ee_positions() + np.array([0.05, -0.04, -0.06])
+    actions = np.concatenate([target, np.zeros((8, 1))], axis=1)
+    for _ in range(15):
+        env.step(torch.from_numpy(actions))
+    np.testing.assert_allclose(env.ee_positions(), target, atol=0.005)
+
+
+def test_expert_succeeds_at_least_95_percent():
+    n = 16
+    with MujocoBatchedEnv(EnvConfig(num_envs=n)) as env:
+        expert = LiftExpert(n)
+        env.reset(seed=123)
+        outcomes = []
+        while len(outcomes) < 48:
+            actions = expert.act(env.ee_positions(), env.object_positions())
+            _, reward, terminated, truncated, info = env.step(torch.from_numpy(actions))
+            done = (terminated | truncated).numpy()
+            outcomes += [bool(info["success"][i]) for i in np.flatnonzero(done)]
+            np.testing.assert_array_equal(reward.numpy(), info["success"].numpy().astype(np.float32))
+            expert.reset(done)
+    assert np.mean(outcomes) >= 0.95, f"expert success {np.mean(outcomes):.2f}"
+
+
+def test_success_check_is_height_of_cube(env):
+    env.reset(seed=0)
+    task, model, data = env.task, env.model, env.data[0]
+    assert not task.is_success(model, data)
+    cube = model.joint("cube").qposadr[0]
+    data.qpos[cube + 2] = task.lift_height + 0.01
+    import mujoco
+
+    mujoco.mj_forward(model, data)
+    assert task.is_success(model, data)
+
+
+def test_bad_actions_are_clipped_and_counted(env):
+    env.reset(seed=0)
+    before = env.ee_positions().copy()
+    actions = torch.tensor(env.ee_positions().tolist()).float()
+    actions = torch.cat([actions, torch.zeros(8, 1)], dim=1)
+    actions[1] = float("nan")
+    actions[2, 0] = float("inf")
+    actions[3, 2] = -5.0  # below the table: clipped to the workspace
+    obs, _, _, _, info = env.step(actions)
+    assert info["invalid_actions"].tolist() == [False, True, True, False, False, False, False, False]
+    assert torch.isfinite(obs[OBS_STATE]).all()
+    np.testing.assert_allclose(env.ee_positions()[1], before[1], atol=0.01)  # NaN holds position
+    with pytest.raises(ValueError, match=r"actions must have shape \(8, 4\)"):
+        env.step(torch.zeros(8, 7))
+
+
+def test_truncation_and_autoreset():
+    with MujocoBatchedEnv(EnvConfig(num_envs=2, max_episode_steps=3)) as env:
+        env.reset(seed=0)
+        hold = torch.from_numpy(np.concatenate([env.ee_positions(), np.zeros((2, 1))], axis=1))
+        cubes = env.object_positions()
+        for t in range(3):
+            obs, _, term, trunc, info = env.step(hold)
+        assert trunc.tolist() == [True, True] and term.tolist() == [False, False]
+        assert env.episode_step.tolist() == [0, 0]
+        assert not np.allclose(env.object_positions(), cubes)  # new episodes were drawn
+        assert info["final_obs"][OBS_STATE].shape == (2, 11)
+
+
+def test_unknown_task_lists_valid_names():
+    with pytest.raises(ValueError, match="valid tasks: lift"):
+        get_task("stack_blocks")

@@ -1,0 +1,118 @@
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from vla_rl.checkpoint import load_policy, resolve_checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_checkpoint_contents(tiny_checkpoint, tiny_dataset):
+    out, summary = tiny_checkpoint
+    ckpt = resolve_checkpoint(out)
+    assert ckpt.name == "step-00000030" and summary["steps"] == 30
+    assert {p.name for p in ckpt.iterdir()} == {
+        "model.safetensors", "config.json", "stats.json", "metadata.json", "training_state.pt"
+    }  # fmt: skip
+    meta = json.loads((ckpt / "metadata.json").read_text())
+    assert meta["step"] == 30 and meta["dataset"] == str(tiny_dataset[0])
+    config = json.loads((ckpt / "config.json").read_text())
+    assert config["policy_type"] == "diffusion"
+    assert config["policy"]["state_dim"] == 11 and config["policy"]["action_dim"] == 4
+    assert "cube" in config["policy"]["vocabulary"]
+    # Normalization statistics come from the dataset's own stats.json.
+    ds_stats = json.loads((tiny_dataset[0] / "meta" / "stats.json").read_text())
+    weights = load_file(str(ckpt / "model.safetensors"))
+    torch.testing.assert_close(weights["action_min"], torch.tensor(ds_stats["action"]["min"]).float()[:4], atol=1e-3, rtol=0)
+    torch.testing.assert_close(weights["state_mean"], torch.tensor(ds_stats["observation.state"]["mean"]).float())
+    # Only the last two checkpoints are kept; no temporary directories remain.
+    names = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert names == ["last", "step-00000020", "step-00000030"]
+    assert (out / "loss.png").stat().st_size > 1000
+
+
+def test_loss_decreases(tiny_checkpoint):
+    curve = tiny_checkpoint[1]["loss_curve"]
+    assert [s for s, _ in curve] == [5, 10, 15, 20, 25, 30]
+    assert curve[-1][1] < 0.6 * curve[0][1]
+
+
+def _train_cmd(dataset, out, steps, save_every):
+    return [
+        sys.executable, "-m", "vla_rl.cli", "train", f"--dataset.root={dataset}", f"--output_dir={out}",
+        f"--steps={steps}", f"--save_every={save_every}", "--log_every=5", "--batch_size=16",
+        "--log_with=none", "--num_threads=1", "--policy.hidden_dim=64", "--policy.vision_channels=16",
+    ]  # fmt: skip
+
+
+def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 300) -> None:
+    start = time.time()
+    while not path.exists():
+        assert proc.poll() is None, f"training exited early: {proc.stderr.read() if proc.stderr else ''}"
+        assert time.time() - start < timeout
+        time.sleep(0.2)
+
+
+def test_killed_run_resumes_to_the_same_result(tiny_dataset, tmp_path):
+    """SIGKILL mid-run, then --resume: same steps, same loss curve and same weights as an uninterrupted run."""
+    dataset = tiny_dataset[0]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    ref = tmp_path / "ref"
+    subprocess.run(_train_cmd(dataset, ref, 40, 10), check=True, env=env, capture_output=True)
+
+    run = tmp_path / "run"
+    proc = subprocess.Popen(_train_cmd(dataset, run, 40, 10), env=env, stderr=subprocess.PIPE, text=True)
+    _wait_for(run / "checkpoints" / "step-00000020", proc)
+    proc.kill()
+    proc.wait()
+    killed_at = json.loads((resolve_checkpoint(run) / "metadata.json").read_text())["step"]
+    assert 20 <= killed_at < 40
+
+    resumed = subprocess.run(_train_cmd(dataset, run, 40, 10) + ["--resume=true"], env=env, capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"resumed from" in resumed.stdout + resumed.stderr
+
+    a = json.loads((ref / "train_summary.json").read_text())
+    b = json.loads((run / "train_summary.json").read_text())
+    assert b["steps"] == 40
+    assert [s for s, _ in b["loss_curve"]] == [5 * i for i in range(1, 9)]
+    assert b["loss_curve"] == pytest.approx(a["loss_curve"], rel=1e-5)
+    wa = load_file(str(resolve_checkpoint(ref) / "model.safetensors"))
+    wb = load_file(str(resolve_checkpoint(run) / "model.safetensors"))
+    for k in wa:
+        torch.testing.assert_close(wb[k], wa[k], rtol=1e-5, atol=1e-6)
+
+
+def test_ctrl_c_writes_a_resumable_checkpoint(tiny_dataset, tmp_path):
+    dataset = tiny_dataset[0]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    run = tmp_path / "run"
+    proc = subprocess.Popen(_train_cmd(dataset, run, 100000, 10), env=env, stderr=subprocess.PIPE, text=True)
+    _wait_for(run / "checkpoints" / "step-00000010", proc)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert "Continue with --resume=true" in err
+    ckpt = resolve_checkpoint(run)
+    step = json.loads((ckpt / "metadata.json").read_text())["step"]
+    assert step >= 10
+    policy, _ = load_policy(run)  # intact and loadable
+    state = torch.load(ckpt / "training_state.pt", weights_only=False)
+    assert state["step"] == step and len(state["optimizer"]["state"]) > 0
+    assert not list((run / "checkpoints").glob(".tmp-*"))
+
+
+def test_existing_run_needs_resume(tiny_checkpoint, tiny_dataset):
+    from vla_rl.train import DatasetConfig, TrainConfig, train
+
+    out, _ = tiny_checkpoint
+    with pytest.raises(FileExistsError, match="--resume=true"):
+        train(TrainConfig(dataset=DatasetConfig(root=str(tiny_dataset[0])), output_dir=str(out), log_with="none"))

@@ -1,0 +1,7 @@
+"""vla-rl: fine-tune vision-language-action policies in simulation and deploy them to robots.
+
+This package stays light: importing ``vla_rl`` or ``vla_rl.types`` never pulls in
+trainers, simulators or ROS.
+"""
+
+__version__ = "0.1.0"

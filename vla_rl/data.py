@@ -1,0 +1,87 @@
+"""Demonstrations from a LeRobotDataset, held in memory as tensors for fast chunk sampling.
+
+The dataset is read with `lerobot`'s own `LeRobotDataset`, so any v3 dataset with the needed
+features works, ours or a public one.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from vla_rl.types import ACTION, OBS_IMAGES, OBS_STATE, TASK
+
+
+def video_backend() -> str:
+    """torchcodec when its FFmpeg libraries load, else pyav; chosen quietly (our datasets store images)."""
+    try:
+        import torchcodec  # noqa: F401
+
+        return "torchcodec"
+    except (ImportError, OSError, RuntimeError):
+        return "pyav"
+
+
+def open_dataset(root: str | Path, repo_id: str | None = None):
+    """Open a local LeRobotDataset, or stop with a one-line error naming the fix."""
+    from lerobot.datasets.lerobot_dataset import LeRobotDataset
+
+    root = Path(root)
+    if not (root / "meta" / "info.json").is_file():
+        raise FileNotFoundError(
+            f"no LeRobotDataset at {root} (missing meta/info.json); record one with `vla-rl record "
+            f"--output_dir={root}` or point --dataset.root at an existing dataset"
+        )
+    return LeRobotDataset(repo_id or f"local/{root.name}", root=root, video_backend=video_backend())
+
+
+class ChunkedDemos:
+    """All frames of a dataset in memory.
+
+    images[cam]: (N, 3, S, S) uint8; state: (N, S_dim); action: (N, A); episode_end[i]: index one past
+    the last frame of frame i's episode; task[i]: instruction index into ``tasks``.
+    """
+
+    def __init__(self, dataset, cameras: list[str] | None = None):
+        features = dataset.meta.features
+        available = [k.removeprefix(OBS_IMAGES + ".") for k in features if k.startswith(OBS_IMAGES + ".")]
+        self.cameras = cameras or available
+        missing = [k for k in [OBS_STATE, ACTION] + [f"{OBS_IMAGES}.{c}" for c in self.cameras] if k not in features]
+        if missing:
+            raise ValueError(
+                f"dataset {dataset.root} lacks features {missing}; it has {sorted(features)}. "
+                f"Choose cameras from {available}"
+            )
+        columns = [OBS_STATE, ACTION, "episode_index", "task_index"] + [f"{OBS_IMAGES}.{c}" for c in self.cameras]
+        table = dataset.hf_dataset.select_columns(columns).with_format("torch")[:]
+        self.images = {c: (table[f"{OBS_IMAGES}.{c}"] * 255).round().to(torch.uint8) for c in self.cameras}
+        self.state = table[OBS_STATE].float()
+        self.action = table[ACTION].float()
+        episode = table["episode_index"].long()
+        self.task_index = table["task_index"].long()
+        tasks = dataset.meta.tasks  # pandas frame indexed by task string
+        self.tasks = [str(t) for t in sorted(tasks.index, key=lambda t: int(tasks.loc[t, "task_index"]))]
+        # Frame i's episode ends at the first frame whose episode differs (frames are stored in order).
+        boundaries = torch.nonzero(episode[1:] != episode[:-1]).flatten() + 1
+        ends = torch.cat([boundaries, torch.tensor([len(episode)])])
+        self.episode_end = ends[torch.bucketize(torch.arange(len(episode)), ends, right=True)]
+        if not (torch.isfinite(self.state).all() and torch.isfinite(self.action).all()):
+            raise ValueError(f"dataset {dataset.root} has NaN or inf in state or action")
+
+    def __len__(self) -> int:
+        return self.state.shape[0]
+
+    def batch(self, idx: torch.Tensor, horizon: int) -> dict:
+        """Frames ``idx`` (B,) -> observation batch + ``action`` (B, horizon, A) + ``action_is_pad`` (B, horizon).
+
+        Steps past the episode's end repeat its last action and are marked as padding.
+        """
+        offsets = idx[:, None] + torch.arange(horizon)[None]  # (B, H)
+        last = self.episode_end[idx][:, None] - 1
+        batch = {f"{OBS_IMAGES}.{c}": self.images[c][idx].float() / 255.0 for c in self.cameras}
+        batch[OBS_STATE] = self.state[idx]
+        batch[ACTION] = self.action[offsets.clamp(max=last)]
+        batch["action_is_pad"] = offsets > last
+        batch[TASK] = [self.tasks[i] for i in self.task_index[idx].tolist()]
+        return batch

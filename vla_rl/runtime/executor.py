@@ -1,0 +1,208 @@
+"""Turn action chunks into per-step actions for B environments.
+
+``ActionChunkExecutor`` owns the queue of committed actions and the merge rule. The sim delay
+wrapper and the robot bridge both drive this one object, so training and deployment agree on
+what executes when.
+
+The queue is a window over the next ``horizon`` control steps, relative to each env's current
+``step``: slot k holds what is known about absolute step ``step + k``. Every merge mode writes
+into the same three running buffers, and the emitted action for a slot is ``sum / weight``:
+
+- ``_sum``    (B, horizon, A): weighted sum of the predictions received for the slot
+- ``_weight`` (B, horizon):    sum of their weights
+- ``_count``  (B, horizon):    how many predictions were received (0 means nothing queued)
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal, get_args
+
+import torch
+
+from vla_rl.types import OBS_COMMITTED_ACTIONS, OBS_COMMITTED_MASK, OBS_DELAY_STEPS, ActionChunk
+
+MergeMode = Literal["latest", "ensemble"]
+
+
+class ActionChunkExecutor:
+    """Queue of future actions per env, fed by chunks and drained one control step at a time.
+
+    Merge modes:
+
+    - ``"latest"``: the newest chunk defines the future. Its actions replace everything queued,
+      and queued actions past its last step are discarded.
+    - ``"ensemble"`` (ACT temporal ensembling): the action for a step is
+      ``sum_i w_i a_i / sum_i w_i`` over all predictions for that step, with
+      ``w_i = exp(-ensemble_coeff * i)`` and i = 0 the oldest prediction. A positive coefficient
+      makes older predictions weigh more, as in ACT.
+
+    Attributes:
+        step: (B,) long, the control step whose action ``next_action()`` emits next, per env.
+    """
+
+    def __init__(
+        self,
+        num_envs: int,
+        action_dim: int,
+        horizon: int,
+        merge: MergeMode = "latest",
+        ensemble_coeff: float = 0.01,
+        max_delay: int = 0,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if merge not in get_args(MergeMode):
+            raise ValueError(f"merge must be one of {get_args(MergeMode)}, got {merge!r}")
+        if num_envs < 1 or action_dim < 1 or horizon < 1:
+            raise ValueError(
+                f"num_envs, action_dim and horizon must be >= 1, got {num_envs}, {action_dim}, {horizon}"
+            )
+        if max_delay < 0:
+            raise ValueError(f"max_delay must be >= 0, got {max_delay}")
+        if not math.isfinite(ensemble_coeff):
+            raise ValueError(f"ensemble_coeff must be finite, got {ensemble_coeff}")
+        self.num_envs = num_envs
+        self.action_dim = action_dim
+        self.horizon = horizon
+        self.merge = merge
+        self.ensemble_coeff = ensemble_coeff
+        self.max_delay = max_delay
+        self.device = torch.device(device)
+
+        B, H, A = num_envs, horizon, action_dim
+        self.step = torch.zeros(B, dtype=torch.long, device=self.device)
+        self._sum = torch.zeros(B, H, A, device=self.device)
+        self._weight = torch.zeros(B, H, device=self.device)
+        self._count = torch.zeros(B, H, dtype=torch.long, device=self.device)
+        self._last_action = torch.zeros(B, A, device=self.device)  # (B, A), held when the queue runs dry
+
+    def queue_length(self) -> torch.Tensor:
+        """(B,) long: number of consecutive queued steps starting at ``step``."""
+        return (self._count > 0).long().cumprod(dim=1).sum(dim=1)
+
+    def add_chunk(self, chunk: ActionChunk, env_mask: torch.Tensor | None = None) -> None:
+        """Merge a chunk into the queue of the envs selected by ``env_mask`` (B,) bool (all when None).
+
+        ``chunk.actions`` (B, H, A) with H <= horizon; ``chunk.actions[b, j]`` is for absolute step
+        ``chunk.obs_step[b] + j``. Actions for steps already emitted (a chunk that arrives late
+        because inference took time) are dropped.
+        """
+        mask = self._env_mask(env_mask)
+        actions = chunk.actions.to(device=self.device, dtype=torch.float32)
+        obs_step = chunk.obs_step.to(device=self.device, dtype=torch.long)
+        B, H, A = actions.shape
+        if B != self.num_envs or A != self.action_dim:
+            raise ValueError(
+                f"chunk actions must be (num_envs={self.num_envs}, H, action_dim={self.action_dim}), "
+                f"got {tuple(actions.shape)}"
+            )
+        if not 1 <= H <= self.horizon:
+            raise ValueError(f"chunk horizon H must be in [1, {self.horizon}], got {H}")
+        if not torch.isfinite(actions).all():
+            raise ValueError("chunk actions contain NaN or inf")
+        lag = self.step - obs_step  # (B,) steps already emitted since the chunk's observation
+        if (mask & (lag < 0)).any():
+            # A chunk conditioned on a step not yet reached means the caller mixed up step counters
+            # (e.g. a chunk from before a reset); its actions would land outside the window.
+            raise ValueError(f"chunk obs_step {obs_step.tolist()} is ahead of executor step {self.step.tolist()}")
+
+        # Slot k is absolute step step + k, i.e. chunk index k + lag.
+        index = torch.arange(self.horizon, device=self.device) + lag[:, None]  # (B, horizon)
+        covered = (index < H) & mask[:, None]  # (B, horizon)
+        gather_index = index.clamp(max=H - 1)[..., None].expand(-1, -1, A)
+        new = actions.gather(1, gather_index)  # (B, horizon, A)
+
+        if self.merge == "latest":
+            # With an empty queue the accumulation below stores the new actions with weight 1,
+            # so latest-only is "forget the future, then accumulate".
+            self._clear_queue(mask)
+        self._accumulate(new, covered)
+
+    def next_action(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Emit the action for ``step`` and advance every env by one step.
+
+        Returns actions (B, A) and valid (B,) bool. Where nothing is queued, valid is False and the
+        last emitted action is held (zeros if none since the last reset), so the robot does not
+        jump to zero when inference is late.
+        """
+        valid = self._count[:, 0] > 0
+        actions = torch.where(valid[:, None], self._queued_actions()[:, 0], self._last_action)
+        self._last_action = actions
+        # Shift the window: slot k + 1 becomes slot k, and the new last slot is empty.
+        self._sum = torch.cat([self._sum[:, 1:], torch.zeros_like(self._sum[:, :1])], dim=1)
+        self._weight = torch.cat([self._weight[:, 1:], torch.zeros_like(self._weight[:, :1])], dim=1)
+        self._count = torch.cat([self._count[:, 1:], torch.zeros_like(self._count[:, :1])], dim=1)
+        self.step = self.step + 1
+        # A copy, so a caller that edits its actions in place cannot change the held action.
+        return actions.clone(), valid
+
+    def reset(self, env_mask: torch.Tensor | None = None) -> None:
+        """Clear the queue, the held action and the step counter of the masked envs (all when None)."""
+        mask = self._env_mask(env_mask)
+        self._clear_queue(mask)
+        self.step = torch.where(mask, 0, self.step)
+        # A new episode must not hold the previous episode's last action.
+        self._last_action = torch.where(mask[:, None], 0.0, self._last_action)
+
+    def delay_augmentation(self, delay_steps: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The committed actions that run before a chunk requested now can start.
+
+        delay_steps: (B,) long, each in [0, max_delay]. Returns:
+
+        - ``OBS_COMMITTED_ACTIONS``: (B, max_delay, A) float, row j is the queued action for step
+          ``step + j`` when j < delay_steps and that step is queued, else zero
+        - ``OBS_COMMITTED_MASK``: (B, max_delay) bool, True for the real rows above
+        - ``OBS_DELAY_STEPS``: (B,) long, ``delay_steps``
+        """
+        delay_steps = delay_steps.to(self.device)
+        if delay_steps.shape != (self.num_envs,) or delay_steps.is_floating_point():
+            raise ValueError(
+                f"delay_steps must be an integer tensor of shape ({self.num_envs},), "
+                f"got {delay_steps.dtype} {tuple(delay_steps.shape)}"
+            )
+        delay_steps = delay_steps.long()
+        if ((delay_steps < 0) | (delay_steps > self.max_delay)).any():
+            raise ValueError(f"delay_steps must be in [0, max_delay={self.max_delay}], got {delay_steps.tolist()}")
+
+        # Steps past the window are never queued, so a max_delay above horizon only adds padding.
+        n = min(self.max_delay, self.horizon)
+        B, D, A = self.num_envs, self.max_delay, self.action_dim
+        rows = torch.arange(n, device=self.device)
+        mask = torch.zeros(B, D, dtype=torch.bool, device=self.device)
+        mask[:, :n] = (rows[None, :] < delay_steps[:, None]) & (self._count[:, :n] > 0)
+        committed = torch.zeros(B, D, A, device=self.device)
+        committed[:, :n] = torch.where(mask[:, :n, None], self._queued_actions()[:, :n], 0.0)
+        return {OBS_COMMITTED_ACTIONS: committed, OBS_COMMITTED_MASK: mask, OBS_DELAY_STEPS: delay_steps}
+
+    def _accumulate(self, new: torch.Tensor, covered: torch.Tensor) -> None:
+        """Add predictions new (B, horizon, A) to the slots where covered (B, horizon) is True.
+
+        The i-th prediction for a slot (i = count so far, 0 = oldest) gets weight exp(-c * i).
+        """
+        weight = torch.exp(-self.ensemble_coeff * self._count.float()) * covered  # (B, horizon)
+        self._sum = self._sum + weight[..., None] * new
+        self._weight = self._weight + weight
+        self._count = self._count + covered.long()
+
+    def _queued_actions(self) -> torch.Tensor:
+        """(B, horizon, A): the action each slot would emit now, zeros in empty slots."""
+        # A queued slot's weight is >= 1 because its oldest prediction weighs exp(0) = 1;
+        # the clamp only keeps empty slots (sum 0, weight 0) at 0 instead of NaN.
+        return self._sum / self._weight.clamp(min=1.0)[..., None]
+
+    def _clear_queue(self, mask: torch.Tensor) -> None:
+        """Empty the whole window of the envs selected by mask (B,) bool."""
+        self._sum[mask] = 0.0
+        self._weight[mask] = 0.0
+        self._count[mask] = 0
+
+    def _env_mask(self, env_mask: torch.Tensor | None) -> torch.Tensor:
+        """Validate env_mask (B,) bool; None selects every env."""
+        if env_mask is None:
+            return torch.ones(self.num_envs, dtype=torch.bool, device=self.device)
+        if env_mask.shape != (self.num_envs,) or env_mask.dtype != torch.bool:
+            raise ValueError(
+                f"env_mask must be a bool tensor of shape ({self.num_envs},), "
+                f"got {env_mask.dtype} {tuple(env_mask.shape)}"
+            )
+        return env_mask.to(self.device)
