@@ -65,3 +65,21 @@ def test_interrupted_recording_leaves_no_dataset(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         record(RecordConfig(env=EnvConfig(num_envs=2), num_episodes=5, output_dir=str(out)))
     assert not out.exists()
+
+
+def test_in_memory_demos_match_lerobot_frames(tiny_dataset):
+    from vla_rl.data import ChunkedDemos, open_dataset
+
+    ds = open_dataset(tiny_dataset[0])
+    demos = ChunkedDemos(ds)
+    for i in (0, 17, len(ds) - 1):
+        frame = ds[i]
+        torch.testing.assert_close(demos.images["front"][i].float() / 255, frame["observation.images.front"], atol=1e-6, rtol=0)
+        torch.testing.assert_close(demos.state[i], frame["observation.state"])
+        torch.testing.assert_close(demos.action[i], frame["action"])
+    # A chunk starting 3 frames before an episode's end: 3 real actions, then the last one repeated as padding.
+    end = int(demos.episode_end[0])
+    batch = demos.batch(torch.tensor([end - 3]), horizon=6)
+    assert batch["action_is_pad"][0].tolist() == [False, False, False, True, True, True]
+    torch.testing.assert_close(batch["action"][0, 3:], demos.action[end - 1].expand(3, -1))
+    torch.testing.assert_close(batch["action"][0, :3], demos.action[end - 3 : end])

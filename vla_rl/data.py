@@ -36,6 +36,13 @@ def open_dataset(root: str | Path, repo_id: str | None = None):
     return LeRobotDataset(repo_id or f"local/{root.name}", root=root, video_backend=video_backend())
 
 
+def _as_uint8(images: torch.Tensor) -> torch.Tensor:
+    """Image columns decode as uint8 (PNG frames) or float in [0, 1] (decoded video); keep uint8 in memory."""
+    if images.dtype == torch.uint8:
+        return images
+    return (images * 255).round().clamp(0, 255).to(torch.uint8)
+
+
 class ChunkedDemos:
     """All frames of a dataset in memory.
 
@@ -55,7 +62,7 @@ class ChunkedDemos:
             )
         columns = [OBS_STATE, ACTION, "episode_index", "task_index"] + [f"{OBS_IMAGES}.{c}" for c in self.cameras]
         table = dataset.hf_dataset.select_columns(columns).with_format("torch")[:]
-        self.images = {c: (table[f"{OBS_IMAGES}.{c}"] * 255).round().to(torch.uint8) for c in self.cameras}
+        self.images = {c: _as_uint8(table[f"{OBS_IMAGES}.{c}"]) for c in self.cameras}
         self.state = table[OBS_STATE].float()
         self.action = table[ACTION].float()
         episode = table["episode_index"].long()
