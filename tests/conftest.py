@@ -26,7 +26,7 @@ def tiny_checkpoint(tiny_dataset, tmp_path_factory):
 
     out = tmp_path_factory.mktemp("train") / "run"
     cfg = TrainConfig(
-        dataset=DatasetConfig(root=str(tiny_dataset[0])), output_dir=str(out), steps=30, batch_size=16,
-        save_every=10, log_every=5, log_with="none", num_threads=2,
+        dataset=DatasetConfig(root=str(tiny_dataset[0])), output_dir=str(out), steps=60, batch_size=16,
+        save_every=20, log_every=10, log_with="none", num_threads=2, warmup_steps=5,
     )  # fmt: skip
     return out, train(cfg)

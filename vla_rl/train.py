@@ -105,6 +105,7 @@ def train(cfg: TrainConfig) -> dict:
     accelerator = Accelerator(log_with=trackers or None, project_dir=str(out))
     dataset = open_dataset(cfg.dataset.root, cfg.dataset.repo_id or None)
     demos = ChunkedDemos(dataset, cfg.dataset.cameras or None)
+    torch.manual_seed(cfg.seed)  # weight initialization; the same seed builds the same network
     policy = build_policy(cfg, demos, dataset)
     ema = copy.deepcopy(policy).requires_grad_(False) if cfg.ema_decay > 0 else None
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
