@@ -105,10 +105,7 @@ def evaluate(cfg: EvalConfig) -> dict:
                 executor.reset(torch.from_numpy(done))
                 if finished.all():
                     break
-            for i in range(want):
-                if results[i] is None:  # cannot happen: truncation ends every episode at max steps
-                    raise RuntimeError(f"world {i} did not finish its episode")
-                episodes.append(results[i])
+            episodes.extend(results[:want])  # truncation at max_episode_steps ends every episode
         bar.close()
     successes = sum(e["success"] for e in episodes)
     lo, hi = wilson_interval(successes, len(episodes))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,8 +25,6 @@ class QuickstartConfig:
 
 def quickstart(cfg: QuickstartConfig, log=print) -> dict:
     """Each stage reuses its finished output, so a re-run after an interruption continues where it stopped."""
-    import shutil
-
     root = Path(cfg.output_dir)
     if cfg.fresh:
         shutil.rmtree(root, ignore_errors=True)

@@ -25,7 +25,7 @@ class RecordConfig:
     """Record scripted demonstrations into a LeRobotDataset."""
 
     env: EnvConfig = field(default_factory=EnvConfig)  # the simulated task and batch size
-    num_episodes: int = 100  # successful episodes to record
+    num_episodes: int = 200  # successful episodes to record
     output_dir: str = "outputs/quickstart/dataset"  # dataset root; must not exist unless overwrite=true
     repo_id: str = "local/vla_rl_lift"  # dataset name stored in its metadata
     seed: int = 0  # seed of the initial-state distribution
