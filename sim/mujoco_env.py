@@ -3,7 +3,9 @@
 Physics runs through ``mujoco.rollout`` (native threads, one call for all worlds per control
 step). The action is an end-effector target ``[x, y, z, grip]`` in the world frame (metres;
 grip 0 = open, 1 = closed); a damped-least-squares IK controller turns it into joint position
-targets for the arm's servos, keeping the gripper pointing down at a fixed yaw.
+targets for the arm's servos, keeping the gripper pointing down at a fixed yaw. The task
+(``sim.tasks``) supplies the scene, the reset distribution, the success check and the
+privileged state its scripted expert reads.
 """
 
 from __future__ import annotations
@@ -54,6 +56,12 @@ class MujocoBatchedEnv:
         self._rollout = rollout.Rollout(nthread=len(self._thread_data))
         self._state_spec = mujoco.mjtState.mjSTATE_FULLPHYSICS
         self._nstate = mujoco.mj_stateSize(self.model, self._state_spec)
+        # Tasks place goal markers and fixtures (bins, cabinets) per world as mocap bodies. Their
+        # poses are inputs, not physics state, so they travel to the rollout threads with the controls.
+        self._control_spec = (
+            mujoco.mjtState.mjSTATE_CTRL | mujoco.mjtState.mjSTATE_MOCAP_POS | mujoco.mjtState.mjSTATE_MOCAP_QUAT
+        )
+        self._ncontrol = mujoco.mj_stateSize(self.model, self._control_spec)
         self._renderer: mujoco.Renderer | None = None
         self._video_renderers: dict[int, mujoco.Renderer] = {}
         for cam in config.cameras:
@@ -118,9 +126,18 @@ class MujocoBatchedEnv:
         """(N, 3) end-effector (grasp site) positions."""
         return np.stack([d.site_xpos[self._site] for d in self.data])
 
-    def object_positions(self) -> np.ndarray:
-        """(N, 3) privileged object positions, for scripted experts."""
-        return np.stack([self.task.object_position(self.model, d) for d in self.data])
+    def hold_actions(self) -> torch.Tensor:
+        """(N, 4) actions that keep every arm where it is and its gripper as commanded.
+
+        Sent when no action is queued (for instance while the first chunk is still being inferred).
+        """
+        grip = np.array([1.0 - d.ctrl[7] / 0.04 for d in self.data])
+        return torch.from_numpy(np.concatenate([self.ee_positions(), grip[:, None]], axis=1)).float()
+
+    def privileged_state(self) -> dict[str, np.ndarray]:
+        """The task's privileged state of every world, for scripted experts: name -> (N, ...)."""
+        per_world = [self.task.privileged_state(self.model, d) for d in self.data]
+        return {name: np.stack([state[name] for state in per_world]) for name in per_world[0]}
 
     def render(self, world: int = 0, camera: str | None = None, size: int = 256) -> np.ndarray:
         """(size, size, 3) uint8 frame of one world, for videos."""
@@ -180,19 +197,21 @@ class MujocoBatchedEnv:
     def _physics(self, ctrl: np.ndarray) -> None:
         """Advance every world by ``substeps`` physics steps with constant controls (N, nu)."""
         init = np.empty((self.num_envs, self._nstate))
+        control = np.empty((self.num_envs, 1, self._ncontrol))  # ctrl, then mocap poses
         for i, d in enumerate(self.data):
+            d.ctrl[:] = ctrl[i]
             mujoco.mj_getState(self.model, d, init[i], self._state_spec)
+            mujoco.mj_getState(self.model, d, control[i, 0], self._control_spec)
         state, _ = self._rollout.rollout(
             self.model,
             self._thread_data,
             init,
-            ctrl[:, None, :],
-            control_spec=mujoco.mjtState.mjSTATE_CTRL,
+            control,
+            control_spec=self._control_spec,
             nstep=self.config.substeps,
         )
         for i, d in enumerate(self.data):
             mujoco.mj_setState(self.model, d, state[i, -1], self._state_spec)
-            d.ctrl[:] = ctrl[i]
             mujoco.mj_forward(self.model, d)
 
     def _observe(self) -> dict[str, Any]:

@@ -34,7 +34,8 @@ def test_eval_writes_results_and_is_reproducible(tiny_checkpoint, tmp_path):
     assert saved["success_ci95"] == list(wilson_interval(result["successes"], 5))
     assert "95% CI" in (tmp_path / "a" / "summary.md").read_text()
     frames = imageio.mimread(tmp_path / "a" / "rollouts.mp4", memtest=False)
-    assert len(frames) == max(e["length"] for e in result["per_episode"] if e["round"] == 0)
+    # One frame after the reset, then one per step until every counted world of round 0 has finished.
+    assert len(frames) == 1 + max(e["length"] for e in result["per_episode"] if e["round"] == 0)
     assert frames[0].shape == (64, 128, 3)
 
     cfg.output_dir = str(tmp_path / "b")
@@ -56,3 +57,24 @@ def test_eval_rejects_mismatched_image_size(tiny_checkpoint, tmp_path):
     out, _ = tiny_checkpoint
     with pytest.raises(ValueError, match="--env.image_size=64"):
         evaluate(EvalConfig(checkpoint=str(out), env=EnvConfig(num_envs=1, image_size=96), output_dir=str(tmp_path)))
+
+
+def test_eval_under_inference_delay(tiny_checkpoint, tmp_path, monkeypatch):
+    """Requests happen every max(n_action_steps, d) steps: 10 steps with s=2 ask 5 times at d=0, 4 at d=3."""
+    from policies.diffusion import DiffusionPolicy
+    from sim.delay import DelayConfig
+
+    calls = []
+    real = DiffusionPolicy.predict_chunk
+    monkeypatch.setattr(DiffusionPolicy, "predict_chunk", lambda self, obs, step=None: calls.append(step.tolist()) or real(self, obs, step))
+    out, _ = tiny_checkpoint
+    for d, expected in [(0, [0, 2, 4, 6, 8]), (3, [0, 3, 6, 9])]:
+        calls.clear()
+        result = evaluate(EvalConfig(
+            checkpoint=str(out), env=EnvConfig(num_envs=2, max_episode_steps=10), num_episodes=2, video_episodes=0,
+            n_action_steps=2, delay=DelayConfig(kind="fixed", steps=d), output_dir=str(tmp_path / str(d)),
+        ))  # fmt: skip
+        assert result["delay"]["steps"] == d
+        # No lift fits in 10 steps (the expert needs about 40), so both worlds run all 10 in lockstep.
+        assert [e["length"] for e in result["per_episode"]] == [10, 10]
+        assert calls == [[t, t] for t in expected]

@@ -29,11 +29,11 @@ def test_observation_layout(env):
 
 def test_reset_is_seeded_and_randomized(env):
     env.reset(seed=3)
-    cubes_a = env.object_positions()
+    cubes_a = env.privileged_state()["cube"]
     env.reset(seed=3)
-    np.testing.assert_array_equal(env.object_positions(), cubes_a)
+    np.testing.assert_array_equal(env.privileged_state()["cube"], cubes_a)
     env.reset(seed=4)
-    assert not np.allclose(env.object_positions(), cubes_a)
+    assert not np.allclose(env.privileged_state()["cube"], cubes_a)
     task = get_task("lift")
     assert (cubes_a[:, 0] >= task.cube_x_range[0]).all() and (cubes_a[:, 0] <= task.cube_x_range[1]).all()
     assert np.ptp(cubes_a[:, 1]) > 0.02  # worlds differ from each other
@@ -55,7 +55,7 @@ def test_expert_succeeds_at_least_95_percent():
         env.reset(seed=123)
         outcomes = []
         while len(outcomes) < 48:
-            actions = expert.act(env.ee_positions(), env.object_positions())
+            actions = expert.act(env.ee_positions(), env.privileged_state())
             _, reward, terminated, truncated, info = env.step(torch.from_numpy(actions))
             done = (terminated | truncated).numpy()
             outcomes += [bool(info["success"][i]) for i in np.flatnonzero(done)]
@@ -96,12 +96,12 @@ def test_truncation_and_autoreset():
     with MujocoBatchedEnv(EnvConfig(num_envs=2, max_episode_steps=3)) as env:
         env.reset(seed=0)
         hold = torch.from_numpy(np.concatenate([env.ee_positions(), np.zeros((2, 1))], axis=1))
-        cubes = env.object_positions()
+        cubes = env.privileged_state()["cube"]
         for t in range(3):
             obs, _, term, trunc, info = env.step(hold)
         assert trunc.tolist() == [True, True] and term.tolist() == [False, False]
         assert env.episode_step.tolist() == [0, 0]
-        assert not np.allclose(env.object_positions(), cubes)  # new episodes were drawn
+        assert not np.allclose(env.privileged_state()["cube"], cubes)  # new episodes were drawn
         assert info["final_obs"][OBS_STATE].shape == (2, 11)
 
 

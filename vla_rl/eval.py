@@ -1,7 +1,8 @@
 """`vla-rl eval`: batched closed-loop rollouts of a checkpoint.
 
-Chunks from the policy are executed through `vla_rl.runtime.ActionChunkExecutor`, the same
-object the robot bridge drives. Each world runs one episode per round; round r resets with
+Chunks from the policy are executed through `sim.delay.DelayedChunkEnv` and so through
+`vla_rl.runtime.ActionChunkExecutor`, the same object the robot bridge drives; ``--delay.*``
+evaluates under inference delay (none by default). Each world runs one episode per round; round r resets with
 seed ``seed + r``, so the same seed always evaluates the same initial states.
 
 Writes ``eval.json`` (per-episode results, success rate with a 95% Wilson interval),
@@ -15,14 +16,17 @@ import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import get_args
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
 from sim.config import EnvConfig
+from sim.delay import DelayConfig
 from vla_rl.checkpoint import load_policy
-from vla_rl.runtime import ActionChunkExecutor, MergeMode
+from vla_rl.runtime import MergeMode
+from vla_rl.types import TASK, ActionChunk
 
 
 @dataclass
@@ -36,6 +40,7 @@ class EvalConfig:
     n_action_steps: int = 0  # steps executed per chunk before replanning; 0 = the policy's own setting
     merge: str = "latest"  # how overlapping chunks merge: latest or ensemble (temporal ensembling)
     ensemble_coeff: float = 0.01  # temporal-ensembling weight decay, w_i = exp(-coeff * i)
+    delay: DelayConfig = field(default_factory=DelayConfig)  # inference delay in control steps (0 = none)
     video_episodes: int = 4  # episodes shown in rollouts.mp4 (0 = no video)
     video_size: int = 192  # pixels per episode tile in the video
     output_dir: str = "outputs/quickstart/eval"  # eval.json, summary.md and rollouts.mp4 go here
@@ -54,10 +59,11 @@ def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, flo
 
 
 def evaluate(cfg: EvalConfig) -> dict:
+    from sim.delay import DelayedChunkEnv, DelayModel
     from sim.mujoco_env import MujocoBatchedEnv
 
-    if cfg.merge not in ("latest", "ensemble"):
-        raise ValueError(f"merge must be 'latest' or 'ensemble', got {cfg.merge!r}")
+    if cfg.merge not in get_args(MergeMode):
+        raise ValueError(f"merge must be one of {get_args(MergeMode)}, got {cfg.merge!r}")
     policy, ckpt = load_policy(cfg.checkpoint, device=cfg.device)
     torch.manual_seed(cfg.seed)  # diffusion sampling noise: the same seed gives the same rollouts
     pcfg = policy.config
@@ -70,43 +76,34 @@ def evaluate(cfg: EvalConfig) -> dict:
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     episodes: list[dict] = []
-    video_frames: list[np.ndarray] = []
     start = time.time()
     with MujocoBatchedEnv(cfg.env) as env:
         n = env.num_envs
-        rounds = math.ceil(cfg.num_episodes / n)
-        merge: MergeMode = cfg.merge  # type: ignore[assignment]
-        executor = ActionChunkExecutor(n, env.action_dim, pcfg.horizon, merge=merge, ensemble_coeff=cfg.ensemble_coeff)
+        recorder = FrameRecorder(env, min(cfg.video_episodes, n, cfg.num_episodes), cfg.video_size)
+        # Chunks run through the same delay model and ActionChunkExecutor as RL and the robot bridge;
+        # with the default zero delay this is plain chunked execution.
+        delayed = DelayedChunkEnv(
+            recorder, pcfg.horizon, n_action_steps, DelayModel(cfg.delay), merge=cfg.merge,  # type: ignore[arg-type]
+            ensemble_coeff=cfg.ensemble_coeff,
+        )  # fmt: skip
         bar = tqdm(total=cfg.num_episodes, desc="eval", unit="ep")
-        for r in range(rounds):
+        for r in range(math.ceil(cfg.num_episodes / n)):
             want = min(n, cfg.num_episodes - r * n)
-            obs = env.reset(seed=cfg.seed + r)
-            executor.reset()
-            finished = np.zeros(n, dtype=bool)
-            finished[want:] = True  # worlds beyond the episode quota run but are not counted
-            results: list[dict | None] = [None] * n
-            for t in range(env.max_episode_steps):
-                # Replan when fewer than (horizon - n_action_steps) actions remain; in "ensemble" mode
-                # with n_action_steps=1 this asks for a new chunk every step, as ACT does.
-                need = executor.queue_length() <= pcfg.horizon - n_action_steps
-                if need.any():
-                    chunk = policy.predict_chunk(obs, executor.step.clone())
-                    executor.add_chunk(chunk, env_mask=need)
-                actions, _ = executor.next_action()
-                if r == 0 and cfg.video_episodes > 0:
-                    video_frames.append(_grid(env, min(cfg.video_episodes, want), cfg.video_size, finished))
-                obs, _, terminated, truncated, info = env.step(actions)
-                done = (terminated | truncated).numpy()
-                for i in np.flatnonzero(done & ~finished):
-                    results[i] = {"round": r, "world": int(i), "seed": cfg.seed + r,
-                                  "success": bool(info["success"][i]), "length": t + 1}  # fmt: skip
+            recorder.enabled = r == 0
+            obs, need = delayed.reset(seed=cfg.seed + r)
+            finished = np.arange(n) >= want  # worlds beyond the episode quota run but are not counted
+            length = np.zeros(n, dtype=np.int64)
+            while not finished.all():
+                obs, _, terminated, truncated, info, need = delayed.step(_predict(policy, obs, need, delayed.obs_step))
+                length += np.where(finished, 0, info["steps"].numpy())
+                done = (terminated | truncated).numpy() & ~finished
+                for i in np.flatnonzero(done):
+                    episodes.append({"round": r, "world": int(i), "seed": cfg.seed + r,
+                                     "success": bool(info["success"][i]), "length": int(length[i])})  # fmt: skip
                     bar.update(1)
                 finished |= done
-                executor.reset(torch.from_numpy(done))
-                if finished.all():
-                    break
-            episodes.extend(results[:want])  # truncation at max_episode_steps ends every episode
         bar.close()
+    episodes.sort(key=lambda e: (e["round"], e["world"]))
     successes = sum(e["success"] for e in episodes)
     lo, hi = wilson_interval(successes, len(episodes))
     lengths = [e["length"] for e in episodes]
@@ -122,25 +119,61 @@ def evaluate(cfg: EvalConfig) -> dict:
         "seed": cfg.seed,
         "n_action_steps": n_action_steps,
         "merge": cfg.merge,
+        "delay": asdict(cfg.delay),
         "seconds": round(time.time() - start, 1),
         "per_episode": episodes,
         "config": asdict(cfg),
     }
     (out / "eval.json").write_text(json.dumps(result, indent=2))
-    if video_frames:
-        _write_video(out / "rollouts.mp4", video_frames, fps=round(1 / env.control_dt))
+    if recorder.frames:
+        _write_video(out / "rollouts.mp4", recorder.frames, fps=round(1 / env.control_dt))
         result["video"] = str(out / "rollouts.mp4")
     (out / "summary.md").write_text(_summary_md(result))
     return result
 
 
-def _grid(env, count: int, size: int, finished: np.ndarray) -> np.ndarray:
-    """One video frame: the first ``count`` worlds side by side; finished worlds are greyed out."""
-    tiles = []
-    for i in range(count):
-        frame = env.render(i, size=size)
-        tiles.append(frame // 3 if finished[i] else frame)
-    return np.concatenate(tiles, axis=1)
+def _predict(policy, obs: dict, need: torch.Tensor, obs_step: torch.Tensor) -> ActionChunk:
+    """Run the policy on the requesting worlds only; other rows of the (N, H, A) chunk stay zero."""
+    rows = torch.nonzero(need).flatten()
+    sub = {k: [v[i] for i in rows.tolist()] if k == TASK else v[rows] for k, v in obs.items() if k == TASK or torch.is_tensor(v)}
+    chunk = policy.predict_chunk(sub, obs_step[rows])
+    actions = torch.zeros(len(need), *chunk.actions.shape[1:], dtype=chunk.actions.dtype)
+    actions[rows] = chunk.actions.cpu()
+    return ActionChunk(actions, obs_step)
+
+
+class FrameRecorder:
+    """Wraps a batched env and renders the first ``count`` worlds side by side after every step.
+
+    A world's tile is greyed out once its first episode has ended. Recording happens only while
+    ``enabled``; everything else is passed through to the wrapped env.
+    """
+
+    def __init__(self, env, count: int, size: int):
+        self.env, self.count, self.size = env, count, size
+        self.enabled = False
+        self.frames: list[np.ndarray] = []
+        self._ended = np.zeros(env.num_envs, dtype=bool)
+
+    def __getattr__(self, name):
+        return getattr(self.env, name)
+
+    def reset(self, seed=None):
+        obs = self.env.reset(seed=seed)
+        self._ended[:] = False
+        self._record()
+        return obs
+
+    def step(self, actions):
+        obs, reward, terminated, truncated, info = self.env.step(actions)
+        self._ended |= (terminated | truncated).numpy()
+        self._record()
+        return obs, reward, terminated, truncated, info
+
+    def _record(self) -> None:
+        if self.enabled and self.count > 0:
+            tiles = [self.env.render(i, size=self.size) for i in range(self.count)]
+            self.frames.append(np.concatenate([t // 3 if self._ended[i] else t for i, t in enumerate(tiles)], axis=1))
 
 
 def _write_video(path: Path, frames: list[np.ndarray], fps: int) -> None:

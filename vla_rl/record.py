@@ -74,7 +74,7 @@ def record(cfg: RecordConfig) -> dict:
         saved, failed, lengths = 0, 0, []
         with tqdm(total=cfg.num_episodes, desc="record", unit="ep") as bar:
             while saved < cfg.num_episodes:
-                actions = expert.act(env.ee_positions(), env.object_positions())
+                actions = expert.act(env.ee_positions(), env.privileged_state())
                 next_obs, reward, terminated, truncated, info = env.step(torch.from_numpy(actions))
                 for i in range(env.num_envs):
                     frame = {k: obs[k][i].permute(1, 2, 0).mul(255).round().to(torch.uint8).numpy()

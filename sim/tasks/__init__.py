@@ -1,12 +1,36 @@
-"""Tabletop task definitions: scene, reset distribution, success check and scripted expert."""
+"""Tabletop task definitions: scene, reset distribution, success check and scripted expert.
 
+Every task shares the same arm, camera and 4-D action (``sim/assets/panda_arm.xml``); see
+``sim.tasks.base`` for what a task and an expert provide.
+"""
+
+from sim.tasks.base import Expert, Task
 from sim.tasks.lift import LiftExpert, LiftTask
+from sim.tasks.open_drawer import OpenDrawerExpert, OpenDrawerTask
+from sim.tasks.pick_place import PickPlaceExpert, PickPlaceTask
+from sim.tasks.push import PushExpert, PushTask
+from sim.tasks.reach import ReachExpert, ReachTask
+from sim.tasks.stack import StackTask
 
-TASKS = {"lift": LiftTask}
-EXPERTS = {"lift": LiftExpert}
+TASKS: dict[str, type[Task]] = {
+    "lift": LiftTask,
+    "reach": ReachTask,
+    "push": PushTask,
+    "pick_place": PickPlaceTask,
+    "stack": StackTask,
+    "open_drawer": OpenDrawerTask,
+}
+EXPERTS: dict[str, type[Expert]] = {
+    "lift": LiftExpert,
+    "reach": ReachExpert,
+    "push": PushExpert,
+    "pick_place": PickPlaceExpert,
+    "stack": PickPlaceExpert,  # the same carry-and-release script; the place target is on the blue cube
+    "open_drawer": OpenDrawerExpert,
+}
 
 
-def get_task(name: str):
+def get_task(name: str) -> Task:
     """Build a task by name; unknown names list the valid ones."""
     if name not in TASKS:
         raise ValueError(f"unknown task {name!r}; valid tasks: {', '.join(sorted(TASKS))}")

@@ -7,10 +7,12 @@ Success is explicit: the cube's centre is at least ``lift_height`` above the tab
 from __future__ import annotations
 
 from dataclasses import dataclass
-from importlib import resources
 
 import mujoco
 import numpy as np
+
+from sim.tasks.base import step_toward
+from sim.tasks.scene import place_free_body, reset_arm_near_home, scene_path
 
 
 @dataclass
@@ -25,29 +27,25 @@ class LiftTask:
     max_episode_steps: int = 100
 
     def xml_path(self) -> str:
-        return str(resources.files("sim") / "assets" / "panda_lift.xml")
+        return scene_path("panda_lift.xml")
 
     def sample_initial_state(self, model: mujoco.MjModel, data: mujoco.MjData, rng: np.random.Generator) -> None:
         """Write a random initial state into ``data`` (then the caller runs mj_forward)."""
-        mujoco.mj_resetDataKeyframe(model, data, model.key("home").id)
-        data.qpos[:7] += rng.normal(0.0, self.arm_joint_noise, size=7)
-        data.qpos[:7] = np.clip(data.qpos[:7], model.jnt_range[:7, 0], model.jnt_range[:7, 1])
-        data.ctrl[:7] = data.qpos[:7]
-        cube = model.joint("cube").qposadr[0]
+        reset_arm_near_home(model, data, rng, self.arm_joint_noise)
         yaw = rng.uniform(-self.cube_yaw_range, self.cube_yaw_range)
-        data.qpos[cube : cube + 3] = [rng.uniform(*self.cube_x_range), rng.uniform(*self.cube_y_range), 0.02]
-        data.qpos[cube + 3 : cube + 7] = [np.cos(yaw / 2), 0.0, 0.0, np.sin(yaw / 2)]
+        pos = [rng.uniform(*self.cube_x_range), rng.uniform(*self.cube_y_range), 0.02]
+        place_free_body(model, data, "cube", pos, yaw)
 
-    def object_position(self, model: mujoco.MjModel, data: mujoco.MjData) -> np.ndarray:
-        """(3,) cube centre in the world frame."""
-        return data.body("cube").xpos.copy()
+    def privileged_state(self, model: mujoco.MjModel, data: mujoco.MjData) -> dict[str, np.ndarray]:
+        """``cube``: (3,) cube centre in the world frame."""
+        return {"cube": data.body("cube").xpos.copy()}
 
     def is_success(self, model: mujoco.MjModel, data: mujoco.MjData) -> bool:
         return bool(data.body("cube").xpos[2] >= self.lift_height)
 
 
 class LiftExpert:
-    """Scripted expert for :class:`LiftTask` using privileged cube positions.
+    """Scripted expert for :class:`LiftTask` using the privileged ``cube`` positions.
 
     Phases per world: approach above the cube, descend, close the gripper, lift. Each action is
     the next end-effector target, at most ``max_step`` metres from the current position, so the
@@ -69,8 +67,9 @@ class LiftExpert:
         self.phase[mask] = self.APPROACH
         self.timer[mask] = 0
 
-    def act(self, ee_pos: np.ndarray, cube_pos: np.ndarray) -> np.ndarray:
-        """ee_pos, cube_pos: (N, 3) -> actions (N, 4) = [x, y, z, grip] with grip 0 open, 1 closed."""
+    def act(self, ee_pos: np.ndarray, privileged: dict[str, np.ndarray]) -> np.ndarray:
+        """ee_pos (N, 3), privileged["cube"] (N, 3) -> actions (N, 4) = [x, y, z, grip], grip 1 closed."""
+        cube_pos = privileged["cube"]
         n = ee_pos.shape[0]
         goal = np.empty((n, 3))
         grip = np.zeros(n)
@@ -94,7 +93,4 @@ class LiftExpert:
             else:
                 goal[i] = [*self.grasp_xy[i], 0.25]
                 grip[i] = 1.0
-        delta = goal - ee_pos
-        norm = np.linalg.norm(delta, axis=1, keepdims=True)
-        delta *= np.minimum(1.0, self.max_step / np.maximum(norm, 1e-9))
-        return np.concatenate([ee_pos + delta, grip[:, None]], axis=1)
+        return step_toward(ee_pos, goal, grip, self.max_step)

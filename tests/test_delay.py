@@ -1,0 +1,186 @@
+"""Exact timing of the inference-delay wrapper, pinned with hand-computed sequences.
+
+Chunk k (the k-th chunk a world receives) is [10k, 10k+1, ..., 10k+H-1]: action j is meant for
+step obs_step + j. The counting env records the action applied at every step; its hold action is -1.
+"""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from sim.delay import DelayConfig, DelayedChunkEnv, DelayModel, latencies_to_steps
+from vla_rl.types import OBS_COMMITTED_ACTIONS, OBS_COMMITTED_MASK, OBS_DELAY_STEPS, ActionChunk
+
+
+class CountingEnv:
+    """A real BatchedEnv with 1-D actions that records what is applied; episodes last `length` steps."""
+
+    def __init__(self, num_envs=1, length=1000):
+        self.num_envs, self.action_dim, self.device = num_envs, 1, torch.device("cpu")
+        self.length = length
+        self.applied: list[list[float]] = [[] for _ in range(num_envs)]
+        self.t = np.zeros(num_envs, dtype=np.int64)
+
+    def _obs(self):
+        return {"observation.state": torch.from_numpy(self.t[:, None].astype(np.float32)), "task": ["count"] * self.num_envs}
+
+    def reset(self, seed=None):
+        self.t[:] = 0
+        return self._obs()
+
+    def step(self, actions):
+        for i in range(self.num_envs):
+            self.applied[i].append(float(actions[i, 0]))
+        self.t += 1
+        trunc = torch.from_numpy(self.t >= self.length)
+        self.t[trunc.numpy()] = 0
+        zeros = torch.zeros(self.num_envs, dtype=torch.bool)
+        return self._obs(), torch.zeros(self.num_envs), zeros, trunc, {"success": zeros.clone()}
+
+    def hold_actions(self):
+        return torch.full((self.num_envs, 1), -1.0)
+
+
+def run(d, s, horizon, steps, merge="latest", coeff=0.0, length=1000):
+    """Drive the wrapper with chunk k = [10k + j]; return the applied actions and the observations seen."""
+    env = CountingEnv(length=length)
+    wrapper = DelayedChunkEnv(env, horizon, s, DelayModel(DelayConfig(kind="fixed", steps=d)), merge=merge, ensemble_coeff=coeff)
+    obs, need = wrapper.reset(seed=0)
+    k, seen = 0, []
+    while len(env.applied[0]) < steps:
+        assert need.tolist() == [True]
+        seen.append((wrapper.obs_step.item(), obs))
+        actions = (10 * k + torch.arange(horizon, dtype=torch.float32)).reshape(1, horizon, 1)
+        obs, _, _, trunc, info, need = wrapper.step(ActionChunk(actions, wrapper.obs_step))
+        assert info["delay_steps"].tolist() == [d]
+        k += 1
+    return env.applied[0][:steps], seen
+
+
+def test_no_delay_is_plain_chunking():
+    applied, seen = run(d=0, s=2, horizon=4, steps=8)
+    assert applied == [0, 1, 10, 11, 20, 21, 30, 31]
+    assert [t for t, _ in seen[:4]] == [0, 2, 4, 6]
+
+
+def test_one_step_delay_keeps_executing_the_committed_action():
+    # t=0: request, chunk0 arrives at t=1, so t=0 holds. t=1: chunk0 covers steps 1..3.
+    # t=2: request; chunk1 (for steps 2..5) arrives at t=3, so step 2 still runs chunk0's 2.
+    applied, seen = run(d=1, s=2, horizon=4, steps=8)
+    assert applied == [-1, 1, 2, 11, 12, 21, 22, 31]
+    t, obs = seen[1]
+    assert t == 2
+    assert obs[OBS_DELAY_STEPS].tolist() == [1]
+    assert obs[OBS_COMMITTED_MASK].tolist() == [[True]]
+    assert obs[OBS_COMMITTED_ACTIONS].tolist() == [[[2.0]]]
+
+
+def test_delay_longer_than_execution_horizon():
+    # d=3 > s=2: requests every max(s, d) = 3 steps; each chunk arrives with only step 3 left.
+    applied, seen = run(d=3, s=2, horizon=4, steps=10)
+    assert applied == [-1, -1, -1, 3, -1, -1, 13, -1, -1, 23]
+    t, obs = seen[1]
+    assert t == 3
+    assert obs[OBS_DELAY_STEPS].tolist() == [3]
+    assert obs[OBS_COMMITTED_MASK].tolist() == [[True, False, False]]  # only step 3 is committed
+    assert obs[OBS_COMMITTED_ACTIONS][0, :, 0].tolist() == [3.0, 0.0, 0.0]
+    # The first request has nothing committed.
+    assert seen[0][1][OBS_COMMITTED_MASK].tolist() == [[False, False, False]]
+
+
+def test_long_chunk_covers_the_delay():
+    # H=6, d=2, s=3: chunk k covers steps 3k..3k+5 and arrives at 3k+2; step 3k+2 is its index 2.
+    applied, _ = run(d=2, s=3, horizon=6, steps=9)
+    assert applied == [-1, -1, 2, 3, 4, 12, 13, 14, 22]
+
+
+def test_temporal_ensembling_under_delay():
+    # s=1, d=1, H=3, plain mean: step 2 = mean(chunk0[2], chunk1[1]) = (2 + 11) / 2.
+    applied, _ = run(d=1, s=1, horizon=3, steps=5, merge="ensemble", coeff=0.0)
+    assert applied == [-1, 1, 6.5, 16.5, 26.5]
+
+
+def test_episode_end_drops_the_in_flight_chunk():
+    env = CountingEnv(length=5)
+    wrapper = DelayedChunkEnv(env, 4, 2, DelayModel(DelayConfig(kind="fixed", steps=2)))
+    obs, need = wrapper.reset()
+    k, truncs = 0, []
+    while len(env.applied[0]) < 7:
+        actions = (10 * k + torch.arange(4, dtype=torch.float32)).reshape(1, 4, 1)
+        obs, _, _, trunc, _, need = wrapper.step(ActionChunk(actions, wrapper.obs_step))
+        truncs.append((len(env.applied[0]), bool(trunc[0]), wrapper.obs_step.item()))
+        k += 1
+    # Steps 0-4: hold, hold, chunk0[2], chunk0[3], chunk1[2] (chunk1 asked at t=2, arrived t=4).
+    # chunk2 (asked at t=4) is dropped when the episode ends; the new episode asks again at its t=0.
+    assert env.applied[0][:7] == [-1, -1, 2, 3, 12, -1, -1]
+    assert (5, True, 0) in truncs
+
+
+def test_each_world_keeps_its_own_schedule():
+    env = CountingEnv(num_envs=3)
+    cfg = DelayConfig(kind="uniform", low=0, high=3, seed=1)
+    wrapper = DelayedChunkEnv(env, 8, 2, DelayModel(cfg))
+    obs, need = wrapper.reset()
+    seen_delays = []
+    for _ in range(30):
+        assert obs[OBS_COMMITTED_ACTIONS].shape == (3, 3, 1)
+        chunk = ActionChunk(torch.arange(8, dtype=torch.float32).repeat(3, 1)[..., None] + wrapper.obs_step[:, None, None], wrapper.obs_step)
+        obs, _, _, _, info, need = wrapper.step(chunk)
+        seen_delays += [d for d in info["delay_steps"].tolist() if d >= 0]
+    assert set(seen_delays) == {0, 1, 2, 3}
+    for i in range(3):
+        applied = env.applied[i]
+        # Chunk rows are "step index" valued, so any real (non-hold) action equals its own step.
+        assert all(a == t for t, a in enumerate(applied) if a != -1)
+        assert sum(a != -1 for a in applied) > len(applied) // 2
+
+
+def test_latency_histogram_rounds_up_to_control_steps(tmp_path):
+    assert latencies_to_steps(np.array([0.04, 0.05, 0.051, 0.12, 0.0]), 0.05).tolist() == [1, 1, 2, 3, 0]
+    path = tmp_path / "lat.json"
+    path.write_text(json.dumps({"latencies_s": [0.04, 0.12]}))
+    model = DelayModel(DelayConfig(kind="histogram", latencies_file=str(path), control_dt=0.05, seed=0))
+    assert model.max_steps == 3
+    assert set(model.sample(200).tolist()) == {1, 3}
+
+
+def test_bad_delay_configs_are_named(tmp_path):
+    with pytest.raises(ValueError, match="unknown delay kind 'gauss'"):
+        DelayModel(DelayConfig(kind="gauss"))
+    with pytest.raises(ValueError, match="low <= high"):
+        DelayModel(DelayConfig(kind="uniform", low=3, high=1))
+    with pytest.raises(FileNotFoundError, match="latency file"):
+        DelayModel(DelayConfig(kind="histogram", latencies_file=str(tmp_path / "missing.json")))
+    (tmp_path / "bad.json").write_text("[0.1, -1]")
+    with pytest.raises(ValueError, match="finite latencies >= 0"):
+        DelayModel(DelayConfig(kind="histogram", latencies_file=str(tmp_path / "bad.json")))
+
+
+def test_mujoco_arm_holds_still_until_the_delayed_chunk_arrives():
+    from sim.config import EnvConfig
+    from sim.mujoco_env import MujocoBatchedEnv
+
+    with MujocoBatchedEnv(EnvConfig(num_envs=2)) as env:
+        wrapper = DelayedChunkEnv(env, horizon=8, execute_steps=8, delay=DelayModel(DelayConfig(kind="fixed", steps=3)))
+        obs, need = wrapper.reset(seed=0)
+        start = env.ee_positions().copy()
+        target = start + np.array([0.0, 0.0, 0.08])
+        actions = torch.from_numpy(np.concatenate([target, np.zeros((2, 1))], axis=1)).float()
+        chunk = ActionChunk(actions[:, None, :].expand(2, 8, 4).clone(), wrapper.obs_step)
+        env_steps = []
+        real_step = env.step
+
+        def counting_step(a):
+            env_steps.append(env.ee_positions().copy())
+            return real_step(a)
+
+        env.step = counting_step
+        obs, _, _, _, info, need = wrapper.step(chunk)
+        assert info["steps"].tolist() == [8, 8] and need.tolist() == [True, True]
+        # Steps 0-2 hold (the chunk arrives at step 3): the gripper stays within 3 mm of where it was.
+        for ee in env_steps[1:4]:
+            np.testing.assert_allclose(ee, start, atol=0.003)
+        # From step 3 on it executes the chunk's last 5 actions and climbs toward the target.
+        assert (env.ee_positions()[:, 2] > start[:, 2] + 0.05).all()
