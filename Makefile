@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install --upgrade pip
-	$(VENV)/bin/pip install -e ".[dev]"
+	$(VENV)/bin/pip install -e ".[dev,gpu]"
 	touch $(STAMP)
 
 quickstart: $(STAMP)  ## install, then record -> train -> eval on the default lift task

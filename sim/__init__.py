@@ -1,1 +1,5 @@
 """Batched simulation environments. Imports no policy code."""
+
+from sim.factory import make_env
+
+__all__ = ["make_env"]

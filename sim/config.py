@@ -10,9 +10,14 @@ class EnvConfig:
     """A batch of simulated worlds running one task."""
 
     task: str = "lift"  # task name; see `sim.tasks.TASKS`
+    # Physics backend. cpu = MuJoCo with mujoco.rollout threads; warp = MuJoCo Warp, all worlds
+    # in one process on `device` (needs the `gpu` extra). See `sim.factory.make_env`.
+    backend: str = "cpu"
+    device: str = "cpu"  # torch device of the observations; the cpu backend runs on "cpu" only
     num_envs: int = 16  # worlds stepped as one batch
     image_size: int = 64  # square camera image side, pixels
-    cameras: list[str] = field(default_factory=lambda: ["front"])  # MJCF camera names rendered each step
+    # MJCF camera names rendered each step; empty = physics only (no images in the observation)
+    cameras: list[str] = field(default_factory=lambda: ["front"])
     substeps: int = 25  # physics steps per control step (0.002 s each: 20 Hz control)
     num_threads: int = 0  # physics threads; 0 = one per CPU core
     max_episode_steps: int = 0  # 0 = the task's own limit

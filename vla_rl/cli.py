@@ -1,6 +1,7 @@
 """The `vla-rl` command line: one entry point, one draccus dataclass config per command.
 
     vla-rl <command> [--config_path=configs/<file>.yaml] [--dotted.key=value ...]
+    vla-rl bench <benchmark> [--key=value ...]
 
 Values come from the dataclass defaults, then the YAML file, then the command line.
 """
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 # Headless rendering works out of the box with EGL (Mesa on CPU, the driver on a GPU machine).
@@ -20,8 +21,9 @@ os.environ.setdefault("PYOPENGL_PLATFORM", os.environ["MUJOCO_GL"])
 @dataclass
 class Command:
     summary: str
-    config: Callable[[], type]
-    run: Callable[[Any], Any]
+    config: Callable[[], type] | None  # None for a command that only groups subcommands
+    run: Callable[[Any], Any] | None
+    subcommands: dict[str, Command] = field(default_factory=dict)  # `vla-rl <command> <sub>`
 
 
 def _record():
@@ -46,6 +48,12 @@ def _quickstart():
     from vla_rl.quickstart import QuickstartConfig
 
     return QuickstartConfig
+
+
+def _bench_sim():
+    from vla_rl.bench import BenchSimConfig
+
+    return BenchSimConfig
 
 
 def _run_record(cfg):
@@ -79,11 +87,24 @@ def _run_quickstart(cfg):
     quickstart(cfg)
 
 
+def _run_bench_sim(cfg):
+    from vla_rl.bench import bench_sim, format_summary
+
+    print(format_summary(bench_sim(cfg)))
+
+
 COMMANDS: dict[str, Command] = {
     "record": Command("roll out the scripted expert and write a LeRobotDataset (v3)", _record, _run_record),
     "train": Command("train a diffusion policy by imitation on a LeRobotDataset", _train, _run_train),
     "eval": Command("closed-loop success rate, video and JSON of a checkpoint", _eval, _run_eval),
     "quickstart": Command("record -> train -> eval on the default lift task", _quickstart, _run_quickstart),
+    "bench": Command(
+        "performance benchmarks; `bench sim`: env-steps/s vs mujoco.rollout and gymnasium",
+        None,
+        None,
+        {"sim": Command("env-steps/s of each sim backend vs raw mujoco.rollout and gymnasium AsyncVectorEnv",
+                        _bench_sim, _run_bench_sim)},
+    ),
 }
 
 OVERVIEW = """usage: vla-rl <command> [--config_path=FILE.yaml] [--key=value ...] [--help]
@@ -104,6 +125,7 @@ examples:
   vla-rl train --dataset.root=outputs/lift_demos --output_dir=outputs/lift_policy --steps=8000
   vla-rl train --output_dir=outputs/lift_policy --resume=true
   vla-rl eval --checkpoint=outputs/lift_policy --num_episodes=100 --merge=ensemble
+  vla-rl bench sim --num_envs=[1,16] --steps=50
 """
 
 
@@ -113,11 +135,21 @@ def _overview() -> str:
     return OVERVIEW.format(commands="\n".join(lines))
 
 
+def _command(name: str) -> Command:
+    """The command called ``name``: one word, or ``"<command> <subcommand>"``."""
+    first, *rest = name.split()
+    cmd = COMMANDS[first]
+    return cmd.subcommands[rest[0]] if rest else cmd
+
+
 def parse_config(name: str, args: list[str]):
-    """Parse ``args`` into the command's config; bad keys or values stop with one line of error."""
+    """Parse ``args`` into the command's config; bad keys or values stop with one line of error.
+
+    name: a command (``"train"``) or a command and subcommand (``"bench sim"``).
+    """
     import draccus
 
-    config_cls = COMMANDS[name].config()
+    config_cls = _command(name).config()
     if any(a in ("-h", "--help") for a in args):
         draccus.parse(config_cls, args=["--help"], prog=f"vla-rl {name}", preferred_help="inline")
     try:
@@ -138,9 +170,20 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"vla-rl: error: unknown command {name!r}; choose one of: {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
+    subcommands = COMMANDS[name].subcommands
+    if subcommands:
+        if args and args[0] in ("-h", "--help", "help"):
+            print(f"usage: vla-rl {name} <{'|'.join(subcommands)}> [--key=value ...] [--help]\n")
+            print("\n".join(f"  {sub}  {cmd.summary}" for sub, cmd in subcommands.items()))
+            return 0
+        if not args or args[0] not in subcommands:
+            problem = f"unknown subcommand {args[0]!r}" if args else "missing subcommand"
+            print(f"vla-rl {name}: error: {problem}; choose one of: {', '.join(subcommands)}", file=sys.stderr)
+            return 2
+        name, args = f"{name} {args[0]}", args[1:]
     cfg = parse_config(name, args)
     try:
-        COMMANDS[name].run(cfg)
+        _command(name).run(cfg)
     except KeyboardInterrupt:
         print(f"\nvla-rl {name}: interrupted", file=sys.stderr)
         return 130

@@ -60,7 +60,7 @@ def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, flo
 
 def evaluate(cfg: EvalConfig) -> dict:
     from sim.delay import DelayedChunkEnv, DelayModel
-    from sim.mujoco_env import MujocoBatchedEnv
+    from sim.factory import make_env
 
     if cfg.merge not in get_args(MergeMode):
         raise ValueError(f"merge must be one of {get_args(MergeMode)}, got {cfg.merge!r}")
@@ -77,7 +77,7 @@ def evaluate(cfg: EvalConfig) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     episodes: list[dict] = []
     start = time.time()
-    with MujocoBatchedEnv(cfg.env) as env:
+    with make_env(cfg.env) as env:
         n = env.num_envs
         recorder = FrameRecorder(env, min(cfg.video_episodes, n, cfg.num_episodes), cfg.video_size)
         # Chunks run through the same delay model and ActionChunkExecutor as RL and the robot bridge;
@@ -166,7 +166,7 @@ class FrameRecorder:
 
     def step(self, actions):
         obs, reward, terminated, truncated, info = self.env.step(actions)
-        self._ended |= (terminated | truncated).numpy()
+        self._ended |= (terminated | truncated).cpu().numpy()
         self._record()
         return obs, reward, terminated, truncated, info
 

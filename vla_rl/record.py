@@ -51,7 +51,7 @@ def record(cfg: RecordConfig) -> dict:
     """Record ``cfg.num_episodes`` successful expert episodes; returns a summary dict."""
     from lerobot.datasets.lerobot_dataset import LeRobotDataset
 
-    from sim.mujoco_env import MujocoBatchedEnv
+    from sim.factory import make_env
     from sim.tasks import EXPERTS
     from vla_rl.data import video_backend
 
@@ -63,7 +63,7 @@ def record(cfg: RecordConfig) -> dict:
     out.parent.mkdir(parents=True, exist_ok=True)
 
     start = time.time()
-    with MujocoBatchedEnv(cfg.env) as env:
+    with make_env(cfg.env) as env:
         expert = EXPERTS[cfg.env.task](env.num_envs)
         ds = LeRobotDataset.create(
             cfg.repo_id, fps=round(1 / env.control_dt), features=dataset_features(env), root=tmp,
@@ -77,15 +77,15 @@ def record(cfg: RecordConfig) -> dict:
                 actions = expert.act(env.ee_positions(), env.privileged_state())
                 next_obs, reward, terminated, truncated, info = env.step(torch.from_numpy(actions))
                 for i in range(env.num_envs):
-                    frame = {k: obs[k][i].permute(1, 2, 0).mul(255).round().to(torch.uint8).numpy()
+                    frame = {k: obs[k][i].permute(1, 2, 0).mul(255).round().to(torch.uint8).cpu().numpy()
                              for k in obs if k.startswith("observation.images.")}  # fmt: skip
-                    frame[OBS_STATE] = obs[OBS_STATE][i].numpy()
+                    frame[OBS_STATE] = obs[OBS_STATE][i].cpu().numpy()
                     frame[ACTION] = actions[i].astype(np.float32)
-                    frame["next.reward"] = np.array([reward[i]], dtype=np.float32)
+                    frame["next.reward"] = np.array([float(reward[i])], dtype=np.float32)
                     frame["next.success"] = np.array([bool(info["success"][i])])
                     frame["task"] = obs["task"][i]
                     buffers[i].append(frame)
-                done = (terminated | truncated).numpy()
+                done = (terminated | truncated).cpu().numpy()
                 for i in np.flatnonzero(done):
                     if info["success"][i] and saved < cfg.num_episodes:
                         for frame in buffers[i]:

@@ -1,0 +1,317 @@
+"""N MuJoCo Warp worlds of one tabletop task in one process, as torch tensors on one device.
+
+The twin of `sim.mujoco_env.MujocoBatchedEnv`: the same scenes, reset distribution (the task's
+own ``sample_initial_state``, with the same per-world RNG streams), IK controller, substeps,
+success rule, reward and autoreset, so a policy sees the same environment on either backend.
+Physics state lives in Warp arrays on ``EnvConfig.device``; observations, actions, the IK
+controller and the success rule read and write them as zero-copy torch views, so a step makes
+no host round-trip for physics-only observations (``cameras=[]``). Warp runs in float32, the
+cpu backend in float64 (see ``tests/test_warp_backend.py`` for how far they drift apart).
+
+Three things do cross to the host, each documented where it happens: resets (the task samples
+initial states with numpy on a CPU MjData, then they are uploaded), camera images and videos
+(the rendered worlds' state is copied to a CPU MjData for MuJoCo's renderer), and the scripted
+experts' helpers ``ee_positions`` / ``privileged_state`` (numpy, like the cpu backend's).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import mujoco
+import numpy as np
+import torch
+
+from sim.batched_success import SUCCESS_RULES, WorldTensors
+from sim.config import EnvConfig
+from sim.ik import ik_targets_torch, orientation_error_torch
+from sim.mujoco_env import STATE_NAMES, MujocoBatchedEnv
+from vla_rl.types import OBS_STATE, TASK, image_key
+
+try:
+    import mujoco_warp as mjw
+    import warp as wp
+except ImportError as err:  # the `gpu` extra is optional
+    raise ImportError(
+        'the warp backend needs MuJoCo Warp: install the gpu extra with pip install -e ".[gpu]"'
+    ) from err
+
+# Contact and constraint-row slots per world: Warp sizes its arrays once and drops what does not
+# fit. Scripted-expert episodes of every task peak at 14 contacts and 57 constraint rows per
+# world (push, on the cpu backend); these leave twice that.
+NCONMAX = 32
+NJMAX = 128
+
+
+class WarpBatchedEnv:
+    """Batched env (see `vla_rl.types.BatchedEnv`) for the MuJoCo tabletop tasks on MuJoCo Warp.
+
+    Observations: ``observation.state`` (N, 11) float32 on ``device`` = 7 joint angles, gripper
+    width, end-effector (grasp site) xyz; ``observation.images.<camera>`` (N, 3, S, S) float in
+    [0, 1] for each configured camera (rendered on the host); ``task``. Actions (N, 4): the
+    end-effector target ``[x, y, z, grip]`` of `MujocoBatchedEnv`.
+    """
+
+    ACTION_LOW = MujocoBatchedEnv.ACTION_LOW  # the cpu backend's end-effector workspace
+    ACTION_HIGH = MujocoBatchedEnv.ACTION_HIGH
+
+    def __init__(self, config: EnvConfig):
+        from sim.tasks import get_task
+
+        self.config = config
+        self.task = get_task(config.task)
+        if config.task not in SUCCESS_RULES:
+            raise ValueError(
+                f"the warp backend has no device success rule for task {config.task!r}; "
+                f"supported tasks: {', '.join(sorted(SUCCESS_RULES))}"
+            )
+        self._success_rule = SUCCESS_RULES[config.task]
+        self.num_envs = n = config.num_envs
+        self.action_dim = 4
+        self.state_dim = len(STATE_NAMES)
+        self.device = torch.device(config.device)
+        if self.device.type == "cuda" and self.device.index is None:  # Warp needs the ordinal
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.max_episode_steps = config.max_episode_steps or self.task.max_episode_steps
+        self.control_dt = 0.002 * config.substeps
+
+        self.model = mujoco.MjModel.from_xml_path(self.task.xml_path())
+        for cam in config.cameras:
+            if mujoco.mj_name2id(self.model, mujoco.mjtObj.mjOBJ_CAMERA, cam) < 0:
+                raise ValueError(f"camera {cam!r} is not in the {config.task!r} scene; it has 'front'")
+        self._host = mujoco.MjData(self.model)  # scratch world for resets, rendering and experts
+        self._renderer: mujoco.Renderer | None = None
+        self._video_renderers: dict[int, mujoco.Renderer] = {}
+
+        self._site = self.model.site("grasp").id  # the end effector
+        wp.init()  # idempotent; the device lookup below needs Warp's runtime
+        self._wp_device = wp.device_from_torch(self.device)
+        with self._warp_scope():
+            self._m = mjw.put_model(self.model)
+            # MuJoCo collides box with box by its dedicated mjc_BoxBox; Warp by default through
+            # its general convex CCD, which finds half the contacts between a finger and a cube
+            # grasped askew, so the cube twisted in the grasp twice as fast as on the cpu backend.
+            # Disabling native CCD selects Warp's box-box primitive, with MuJoCo's contact set.
+            # (Warp applies this switch process-wide, to every Warp model stepped afterwards.)
+            self._m.opt.disableflags |= mjw.DisableBit.NATIVECCD
+            self._d = mjw.make_data(self.model, nworld=n, nconmax=NCONMAX, njmax=NJMAX)
+            self._jacp = wp.zeros((n, 3, self.model.nv), dtype=float)
+            self._jacr = wp.zeros((n, 3, self.model.nv), dtype=float)
+            self._jac_point = wp.zeros(n, dtype=wp.vec3)
+            self._jac_body = wp.array(np.full(n, self.model.site_bodyid[self._site]), dtype=int)
+
+        # Zero-copy torch views of the Warp arrays: writing them writes the simulation.
+        d, view = self._d, wp.to_torch
+        # What a reset writes, by MjData field name: qpos (N, nq), qvel (N, nv), ctrl (N, nu) and,
+        # in scenes with mocap bodies, mocap_pos (N, nmocap, 3), mocap_quat (N, nmocap, 4). Empty
+        # Warp arrays have no torch view, hence the condition.
+        self._state = {"qpos": view(d.qpos), "qvel": view(d.qvel), "ctrl": view(d.ctrl)}
+        if self.model.nmocap:
+            self._state |= {"mocap_pos": view(d.mocap_pos), "mocap_quat": view(d.mocap_quat)}
+        # Zeroed by a reset, as by mj_resetDataKeyframe: the solver's warm start and the time.
+        self._cold = [view(d.qacc_warmstart), view(d.time)] + ([view(d.act)] if self.model.na else [])
+        self._qpos, self._ctrl = self._state["qpos"], self._state["ctrl"]
+        self._site_xpos, self._site_xmat = view(d.site_xpos), view(d.site_xmat)  # (N, nsite, 3) (N, nsite, 3, 3)
+        self._jacp_t, self._jacr_t, self._jac_point_t = view(self._jacp), view(self._jacr), view(self._jac_point)
+        self._world = WorldTensors(
+            qpos=self._qpos,
+            xpos=view(d.xpos),
+            xmat=view(d.xmat),
+            site_xpos=self._site_xpos,
+            contact_geom=view(d.contact.geom),
+            contact_worldid=view(d.contact.worldid),
+            nacon=view(d.nacon),
+            geom_bodyid=torch.as_tensor(self.model.geom_bodyid, dtype=torch.long, device=self.device),
+        )
+
+        f64 = dict(dtype=torch.float64, device=self.device)
+        self._low, self._high = torch.tensor(self.ACTION_LOW, **f64), torch.tensor(self.ACTION_HIGH, **f64)
+        self._arm_range = torch.tensor(self.model.jnt_range[:7], **f64)  # (7, 2)
+        home = self.model.key("home")
+        self._home_q = torch.tensor(home.qpos[:7], **f64)
+        mujoco.mj_resetDataKeyframe(self.model, self._host, home.id)
+        mujoco.mj_forward(self.model, self._host)
+        self._target_rot = torch.tensor(self._host.site_xmat[self._site].reshape(3, 3), **f64)  # gripper down
+
+        self.episode_step = torch.zeros(n, dtype=torch.long, device=self.device)
+        self._seeds: list[np.random.Generator] = []
+
+    # -- public API --------------------------------------------------------------------------
+
+    def reset(self, seed: int | None = None) -> dict[str, Any]:
+        """Reset every world; world i draws its episodes from its own stream of ``seed``."""
+        children = np.random.SeedSequence(seed).spawn(self.num_envs)
+        self._seeds = [np.random.default_rng(s) for s in children]
+        self._reset_worlds(np.arange(self.num_envs))
+        return self._observe()
+
+    def step(self, actions: torch.Tensor | np.ndarray):
+        """actions (N, 4) -> obs, reward (N,), terminated (N,), truncated (N,), info; all on ``device``."""
+        act = torch.as_tensor(actions).to(self.device, torch.float64)
+        if act.shape != (self.num_envs, self.action_dim):
+            raise ValueError(f"actions must have shape ({self.num_envs}, {self.action_dim}), got {tuple(act.shape)}")
+        invalid = ~torch.isfinite(act).all(dim=1)
+        # A non-finite action holds the current end-effector pose instead of crashing the batch.
+        hold = torch.cat([self._ee().double(), torch.zeros_like(act[:, :1])], dim=1)
+        act = torch.where(invalid[:, None], hold, act).clamp(self._low, self._high)
+
+        self._ctrl.copy_(self._ik_control(act))
+        with self._warp_scope():
+            for _ in range(self.config.substeps):
+                mjw.step(self._m, self._d)
+            # mj_step leaves positions one integration ahead of the kinematics; forward makes
+            # site poses, jacobians and contacts match the new state, as the cpu backend's mj_forward.
+            mjw.forward(self._m, self._d)
+
+        self.episode_step += 1
+        success = self._success()
+        diverged = ~torch.isfinite(self._qpos).all(dim=1)
+        terminated = success | diverged
+        truncated = (self.episode_step >= self.max_episode_steps) & ~terminated
+        final_obs = self._observe()
+        done = terminated | truncated
+        # Host sync of N bools: the next episodes' initial states are drawn on the host.
+        done_worlds = torch.nonzero(done).flatten().cpu().numpy()
+        if len(done_worlds):
+            self._reset_worlds(done_worlds)
+        obs = self._observe() if len(done_worlds) else final_obs
+        info = {"success": success, "diverged": diverged, "invalid_actions": invalid, "final_obs": final_obs}
+        return obs, success.float(), terminated, truncated, info
+
+    def ee_positions(self) -> np.ndarray:
+        """(N, 3) end-effector (grasp site) positions, copied to the host for numpy experts."""
+        return self._ee().double().cpu().numpy()
+
+    def hold_actions(self) -> torch.Tensor:
+        """(N, 4) actions on ``device`` that keep every arm where it is and its gripper as commanded."""
+        grip = 1.0 - self._ctrl[:, 7:8] / 0.04
+        return torch.cat([self._ee(), grip], dim=1).float()
+
+    def privileged_state(self) -> dict[str, np.ndarray]:
+        """The task's privileged state of every world, for scripted experts: name -> (N, ...).
+
+        Host round-trip: each world's state is copied to a CPU MjData and read by the task.
+        """
+        worlds = self._host_worlds(range(self.num_envs))
+        per_world = [self.task.privileged_state(self.model, self._host) for _ in worlds]
+        return {name: np.stack([state[name] for state in per_world]) for name in per_world[0]}
+
+    def render(self, world: int = 0, camera: str | None = None, size: int = 256) -> np.ndarray:
+        """(size, size, 3) uint8 frame of one world, for videos (rendered on the host)."""
+        if size not in self._video_renderers:
+            self._video_renderers[size] = mujoco.Renderer(self.model, size, size)
+        renderer = self._video_renderers[size]
+        next(self._host_worlds([world]))
+        renderer.update_scene(self._host, camera or (self.config.cameras or ["front"])[0])
+        return renderer.render().copy()
+
+    def close(self) -> None:
+        for renderer in [self._renderer, *self._video_renderers.values()]:
+            if renderer is not None:
+                renderer.close()
+        self._renderer = None
+        self._video_renderers.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _warp_scope(self):
+        """Launch Warp work on the env's device and, on CUDA, on torch's current stream, so Warp
+        kernels and the torch ops around them run in order without explicit syncs."""
+        if self._wp_device.is_cuda:
+            return wp.ScopedStream(wp.stream_from_torch(self.device))
+        return wp.ScopedDevice(self._wp_device)
+
+    def _ee(self) -> torch.Tensor:
+        """(N, 3) float32 grasp-site positions on ``device``."""
+        return self._site_xpos[:, self._site]
+
+    def _reset_worlds(self, worlds: np.ndarray) -> None:
+        """Draw new episodes for ``worlds`` (host, the task's sampler) and upload them."""
+        states: dict[str, list[np.ndarray]] = {name: [] for name in self._state}
+        for i in worlds:
+            self.task.sample_initial_state(self.model, self._host, self._seeds[i])
+            for name, values in states.items():
+                values.append(getattr(self._host, name).copy())
+        self._upload(worlds, {name: np.stack(values) for name, values in states.items()})
+        self.episode_step[torch.as_tensor(worlds, device=self.device)] = 0
+
+    def _upload(self, worlds: np.ndarray, states: dict[str, np.ndarray]) -> None:
+        """Overwrite ``worlds`` (k,) with host states, MjData field name -> (k, ...) array (qpos,
+        qvel, ctrl, and mocap_pos, mocap_quat where the scene has mocap bodies), start their
+        solver cold and recompute the kinematics."""
+        idx = torch.as_tensor(worlds, device=self.device)
+        for name, target in self._state.items():
+            target[idx] = torch.as_tensor(states[name], dtype=target.dtype).to(self.device)
+        for target in self._cold:
+            target[idx] = 0.0
+        with self._warp_scope():
+            mjw.forward(self._m, self._d)  # the other worlds' kinematics are recomputed unchanged
+
+    def _host_worlds(self, worlds) -> Iterator[int]:
+        """Yield each of ``worlds`` after loading its state into the scratch MjData ``self._host``
+        with its kinematics computed. Host round-trip: one device-to-host copy for all of them."""
+        idx = torch.as_tensor(list(worlds), device=self.device)
+        states = {name: t[idx].cpu().numpy() for name, t in self._state.items()}
+        h = self._host
+        for k, world in enumerate(idx.tolist()):
+            for name, values in states.items():
+                getattr(h, name)[:] = values[k]
+            mujoco.mj_kinematics(self.model, h)
+            mujoco.mj_comPos(self.model, h)
+            mujoco.mj_camlight(self.model, h)
+            yield world
+
+    def _success(self) -> torch.Tensor:
+        """(N,) bool: the task's success rule on the device state."""
+        return self._success_rule(self.task, self.model, self._world)
+
+    def _ik_control(self, action: torch.Tensor) -> torch.Tensor:
+        """(N, 4) clipped float64 actions -> (N, nu) servo targets: one IK step per world (``sim.ik``).
+
+        The cpu backend's controller on the device: the grasp-site jacobian comes from Warp, the
+        damped least squares runs in float64 torch.
+        """
+        self._jac_point_t.copy_(self._ee())
+        with self._warp_scope():
+            mjw.jac(self._m, self._d, self._jacp, self._jacr, self._jac_point, self._jac_body)
+        jac = torch.cat([self._jacp_t[:, :, :7], self._jacr_t[:, :, :7]], dim=1).double()  # (N, 6, 7)
+        rot_err = orientation_error_torch(self._site_xmat[:, self._site].double(), self._target_rot)  # (N, 3)
+        q = self._qpos[:, :7].double()  # (N, 7)
+        pos_err = action[:, :3] - self._ee().double()  # (N, 3)
+        ctrl = torch.empty(self.num_envs, self.model.nu, dtype=torch.float64, device=self.device)
+        ctrl[:, :7] = ik_targets_torch(q, jac, pos_err, rot_err, self._home_q, self._arm_range)
+        ctrl[:, 7:9] = 0.04 * (1.0 - action[:, 3:4])  # finger opening per side
+        return ctrl
+
+    def _observe(self) -> dict[str, Any]:
+        obs: dict[str, Any] = {}
+        if self.config.cameras:
+            obs |= self._render_cameras()
+        qpos = self._qpos
+        gripper_width = qpos[:, 7:8] + qpos[:, 8:9]
+        obs[OBS_STATE] = torch.cat([qpos[:, :7], gripper_width, self._ee()], dim=1).float()  # (N, 11), a copy
+        obs[TASK] = [self.task.instruction] * self.num_envs
+        return obs
+
+    def _render_cameras(self) -> dict[str, torch.Tensor]:
+        """name -> (N, 3, S, S) images. Host round-trip: every world is copied to a CPU MjData and
+        rendered by MuJoCo's renderer, then the batch is moved to ``device``."""
+        n, size = self.num_envs, self.config.image_size
+        if self._renderer is None:
+            self._renderer = mujoco.Renderer(self.model, size, size)
+        frames = {cam: np.empty((n, size, size, 3), dtype=np.uint8) for cam in self.config.cameras}
+        for i in self._host_worlds(range(n)):
+            for cam in self.config.cameras:
+                self._renderer.update_scene(self._host, cam)
+                self._renderer.render(out=frames[cam][i])
+        return {
+            image_key(cam): torch.from_numpy(f).to(self.device).permute(0, 3, 1, 2).float().div_(255.0)
+            for cam, f in frames.items()
+        }

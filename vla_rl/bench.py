@@ -1,0 +1,406 @@
+"""`vla-rl bench sim`: env-steps/s of each simulator backend, against two baselines run alongside.
+
+For every N in ``num_envs`` (plus ``gpu_num_envs`` when a backend runs on a GPU), in the same
+process and run, with the same task, model, N and ``substeps`` physics steps per control step:
+
+- ``raw_rollout``: `mujoco.rollout` alone stepping N worlds of the task model with constant
+  controls and the same number of threads, no Python work per world. The physics ceiling.
+- ``gym_async``: gymnasium's `AsyncVectorEnv` over N :class:`GymTaskEnv` (one world each, one
+  worker process each): the same MJCF, the same IK controller (`sim.ik`), the same substeps.
+- each backend (``cpu``: `MujocoBatchedEnv`; ``warp``: MuJoCo Warp) through ``env.step``,
+  physics only (``EnvConfig.cameras=[]``) and, when ``include_render``, with the camera.
+
+Every method holds its worlds still with constant actions (each arm's current end-effector
+pose), times ``steps`` control steps after ``warmup_steps`` and reports env-steps/s = N x
+control steps / seconds, the fastest of ``repeats`` runs. Episodes never end during a
+measurement. Results go to JSON; the
+last line printed is ``sim_overhead_vs_rollout=<x> speedup_vs_gym_async=<y>`` where
+
+- sim_overhead_vs_rollout = raw_rollout / first backend, physics only, at the largest N
+  measured on CPU (1.0 = no overhead over the bare physics);
+- speedup_vs_gym_async = first backend / gym_async, physics only, at N = 16 (or the largest N
+  gym_async ran at, if 16 was not measured).
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import gymnasium
+import mujoco
+import numpy as np
+from mujoco import rollout
+from tqdm import tqdm
+
+from sim.ik import ik_targets, orientation_error
+from sim.tasks import get_task
+
+SPEEDUP_NUM_ENVS = 16  # N at which speedup_vs_gym_async is read
+# Most float64s one raw-rollout call writes out (nbatch x nstep x nstate); longer runs are split.
+MAX_ROLLOUT_OUTPUT = 8_000_000
+
+
+@dataclass
+class BenchSimConfig:
+    """Throughput of the batched simulators against mujoco.rollout and gymnasium's AsyncVectorEnv."""
+
+    task: str = "lift"  # task whose scene is stepped; see `sim.tasks.TASKS`
+    backends: list[str] = field(default_factory=lambda: ["cpu"])  # cpu and/or warp; the first gives the final line
+    num_envs: list[int] = field(default_factory=lambda: [1, 16, 256])  # world counts N measured
+    gpu_num_envs: list[int] = field(default_factory=lambda: [4096])  # extra N for backends on a CUDA device
+    steps: int = 40  # timed control steps per measurement; raise for steadier numbers
+    repeats: int = 3  # timed runs per measurement; the fastest counts (slower ones measured interference)
+    warmup_steps: int = 2  # untimed control steps before each measurement
+    substeps: int = 25  # physics steps per control step (0.002 s each)
+    num_threads: int = 0  # physics threads of the cpu backend and raw rollout; 0 = one per CPU core
+    include_render: bool = True  # also measure with the camera rendered every step (backends and gym)
+    render_max_envs: int = 256  # skip rendering measurements above this N (rendering dominates there)
+    gym_max_envs: int = 16  # skip gym_async above this N (it runs one process per world)
+    camera: str = "front"  # camera rendered in the with-render measurements
+    image_size: int = 64  # rendered image side, pixels
+    warp_device: str = "cuda"  # torch device of the warp backend
+    seed: int = 0  # seed of the initial states
+    output_json: str = "outputs/bench/sim.json"  # where the results are written
+
+
+# -- gymnasium baseline -------------------------------------------------------------------------
+
+
+class GymTaskEnv(gymnasium.Env):
+    """One world of a tabletop task as a plain `gymnasium.Env`: the baseline for `AsyncVectorEnv`.
+
+    The same scene, action, controller and physics as one world of `MujocoBatchedEnv`: a 4-D
+    end-effector target [x, y, z, grip] clipped to the workspace, one `sim.ik` step to servo
+    targets, ``substeps`` calls of ``mj_step``, then ``mj_forward`` so the next control step reads
+    the kinematics of the state reached. Observation: the (11,) state vector (7 joints, gripper
+    width, end-effector xyz), or with ``camera`` a dict of it and the (S, S, 3) uint8 image.
+    """
+
+    metadata = {"render_modes": []}
+    ACTION_LOW = np.array([0.25, -0.35, 0.0, 0.0])  # the same workspace as MujocoBatchedEnv
+    ACTION_HIGH = np.array([0.80, 0.35, 0.40, 1.0])
+
+    def __init__(
+        self,
+        task: str = "lift",
+        substeps: int = 25,
+        max_episode_steps: int = 0,
+        camera: str | None = None,
+        image_size: int = 64,
+    ):
+        self.task = get_task(task)
+        self.substeps = substeps
+        self.max_episode_steps = max_episode_steps or self.task.max_episode_steps
+        self.camera, self.image_size = camera, image_size
+        self.model = mujoco.MjModel.from_xml_path(self.task.xml_path())
+        self.data = mujoco.MjData(self.model)
+        self._renderer: mujoco.Renderer | None = None  # made at first use, inside the worker process
+        self._site = self.model.site("grasp").id
+        self._arm_range = self.model.jnt_range[:7].copy()
+        home = self.model.key("home")
+        self._home_q = home.qpos[:7].copy()
+        mujoco.mj_resetDataKeyframe(self.model, self.data, home.id)
+        mujoco.mj_forward(self.model, self.data)
+        self._target_rot = self.data.site_xmat[self._site].reshape(3, 3).copy()
+        self._jacp = np.zeros((3, self.model.nv))
+        self._jacr = np.zeros((3, self.model.nv))
+        self._t = 0
+        state_space = gymnasium.spaces.Box(-np.inf, np.inf, (11,), np.float32)
+        if camera is None:
+            self.observation_space = state_space
+        else:
+            image_space = gymnasium.spaces.Box(0, 255, (image_size, image_size, 3), np.uint8)
+            self.observation_space = gymnasium.spaces.Dict({"state": state_space, "image": image_space})
+        self.action_space = gymnasium.spaces.Box(self.ACTION_LOW, self.ACTION_HIGH, dtype=np.float64)
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None):
+        super().reset(seed=seed)
+        self.task.sample_initial_state(self.model, self.data, self.np_random)
+        mujoco.mj_forward(self.model, self.data)
+        self._t = 0
+        return self._observe(), {}
+
+    def step(self, action):
+        d, m = self.data, self.model
+        act = np.array(action, dtype=np.float64)
+        if not np.isfinite(act).all():  # hold the pose, as MujocoBatchedEnv does
+            act = np.array([*d.site_xpos[self._site], 0.0])
+        act = np.clip(act, self.ACTION_LOW, self.ACTION_HIGH)
+        mujoco.mj_jacSite(m, d, self._jacp, self._jacr, self._site)
+        jac = np.concatenate([self._jacp[:, :7], self._jacr[:, :7]])[None]  # (1, 6, 7)
+        rot_err = orientation_error(d.site_xmat[self._site].reshape(1, 3, 3), self._target_rot)
+        q = d.qpos[None, :7].copy()
+        pos_err = act[None, :3] - d.site_xpos[self._site]  # (1, 3)
+        d.ctrl[:7] = ik_targets(q, jac, pos_err, rot_err, self._home_q, self._arm_range)[0]
+        d.ctrl[7:9] = 0.04 * (1.0 - act[3])
+        # mujoco.rollout starts every call (every control step) from zero warm-start accelerations;
+        # doing the same here keeps this env's trajectories identical to the batched env's.
+        d.qacc_warmstart[:] = 0.0
+        mujoco.mj_step(m, d, nstep=self.substeps)
+        mujoco.mj_forward(m, d)
+        self._t += 1
+        success = self.task.is_success(m, d)
+        terminated = success or not np.isfinite(d.qpos).all()
+        truncated = self._t >= self.max_episode_steps and not terminated
+        return self._observe(), float(success), terminated, truncated, {"success": success}
+
+    def ee_position(self) -> np.ndarray:
+        """(3,) end-effector (grasp site) position."""
+        return self.data.site_xpos[self._site].copy()
+
+    def close(self):
+        if self._renderer is not None:
+            self._renderer.close()
+            self._renderer = None
+
+    def _observe(self):
+        d = self.data
+        state = np.empty(11, dtype=np.float32)
+        state[:7] = d.qpos[:7]
+        state[7] = d.qpos[7] + d.qpos[8]
+        state[8:] = d.site_xpos[self._site]
+        if self.camera is None:
+            return state
+        if self._renderer is None:
+            self._renderer = mujoco.Renderer(self.model, self.image_size, self.image_size)
+        self._renderer.update_scene(d, self.camera)
+        return {"state": state, "image": self._renderer.render()}
+
+
+# -- measurements -------------------------------------------------------------------------------
+
+
+def _timed(label: str, cfg: BenchSimConfig, n: int, step) -> tuple[float, float]:
+    """(env-steps/s, seconds) of ``cfg.steps`` calls of ``step()`` on N worlds: the fastest of
+    ``cfg.repeats`` runs (as timeit does: the slower runs measure other processes too)."""
+    best = float("inf")
+    with tqdm(total=cfg.steps * cfg.repeats, desc=label, unit="step", leave=False) as bar:
+        for _ in range(cfg.repeats):
+            start = time.perf_counter()
+            for _ in range(cfg.steps):
+                step()
+                bar.update()
+            best = min(best, time.perf_counter() - start)
+    return n * cfg.steps / best, best
+
+
+def _initial_states(task, model: mujoco.MjModel, n: int, seed: int) -> list[mujoco.MjData]:
+    """N worlds drawn from the task's reset distribution, each from its own stream of ``seed``."""
+    datas = []
+    for child in np.random.SeedSequence(seed).spawn(n):
+        d = mujoco.MjData(model)
+        task.sample_initial_state(model, d, np.random.default_rng(child))
+        mujoco.mj_forward(model, d)
+        datas.append(d)
+    return datas
+
+
+def raw_rollout_rate(cfg: BenchSimConfig, n: int) -> tuple[float, float]:
+    """(env-steps/s, seconds of the fastest run) of bare `mujoco.rollout` on N worlds, constant controls.
+
+    The controls are each world's servo targets and mocap poses at reset (the arm holds still).
+    The run is one rollout call per chunk of control steps, each continuing from the last state.
+    """
+    task = get_task(cfg.task)
+    model = mujoco.MjModel.from_xml_path(task.xml_path())
+    datas = _initial_states(task, model, n, cfg.seed)
+    state_spec = mujoco.mjtState.mjSTATE_FULLPHYSICS
+    control_spec = mujoco.mjtState.mjSTATE_CTRL | mujoco.mjtState.mjSTATE_MOCAP_POS | mujoco.mjtState.mjSTATE_MOCAP_QUAT
+    nstate = mujoco.mj_stateSize(model, state_spec)
+    state = np.empty((n, nstate))
+    control = np.empty((n, 1, mujoco.mj_stateSize(model, control_spec)))
+    for i, d in enumerate(datas):
+        mujoco.mj_getState(model, d, state[i], state_spec)
+        mujoco.mj_getState(model, d, control[i, 0], control_spec)
+    nthread = min(cfg.num_threads or os.cpu_count() or 1, n)
+    thread_data = [mujoco.MjData(model) for _ in range(nthread)]
+    chunk = max(1, min(cfg.steps, MAX_ROLLOUT_OUTPUT // (n * cfg.substeps * nstate)))
+
+    with rollout.Rollout(nthread=nthread) as runner:
+
+        def run(control_steps: int) -> None:
+            nonlocal state
+            out, _ = runner.rollout(
+                model, thread_data, state, control, control_spec=control_spec, nstep=cfg.substeps * control_steps
+            )
+            state = out[:, -1]
+
+        if cfg.warmup_steps:
+            run(cfg.warmup_steps)
+        calls = [chunk] * (cfg.steps // chunk) + ([cfg.steps % chunk] if cfg.steps % chunk else [])
+        best = float("inf")
+        with tqdm(total=cfg.steps * cfg.repeats, desc=f"raw_rollout N={n}", unit="step", leave=False) as bar:
+            for _ in range(cfg.repeats):
+                start = time.perf_counter()
+                for k in calls:
+                    run(k)
+                    bar.update(k)
+                best = min(best, time.perf_counter() - start)
+    return n * cfg.steps / best, best
+
+
+def gym_async_rate(cfg: BenchSimConfig, n: int, render: bool) -> tuple[float, float]:
+    """(env-steps/s, seconds) of gymnasium's AsyncVectorEnv over N one-world GymTaskEnv workers."""
+    make = partial(
+        GymTaskEnv, cfg.task, cfg.substeps, max_episode_steps=10**9,
+        camera=cfg.camera if render else None, image_size=cfg.image_size,
+    )  # fmt: skip
+    # forkserver: workers fork from a clean server process, not from this threaded one. The server
+    # imports this module once, so each worker starts in milliseconds instead of re-importing it.
+    multiprocessing.set_forkserver_preload([__name__])
+    envs = gymnasium.vector.AsyncVectorEnv([make] * n, context="forkserver")
+    try:
+        obs, _ = envs.reset(seed=cfg.seed)
+        state = obs["state"] if render else obs
+        hold = np.concatenate([state[:, 8:11].astype(np.float64), np.zeros((n, 1))], axis=1)  # (N, 4)
+        for _ in range(cfg.warmup_steps):
+            envs.step(hold)
+        return _timed(f"gym_async N={n}{' render' if render else ''}", cfg, n, lambda: envs.step(hold))
+    finally:
+        envs.close()
+
+
+def backend_rate(cfg: BenchSimConfig, backend: str, n: int, render: bool) -> tuple[float, float]:
+    """(env-steps/s, seconds) of ``env.step`` of one backend's batched env on N worlds."""
+    import torch
+
+    from sim.config import EnvConfig
+    from sim.factory import make_env
+
+    device = cfg.warp_device if backend == "warp" else "cpu"
+    env_cfg = EnvConfig(
+        task=cfg.task, backend=backend, device=device, num_envs=n, image_size=cfg.image_size,
+        cameras=[cfg.camera] if render else [], substeps=cfg.substeps, num_threads=cfg.num_threads,
+        max_episode_steps=10**9,
+    )  # fmt: skip
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+
+    def step() -> None:
+        env.step(hold)
+        sync()  # a GPU backend may return before its kernels finish
+
+    with make_env(env_cfg) as env:
+        env.reset(seed=cfg.seed)
+        hold = env.hold_actions()
+        for _ in range(cfg.warmup_steps):
+            step()
+        return _timed(f"{backend} N={n}{' render' if render else ''}", cfg, n, step)
+
+
+# -- the benchmark ------------------------------------------------------------------------------
+
+
+def bench_sim(cfg: BenchSimConfig) -> dict[str, Any]:
+    """Measure every method at every N (see the module docstring); write and return the results."""
+    import torch
+
+    from sim.factory import BACKENDS
+
+    if not cfg.backends:
+        raise ValueError("backends is empty; choose from: " + ", ".join(BACKENDS))
+    for backend in cfg.backends:
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown backend {backend!r}; valid backends: {', '.join(BACKENDS)}")
+    if cfg.steps < 1 or cfg.repeats < 1 or not cfg.num_envs or min(cfg.num_envs) < 1:
+        raise ValueError("steps and repeats must be >= 1 and num_envs a non-empty list of world counts >= 1")
+    get_task(cfg.task)  # unknown task names fail here, before any measurement
+
+    on_gpu = {b: b == "warp" and cfg.warp_device.startswith("cuda") for b in cfg.backends}
+    sizes = {b: sorted(set(cfg.num_envs) | (set(cfg.gpu_num_envs) if on_gpu[b] else set())) for b in cfg.backends}
+    all_sizes = sorted(set().union(*sizes.values()))
+
+    rows: list[dict[str, Any]] = []
+
+    def record(method: str, n: int, render: bool, measured: tuple[float, float]) -> None:
+        rate, seconds = measured
+        rows.append({"method": method, "num_envs": n, "render": render, "env_steps_per_s": round(rate, 1),
+                     "seconds": round(seconds, 6), "steps": cfg.steps, "repeats": cfg.repeats})  # fmt: skip
+
+    for n in all_sizes:
+        record("raw_rollout", n, False, raw_rollout_rate(cfg, n))
+        if n <= cfg.gym_max_envs:
+            record("gym_async", n, False, gym_async_rate(cfg, n, render=False))
+            if cfg.include_render and n <= cfg.render_max_envs:
+                record("gym_async", n, True, gym_async_rate(cfg, n, render=True))
+        for backend in cfg.backends:
+            if n not in sizes[backend]:
+                continue
+            record(backend, n, False, backend_rate(cfg, backend, n, render=False))
+            if cfg.include_render and n <= cfg.render_max_envs:
+                record(backend, n, True, backend_rate(cfg, backend, n, render=True))
+
+    result = {
+        "config": asdict(cfg),
+        "machine": {
+            "cpu_count": os.cpu_count(),
+            "physics_threads": cfg.num_threads or os.cpu_count(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "mujoco": mujoco.__version__,
+            "gymnasium": gymnasium.__version__,
+            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        },
+        "results": rows,
+        "summary": {b: _ratios(rows, b, on_gpu[b]) for b in cfg.backends},
+    }
+    out = Path(cfg.output_json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    return result
+
+
+def _rate(rows: list[dict], method: str, n: int, render: bool = False) -> float | None:
+    key = (method, n, render)
+    return next((r["env_steps_per_s"] for r in rows if (r["method"], r["num_envs"], r["render"]) == key), None)
+
+
+def _ratios(rows: list[dict], backend: str, on_gpu: bool) -> dict[str, Any]:
+    """The headline ratios of one backend (None where a side was not measured)."""
+    ours_n = {r["num_envs"] for r in rows if r["method"] == backend and not r["render"]}
+    raw_n = {r["num_envs"] for r in rows if r["method"] == "raw_rollout"} & ours_n
+    gym_n = {r["num_envs"] for r in rows if r["method"] == "gym_async" and not r["render"]} & ours_n
+    n_raw = max(raw_n, default=None)
+    n_gym = SPEEDUP_NUM_ENVS if SPEEDUP_NUM_ENVS in gym_n else max(gym_n, default=None)
+    overhead = _rate(rows, "raw_rollout", n_raw) / _rate(rows, backend, n_raw) if n_raw else None
+    speedup = _rate(rows, backend, n_gym) / _rate(rows, "gym_async", n_gym) if n_gym else None
+    return {
+        # raw rollout runs on the CPU: for a GPU backend this ratio compares against the CPU's physics ceiling
+        "sim_overhead_vs_rollout": round(overhead, 3) if overhead else None,
+        "overhead_num_envs": n_raw,
+        "speedup_vs_gym_async": round(speedup, 3) if speedup else None,
+        "speedup_num_envs": n_gym,
+        "on_gpu": on_gpu,
+    }
+
+
+def format_summary(result: dict[str, Any]) -> str:
+    """A human table of the results, then the final line of the first backend's ratios."""
+    rows = result["results"]
+    lines = [f"{'method':<12} {'N':>6} {'render':>6} {'env-steps/s':>12} {'vs raw_rollout':>15}"]
+    for r in rows:
+        raw = _rate(rows, "raw_rollout", r["num_envs"])
+        rel = f"{r['env_steps_per_s'] / raw:.2f}x" if raw else "-"
+        render = str(r["render"]).lower()
+        lines.append(f"{r['method']:<12} {r['num_envs']:>6} {render:>6} {r['env_steps_per_s']:>12.1f} {rel:>15}")
+    lines.append(f"results: {result['config']['output_json']}")
+    lines.append(final_line(result))
+    return "\n".join(lines)
+
+
+def final_line(result: dict[str, Any]) -> str:
+    """``sim_overhead_vs_rollout=<x> speedup_vs_gym_async=<y>`` of the first backend ("nan" if unmeasured)."""
+    s = result["summary"][result["config"]["backends"][0]]
+
+    def fmt(x):
+        return f"{x:.2f}" if x is not None else "nan"
+
+    overhead, speedup = fmt(s["sim_overhead_vs_rollout"]), fmt(s["speedup_vs_gym_async"])
+    return f"sim_overhead_vs_rollout={overhead} speedup_vs_gym_async={speedup}"
