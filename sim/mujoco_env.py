@@ -160,7 +160,11 @@ class MujocoBatchedEnv:
         self.episode_step += 1
         success = self._success.copy()
         qpos = final_state[:, self._qpos_in_state : self._qpos_in_state + self.model.nq]
-        diverged = ~np.isfinite(qpos).all(axis=1)
+        # MuJoCo resets an unstable world to qpos0 by itself (and warns); its clock restarting
+        # is how that shows in the rollout's output. Such a world is flagged and reset properly.
+        expected_time = self._init_state[:, 0] + self.config.substeps * self.model.opt.timestep
+        restarted = np.abs(final_state[:, 0] - expected_time) > 1e-6
+        diverged = ~np.isfinite(qpos).all(axis=1) | restarted
         terminated = success | diverged
         truncated = (self.episode_step >= self.max_episode_steps) & ~terminated
         final_obs = self._observe()

@@ -108,3 +108,16 @@ def test_truncation_and_autoreset():
 def test_unknown_task_lists_valid_names():
     with pytest.raises(ValueError, match="valid tasks: lift"):
         get_task("stack_blocks")
+
+
+def test_non_finite_world_is_reset_and_flagged(env):
+    env.reset(seed=0)
+    env.data[2].qvel[:] = float("nan")  # a world whose state blew up
+    others_before = env.ee_positions()[[0, 1, 3]].copy()
+    hold = torch.from_numpy(np.concatenate([env.ee_positions(), np.zeros((8, 1))], axis=1))
+    obs, _, terminated, truncated, info = env.step(hold)
+    assert info["diverged"].tolist() == [False, False, True] + [False] * 5
+    assert terminated[2] and not terminated[[0, 1, 3]].any()
+    assert env.episode_step.tolist() == [1, 1, 0, 1, 1, 1, 1, 1]  # only world 2 was reset
+    assert torch.isfinite(obs[OBS_STATE]).all()
+    np.testing.assert_allclose(env.ee_positions()[[0, 1, 3]], others_before, atol=0.01)  # the rest kept going
