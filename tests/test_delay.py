@@ -184,3 +184,21 @@ def test_mujoco_arm_holds_still_until_the_delayed_chunk_arrives():
             np.testing.assert_allclose(ee, start, atol=0.003)
         # From step 3 on it executes the chunk's last 5 actions and climbs toward the target.
         assert (env.ee_positions()[:, 2] > start[:, 2] + 0.05).all()
+
+
+def test_per_world_schedules_across_episode_ends():
+    """Random delays and episodes of 7 steps: every non-hold action still equals its own step index."""
+    env = CountingEnv(num_envs=3, length=7)
+    wrapper = DelayedChunkEnv(env, 6, 2, DelayModel(DelayConfig(kind="uniform", low=0, high=4, seed=3)))
+    obs, need = wrapper.reset()
+    truncations = 0
+    for _ in range(60):
+        steps = wrapper.obs_step
+        chunk = ActionChunk(torch.arange(6, dtype=torch.float32).repeat(3, 1)[..., None] + steps[:, None, None], steps)
+        obs, _, _, trunc, info, need = wrapper.step(chunk)
+        truncations += int(trunc.sum())
+    assert truncations >= 6
+    for i in range(3):
+        in_episode = [t % 7 for t in range(len(env.applied[i]))]
+        assert all(a == t for t, a in zip(in_episode, env.applied[i]) if a != -1)
+        assert sum(a != -1 for a in env.applied[i]) > len(env.applied[i]) // 3

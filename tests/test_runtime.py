@@ -234,3 +234,13 @@ def test_rejects_bad_delay_steps():
 def test_rejects_unknown_merge_mode():
     with pytest.raises(ValueError, match="merge must be one of"):
         ActionChunkExecutor(num_envs=1, action_dim=1, horizon=4, merge="average")
+
+
+def test_rows_outside_the_mask_may_hold_any_obs_step():
+    # Row 1 is not selected and its obs_step (99) is ahead of its step: it must be ignored, not rejected.
+    ex = ActionChunkExecutor(num_envs=2, action_dim=1, horizon=3)
+    actions = torch.tensor([[[1.0], [2.0], [3.0]], [[7.0], [8.0], [9.0]]])
+    ex.add_chunk(ActionChunk(actions, torch.tensor([0, 99])), env_mask=torch.tensor([True, False]))
+    emitted, valid = ex.next_action()
+    assert emitted[:, 0].tolist() == [1.0, 0.0]
+    assert valid.tolist() == [True, False]

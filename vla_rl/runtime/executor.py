@@ -100,8 +100,10 @@ class ActionChunkExecutor:
             raise ValueError(f"chunk horizon H must be in [1, {self.horizon}], got {H}")
         if not torch.isfinite(actions).all():
             raise ValueError("chunk actions contain NaN or inf")
-        lag = self.step - obs_step  # (B,) steps already emitted since the chunk's observation
-        if (mask & (lag < 0)).any():
+        # (B,) steps already emitted since the chunk's observation; rows outside the mask are not
+        # merged, and their obs_step may be anything (stale, or from an old episode).
+        lag = torch.where(mask, self.step - obs_step, 0)
+        if (lag < 0).any():
             # A chunk conditioned on a step not yet reached means the caller mixed up step counters
             # (e.g. a chunk from before a reset); its actions would land outside the window.
             raise ValueError(f"chunk obs_step {obs_step.tolist()} is ahead of executor step {self.step.tolist()}")
