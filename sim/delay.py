@@ -23,7 +23,6 @@ measured on a robot (seconds, converted with the control period and rounded up).
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any

@@ -22,6 +22,7 @@ import torch
 from mujoco import rollout
 
 from sim.config import EnvConfig
+from sim.render import Renderers
 from sim.ik import ik_targets, orientation_error
 from vla_rl.types import OBS_STATE, TASK, image_key
 
@@ -117,8 +118,7 @@ class MujocoBatchedEnv:
         self._models = [self.model] * self.num_envs
         self._jacp = np.zeros((self.num_envs, 3, self.model.nv))
         self._jacr = np.zeros((self.num_envs, 3, self.model.nv))
-        self._renderer: mujoco.Renderer | None = None
-        self._video_renderers: dict[int, mujoco.Renderer] = {}
+        self._renderers = Renderers(self.model)
         for cam in config.cameras:
             if mujoco.mj_name2id(self.model, mujoco.mjtObj.mjOBJ_CAMERA, cam) < 0:
                 raise ValueError(f"camera {cam!r} is not in the {config.task!r} scene; it has 'front'")
@@ -203,18 +203,10 @@ class MujocoBatchedEnv:
 
     def render(self, world: int = 0, camera: str | None = None, size: int = 256) -> np.ndarray:
         """(size, size, 3) uint8 frame of one world, for videos."""
-        if size not in self._video_renderers:
-            self._video_renderers[size] = mujoco.Renderer(self.model, size, size)
-        renderer = self._video_renderers[size]
-        renderer.update_scene(self.data[world], camera or (self.config.cameras or ["front"])[0])
-        return renderer.render().copy()
+        return self._renderers.frame(self.data[world], camera or (self.config.cameras or ["front"])[0], size).copy()
 
     def close(self) -> None:
-        for renderer in [self._renderer, *self._video_renderers.values()]:
-            if renderer is not None:
-                renderer.close()
-        self._renderer = None
-        self._video_renderers.clear()
+        self._renderers.close()
         if self._stepper is not None:
             self._stepper.shutdown()
         self._rollout.close()
@@ -319,13 +311,10 @@ class MujocoBatchedEnv:
     def _observe(self) -> dict[str, Any]:
         n, size = self.num_envs, self.config.image_size
         obs: dict[str, Any] = {}
-        if self._renderer is None and self.config.cameras:
-            self._renderer = mujoco.Renderer(self.model, size, size)
         for cam in self.config.cameras:
             frames = np.empty((n, size, size, 3), dtype=np.uint8)
             for i, d in enumerate(self.data):
-                self._renderer.update_scene(d, cam)
-                self._renderer.render(out=frames[i])
+                self._renderers.frame(d, cam, size, out=frames[i])
             obs[image_key(cam)] = torch.from_numpy(frames).permute(0, 3, 1, 2).float().div_(255.0)
         qpos = self._obs_qpos
         state = np.empty((n, self.state_dim), dtype=np.float32)

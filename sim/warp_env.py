@@ -25,6 +25,7 @@ import torch
 
 from sim.batched_success import SUCCESS_RULES, WorldTensors
 from sim.config import EnvConfig
+from sim.render import Renderers
 from sim.ik import ik_targets_torch, orientation_error_torch
 from sim.mujoco_env import STATE_NAMES, MujocoBatchedEnv
 from vla_rl.types import OBS_STATE, TASK, image_key
@@ -81,8 +82,7 @@ class WarpBatchedEnv:
             if mujoco.mj_name2id(self.model, mujoco.mjtObj.mjOBJ_CAMERA, cam) < 0:
                 raise ValueError(f"camera {cam!r} is not in the {config.task!r} scene; it has 'front'")
         self._host = mujoco.MjData(self.model)  # scratch world for resets, rendering and experts
-        self._renderer: mujoco.Renderer | None = None
-        self._video_renderers: dict[int, mujoco.Renderer] = {}
+        self._renderers = Renderers(self.model)
 
         self._site = self.model.site("grasp").id  # the end effector
         wp.init()  # idempotent; the device lookup below needs Warp's runtime
@@ -199,19 +199,11 @@ class WarpBatchedEnv:
 
     def render(self, world: int = 0, camera: str | None = None, size: int = 256) -> np.ndarray:
         """(size, size, 3) uint8 frame of one world, for videos (rendered on the host)."""
-        if size not in self._video_renderers:
-            self._video_renderers[size] = mujoco.Renderer(self.model, size, size)
-        renderer = self._video_renderers[size]
         next(self._host_worlds([world]))
-        renderer.update_scene(self._host, camera or (self.config.cameras or ["front"])[0])
-        return renderer.render().copy()
+        return self._renderers.frame(self._host, camera or (self.config.cameras or ["front"])[0], size).copy()
 
     def close(self) -> None:
-        for renderer in [self._renderer, *self._video_renderers.values()]:
-            if renderer is not None:
-                renderer.close()
-        self._renderer = None
-        self._video_renderers.clear()
+        self._renderers.close()
 
     def __enter__(self):
         return self
@@ -304,13 +296,10 @@ class WarpBatchedEnv:
         """name -> (N, 3, S, S) images. Host round-trip: every world is copied to a CPU MjData and
         rendered by MuJoCo's renderer, then the batch is moved to ``device``."""
         n, size = self.num_envs, self.config.image_size
-        if self._renderer is None:
-            self._renderer = mujoco.Renderer(self.model, size, size)
         frames = {cam: np.empty((n, size, size, 3), dtype=np.uint8) for cam in self.config.cameras}
         for i in self._host_worlds(range(n)):
             for cam in self.config.cameras:
-                self._renderer.update_scene(self._host, cam)
-                self._renderer.render(out=frames[cam][i])
+                self._renderers.frame(self._host, cam, size, out=frames[cam][i])
         return {
             image_key(cam): torch.from_numpy(f).to(self.device).permute(0, 3, 1, 2).float().div_(255.0)
             for cam, f in frames.items()

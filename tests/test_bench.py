@@ -72,7 +72,7 @@ def test_physics_only_observation_has_no_images_and_the_same_state():
             obs_seen, *_ = seen.step(actions)
             assert set(obs_bare) == {OBS_STATE, TASK}
             torch.testing.assert_close(obs_bare[OBS_STATE], obs_seen[OBS_STATE], rtol=0, atol=0)
-        assert bare._renderer is None  # nothing was rendered
+        assert not bare._renderers._by_size  # no renderer was ever made: nothing was rendered
         np.testing.assert_allclose(obs_bare[OBS_STATE][:, 8:].numpy(), bare.ee_positions(), atol=1e-6)
         assert (np.linalg.norm(bare.ee_positions() - start, axis=1) > 0.03).all()  # the arms moved
         assert bare.render(0, size=32).shape == (32, 32, 3)  # video frames still work

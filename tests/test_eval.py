@@ -1,5 +1,4 @@
 import json
-import math
 
 import imageio.v2 as imageio
 import pytest
@@ -43,14 +42,22 @@ def test_eval_writes_results_and_is_reproducible(tiny_checkpoint, tmp_path):
     assert again["per_episode"] == result["per_episode"]
 
 
-def test_eval_ensemble_mode_replans_every_step(tiny_checkpoint, tmp_path):
+def test_eval_ensemble_mode_replans_every_step(tiny_checkpoint, tmp_path, monkeypatch):
+    from policies.diffusion import DiffusionPolicy
+
+    calls = []
+    real = DiffusionPolicy.predict_chunk
+    monkeypatch.setattr(DiffusionPolicy, "predict_chunk", lambda self, obs, step=None: calls.append(step.tolist()) or real(self, obs, step))
     out, _ = tiny_checkpoint
     result = evaluate(EvalConfig(
         checkpoint=str(out), env=EnvConfig(num_envs=2, max_episode_steps=5), num_episodes=2, merge="ensemble",
         n_action_steps=1, video_episodes=0, output_dir=str(tmp_path),
     ))  # fmt: skip
     assert result["merge"] == "ensemble" and result["n_action_steps"] == 1
+    assert calls == [[t, t] for t in range(5)]  # a new chunk at every one of the 5 steps
     assert not (tmp_path / "rollouts.mp4").exists()
+    with pytest.raises(ValueError, match="merge must be one of"):
+        evaluate(EvalConfig(checkpoint=str(out), env=EnvConfig(num_envs=1), merge="average", output_dir=str(tmp_path)))
 
 
 def test_eval_rejects_mismatched_image_size(tiny_checkpoint, tmp_path):

@@ -78,7 +78,7 @@ def test_killed_run_resumes_to_the_same_result(tiny_dataset, tmp_path):
 
     resumed = subprocess.run(_train_cmd(dataset, run, 40, 10) + ["--resume=true"], env=env, capture_output=True, text=True)
     assert resumed.returncode == 0, resumed.stderr
-    assert f"resumed from" in resumed.stdout + resumed.stderr
+    assert "resumed from" in resumed.stdout + resumed.stderr
 
     a = json.loads((ref / "train_summary.json").read_text())
     b = json.loads((run / "train_summary.json").read_text())

@@ -41,6 +41,7 @@ from mujoco import rollout
 from tqdm import tqdm
 
 from sim.ik import ik_targets, orientation_error
+from sim.render import Renderers
 from sim.tasks import get_task
 
 SPEEDUP_NUM_ENVS = 16  # N at which speedup_vs_gym_async is read
@@ -102,7 +103,7 @@ class GymTaskEnv(gymnasium.Env):
         self.camera, self.image_size = camera, image_size
         self.model = mujoco.MjModel.from_xml_path(self.task.xml_path())
         self.data = mujoco.MjData(self.model)
-        self._renderer: mujoco.Renderer | None = None  # made at first use, inside the worker process
+        self._renderers = Renderers(self.model)  # a renderer is made at first use, inside the worker process
         self._site = self.model.site("grasp").id
         self._arm_range = self.model.jnt_range[:7].copy()
         home = self.model.key("home")
@@ -157,9 +158,7 @@ class GymTaskEnv(gymnasium.Env):
         return self.data.site_xpos[self._site].copy()
 
     def close(self):
-        if self._renderer is not None:
-            self._renderer.close()
-            self._renderer = None
+        self._renderers.close()
 
     def _observe(self):
         d = self.data
@@ -169,10 +168,7 @@ class GymTaskEnv(gymnasium.Env):
         state[8:] = d.site_xpos[self._site]
         if self.camera is None:
             return state
-        if self._renderer is None:
-            self._renderer = mujoco.Renderer(self.model, self.image_size, self.image_size)
-        self._renderer.update_scene(d, self.camera)
-        return {"state": state, "image": self._renderer.render()}
+        return {"state": state, "image": self._renderers.frame(d, self.camera, self.image_size)}
 
 
 # -- measurements -------------------------------------------------------------------------------

@@ -16,7 +16,6 @@ import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import get_args
 
 import numpy as np
 import torch
@@ -25,7 +24,6 @@ from tqdm import tqdm
 from sim.config import EnvConfig
 from sim.delay import DelayConfig
 from vla_rl.checkpoint import load_policy
-from vla_rl.runtime import MergeMode
 from vla_rl.types import TASK, ActionChunk
 
 
@@ -62,8 +60,6 @@ def evaluate(cfg: EvalConfig) -> dict:
     from sim.delay import DelayedChunkEnv, DelayModel
     from sim.factory import make_env
 
-    if cfg.merge not in get_args(MergeMode):
-        raise ValueError(f"merge must be one of {get_args(MergeMode)}, got {cfg.merge!r}")
     policy, ckpt = load_policy(cfg.checkpoint, device=cfg.device)
     torch.manual_seed(cfg.seed)  # diffusion sampling noise: the same seed gives the same rollouts
     pcfg = policy.config
@@ -83,7 +79,7 @@ def evaluate(cfg: EvalConfig) -> dict:
         # Chunks run through the same delay model and ActionChunkExecutor as RL and the robot bridge;
         # with the default zero delay this is plain chunked execution.
         delayed = DelayedChunkEnv(
-            recorder, pcfg.horizon, n_action_steps, DelayModel(cfg.delay), merge=cfg.merge,  # type: ignore[arg-type]
+            recorder, pcfg.horizon, n_action_steps, DelayModel(cfg.delay), merge=cfg.merge,  # type: ignore[arg-type]  (the executor validates it)
             ensemble_coeff=cfg.ensemble_coeff,
         )  # fmt: skip
         bar = tqdm(total=cfg.num_episodes, desc="eval", unit="ep")
