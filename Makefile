@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install --upgrade pip
-	$(VENV)/bin/pip install -e ".[dev,gpu]"
+	$(VENV)/bin/pip install -e ".[dev,gpu,ros,libero]"
 	touch $(STAMP)
 
 quickstart: $(STAMP)  ## install, then record -> train -> eval on the default lift task
