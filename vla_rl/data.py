@@ -46,8 +46,9 @@ def _as_uint8(images: torch.Tensor) -> torch.Tensor:
 class ChunkedDemos:
     """All frames of a dataset in memory.
 
-    images[cam]: (N, 3, S, S) uint8; state: (N, S_dim); action: (N, A); episode_end[i]: index one past
-    the last frame of frame i's episode; task[i]: instruction index into ``tasks``.
+    images[cam]: (N, 3, S, S) uint8; state: (N, S_dim); action: (N, A); episode[i]: episode index of
+    frame i; episode_end[i]: index one past the last frame of frame i's episode; task_index[i]:
+    instruction index into ``tasks``.
     """
 
     def __init__(self, dataset, cameras: list[str] | None = None):
@@ -65,7 +66,7 @@ class ChunkedDemos:
         self.images = {c: _as_uint8(table[f"{OBS_IMAGES}.{c}"]) for c in self.cameras}
         self.state = table[OBS_STATE].float()
         self.action = table[ACTION].float()
-        episode = table["episode_index"].long()
+        self.episode = episode = table["episode_index"].long()
         self.task_index = table["task_index"].long()
         tasks = dataset.meta.tasks  # pandas frame indexed by task string
         self.tasks = [str(t) for t in sorted(tasks.index, key=lambda t: int(tasks.loc[t, "task_index"]))]
@@ -92,3 +93,30 @@ class ChunkedDemos:
         batch["action_is_pad"] = offsets > last
         batch[TASK] = [self.tasks[i] for i in self.task_index[idx].tolist()]
         return batch
+
+
+class FrameSampler:
+    """Draws training frames: uniformly, or task-balanced (a task uniformly, then a frame of it).
+
+    Task balance keeps a multi-task dataset's rare tasks from being drowned by frequent or long
+    ones. frames: (M,) the frame indices to draw from (e.g. without held-out episodes); task_index:
+    (N,) of the whole dataset.
+    """
+
+    def __init__(self, frames: torch.Tensor, task_index: torch.Tensor, balanced: bool):
+        if len(frames) == 0:
+            raise ValueError("no frames to train on; lower val_episodes or record more episodes")
+        self.frames = frames
+        tasks = task_index[frames]
+        self.by_task = [frames[tasks == t] for t in tasks.unique().tolist()]
+        # With one task the two rules coincide; drawing only the frame keeps the random stream of
+        # a single-task run the same whichever rule is chosen.
+        self.balanced = balanced and len(self.by_task) > 1
+
+    def sample(self, n: int, generator: torch.Generator) -> torch.Tensor:
+        """(n,) frame indices."""
+        if not self.balanced:
+            return self.frames[torch.randint(0, len(self.frames), (n,), generator=generator)]
+        task = torch.randint(0, len(self.by_task), (n,), generator=generator).tolist()
+        u = torch.rand(n, generator=generator).tolist()
+        return torch.tensor([self.by_task[t][int(x * len(self.by_task[t]))].item() for t, x in zip(task, u)])

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +25,10 @@ class RecordConfig:
     """Record scripted demonstrations into a LeRobotDataset."""
 
     env: EnvConfig = field(default_factory=EnvConfig)  # the simulated task and batch size
-    num_episodes: int = 200  # successful episodes to record
+    num_episodes: int = 200  # successful episodes to record (per task when `tasks` is given)
+    # Several tasks into one multi-task dataset, num_episodes each, e.g. [lift,reach,push]; the tasks
+    # share the arm, cameras and features. Empty = env.task only.
+    tasks: list[str] = field(default_factory=list)
     output_dir: str = "outputs/quickstart/dataset"  # dataset root; must not exist unless overwrite=true
     repo_id: str = "local/vla_rl_lift"  # dataset name stored in its metadata
     seed: int = 0  # seed of the initial-state distribution
@@ -48,12 +51,17 @@ def dataset_features(env) -> dict:
 
 
 def record(cfg: RecordConfig) -> dict:
-    """Record ``cfg.num_episodes`` successful expert episodes; returns a summary dict."""
+    """Record ``cfg.num_episodes`` successful expert episodes of each task; returns a summary dict."""
     from lerobot.datasets.lerobot_dataset import LeRobotDataset
 
     from sim.factory import make_env
-    from sim.tasks import EXPERTS
+    from sim.tasks import EXPERTS, TASKS
     from vla_rl.data import video_backend
+
+    tasks = cfg.tasks or [cfg.env.task]
+    unknown = [t for t in tasks if t not in TASKS]
+    if unknown:
+        raise ValueError(f"unknown task(s) {unknown}; valid tasks: {', '.join(TASKS)}")
 
     out = Path(cfg.output_dir)
     if out.exists() and not cfg.overwrite:
@@ -63,49 +71,26 @@ def record(cfg: RecordConfig) -> dict:
     out.parent.mkdir(parents=True, exist_ok=True)
 
     start = time.time()
-    with make_env(cfg.env) as env:
-        expert = EXPERTS[cfg.env.task](env.num_envs)
-        ds = LeRobotDataset.create(
-            cfg.repo_id, fps=round(1 / env.control_dt), features=dataset_features(env), root=tmp,
-            robot_type="panda", use_videos=False, video_backend=video_backend(),
-        )  # fmt: skip
-        buffers: list[list[dict]] = [[] for _ in range(env.num_envs)]
-        obs = env.reset(seed=cfg.seed)
-        saved, failed, lengths = 0, 0, []
-        with tqdm(total=cfg.num_episodes, desc="record", unit="ep") as bar:
-            while saved < cfg.num_episodes:
-                actions = expert.act(env.ee_positions(), env.privileged_state())
-                next_obs, reward, terminated, truncated, info = env.step(torch.from_numpy(actions))
-                for i in range(env.num_envs):
-                    frame = {k: obs[k][i].permute(1, 2, 0).mul(255).round().to(torch.uint8).cpu().numpy()
-                             for k in obs if k.startswith("observation.images.")}  # fmt: skip
-                    frame[OBS_STATE] = obs[OBS_STATE][i].cpu().numpy()
-                    frame[ACTION] = actions[i].astype(np.float32)
-                    frame["next.reward"] = np.array([float(reward[i])], dtype=np.float32)
-                    frame["next.success"] = np.array([bool(info["success"][i])])
-                    frame["task"] = obs["task"][i]
-                    buffers[i].append(frame)
-                done = (terminated | truncated).cpu().numpy()
-                for i in np.flatnonzero(done):
-                    if info["success"][i] and saved < cfg.num_episodes:
-                        for frame in buffers[i]:
-                            ds.add_frame(frame)
-                        ds.save_episode()
-                        lengths.append(len(buffers[i]))
-                        saved += 1
-                        bar.update(1)
-                    elif not info["success"][i]:
-                        failed += 1
-                    buffers[i] = []
-                expert.reset(done)
-                obs = next_obs
-        ds.finalize()
+    ds, saved, failed, lengths = None, 0, 0, []
+    for task_number, task in enumerate(tasks):
+        with make_env(replace(cfg.env, task=task)) as env:
+            if ds is None:
+                ds = LeRobotDataset.create(
+                    cfg.repo_id, fps=round(1 / env.control_dt), features=dataset_features(env), root=tmp,
+                    robot_type="panda", use_videos=False, video_backend=video_backend(),
+                )  # fmt: skip
+            # Each task gets its own seed range, so tasks never share initial-state draws.
+            expert = EXPERTS[task](env.num_envs)
+            task_saved, task_failed = _record_task(env, expert, ds, cfg, cfg.seed + 1000 * task_number, lengths)
+            saved, failed = saved + task_saved, failed + task_failed
+    ds.finalize()
     if out.exists():
         shutil.rmtree(out)
     tmp.rename(out)
     summary = {
         "dataset": str(out),
         "episodes": saved,
+        "tasks": tasks,
         "frames": int(sum(lengths)),
         "expert_failures_discarded": failed,
         "expert_success_rate": saved / max(1, saved + failed),
@@ -115,3 +100,38 @@ def record(cfg: RecordConfig) -> dict:
     }
     (out / "meta" / "vla_rl_record.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def _record_task(env, expert, ds, cfg: RecordConfig, seed: int, lengths: list) -> tuple[int, int]:
+    """Add ``cfg.num_episodes`` successful episodes of env's task to ds; returns (saved, failed)."""
+    buffers: list[list[dict]] = [[] for _ in range(env.num_envs)]
+    obs = env.reset(seed=seed)
+    saved, failed = 0, 0
+    with tqdm(total=cfg.num_episodes, desc=f"record {env.config.task}", unit="ep") as bar:
+        while saved < cfg.num_episodes:
+            actions = expert.act(env.ee_positions(), env.privileged_state())
+            next_obs, reward, terminated, truncated, info = env.step(torch.from_numpy(actions))
+            for i in range(env.num_envs):
+                frame = {k: obs[k][i].permute(1, 2, 0).mul(255).round().to(torch.uint8).cpu().numpy()
+                         for k in obs if k.startswith("observation.images.")}  # fmt: skip
+                frame[OBS_STATE] = obs[OBS_STATE][i].cpu().numpy()
+                frame[ACTION] = actions[i].astype(np.float32)
+                frame["next.reward"] = np.array([float(reward[i])], dtype=np.float32)
+                frame["next.success"] = np.array([bool(info["success"][i])])
+                frame["task"] = obs["task"][i]
+                buffers[i].append(frame)
+            done = (terminated | truncated).cpu().numpy()
+            for i in np.flatnonzero(done):
+                if info["success"][i] and saved < cfg.num_episodes:
+                    for frame in buffers[i]:
+                        ds.add_frame(frame)
+                    ds.save_episode()
+                    lengths.append(len(buffers[i]))
+                    saved += 1
+                    bar.update(1)
+                elif not info["success"][i]:
+                    failed += 1
+                buffers[i] = []
+            expert.reset(done)
+            obs = next_obs
+    return saved, failed

@@ -3,6 +3,13 @@
 Checkpoints are atomic and hold everything ``--resume=true`` needs to continue the same run:
 step count, optimizer and LR schedule, EMA and raw weights, the sampling RNG and the loss
 curve. Ctrl-C writes a checkpoint at the current step before exiting.
+
+Level-2 minibatching (``--l2_copies=K``, Mini-Diffuser): each step draws batch_size / K frames,
+encodes each observation once and denoises K independently noised copies of its action chunk,
+so a step still has batch_size denoising samples but runs the encoder K times less.
+
+With ``--val_episodes=N`` the last N episodes are held out and a validation denoising loss (fixed
+frames, fixed noise and timesteps) is tracked; ``--stop_at_val_loss`` ends training once it is reached.
 """
 
 from __future__ import annotations
@@ -19,7 +26,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from policies.diffusion import DiffusionConfig, DiffusionPolicy
+from policies.config import PolicyConfig
+from policies.diffusion import DiffusionConfig
 from vla_rl.checkpoint import resolve_checkpoint, save_checkpoint
 from vla_rl.types import OBS_IMAGES, OBS_STATE
 
@@ -29,6 +37,9 @@ class DatasetConfig:
     root: str = "outputs/quickstart/dataset"  # local LeRobotDataset directory (meta/info.json inside)
     repo_id: str = ""  # dataset name; empty = local/<directory name>
     cameras: list[str] = field(default_factory=list)  # cameras to train on; empty = every camera in the dataset
+    # Frame sampling: task_balanced draws a task uniformly, then one of its frames (multi-task
+    # datasets); uniform draws any frame. Identical on a single-task dataset.
+    sampling: str = "task_balanced"
 
 
 @dataclass
@@ -36,10 +47,16 @@ class TrainConfig:
     """Train a diffusion policy by imitation on a LeRobotDataset."""
 
     dataset: DatasetConfig = field(default_factory=DatasetConfig)  # the LeRobotDataset to imitate
-    policy: DiffusionConfig = field(default_factory=DiffusionConfig)  # the diffusion policy's architecture
+    # The policy and its architecture: --policy.type=diffusion (small CNN + MLP, the default) or
+    # diffusion_vla (SigLIP encoders + DiT, DDPM or flow matching).
+    policy: PolicyConfig = field(default_factory=DiffusionConfig)
     output_dir: str = "outputs/quickstart/train"  # checkpoints, logs and the loss curve go here
     steps: int = 5000  # optimizer steps in total (a resumed run continues up to this number)
-    batch_size: int = 64  # samples per step per process
+    batch_size: int = 64  # denoising samples per step per process (= frames x l2_copies)
+    # Level-2 minibatching: noised copies of each frame's action chunk per step; the encoder runs
+    # on batch_size / l2_copies frames. 1 = conventional training. Needs a diffusion_vla policy
+    # when above 1.
+    l2_copies: int = 1
     lr: float = 1e-3  # peak learning rate (AdamW), cosine decay after warmup
     warmup_steps: int = 200  # linear LR warmup
     weight_decay: float = 1e-6  # AdamW weight decay
@@ -50,6 +67,10 @@ class TrainConfig:
     resume: bool = False  # continue from output_dir/checkpoints/last
     num_threads: int = 0  # torch CPU threads; 0 = all cores
     log_with: str = "tensorboard"  # accelerate tracker: tensorboard, wandb, or none
+    val_episodes: int = 0  # episodes held out (the dataset's last ones) for a validation loss; 0 = none
+    val_every: int = 250  # validation period in steps
+    val_frames: int = 256  # held-out frames in the validation loss (evenly spaced)
+    stop_at_val_loss: float = 0.0  # stop once the validation loss is at or below this; 0 = run all steps
 
 
 def random_shift(images: torch.Tensor, shift: int, generator: torch.Generator) -> torch.Tensor:
@@ -62,23 +83,41 @@ def random_shift(images: torch.Tensor, shift: int, generator: torch.Generator) -
     return torch.stack([padded[i, :, dy[i] : dy[i] + s, dx[i] : dx[i] + s] for i in range(b)])
 
 
-def build_policy(cfg: TrainConfig, demos, dataset) -> DiffusionPolicy:
-    from policies.diffusion.modeling import build_vocabulary
+def build_policy(cfg: TrainConfig, demos, dataset):
+    """The policy of ``cfg.policy`` sized from the dataset, with its normalization statistics.
+
+    Raises ValueError naming the fix when the config and the dataset disagree.
+    """
+    from policies import POLICY_TYPES
 
     pcfg = copy.deepcopy(cfg.policy)
-    pcfg.state_dim = demos.state.shape[1]
-    pcfg.action_dim = demos.action.shape[1]
+    state_dim, action_dim = demos.state.shape[1], demos.action.shape[1]
+    for name, expected in (("state_dim", state_dim), ("action_dim", action_dim)):
+        if getattr(pcfg, name) not in (0, expected):
+            raise ValueError(
+                f"policy.{name}={getattr(pcfg, name)} but the dataset's "
+                f"{'observation.state' if name == 'state_dim' else 'action'} has {expected} dimensions; "
+                f"drop --policy.{name} (it is set from the dataset)"
+            )
+    pcfg.state_dim, pcfg.action_dim = state_dim, action_dim
     pcfg.cameras = list(demos.cameras)
-    pcfg.vocabulary = build_vocabulary(demos.tasks)
     size = demos.images[demos.cameras[0]].shape[-1]
-    if pcfg.image_size != size:
-        raise ValueError(
-            f"dataset images are {size}x{size} but policy.image_size={pcfg.image_size}; "
-            f"set --policy.image_size={size}"
-        )
     if pcfg.n_action_steps > pcfg.horizon:
         raise ValueError(f"policy.n_action_steps={pcfg.n_action_steps} exceeds policy.horizon={pcfg.horizon}")
-    policy = DiffusionPolicy(pcfg)
+    if isinstance(pcfg, DiffusionConfig):
+        from policies.diffusion.modeling import build_vocabulary
+
+        pcfg.vocabulary = build_vocabulary(demos.tasks)
+        if pcfg.image_size != size:
+            raise ValueError(
+                f"dataset images are {size}x{size} but policy.image_size={pcfg.image_size}; "
+                f"set --policy.image_size={size}"
+            )
+    else:
+        from policies.diffusion.condition_encoder import word_vocabulary
+
+        pcfg.vocabulary = word_vocabulary(demos.tasks)  # the VLA resizes camera images to its image_size
+    policy = POLICY_TYPES[pcfg.type][1](pcfg)
     stats = dataset.meta.stats
     policy.set_normalization(
         stats[OBS_STATE]["mean"], stats[OBS_STATE]["std"], stats["action"]["min"], stats["action"]["max"]
@@ -86,12 +125,59 @@ def build_policy(cfg: TrainConfig, demos, dataset) -> DiffusionPolicy:
     return policy
 
 
+def check_batching(cfg: TrainConfig) -> int:
+    """Validate batch_size / l2_copies before anything is loaded; returns frames per step."""
+    k = cfg.l2_copies
+    if k < 1:
+        raise ValueError(f"l2_copies must be >= 1, got {k}")
+    if cfg.batch_size % k:
+        raise ValueError(
+            f"l2_copies={k} does not divide batch_size={cfg.batch_size}; batch_size counts denoising samples "
+            f"(frames x copies), so choose a batch_size that is a multiple of {k}"
+        )
+    if k > 1 and cfg.policy.type != "diffusion_vla":
+        raise ValueError(f"l2_copies={k} needs --policy.type=diffusion_vla (the {cfg.policy.type} policy has no copies)")
+    if cfg.dataset.sampling not in ("task_balanced", "uniform"):
+        raise ValueError(f"dataset.sampling must be task_balanced or uniform, got {cfg.dataset.sampling!r}")
+    return cfg.batch_size // k
+
+
+def split_episodes(demos, val_episodes: int, val_frames: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(train frame indices, validation frame indices): the last ``val_episodes`` episodes are held out."""
+    episodes = demos.episode.unique()
+    if val_episodes >= len(episodes):
+        raise ValueError(f"val_episodes={val_episodes} leaves no training episodes (the dataset has {len(episodes)})")
+    held_out = torch.isin(demos.episode, episodes[len(episodes) - val_episodes :]) if val_episodes else None
+    all_frames = torch.arange(len(demos))
+    if held_out is None:
+        return all_frames, all_frames[:0]
+    val = all_frames[held_out]
+    keep = torch.linspace(0, len(val) - 1, min(val_frames, len(val))).round().long()
+    return all_frames[~held_out], val[keep]
+
+
+@torch.no_grad()
+def validation_loss(policy, demos, frames: torch.Tensor, horizon: int, seed: int = 1234) -> float:
+    """Denoising loss on fixed frames with fixed noise and timesteps (one copy each), batched by 64."""
+    generator = torch.Generator().manual_seed(seed)
+    was_training = policy.training
+    policy.eval()
+    total, count = 0.0, 0
+    for part in frames.split(64):
+        batch = {k: v.to(policy.state_mean.device) if torch.is_tensor(v) else v for k, v in demos.batch(part, horizon).items()}
+        total += policy(batch, generator).item() * len(part)
+        count += len(part)
+    policy.train(was_training)
+    return total / max(count, 1)
+
+
 def train(cfg: TrainConfig) -> dict:
     from accelerate import Accelerator
     from diffusers.optimization import get_scheduler
 
-    from vla_rl.data import ChunkedDemos, open_dataset
+    from vla_rl.data import ChunkedDemos, FrameSampler, open_dataset
 
+    frames_per_step = check_batching(cfg)
     torch.set_num_threads(cfg.num_threads or os.cpu_count() or 1)
     out = Path(cfg.output_dir)
     ckpt_dir = out / "checkpoints"
@@ -105,6 +191,8 @@ def train(cfg: TrainConfig) -> dict:
     accelerator = Accelerator(log_with=trackers or None, project_dir=str(out))
     dataset = open_dataset(cfg.dataset.root, cfg.dataset.repo_id or None)
     demos = ChunkedDemos(dataset, cfg.dataset.cameras or None)
+    train_frames, val_frames = split_episodes(demos, cfg.val_episodes, cfg.val_frames)
+    sampler = FrameSampler(train_frames, demos.task_index, balanced=cfg.dataset.sampling == "task_balanced")
     torch.manual_seed(cfg.seed)  # weight initialization; the same seed builds the same network
     policy = build_policy(cfg, demos, dataset)
     ema = copy.deepcopy(policy).requires_grad_(False) if cfg.ema_decay > 0 else None
@@ -112,6 +200,7 @@ def train(cfg: TrainConfig) -> dict:
     scheduler = get_scheduler("cosine", optimizer, num_warmup_steps=cfg.warmup_steps, num_training_steps=cfg.steps)
     generator = torch.Generator().manual_seed(cfg.seed + accelerator.process_index)
     step, history = 0, []
+    val_history, train_seconds = [], 0.0  # [[step, training seconds, validation loss]]; seconds exclude validation
 
     if cfg.resume:
         ckpt = resolve_checkpoint(ckpt_dir)
@@ -123,15 +212,16 @@ def train(cfg: TrainConfig) -> dict:
         scheduler.load_state_dict(state["scheduler"])
         generator.set_state(state["generator"])
         step, history = state["step"], state["history"]
+        val_history, train_seconds = state.get("val_history", []), state.get("train_seconds", 0.0)
         if accelerator.is_main_process:
             print(f"resumed from {ckpt} at step {step}", file=sys.stderr)
 
     policy, optimizer = accelerator.prepare(policy, optimizer)
     raw_policy = accelerator.unwrap_model(policy)
     if trackers:
-        accelerator.init_trackers("train", config=_flat(asdict(cfg)))
+        accelerator.init_trackers("train", config=_flat(_config_dict(cfg)))
     out.mkdir(parents=True, exist_ok=True)
-    (out / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2))
+    (out / "train_config.json").write_text(json.dumps(_config_dict(cfg), indent=2))
 
     def checkpoint(at_step: int) -> Path | None:
         if not accelerator.is_main_process:
@@ -144,22 +234,34 @@ def train(cfg: TrainConfig) -> dict:
             "generator": generator.get_state(),
             "step": at_step,
             "history": history,
+            "val_history": val_history,
+            "train_seconds": train_seconds,
         }
-        meta = {"dataset": str(cfg.dataset.root), "dataset_frames": len(demos), "train_config": asdict(cfg)}
+        meta = {"dataset": str(cfg.dataset.root), "dataset_frames": len(demos), "train_config": _config_dict(cfg)}
         return save_checkpoint(ckpt_dir, at_step, ema if ema is not None else raw_policy, meta, state)
 
+    def validate() -> bool:
+        """Log the validation loss; True when it reached the stopping target."""
+        loss = validation_loss(ema if ema is not None else raw_policy, demos, val_frames, raw_policy.config.horizon)
+        val_history.append([step, round(train_seconds, 3), loss])
+        if trackers:
+            accelerator.log({"val_loss": loss}, step=step)
+        return cfg.stop_at_val_loss > 0 and loss <= cfg.stop_at_val_loss
+
     device = accelerator.device
+    copies = {"copies": cfg.l2_copies} if cfg.l2_copies > 1 else {}
     start, window = time.time(), []
     bar = tqdm(total=cfg.steps, initial=step, desc="train", unit="step", disable=not accelerator.is_main_process)
     try:
         while step < cfg.steps:
-            idx = torch.randint(0, len(demos), (cfg.batch_size,), generator=generator)
+            step_start = time.perf_counter()
+            idx = sampler.sample(frames_per_step, generator)
             batch = demos.batch(idx, raw_policy.config.horizon)
             for key in [k for k in batch if k.startswith(OBS_IMAGES)]:
                 batch[key] = random_shift(batch[key], raw_policy.config.crop_shift, generator)
             batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
             policy.train()
-            loss = policy(batch, generator)  # forward() is the training loss, so DDP syncs gradients
+            loss = policy(batch, generator, **copies)  # forward() is the training loss, so DDP syncs gradients
             if not math.isfinite(loss.item()):
                 raise FloatingPointError(f"loss became {loss.item()} at step {step}; lower --lr and --resume=true")
             optimizer.zero_grad(set_to_none=True)
@@ -172,6 +274,7 @@ def train(cfg: TrainConfig) -> dict:
                     for e, p in zip(ema.parameters(), raw_policy.parameters()):
                         e.lerp_(p, 1.0 - cfg.ema_decay)
             step += 1
+            train_seconds += time.perf_counter() - step_start
             window.append(loss.item())
             bar.update(1)
             if step % cfg.log_every == 0 or step == cfg.steps:
@@ -181,6 +284,10 @@ def train(cfg: TrainConfig) -> dict:
                 bar.set_postfix(loss=f"{mean:.4f}", lr=f"{scheduler.get_last_lr()[0]:.1e}")
                 if trackers:
                     accelerator.log({"loss": mean, "lr": scheduler.get_last_lr()[0]}, step=step)
+            if len(val_frames) and (step % cfg.val_every == 0 or step == cfg.steps):
+                if validate():
+                    bar.set_postfix(val_loss=f"{val_history[-1][2]:.4f}", stop="target reached")
+                    break
             if step % cfg.save_every == 0 and step < cfg.steps:
                 checkpoint(step)
     except KeyboardInterrupt:
@@ -198,6 +305,8 @@ def train(cfg: TrainConfig) -> dict:
         "steps": step,
         "final_loss": history[-1][1] if history else None,
         "loss_curve": history,
+        "val_curve": val_history,  # [step, training seconds, validation loss]
+        "train_seconds": round(train_seconds, 2),
         "seconds_this_run": round(time.time() - start, 1),
         "dataset_frames": len(demos),
         "dataset_episodes": dataset.num_episodes,
@@ -206,6 +315,13 @@ def train(cfg: TrainConfig) -> dict:
         (out / "train_summary.json").write_text(json.dumps(summary, indent=2))
         _plot_loss(history, out / "loss.png")
     return summary
+
+
+def _config_dict(cfg: TrainConfig) -> dict:
+    """asdict(cfg) plus the policy's type, which asdict leaves out."""
+    d = asdict(cfg)
+    d["policy"] = {"type": cfg.policy.type, **d["policy"]}
+    return d
 
 
 def _flat(d: dict, prefix: str = "") -> dict:

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from policies.config import PolicyConfig
 
+
+@PolicyConfig.register_subclass("diffusion")
 @dataclass
-class DiffusionConfig:
+class DiffusionConfig(PolicyConfig):
     """Diffusion policy: denoises an action chunk of `horizon` steps given image, state and instruction."""
 
     horizon: int = 16  # action steps predicted per chunk (H)

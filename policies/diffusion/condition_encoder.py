@@ -1,0 +1,120 @@
+"""Observation -> condition tokens for the diffusion action expert.
+
+Images go through a SigLIP vision tower (one tower shared by all cameras, plus a learned camera
+embedding), the instruction through a SigLIP text tower, the normalized state through a linear
+layer. Every token is projected to the DiT width:
+
+    tokens (B, L, dim) = [camera_1 patches | ... | camera_n patches | instruction tokens | state]
+    mask   (B, L) bool, False on instruction padding
+
+The towers are built from config with random weights, or loaded from a local pretrained SigLIP
+directory (weights and tokenizer). Without a pretrained tokenizer, instructions are split into
+words over the dataset's vocabulary.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from policies.diffusion.configuration_vla import DiffusionVLAConfig
+
+PAD_WORD, UNKNOWN_WORD = "<pad>", "<unk>"
+
+
+def word_vocabulary(instructions: list[str]) -> list[str]:
+    """The word-level vocabulary of a set of instructions; ids 0 and 1 are padding and unknown."""
+    return [PAD_WORD, UNKNOWN_WORD] + sorted({w for text in instructions for w in _words(text)})
+
+
+def _words(text: str) -> list[str]:
+    return re.findall(r"[a-z0-9]+", text.lower())
+
+
+class WordTokenizer:
+    """Instruction strings -> (input_ids (B, T) long, attention_mask (B, T) long), padded to max_tokens."""
+
+    def __init__(self, vocabulary: list[str], max_tokens: int):
+        if vocabulary[:2] != [PAD_WORD, UNKNOWN_WORD]:
+            raise ValueError("the vocabulary must start with <pad>, <unk>; build it with word_vocabulary()")
+        self.index = {w: i for i, w in enumerate(vocabulary)}
+        self.max_tokens = max_tokens
+
+    def __call__(self, instructions: list[str], device) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = torch.zeros(len(instructions), self.max_tokens, dtype=torch.long)
+        for row, text in enumerate(instructions):
+            words = (_words(text) or [UNKNOWN_WORD])[: self.max_tokens]
+            ids[row, : len(words)] = torch.tensor([self.index.get(w, 1) for w in words])
+        return ids.to(device), (ids != 0).long().to(device)
+
+
+class ConditionEncoder(nn.Module):
+    """Observation batch -> (tokens (B, L, dim), mask (B, L) bool). See the module docstring."""
+
+    def __init__(self, config: DiffusionVLAConfig):
+        super().__init__()
+        from transformers import SiglipTextConfig, SiglipTextModel, SiglipVisionConfig, SiglipVisionModel
+
+        cfg = config
+        if cfg.pretrained_encoder:
+            from transformers import AutoTokenizer
+
+            self.vision = SiglipVisionModel.from_pretrained(cfg.pretrained_encoder)
+            self.text = SiglipTextModel.from_pretrained(cfg.pretrained_encoder)
+            hf_tokenizer = AutoTokenizer.from_pretrained(cfg.pretrained_encoder)
+            self.tokenize = lambda texts, device: _hf_tokenize(hf_tokenizer, texts, cfg.max_text_tokens, device)
+        else:
+            mlp = int(cfg.mlp_ratio)
+            self.vision = SiglipVisionModel(SiglipVisionConfig(
+                hidden_size=cfg.vision_width, intermediate_size=mlp * cfg.vision_width,
+                num_hidden_layers=cfg.vision_layers, num_attention_heads=cfg.heads,
+                image_size=cfg.image_size, patch_size=cfg.patch_size, vision_use_head=False,
+            ))  # fmt: skip
+            vocabulary = cfg.vocabulary or [PAD_WORD, UNKNOWN_WORD]
+            self.text = SiglipTextModel(SiglipTextConfig(
+                vocab_size=len(vocabulary), hidden_size=cfg.text_width, intermediate_size=mlp * cfg.text_width,
+                num_hidden_layers=cfg.text_layers, num_attention_heads=cfg.heads,
+                max_position_embeddings=cfg.max_text_tokens, pad_token_id=0,
+            ))  # fmt: skip
+            self.tokenize = WordTokenizer(vocabulary, cfg.max_text_tokens)
+        self.image_size = self.vision.config.image_size
+        self.cameras = list(cfg.cameras)
+        self.vision_proj = nn.Linear(self.vision.config.hidden_size, cfg.dim)
+        self.camera_embedding = nn.Parameter(torch.zeros(len(self.cameras), 1, cfg.dim))
+        self.text_proj = nn.Linear(self.text.config.hidden_size, cfg.dim)
+        self.state_proj = nn.Linear(cfg.state_dim, cfg.dim)
+        self.out_norm = nn.LayerNorm(cfg.dim)
+
+    def forward(self, images: list[torch.Tensor], state: torch.Tensor, instructions: list[str]):
+        """images: per camera (B, 3, S, S) in [0, 1]; state (B, state_dim), normalized; B instructions."""
+        b = state.shape[0]
+        pixels = torch.cat([self._resize(img) for img in images]) * 2.0 - 1.0  # (n_cam * B, 3, s, s), SigLIP range
+        patches = self.vision_proj(self.vision(pixel_values=pixels).last_hidden_state)  # (n_cam * B, P, dim)
+        patches = patches.unflatten(0, (len(images), b)) + self.camera_embedding[:, None]  # (n_cam, B, P, dim)
+        vision_tokens = patches.permute(1, 0, 2, 3).flatten(1, 2)  # (B, n_cam * P, dim)
+        ids, attention = self.tokenize(instructions, state.device)
+        text_tokens = self.text_proj(self.text(input_ids=ids, attention_mask=attention).last_hidden_state)  # (B, T, dim)
+        state_token = self.state_proj(state)[:, None]  # (B, 1, dim)
+        tokens = self.out_norm(torch.cat([vision_tokens, text_tokens, state_token], 1))
+        mask = torch.cat([
+            torch.ones(vision_tokens.shape[:2], dtype=torch.bool, device=state.device),
+            attention.bool(),
+            torch.ones(b, 1, dtype=torch.bool, device=state.device),
+        ], 1)  # fmt: skip
+        return tokens, mask
+
+    def _resize(self, image: torch.Tensor) -> torch.Tensor:
+        if image.shape[-1] == self.image_size and image.shape[-2] == self.image_size:
+            return image
+        return F.interpolate(image, size=(self.image_size, self.image_size), mode="bilinear", antialias=True)
+
+
+def _hf_tokenize(tokenizer, instructions: list[str], max_tokens: int, device):
+    enc = tokenizer(list(instructions), padding="max_length", truncation=True, max_length=max_tokens, return_tensors="pt")
+    ids = enc["input_ids"]
+    # SigLIP tokenizers return no attention mask; padding positions are the pad id.
+    attention = enc.get("attention_mask", (ids != tokenizer.pad_token_id).long())
+    return ids.to(device), attention.to(device)

@@ -1,0 +1,201 @@
+"""A vision-language diffusion/flow VLA: condition encoder + DiT action expert.
+
+Training takes B conditions and K noised copies of each condition's action chunk (Mini-Diffuser
+Level-2 minibatching): the encoder runs B times, the DiT B*K times. K = 1 is conventional training.
+
+Objectives (``config.objective``):
+
+- ``ddpm``: epsilon prediction with diffusers' DDPMScheduler noise; sampling with DDIM or DDPM.
+- ``flow``: flow matching with x_t = t * noise + (1 - t) * action, t in [0, 1], regressing the
+  velocity noise - action; sampling integrates from t = 1 to 0 with Euler steps. Flow sampling
+  can inpaint toward a previous chunk (real-time chunking guidance), see ``predict_chunk``.
+
+Actions are normalized to [-1, 1] with the dataset min/max and states to zero mean, unit variance;
+the statistics are buffers, so they travel inside every checkpoint's weights.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from diffusers import DDIMScheduler, DDPMScheduler
+from torch import nn
+
+from policies.diffusion.condition_encoder import ConditionEncoder
+from policies.diffusion.configuration_vla import DiffusionVLAConfig
+from policies.diffusion.dit import DiT
+from vla_rl.types import ACTION, OBS_STATE, TASK, ActionChunk, image_key
+
+
+class DiffusionVLAPolicy(nn.Module):
+    """Implements `vla_rl.types.Policy`: observation batch -> ActionChunk (B, horizon, action_dim)."""
+
+    policy_type = "diffusion_vla"
+
+    def __init__(self, config: DiffusionVLAConfig):
+        super().__init__()
+        config.validate()
+        if config.state_dim < 1 or config.action_dim < 1 or not config.cameras:
+            raise ValueError("DiffusionVLAConfig needs state_dim, action_dim and cameras (they come from the dataset)")
+        self.config = cfg = config
+        self.encoder = ConditionEncoder(cfg)
+        self.dit = DiT(cfg.action_dim, cfg.horizon, cfg.dim, cfg.depth, cfg.heads, cfg.mlp_ratio)
+        self.register_buffer("state_mean", torch.zeros(cfg.state_dim))
+        self.register_buffer("state_std", torch.ones(cfg.state_dim))
+        self.register_buffer("action_min", -torch.ones(cfg.action_dim))
+        self.register_buffer("action_max", torch.ones(cfg.action_dim))
+        sched = dict(num_train_timesteps=cfg.num_train_timesteps, beta_schedule=cfg.beta_schedule, clip_sample=True)
+        self.train_scheduler = DDPMScheduler(**sched, prediction_type="epsilon")
+        sampler = DDIMScheduler if cfg.ddpm_sampler == "ddim" else DDPMScheduler
+        self.sample_scheduler = sampler(**sched, prediction_type="epsilon")
+
+    @property
+    def supports_inpainting(self) -> bool:
+        """Whether ``predict_chunk`` accepts ``inpaint`` (real-time chunking guidance): flow sampling only."""
+        return self.config.objective == "flow"
+
+    # -- normalization ------------------------------------------------------------------------
+
+    def set_normalization(self, state_mean, state_std, action_min, action_max) -> None:
+        """Copy dataset statistics into the buffers; near-constant dimensions are guarded."""
+        self.state_mean.copy_(torch.as_tensor(state_mean))
+        self.state_std.copy_(torch.as_tensor(state_std).clamp_min(1e-3))
+        lo, hi = torch.as_tensor(action_min), torch.as_tensor(action_max)
+        pad = ((1e-3 - (hi - lo)) / 2).clamp_min(0)  # widen a constant action dim to a 1e-3 range
+        self.action_min.copy_(lo - pad)
+        self.action_max.copy_(hi + pad)
+
+    def normalize_action(self, a: torch.Tensor) -> torch.Tensor:
+        return (a - self.action_min) / (self.action_max - self.action_min) * 2 - 1
+
+    def unnormalize_action(self, a: torch.Tensor) -> torch.Tensor:
+        return (a + 1) / 2 * (self.action_max - self.action_min) + self.action_min
+
+    # -- conditioning -------------------------------------------------------------------------
+
+    def encode_observation(self, obs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """Observation batch -> condition tokens (B, L, dim) and mask (B, L). Validates the input."""
+        self.check_observation(obs)
+        state = (obs[OBS_STATE] - self.state_mean) / self.state_std
+        images = [obs[image_key(cam)] for cam in self.config.cameras]
+        return self.encoder(images, state, list(obs[TASK]))
+
+    def check_observation(self, obs: dict) -> None:
+        cfg = self.config
+        state = obs.get(OBS_STATE)
+        if state is None or state.ndim != 2 or state.shape[1] != cfg.state_dim:
+            got = None if state is None else tuple(state.shape)
+            raise ValueError(f"{OBS_STATE} must be (B, {cfg.state_dim}), got {got}")
+        b = state.shape[0]
+        for cam in cfg.cameras:
+            img = obs.get(image_key(cam))
+            if img is None:
+                raise ValueError(f"missing {image_key(cam)}: this policy was trained with cameras {cfg.cameras}")
+            if img.ndim != 4 or img.shape[0] != b or img.shape[1] != 3:
+                raise ValueError(f"{image_key(cam)} must be ({b}, 3, H, W) in [0, 1], got {tuple(img.shape)}")
+            if not torch.isfinite(img).all():
+                raise ValueError(f"{image_key(cam)} contains NaN or inf")
+        if not torch.isfinite(state).all():
+            raise ValueError(f"{OBS_STATE} contains NaN or inf")
+        if TASK not in obs or len(obs[TASK]) != b:
+            raise ValueError(f"'{TASK}' must be a list of {b} instruction strings")
+
+    # -- training -----------------------------------------------------------------------------
+
+    def forward(self, batch: dict, generator: torch.Generator | None = None, copies: int = 1) -> torch.Tensor:
+        """Denoising loss with Level-2 minibatching; the scalar mean over all B*K samples.
+
+        batch: observation keys of B conditions + ``action`` (B, H, A) + ``action_is_pad`` (B, H).
+        copies: K noised copies of each condition's chunk, each with its own noise and timestep.
+        """
+        actions = batch[ACTION]
+        cfg = self.config
+        if actions.ndim != 3 or actions.shape[1:] != (cfg.horizon, cfg.action_dim):
+            raise ValueError(f"batch actions must be (B, {cfg.horizon}, {cfg.action_dim}), got {tuple(actions.shape)}")
+        if not torch.isfinite(actions).all():
+            raise ValueError("the training batch has NaN or inf actions; check the dataset")
+        cond, cond_mask = self.encode_observation(batch)  # once per condition, not per copy
+        b = actions.shape[0]
+        target = self.normalize_action(actions)[:, None].expand(b, copies, -1, -1)  # (B, K, H, A), a view
+        noise = torch.randn(target.shape, generator=generator, device=target.device)
+        if cfg.objective == "flow":
+            t = torch.rand(b, copies, generator=generator, device=target.device)  # (B, K)
+            tt = t[..., None, None]
+            noisy = tt * noise + (1 - tt) * target
+            regress = noise - target
+            prediction = self.dit(noisy, t, cond, cond_mask)
+        else:
+            steps = torch.randint(0, cfg.num_train_timesteps, (b, copies), generator=generator, device=target.device)
+            # diffusers expects one timestep per leading index, so flatten (B, K) for the call.
+            noisy = self.train_scheduler.add_noise(target.flatten(0, 1), noise.flatten(0, 1), steps.flatten())
+            noisy = noisy.unflatten(0, (b, copies))
+            regress = noise
+            prediction = self.dit(noisy, steps.float(), cond, cond_mask)
+        err = F.mse_loss(prediction, regress, reduction="none").mean(-1)  # (B, K, H)
+        valid = (~batch["action_is_pad"])[:, None].expand_as(err)
+        return (err * valid).sum() / valid.sum().clamp_min(1)
+
+    # -- inference ----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def predict_chunk(
+        self,
+        obs: dict,
+        obs_step: torch.Tensor | None = None,
+        inpaint: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> ActionChunk:
+        """obs batch of size B -> ActionChunk (B, horizon, action_dim) in dataset units.
+
+        inpaint: (target (B, H, A) in dataset units, weights (B, H) in [0, 1]), flow only. Sampling is
+        guided so that the chunk's steps with weight 1 follow the target and the rest are free
+        (real-time chunking, Black et al. 2025: pseudo-inverse guidance on the predicted clean chunk,
+        with the guidance weight clipped at ``rtc_max_guidance``).
+        """
+        cond, cond_mask = self.encode_observation(obs)
+        b, cfg = cond.shape[0], self.config
+        x = torch.randn(b, 1, cfg.horizon, cfg.action_dim, device=cond.device)  # one copy per condition
+        if cfg.objective == "flow":
+            x = self._sample_flow(x, cond, cond_mask, inpaint)
+        else:
+            if inpaint is not None:
+                raise ValueError("inpainting guidance needs policy.objective=flow")
+            self.sample_scheduler.set_timesteps(cfg.num_inference_steps)
+            for t in self.sample_scheduler.timesteps:
+                eps = self.dit(x, t.float().expand(b, 1).to(cond.device), cond, cond_mask)
+                x = self.sample_scheduler.step(eps, t, x).prev_sample
+        actions = self.unnormalize_action(x[:, 0].clamp(-1, 1))
+        if obs_step is None:
+            obs_step = torch.zeros(b, dtype=torch.long, device=cond.device)
+        return ActionChunk(actions=actions, obs_step=obs_step)
+
+    def _sample_flow(self, x, cond, cond_mask, inpaint):
+        """Euler integration from t = 1 (noise) to t = 0 (actions); x (B, 1, H, A)."""
+        n = self.config.num_inference_steps
+        b = x.shape[0]
+        if inpaint is not None:
+            target = self.normalize_action(inpaint[0].to(x))[:, None]  # (B, 1, H, A)
+            weights = inpaint[1].to(x)[:, None, :, None]  # (B, 1, H, 1)
+        for i in range(n):
+            t = 1.0 - i / n
+            tt = torch.full((b, 1), t, device=x.device)
+            if inpaint is None:
+                v = self.dit(x, tt, cond, cond_mask)
+            else:
+                v = self._guided_velocity(x, tt, t, cond, cond_mask, target, weights)
+            x = x - v / n
+        return x
+
+    def _guided_velocity(self, x, tt, t, cond, cond_mask, target, weights):
+        """Velocity corrected so the predicted clean chunk moves toward ``target`` where weights > 0."""
+        with torch.enable_grad():
+            x = x.detach().requires_grad_(True)
+            v = self.dit(x, tt, cond, cond_mask)
+            clean = x - t * v  # the chunk this velocity leads to at t = 0
+            error = (target - clean) * weights
+            (grad,) = torch.autograd.grad(clean, x, error)  # J^T error
+        # Guidance weight of pseudo-inverse guidance, in our t = 1 noise convention (RTC eq. 5).
+        s = 1.0 - t  # time measured from noise, as in the paper
+        r2 = (1 - s) ** 2 / (s**2 + (1 - s) ** 2)
+        beta = min(self.config.rtc_max_guidance, (1 - s) / max(s * r2, 1e-8))
+        # Integration runs x <- x - v dt, so subtracting the gradient pushes the chunk toward the target.
+        return v.detach() - beta * grad

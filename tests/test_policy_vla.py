@@ -1,0 +1,181 @@
+"""The diffusion VLA: Level-2 minibatching isolation, objectives, inpainting, and input checks."""
+
+import pytest
+import torch
+
+from policies.diffusion import DiffusionVLAConfig, DiffusionVLAPolicy
+from policies.diffusion.condition_encoder import WordTokenizer, word_vocabulary
+from vla_rl.types import ActionChunk, Policy
+
+INSTRUCTIONS = ["pick up the red cube", "move the gripper to the green ball"]
+
+
+def make_policy(objective="flow", **kw):
+    torch.manual_seed(0)
+    cfg = DiffusionVLAConfig(
+        state_dim=3, action_dim=2, cameras=["front", "wrist"], image_size=32, patch_size=8, horizon=6,
+        n_action_steps=3, dim=32, depth=2, heads=2, vision_width=32, vision_layers=1, text_width=32,
+        vocabulary=word_vocabulary(INSTRUCTIONS), objective=objective, **kw,
+    )  # fmt: skip
+    return DiffusionVLAPolicy(cfg).eval()
+
+
+def batch(b=3, size=32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "observation.images.front": torch.rand(b, 3, size, size, generator=g),
+        "observation.images.wrist": torch.rand(b, 3, size, size, generator=g),
+        "observation.state": torch.randn(b, 3, generator=g),
+        "task": [INSTRUCTIONS[i % 2] for i in range(b)],
+        "action": torch.rand(b, 6, 2, generator=g) * 2 - 1,
+        "action_is_pad": torch.zeros(b, 6, dtype=torch.bool),
+    }
+
+
+def randomize(policy):
+    """Random weights everywhere, AdaLN included (zero at init), so no path is trivially silent."""
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in policy.dit.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    return policy
+
+
+def denoise_copies(policy, obs, noisy, t):
+    """Run the DiT on noisy (B, K, H, A) copies at timesteps t (B, K) for obs's conditions."""
+    cond, mask = policy.encode_observation(obs)
+    return policy.dit(noisy, t, cond, mask)
+
+
+def test_perturbing_one_copy_changes_no_other_copy():
+    policy = randomize(make_policy())
+    obs = batch()
+    k, j = 5, 2
+    noisy = torch.randn(3, k, 6, 2)
+    t = torch.rand(3, k)
+    with torch.no_grad():
+        base = denoise_copies(policy, obs, noisy, t)
+        perturbed_input = noisy.clone()
+        perturbed_input[:, j] += torch.randn(3, 6, 2)
+        perturbed = denoise_copies(policy, obs, perturbed_input, t)
+    others = [i for i in range(k) if i != j]
+    torch.testing.assert_close(perturbed[:, others], base[:, others], rtol=0, atol=1e-6)
+    assert (perturbed[:, j] - base[:, j]).abs().max() > 1e-3  # copy j itself did change
+    # The same holds for a perturbed timestep of copy j (its AdaLN context).
+    t2 = t.clone()
+    t2[:, j] = 1 - t2[:, j]
+    with torch.no_grad():
+        moved = denoise_copies(policy, obs, noisy, t2)
+    torch.testing.assert_close(moved[:, others], base[:, others], rtol=0, atol=1e-6)
+    assert (moved[:, j] - base[:, j]).abs().max() > 1e-3
+
+
+def test_k_copies_in_one_pass_equal_k_separate_passes():
+    policy = randomize(make_policy())
+    obs = batch()
+    noisy = torch.randn(3, 4, 6, 2)
+    t = torch.rand(3, 4)
+    with torch.no_grad():
+        together = denoise_copies(policy, obs, noisy, t)
+        separate = torch.cat([denoise_copies(policy, obs, noisy[:, i : i + 1], t[:, i : i + 1]) for i in range(4)], 1)
+    torch.testing.assert_close(together, separate, rtol=1e-5, atol=1e-5)
+
+
+def test_the_encoder_runs_once_per_condition_not_per_copy():
+    policy = randomize(make_policy()).train()  # AdaLN-Zero gates at 0 would block the condition's gradient
+    seen = []
+    policy.encoder.vision.register_forward_hook(lambda m, args, kwargs, out: seen.append(kwargs["pixel_values"].shape[0]),
+                                                with_kwargs=True)  # fmt: skip
+    loss = policy(batch(b=3), torch.Generator().manual_seed(0), copies=8)
+    assert seen == [3 * 2]  # 3 conditions x 2 cameras in one call, not 3 x 8 copies
+    loss.backward()
+    assert policy.encoder.vision_proj.weight.grad.abs().sum() > 0  # gradients reach the shared encoder
+
+
+def test_condition_tokens_do_not_depend_on_actions():
+    policy = make_policy()
+    obs = batch()
+    with torch.no_grad():
+        tokens, mask = policy.encode_observation(obs)
+        obs["action"] = torch.randn(3, 6, 2)
+        tokens_again, _ = policy.encode_observation(obs)
+    assert tokens.shape == (3, 2 * 16 + 16 + 1, 32) and mask.shape == tokens.shape[:2]
+    assert torch.equal(tokens, tokens_again)
+    # Instruction padding is masked: "pick up the red cube" has 5 words of the 16 slots.
+    assert mask[0, 32:48].sum().item() == 5 and mask[1, 32:48].sum().item() == 7
+
+
+@pytest.mark.parametrize("objective", ["flow", "ddpm"])
+def test_training_with_copies_fits_a_batch_and_sampling_recovers_it(objective):
+    """Both objectives learn to reproduce the demonstrated chunks of a fixed batch."""
+    policy = make_policy(objective, num_inference_steps=10).train()
+    data = batch(b=2)
+    opt = torch.optim.AdamW(policy.parameters(), lr=3e-3)
+    gen = torch.Generator().manual_seed(0)
+    first = None
+    for _ in range(150):
+        loss = policy(data, gen, copies=16)
+        first = first if first is not None else loss.item()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert loss.item() < 0.25 * first
+    policy.eval()
+    torch.manual_seed(1)
+    chunk = policy.predict_chunk(data, torch.tensor([4, 9]))
+    assert isinstance(policy, Policy) and isinstance(chunk, ActionChunk)
+    assert chunk.actions.shape == (2, 6, 2) and chunk.obs_step.tolist() == [4, 9]
+    err = (chunk.actions - data["action"]).abs().mean().item()
+    assert err < 0.2, f"mean abs error {err:.3f} of sampled chunks vs the fitted actions (range [-1, 1])"
+
+
+def test_rtc_inpainting_pulls_the_weighted_steps_toward_the_target():
+    policy = make_policy("flow", num_inference_steps=10)
+    obs = batch(b=2)
+    target = torch.full((2, 6, 2), 0.7)
+    weights = torch.tensor([[1.0, 1.0, 1.0, 0.5, 0.0, 0.0]] * 2)
+    torch.manual_seed(3)
+    free = policy.predict_chunk(obs).actions
+    torch.manual_seed(3)
+    guided = policy.predict_chunk(obs, inpaint=(target, weights)).actions
+    free_err = (free[:, :3] - target[:, :3]).abs().mean()
+    guided_err = (guided[:, :3] - target[:, :3]).abs().mean()
+    assert guided_err < 0.5 * free_err, (guided_err, free_err)
+    assert policy.supports_inpainting and not make_policy("ddpm").supports_inpainting
+    with pytest.raises(ValueError, match="objective=flow"):
+        make_policy("ddpm").predict_chunk(obs, inpaint=(target, weights))
+
+
+def test_images_of_another_size_are_resized_and_bad_inputs_rejected():
+    policy = make_policy()
+    big = batch(size=64)
+    assert policy.predict_chunk(big).actions.shape == (3, 6, 2)
+    bad = batch()
+    bad["observation.state"][1, 0] = float("nan")
+    with pytest.raises(ValueError, match="NaN"):
+        policy.predict_chunk(bad)
+    missing = batch()
+    del missing["observation.images.wrist"]
+    with pytest.raises(ValueError, match="trained with cameras"):
+        policy.predict_chunk(missing)
+    wrong_actions = batch()
+    wrong_actions["action"] = torch.zeros(3, 5, 2)
+    with pytest.raises(ValueError, match=r"\(B, 6, 2\)"):
+        policy(wrong_actions, copies=2)
+
+
+def test_config_errors_name_the_fix():
+    with pytest.raises(ValueError, match="objective"):
+        make_policy("score")
+    with pytest.raises(ValueError, match="divisible by policy.heads"):
+        DiffusionVLAPolicy(DiffusionVLAConfig(state_dim=3, action_dim=2, cameras=["front"], dim=32, heads=3))
+    with pytest.raises(ValueError, match="multiple of patch_size"):
+        DiffusionVLAPolicy(DiffusionVLAConfig(state_dim=3, action_dim=2, cameras=["front"], image_size=60))
+
+
+def test_word_tokenizer_pads_and_maps_unknown_words():
+    tok = WordTokenizer(word_vocabulary(INSTRUCTIONS), max_tokens=4)
+    ids, mask = tok(["Pick up the RED cube", "fly away"], "cpu")
+    vocab = word_vocabulary(INSTRUCTIONS)
+    assert ids[0].tolist() == [vocab.index(w) for w in ["pick", "up", "the", "red"]]  # cut at 4 tokens
+    assert ids[1].tolist() == [1, 1, 0, 0] and mask[1].tolist() == [1, 1, 0, 0]  # unknown words, then padding
