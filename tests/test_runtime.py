@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from vla_rl.runtime import ActionChunkExecutor
+from vla_rl.runtime import ActionChunkExecutor, rtc_weights
 from vla_rl.types import OBS_COMMITTED_ACTIONS, OBS_COMMITTED_MASK, OBS_DELAY_STEPS, ActionChunk
 
 
@@ -125,6 +125,100 @@ def test_ensemble_late_chunk_only_adds_future_steps():
     ex.add_chunk(chunk([10, 20, 30, 40], obs_step=0))  # arrives at step 2: 10, 20 are in the past
     # step 2: (3 + 30) / 2 = 16.5; step 3: (4 + 40) / 2 = 22
     assert drain(ex, 3) == ([16.5, 22.0, 22.0], [True, True, False])
+
+
+# ---- real-time chunking --------------------------------------------------------------------
+
+
+def soft(c):
+    """The RTC decay c (e^c - 1) / (e - 1) at one value of c."""
+    return c * (math.exp(c) - 1) / (math.e - 1)
+
+
+def test_rtc_weights_hand_computed():
+    # H = 8, s = 2, d = 2: overlap indices 2..5, c_i = (6 - i) / 5 = 0.8, 0.6, 0.4, 0.2.
+    # H = 6, s = 3, d = 1: overlap indices 1..2, c_i = (3 - i) / 3 = 2/3, 1/3.
+    # H = 4, s = 1, d = 0: overlap indices 0..2, c_i = (3 - i) / 4 = 3/4, 1/2, 1/4.
+    # H = 4, s = 2, d = 3: the frozen prefix covers the whole overlap (H - s = 2 <= d).
+    cases = [
+        (8, 2, 2, [1, 1, 0.570589, 0.287072, 0.114492, 0.025770, 0, 0]),
+        (6, 3, 1, [1, 0.367706, 0.076746, 0, 0, 0]),
+        (4, 1, 0, [0.487551, 0.188770, 0.041324, 0]),
+        (4, 2, 3, [1, 1, 1, 0]),
+    ]
+    for H, s, d, expected in cases:
+        w = rtc_weights(H, torch.tensor([d]), torch.tensor([s]))
+        assert w.shape == (1, H)
+        assert w[0].tolist() == pytest.approx(expected, abs=1e-6), (H, s, d)
+    assert soft(0.8) == pytest.approx(0.570589, abs=1e-6)  # the decay formula itself, checked once
+
+
+def test_rtc_weights_batched_rows_are_independent():
+    w = rtc_weights(6, torch.tensor([1, 0]), torch.tensor([3, 1]))
+    assert w[0].tolist() == pytest.approx([1, soft(2 / 3), soft(1 / 3), 0, 0, 0])
+    assert w[1].tolist() == pytest.approx([soft(5 / 6), soft(4 / 6), soft(3 / 6), soft(2 / 6), soft(1 / 6), 0])
+
+
+def test_rtc_blends_overlap_toward_previous_chunk():
+    ex = ActionChunkExecutor(num_envs=1, action_dim=1, horizon=6, merge="rtc")
+    ex.add_chunk(chunk([1, 2, 3, 4, 5, 6], obs_step=0))  # old plan: steps 0..5
+    assert drain(ex, 3)[0] == [1, 2, 3]
+    # Requested at step 2 (s = 2 steps after the old chunk's observation), arrives at step 3 (d = 1).
+    # The old plan still holds steps 3..5 = chunk indices 1..3, so H - s = 4 and c_i = (4 - i) / 4.
+    ex.add_chunk(chunk([10, 20, 30, 40, 50, 60], obs_step=2))  # new plan: steps 2..7, 10 is past
+    actions, valids = drain(ex, 6)
+    assert actions == pytest.approx(
+        [
+            soft(3 / 4) * 4 + (1 - soft(3 / 4)) * 20,  # step 3, i = 1: 0.4875 * 4 + 0.5125 * 20 = 12.199
+            soft(2 / 4) * 5 + (1 - soft(2 / 4)) * 30,  # step 4, i = 2: 0.1888 * 5 + 0.8112 * 30 = 25.281
+            soft(1 / 4) * 6 + (1 - soft(1 / 4)) * 40,  # step 5, i = 3: 0.0413 * 6 + 0.9587 * 40 = 38.595
+            50.0,  # step 6: no old action, the new chunk alone
+            60.0,  # step 7
+            60.0,  # step 8: nothing queued, hold
+        ]
+    )
+    assert actions[0] == pytest.approx(12.1992, abs=1e-4)
+    assert valids == [True] * 5 + [False]
+
+
+def test_rtc_with_empty_queue_and_short_chunk_behaves_like_latest():
+    ex = ActionChunkExecutor(num_envs=1, action_dim=1, horizon=4, merge="rtc")
+    ex.add_chunk(chunk([1, 2], obs_step=0))  # nothing queued: taken as is
+    assert drain(ex, 1)[0] == [1]
+    # H = 1, d = 0, the old plan reaches index 1 = H - s -> s = 0, c_0 = (1 - 0) / (1 - 0 + 1) = 1/2.
+    ex.add_chunk(chunk([7], obs_step=1))
+    blended = soft(1 / 2) * 2 + (1 - soft(1 / 2)) * 7  # 0.1888 * 2 + 0.8112 * 7 = 6.056
+    assert drain(ex, 2) == ([pytest.approx(blended), pytest.approx(blended)], [True, False])
+    # A longer chunk than the old plan: the old tail does not survive past the new chunk either.
+    ex.add_chunk(chunk([5, 6, 7, 8], obs_step=3))
+    ex.add_chunk(chunk([9], obs_step=3))
+    assert ex.queue_length().tolist() == [1]
+
+
+def test_rtc_guidance_aligns_queue_to_a_request_made_now():
+    ex = ActionChunkExecutor(num_envs=1, action_dim=1, horizon=6, merge="rtc")
+    ex.add_chunk(chunk([1, 2, 3, 4, 5, 6], obs_step=0))
+    drain(ex, 2)  # steps 2..5 are queued: [3, 4, 5, 6]
+    target, weights = ex.rtc_guidance(torch.tensor([1]), execute_steps=2)
+    assert target.shape == (1, 6, 1)
+    assert target.flatten().tolist() == [3, 4, 5, 6, 0, 0]
+    # d = 1, H - s = 4: [1, soft(3/4), soft(2/4), soft(1/4), 0, 0]; slots 4, 5 are empty anyway.
+    assert weights[0].tolist() == pytest.approx([1, soft(3 / 4), soft(2 / 4), soft(1 / 4), 0, 0])
+    # Nothing queued: all weights zero, whatever the delay.
+    ex.discard_queue()
+    assert ex.rtc_guidance(torch.tensor([3]), execute_steps=2)[1].abs().sum() == 0
+    with pytest.raises(ValueError, match="execute_steps"):
+        ex.rtc_guidance(torch.tensor([1]), execute_steps=7)
+
+
+def test_discard_queue_keeps_step_and_held_action():
+    ex = ActionChunkExecutor(num_envs=1, action_dim=1, horizon=4)
+    ex.add_chunk(chunk([1, 2, 3], obs_step=0))
+    drain(ex, 1)
+    ex.discard_queue()
+    assert ex.queue_length().tolist() == [0]
+    assert drain(ex, 1) == ([1.0], [False])
+    assert ex.step.tolist() == [2]
 
 
 # ---- env masks and reset -------------------------------------------------------------------

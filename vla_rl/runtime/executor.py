@@ -22,7 +22,26 @@ import torch
 
 from vla_rl.types import OBS_COMMITTED_ACTIONS, OBS_COMMITTED_MASK, OBS_DELAY_STEPS, ActionChunk
 
-MergeMode = Literal["latest", "ensemble"]
+MergeMode = Literal["latest", "ensemble", "rtc"]
+
+
+def rtc_weights(horizon: int, delay_steps: torch.Tensor, execute_steps: torch.Tensor) -> torch.Tensor:
+    """Real-time chunking soft mask (Black et al.): how much chunk index i keeps of the previous plan.
+
+    delay_steps d (B,) and execute_steps s (B,) long -> W (B, horizon) float, with H = horizon:
+
+    - ``W_i = 1`` for i < d: the committed prefix, frozen;
+    - ``W_i = c_i (exp(c_i) - 1) / (e - 1)`` with ``c_i = (H - s - i) / (H - s - d + 1)`` for
+      d <= i < H - s: the overlap with the previous chunk, decaying toward the new one;
+    - ``W_i = 0`` for i >= H - s: the previous chunk has no action there.
+    """
+    i = torch.arange(horizon, device=delay_steps.device)[None, :]  # (1, H)
+    d = delay_steps.long()[:, None]  # (B, 1)
+    end = horizon - execute_steps.long()[:, None]  # (B, 1), first index past the previous chunk
+    # The clamp only guards an empty overlap (end <= d), where no index uses c.
+    c = (end - i).float() / (end - d + 1).clamp(min=1).float()
+    soft = c * torch.expm1(c) / (math.e - 1)
+    return torch.where(i < d, 1.0, torch.where(i < end, soft, 0.0))
 
 
 class ActionChunkExecutor:
@@ -36,6 +55,13 @@ class ActionChunkExecutor:
       ``sum_i w_i a_i / sum_i w_i`` over all predictions for that step, with
       ``w_i = exp(-ensemble_coeff * i)`` and i = 0 the oldest prediction. A positive coefficient
       makes older predictions weigh more, as in ACT.
+    - ``"rtc"`` (real-time chunking): the newest chunk defines the future as in ``"latest"``, but
+      where a previous action is queued the two are blended, ``W_i old + (1 - W_i) new`` with the
+      soft mask of :func:`rtc_weights`. The delay d is the lag of the chunk (steps emitted since
+      its observation; those actions are dropped, which freezes the committed prefix), and the
+      execution horizon s is read off the queue: the previous plan reaches chunk index
+      ``d + queue_length = H - s``. Flow policies can also inpaint toward the queued actions
+      themselves, from :meth:`rtc_guidance`.
 
     Attributes:
         step: (B,) long, the control step whose action ``next_action()`` emits next, per env.
@@ -114,7 +140,9 @@ class ActionChunkExecutor:
         gather_index = index.clamp(max=H - 1)[..., None].expand(-1, -1, A)
         new = actions.gather(1, gather_index)  # (B, horizon, A)
 
-        if self.merge == "latest":
+        if self.merge == "rtc":
+            new = self._rtc_blend(new, lag, H)
+        if self.merge in ("latest", "rtc"):
             # With an empty queue the accumulation below stores the new actions with weight 1,
             # so latest-only is "forget the future, then accumulate".
             self._clear_queue(mask)
@@ -137,6 +165,31 @@ class ActionChunkExecutor:
         self.step = self.step + 1
         # A copy, so a caller that edits its actions in place cannot change the held action.
         return actions.clone(), valid
+
+    def discard_queue(self, env_mask: torch.Tensor | None = None) -> None:
+        """Forget the queued actions of the masked envs (all when None), keeping step and held action.
+
+        A robot that stopped to hold position must not resume a plan made before it stopped.
+        """
+        self._clear_queue(self._env_mask(env_mask))
+
+    def rtc_guidance(self, delay_steps: torch.Tensor, execute_steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """What a flow policy inpaints toward when it is asked for a chunk now (RTC guidance).
+
+        delay_steps: (B,) long, the expected inference delay d; execute_steps: s, the steps each
+        chunk executes before the next request. Returns target (B, horizon, A), the queued actions
+        aligned to the chunk a request made now produces (index i is step ``step + i``; zeros where
+        nothing is queued), and weights (B, horizon): :func:`rtc_weights`, zero where nothing is queued.
+        """
+        delay_steps = delay_steps.to(self.device)
+        if delay_steps.shape != (self.num_envs,) or delay_steps.is_floating_point() or (delay_steps < 0).any():
+            raise ValueError(f"delay_steps must be (num_envs={self.num_envs},) integers >= 0, got {delay_steps}")
+        if not 1 <= execute_steps <= self.horizon:
+            raise ValueError(f"execute_steps must be in [1, horizon={self.horizon}], got {execute_steps}")
+        s = torch.full_like(delay_steps, execute_steps)
+        queued = self._count > 0  # (B, horizon)
+        weights = rtc_weights(self.horizon, delay_steps, s) * queued
+        return self._queued_actions(), weights
 
     def reset(self, env_mask: torch.Tensor | None = None) -> None:
         """Clear the queue, the held action and the step counter of the masked envs (all when None)."""
@@ -185,6 +238,19 @@ class ActionChunkExecutor:
         self._sum = self._sum + weight[..., None] * new
         self._weight = self._weight + weight
         self._count = self._count + covered.long()
+
+    def _rtc_blend(self, new: torch.Tensor, lag: torch.Tensor, chunk_horizon: int) -> torch.Tensor:
+        """Blend new (B, horizon, A), aligned to the window, toward the queued actions with RTC weights.
+
+        lag (B,) is the delay d; slot k is chunk index k + d.
+        """
+        queued = self._count > 0  # (B, horizon)
+        # The previous plan ends at chunk index d + (queued steps) = H - s.
+        end = (lag + self.queue_length()).clamp(max=chunk_horizon)
+        weights = rtc_weights(chunk_horizon, lag, chunk_horizon - end)  # (B, H), by chunk index
+        index = (torch.arange(self.horizon, device=self.device) + lag[:, None]).clamp(max=chunk_horizon - 1)
+        w = weights.gather(1, index) * queued  # (B, horizon), by slot; no old action -> take the new one
+        return w[..., None] * self._queued_actions() + (1 - w[..., None]) * new
 
     def _queued_actions(self) -> torch.Tensor:
         """(B, horizon, A): the action each slot would emit now, zeros in empty slots."""

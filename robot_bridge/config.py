@@ -1,0 +1,170 @@
+"""`vla-rl serve` configuration: the topic<->feature map, action semantics, rates, QoS, safety and checkpoint.
+
+One YAML file (configs/serve.yaml) declares everything; ROS parameters of the same dotted names
+(``--ros-args -p control_hz:=50.0 -p safety.stale_after_s:=0.1``) override its scalar and list
+fields when the node starts. No ROS import here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, is_dataclass
+from typing import Any
+
+from vla_rl.types import image_key
+
+# What the simulated robot (`vla-rl sim-robot`) publishes and accepts; see sim.mujoco_env.
+SIM_STATE_NAMES = [f"joint{i}" for i in range(1, 8)] + ["gripper_width", "ee_x", "ee_y", "ee_z"]
+SIM_ACTION_NAMES = ["ee_x", "ee_y", "ee_z", "grip"]
+
+MERGE_MODES = ("latest", "ensemble", "rtc")
+ACTION_MODES = ("absolute", "delta")
+ACTION_SPACES = ("joint", "end_effector")
+CLOCKS = ("joint_states", "timer")
+INFERENCE_MODES = ("process", "thread")
+RELIABILITIES = ("best_effort", "reliable")
+
+
+@dataclass
+class CameraTopic:
+    name: str = "front"  # camera name; the policy feature is observation.images.<name>
+    topic: str = "/camera/front/image_raw"  # sensor_msgs/Image topic, or sensor_msgs/CompressedImage when compressed
+    compressed: bool = False  # the topic carries sensor_msgs/CompressedImage (png or jpeg)
+
+    @property
+    def feature(self) -> str:
+        return image_key(self.name)
+
+
+@dataclass
+class TopicsConfig:
+    joint_states: str = "/joint_states"  # sensor_msgs/JointState from the robot
+    instruction: str = "/instruction"  # std_msgs/String; a new one takes effect at the next chunk request
+    estop: str = "/estop"  # std_msgs/Bool; True latches a hold until False arrives
+    joint_trajectory: str = "/command/joint_trajectory"  # trajectory_msgs/JointTrajectory, one point per control step
+    command_array: str = "/command/array"  # std_msgs/Float64MultiArray with the same values (when publish_array)
+    chunk_info: str = "/vla_rl/chunk"  # std_msgs/String, JSON metadata of each merged chunk
+    diagnostics: str = "/diagnostics"  # diagnostic_msgs/DiagnosticArray
+
+
+@dataclass
+class QosConfig:
+    sensor_reliability: str = "best_effort"  # best_effort or reliable, for joint states and images
+    sensor_depth: int = 1  # queue depth of the sensor subscriptions (1 = only the newest matters)
+    command_depth: int = 10  # queue depth of the reliable command publishers
+
+
+@dataclass
+class SafetyConfig:
+    position_min: list[float] = field(default_factory=list)  # lowest command per action dim; empty = unbounded
+    position_max: list[float] = field(default_factory=list)  # highest command per action dim; empty = unbounded
+    max_velocity: list[float] = field(default_factory=list)  # |command change| / period per action dim; empty = unlimited
+    max_acceleration: list[float] = field(default_factory=list)  # |velocity change| / period per action dim; empty = unlimited
+    stale_after_s: float = 0.25  # hold when the newest joint state or any camera image is older than this
+    initial_command: dict[str, float] = field(default_factory=lambda: {"grip": 0.0})  # hold value of action dims no state entry of the same name measures, until the first policy command
+
+
+@dataclass
+class ServeConfig:
+    """Run a policy checkpoint as a ROS 2 node: sensors in, commands at the control rate out."""
+
+    checkpoint: str = "outputs/quickstart/train"  # checkpoint dir (or a training output dir) to load
+    device: str = "cpu"  # torch device of the policy
+    cameras: list[CameraTopic] = field(default_factory=lambda: [CameraTopic()])  # camera topic -> policy image feature
+    state_names: list[str] = field(default_factory=lambda: list(SIM_STATE_NAMES))  # JointState names, in observation.state order
+    action_names: list[str] = field(default_factory=lambda: list(SIM_ACTION_NAMES))  # JointTrajectory joint_names, in action order
+    action_space: str = "end_effector"  # joint or end_effector: what the action dims command
+    action_mode: str = "absolute"  # absolute targets, or delta: added to the last commanded target
+    instruction: str = ""  # task instruction until one arrives on the instruction topic
+    image_size: int = 0  # expected square image side; 0 = the policy's config.image_size
+    resize_images: bool = False  # resize images of another size instead of rejecting them
+    control_hz: float = 100.0  # control rate; with clock=joint_states, the rate the robot publishes at
+    clock: str = "joint_states"  # joint_states: one command per arriving joint state; timer: the node's own timer
+    horizon: int = 0  # chunk length H; 0 = the policy's config.horizon
+    execute_steps: int = 8  # steps of each chunk executed before the next request (more when inference is slower)
+    merge: str = "rtc"  # latest, ensemble (ACT temporal ensembling) or rtc (real-time chunking)
+    ensemble_coeff: float = 0.01  # temporal ensembling weight exp(-c * i), i = 0 the oldest prediction
+    max_delay_steps: int = 0  # D_max of the delay augmentation; must match what the policy was trained with
+    inference: str = "process"  # process (own core, no GIL sharing) or thread
+    inference_cpu: int = 1  # core the inference is pinned to; -1 = no pinning
+    control_cpu: int = 0  # core the control loop is pinned to; -1 = no pinning
+    inference_threads: int = 1  # torch threads of the inference
+    inference_nice: int = 10  # niceness added to the inference process, so the control loop wins the CPU
+    load_retry_s: float = 5.0  # wait before loading the checkpoint again after a failure
+    error_retry_s: float = 0.5  # wait before asking the policy again after it raised
+    dry_run: bool = False  # compute everything but publish nothing to the robot (no command topics)
+    publish_array: bool = False  # also publish each command as std_msgs/Float64MultiArray
+    diagnostics_hz: float = 2.0  # diagnostics rate (state changes are published at once too)
+    duration_s: float = 0.0  # stop after this many seconds; 0 = until Ctrl-C
+    topics: TopicsConfig = field(default_factory=TopicsConfig)  # topic names
+    qos: QosConfig = field(default_factory=QosConfig)  # quality of service
+    safety: SafetyConfig = field(default_factory=SafetyConfig)  # limits and watchdog
+
+    def validate(self) -> None:
+        """Raise ValueError with a one-line fix for any inconsistent field."""
+        choices = {
+            "merge": (self.merge, MERGE_MODES),
+            "action_mode": (self.action_mode, ACTION_MODES),
+            "action_space": (self.action_space, ACTION_SPACES),
+            "clock": (self.clock, CLOCKS),
+            "inference": (self.inference, INFERENCE_MODES),
+            "qos.sensor_reliability": (self.qos.sensor_reliability, RELIABILITIES),
+        }
+        for name, (value, allowed) in choices.items():
+            if value not in allowed:
+                raise ValueError(f"{name}={value!r} is not one of {allowed}; set --{name}={allowed[0]}")
+        if self.control_hz <= 0 or self.diagnostics_hz <= 0:
+            raise ValueError("control_hz and diagnostics_hz must be > 0")
+        if self.execute_steps < 1:
+            raise ValueError(f"execute_steps must be >= 1, got {self.execute_steps}")
+        if self.max_delay_steps < 0 or self.horizon < 0 or self.image_size < 0:
+            raise ValueError("max_delay_steps, horizon and image_size must be >= 0")
+        if not self.state_names or not self.action_names:
+            raise ValueError("state_names and action_names must not be empty; list the JointState names and action dims")
+        names = [c.name for c in self.cameras]
+        if len(set(names)) != len(names):
+            raise ValueError(f"camera names must be unique, got {names}")
+        n = len(self.action_names)
+        for name in ("position_min", "position_max", "max_velocity", "max_acceleration"):
+            values = getattr(self.safety, name)
+            if values and len(values) != n:
+                raise ValueError(f"safety.{name} has {len(values)} values but there are {n} action_names; give one per action")
+        unmeasured = [n for n in self.action_names if n not in self.state_names and n not in self.safety.initial_command]
+        if unmeasured:
+            raise ValueError(
+                f"action dims {unmeasured} have no state entry of the same name to hold at start-up; "
+                f"give them a value in safety.initial_command"
+            )
+        if self.safety.stale_after_s <= 0:
+            raise ValueError(f"safety.stale_after_s must be > 0, got {self.safety.stale_after_s}")
+
+
+def flat_fields(config: Any, prefix: str = "") -> dict[str, tuple[Any, str]]:
+    """Scalar and list-of-scalar fields of a nested dataclass: dotted name (the ROS parameter name) -> (value, type)."""
+    out: dict[str, tuple[Any, str]] = {}
+    for f in fields(config):
+        value = getattr(config, f.name)
+        if is_dataclass(value):
+            out.update(flat_fields(value, f"{prefix}{f.name}."))
+        elif isinstance(value, (bool, int, float, str)) or (
+            isinstance(value, list) and all(isinstance(v, (bool, int, float, str)) for v in value)
+        ):
+            out[prefix + f.name] = (value, str(f.type))
+    return out
+
+
+def apply_overrides(config: ServeConfig, overrides: dict[str, Any]) -> None:
+    """Set dotted fields (from ROS parameters) on config in place, converted to the field's type."""
+    for name, value in overrides.items():
+        *parents, leaf = name.split(".")
+        target = config
+        for p in parents:
+            target = getattr(target, p)
+        current = getattr(target, leaf)
+        if isinstance(current, bool):
+            value = bool(value)
+        elif isinstance(current, float):
+            value = float(value)
+        elif isinstance(current, list):
+            value = list(value)
+        setattr(target, leaf, value)
+    config.validate()

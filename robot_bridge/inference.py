@@ -1,0 +1,189 @@
+"""Asynchronous inference: the policy runs in its own process (or thread) so the control loop never waits.
+
+The control loop sends one request at a time (``submit``) and collects what came back with
+``poll``, which never blocks. In ``"process"`` mode the worker is a spawned process pinned to its
+own core with one torch thread and a higher niceness: inference saturating its core cannot delay
+the control loop through the CPU or Python's GIL. The worker loads the policy itself (through the
+``load_policy`` callable), so a checkpoint that fails to load is a status message, retried after
+``load_retry_s``, while the node keeps running.
+
+Messages from the worker are ``WorkerStatus`` (loading / ready / failed) and ``InferenceResult``.
+Observations travel as numpy: images (1, H, W, 3) uint8, the rest float or long arrays, ``task``
+a list of strings.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any
+
+import numpy as np
+
+from vla_rl.types import OBS_IMAGES, TASK, Policy
+
+
+@dataclass
+class InferenceRequest:
+    request_id: int
+    observation: dict[str, Any]  # numpy batch of one; images (1, H, W, 3) uint8
+    obs_step: int  # executor step the chunk is conditioned on
+    guidance: tuple[np.ndarray, np.ndarray] | None = None  # RTC target (1, H, A) and weights (1, H)
+
+
+@dataclass
+class InferenceResult:
+    request_id: int
+    obs_step: int
+    compute_s: float  # time inside the worker, observation conversion included
+    actions: np.ndarray | None = None  # (1, H, A) float32, None when the policy raised
+    error: str | None = None
+
+
+@dataclass
+class WorkerStatus:
+    state: str  # "loading", "ready" or "failed"
+    error: str | None = None
+    info: dict[str, Any] = field(default_factory=dict)  # when ready: horizon, image_size, supports_inpainting, ...
+
+
+def to_policy_batch(observation: dict[str, Any]):
+    """numpy batch -> torch batch: images (1, H, W, 3) uint8 -> (1, 3, H, W) float in [0, 1]."""
+    import torch
+
+    batch: dict[str, Any] = {}
+    for key, value in observation.items():
+        if key == TASK:
+            batch[key] = list(value)
+        elif key.startswith(OBS_IMAGES + "."):
+            batch[key] = torch.from_numpy(value).permute(0, 3, 1, 2).float().div_(255.0)
+        else:
+            batch[key] = torch.from_numpy(np.asarray(value))
+    return batch
+
+
+def policy_info(policy: Policy) -> dict[str, Any]:
+    """What the node needs to know about a loaded policy before its first request."""
+    config = getattr(policy, "config", None)
+    return {
+        "horizon": getattr(config, "horizon", None),
+        "image_size": getattr(config, "image_size", None),
+        "state_dim": getattr(config, "state_dim", None),
+        "action_dim": getattr(config, "action_dim", None),
+        "supports_inpainting": bool(getattr(policy, "supports_inpainting", False)),
+    }
+
+
+def serve_requests(
+    conn: Connection,
+    load_policy: Callable[[], Policy],
+    cpu: int,
+    num_threads: int,
+    nice: int,
+    load_retry_s: float,
+) -> None:
+    """Worker body: load the policy (retrying), then answer requests until a ``None`` request arrives."""
+    import torch
+
+    if cpu >= 0 and hasattr(os, "sched_setaffinity"):
+        # pid 0 is the calling thread, so in thread mode only the inference thread is pinned.
+        os.sched_setaffinity(0, {cpu % (os.cpu_count() or 1)})
+    if nice > 0:
+        os.nice(nice)
+    torch.set_num_threads(num_threads)
+    policy = None
+    while policy is None:
+        conn.send(WorkerStatus("loading"))
+        try:
+            policy = load_policy()
+        except Exception as err:  # noqa: BLE001 (a bad checkpoint: report and retry, never crash the node)
+            conn.send(WorkerStatus("failed", error=f"checkpoint failed to load: {type(err).__name__}: {err}"))
+            if conn.poll(load_retry_s) and conn.recv() is None:
+                return
+    conn.send(WorkerStatus("ready", info=policy_info(policy)))
+    while True:
+        request: InferenceRequest | None = conn.recv()
+        if request is None:
+            return
+        start = time.perf_counter()
+        try:
+            with torch.inference_mode():
+                batch = to_policy_batch(request.observation)
+                obs_step = torch.tensor([request.obs_step])
+                if request.guidance is not None:
+                    target, weights = (torch.from_numpy(a) for a in request.guidance)
+                    chunk = policy.predict_chunk(batch, obs_step, inpaint=(target, weights))
+                else:
+                    chunk = policy.predict_chunk(batch, obs_step)
+                actions = chunk.actions.detach().to("cpu", torch.float32).numpy()
+            conn.send(InferenceResult(request.request_id, request.obs_step, time.perf_counter() - start, actions))
+        except Exception as err:  # noqa: BLE001 (a policy that raises: report, keep serving)
+            last = traceback.extract_tb(err.__traceback__)[-1]
+            message = f"policy raised {type(err).__name__}: {err} ({os.path.basename(last.filename)}:{last.lineno})"
+            conn.send(InferenceResult(request.request_id, request.obs_step, time.perf_counter() - start, error=message))
+
+
+class InferenceWorker:
+    """The policy behind a pipe. ``submit`` and ``poll`` never block the caller."""
+
+    def __init__(
+        self,
+        load_policy: Callable[[], Policy],
+        mode: str = "process",
+        cpu: int = -1,
+        num_threads: int = 1,
+        nice: int = 10,
+        load_retry_s: float = 5.0,
+    ) -> None:
+        if mode not in ("process", "thread"):
+            raise ValueError(f"inference mode must be process or thread, got {mode!r}")
+        self._conn, child = multiprocessing.Pipe()
+        # A thread shares the node's process: its niceness would be the control loop's too.
+        args = (child, load_policy, cpu, num_threads, nice if mode == "process" else 0, load_retry_s)
+        if mode == "process":
+            # spawn, not fork: the parent holds ROS and torch threads that must not be copied mid-flight.
+            self._runner = multiprocessing.get_context("spawn").Process(
+                target=serve_requests, args=args, name="vla-rl-inference", daemon=True
+            )
+        else:
+            self._runner = threading.Thread(target=serve_requests, args=args, name="vla-rl-inference", daemon=True)
+        self.mode = mode
+        self.busy = False  # a request is in flight
+        self._runner.start()
+
+    def submit(self, request: InferenceRequest) -> None:
+        """Send one request; only one may be in flight."""
+        if self.busy:
+            raise RuntimeError("an inference request is already in flight; wait for its result")
+        self.busy = True
+        self._conn.send(request)
+
+    def poll(self) -> list[WorkerStatus | InferenceResult]:
+        """Everything the worker sent since the last call, without waiting."""
+        messages = []
+        while self._conn.poll(0):
+            message = self._conn.recv()
+            if isinstance(message, InferenceResult):
+                self.busy = False
+            messages.append(message)
+        return messages
+
+    def alive(self) -> bool:
+        return self._runner.is_alive()
+
+    def close(self, timeout: float = 5.0) -> None:
+        try:
+            self._conn.send(None)
+        except (BrokenPipeError, OSError):
+            pass
+        self._runner.join(timeout)
+        if isinstance(self._runner, multiprocessing.process.BaseProcess) and self._runner.is_alive():
+            self._runner.terminate()
+            self._runner.join(timeout)
+        self._conn.close()

@@ -1,0 +1,91 @@
+"""Command limits between the policy and the robot: position clamp, velocity and acceleration limits, hold, e-stop.
+
+Pure numpy, so it runs and is tested without ROS. All arrays are per action dim, shape (A,).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def _per_dim(values: list[float] | None, n: int, default: float) -> np.ndarray:
+    """(n,) float array from a config list; an empty list means ``default`` everywhere."""
+    if not values:
+        return np.full(n, default)
+    out = np.asarray(values, dtype=np.float64)
+    if out.shape != (n,):
+        raise ValueError(f"expected {n} limit values (one per action dim), got {len(values)}")
+    return out
+
+
+class SafetyFilter:
+    """Turns each requested target (A,) into the command actually sent, one control period apart.
+
+    Per step, in this order: clamp the target to [position_min, position_max]; limit the velocity
+    ``(command - previous) / dt`` to +-max_velocity; limit its change from the previous step's
+    velocity to +-max_acceleration * dt; clamp the position again (the limits never push a
+    command out of bounds, since the previous command was inside).
+
+    ``hold()`` repeats the previous command with zero velocity. Stopping is always allowed, so a
+    hold ignores the acceleration limit on purpose. The e-stop latches: while engaged, ``step``
+    also holds, until ``release_estop()``.
+    """
+
+    def __init__(
+        self,
+        dt: float,
+        action_dim: int,
+        position_min: list[float] | None = None,
+        position_max: list[float] | None = None,
+        max_velocity: list[float] | None = None,
+        max_acceleration: list[float] | None = None,
+    ) -> None:
+        if dt <= 0:
+            raise ValueError(f"dt must be > 0, got {dt}")
+        self.dt = dt
+        self.low = _per_dim(position_min, action_dim, -np.inf)
+        self.high = _per_dim(position_max, action_dim, np.inf)
+        self.max_velocity = _per_dim(max_velocity, action_dim, np.inf)
+        self.max_acceleration = _per_dim(max_acceleration, action_dim, np.inf)
+        if (self.low > self.high).any() or (self.max_velocity < 0).any() or (self.max_acceleration < 0).any():
+            raise ValueError("safety limits need position_min <= position_max and non-negative velocity/acceleration limits")
+        self.action_dim = action_dim
+        self.estopped = False
+        self.last_command: np.ndarray | None = None  # (A,), None until the first command
+        self._velocity = np.zeros(action_dim)  # (A,) of the last command, per second
+
+    def start_from(self, command: np.ndarray) -> None:
+        """Anchor the filter at a measured position (A,), at rest, before the first command."""
+        self.last_command = np.clip(np.asarray(command, dtype=np.float64), self.low, self.high)
+        self._velocity = np.zeros(self.action_dim)
+
+    def step(self, target: np.ndarray) -> np.ndarray:
+        """target (A,) -> the limited command (A,). Holds while the e-stop is engaged."""
+        target = np.asarray(target, dtype=np.float64)
+        if target.shape != (self.action_dim,) or not np.isfinite(target).all():
+            raise ValueError(f"target must be {self.action_dim} finite values, got {target}")
+        if self.last_command is None:
+            raise RuntimeError("SafetyFilter.step before start_from: anchor it at the measured position first")
+        if self.estopped:
+            return self.hold()
+        position = np.clip(target, self.low, self.high)
+        velocity = np.clip((position - self.last_command) / self.dt, -self.max_velocity, self.max_velocity)
+        max_change = self.max_acceleration * self.dt
+        velocity = np.clip(velocity, self._velocity - max_change, self._velocity + max_change)
+        command = np.clip(self.last_command + velocity * self.dt, self.low, self.high)
+        self._velocity = (command - self.last_command) / self.dt
+        self.last_command = command
+        return command.copy()
+
+    def hold(self) -> np.ndarray:
+        """(A,) the previous command again, at zero velocity."""
+        if self.last_command is None:
+            raise RuntimeError("SafetyFilter.hold before start_from: anchor it at the measured position first")
+        self._velocity = np.zeros(self.action_dim)
+        return self.last_command.copy()
+
+    def engage_estop(self) -> None:
+        self.estopped = True
+
+    def release_estop(self) -> None:
+        self.estopped = False

