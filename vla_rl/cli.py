@@ -56,6 +56,61 @@ def _bench_sim():
     return BenchSimConfig
 
 
+def _sim_robot():
+    from vla_rl.sim_robot import SimRobotConfig
+
+    return SimRobotConfig
+
+
+def _record_ros():
+    from vla_rl.ros_record import RecordRosConfig
+
+    return RecordRosConfig
+
+
+def _convert():
+    from vla_rl.ros_convert import ConvertConfig
+
+    return ConvertConfig
+
+
+def _serve():
+    from robot_bridge.config import ServeConfig
+
+    return ServeConfig
+
+
+def _bench_bridge():
+    from robot_bridge.bench import BenchBridgeConfig
+
+    return BenchBridgeConfig
+
+
+def _policy_from_checkpoint(path: str, device: str):
+    """The serve node's policy loader; runs inside its inference worker, so a bad checkpoint is reported there."""
+    from vla_rl.checkpoint import load_policy
+
+    return load_policy(path, device=device)[0]
+
+
+def _run_serve(cfg):
+    import json
+    from functools import partial
+
+    from robot_bridge.node import serve
+
+    # `--ros-args ...` (ROS parameter overrides) was kept out of the config parse; rclpy reads it here.
+    ros_args = sys.argv[sys.argv.index("--ros-args") :] if "--ros-args" in sys.argv else None
+    summary = serve(cfg, partial(_policy_from_checkpoint, cfg.checkpoint, cfg.device), ros_args)
+    print(json.dumps(summary, indent=2))
+
+
+def _run_bench_bridge(cfg):
+    from robot_bridge.bench import bench_bridge, format_summary
+
+    print(format_summary(bench_bridge(cfg)))
+
+
 def _run_record(cfg):
     import json
 
@@ -93,17 +148,55 @@ def _run_bench_sim(cfg):
     print(format_summary(bench_sim(cfg)))
 
 
+def _run_sim_robot(cfg):
+    import json
+
+    from vla_rl.sim_robot import run_sim_robot
+
+    summary = run_sim_robot(cfg)
+    print(json.dumps({k: v for k, v in summary.items() if k != "config"}, indent=2))
+    print(f"sim robot: {summary['episodes_done']} episodes, {summary['successes']} successes, "
+          f"{summary['steps']} steps at {summary['realtime_factor']}x real time")  # fmt: skip
+
+
+def _run_record_ros(cfg):
+    import json
+
+    from vla_rl.ros_record import record_ros
+
+    summary = record_ros(cfg)
+    print(json.dumps({k: v for k, v in summary.items() if k != "config"}, indent=2))
+    print(f"recorded {summary['messages']} messages on {len(summary['topics'])} topics in {summary['seconds']} s: {summary['output']}")
+
+
+def _run_convert(cfg):
+    import json
+
+    from vla_rl.ros_convert import convert
+
+    summary = convert(cfg)
+    print(json.dumps({k: v for k, v in summary.items() if k != "config"}, indent=2))
+    print(f"converted {summary['frames']} frames in {summary['episodes']} episodes into {summary['dataset']}")
+
+
 COMMANDS: dict[str, Command] = {
     "record": Command("roll out the scripted expert and write a LeRobotDataset (v3)", _record, _run_record),
     "train": Command("train a diffusion policy by imitation on a LeRobotDataset", _train, _run_train),
     "eval": Command("closed-loop success rate, video and JSON of a checkpoint", _eval, _run_eval),
     "quickstart": Command("record -> train -> eval on the default lift task", _quickstart, _run_quickstart),
+    "sim-robot": Command("a MuJoCo-simulated arm as a ROS 2 node (joint states, images, commands)", _sim_robot, _run_sim_robot),
+    "record-ros": Command("record ROS 2 topics into an MCAP file", _record_ros, _run_record_ros),
+    "convert": Command("convert an MCAP recording of the robot into a LeRobotDataset (v3)", _convert, _run_convert),
+    "serve": Command("run a checkpoint as a ROS 2 node: sensors in, safe commands out at the control rate",
+                     _serve, _run_serve),
     "bench": Command(
         "performance benchmarks; `bench sim`: env-steps/s vs mujoco.rollout and gymnasium",
         None,
         None,
         {"sim": Command("env-steps/s of each sim backend vs raw mujoco.rollout and gymnasium AsyncVectorEnv",
-                        _bench_sim, _run_bench_sim)},
+                        _bench_sim, _run_bench_sim),
+         "bridge": Command("ROS 2 bridge: deadline misses, jitter and added latency vs raw rclpy ping-pong",
+                           _bench_bridge, _run_bench_bridge)},
     ),
 }
 
@@ -181,6 +274,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"vla-rl {name}: error: {problem}; choose one of: {', '.join(subcommands)}", file=sys.stderr)
             return 2
         name, args = f"{name} {args[0]}", args[1:]
+    if "--ros-args" in args:  # ROS's own arguments (parameter overrides) are for rclpy, not the config
+        args = args[: args.index("--ros-args")]
     cfg = parse_config(name, args)
     try:
         _command(name).run(cfg)

@@ -1,0 +1,143 @@
+"""`vla-rl sim-robot` as a subprocess, driven over real ROS 2 topics from this process."""
+
+import numpy as np
+import pytest
+import torch
+from ros_helpers import RobotClient, last_json, start_command, stop_command
+
+DOMAIN_ID = 61
+
+
+@pytest.fixture
+def client():
+    c = RobotClient(DOMAIN_ID)
+    yield c
+    c.close()
+
+
+def test_lock_step_robot_matches_the_batched_env_and_the_replayed_expert_succeeds(client, tmp_path):
+    """Same seed, same actions: every published JointState equals observation.state of a batched env of
+    one world, and the expert's episode, sent as commands, succeeds on the robot at the same step."""
+    from sim.config import EnvConfig
+    from sim.mujoco_env import ACTION_NAMES, MujocoBatchedEnv
+    from sim.tasks import EXPERTS
+
+    seed = 3
+    robot = start_command(["sim-robot", "--env.task=lift", f"--seed={seed}", "--sync=true", "--max_episodes=1"],
+                          DOMAIN_ID, tmp_path, "robot")  # fmt: skip
+    try:
+        with MujocoBatchedEnv(EnvConfig(task="lift", num_envs=1)) as env:
+            obs = env.reset(seed=seed)
+            expert = EXPERTS["lift"](1)
+            client.wait_for_robot()
+            assert client.instructions[-1] == env.task.instruction == "pick up the red cube"
+            start = client.statuses[-1]
+            assert (start["episode"], start["step"], start["tick"]) == (0, 0, 0)
+            published = client.state_at(start["stamp_ns"])
+            np.testing.assert_array_equal(published, obs["observation.state"][0].double().numpy())
+            image = client.spin_until(lambda: client.images.get(start["stamp_ns"]), 5, "the first image")
+            expected = obs["observation.images.front"][0].permute(1, 2, 0).mul(255).round().byte().numpy()
+            assert (image.height, image.width, image.encoding) == (64, 64, "rgb8")
+            assert (
+                np.abs(np.frombuffer(bytes(image.data), np.uint8).reshape(64, 64, 3).astype(int) - expected).max() <= 1
+            )
+
+            shuffled = [ACTION_NAMES[i] for i in (3, 1, 0, 2)]
+            for step in range(1, env.max_episode_steps + 1):
+                action = expert.act(env.ee_positions(), env.privileged_state())[0]
+                obs, _, terminated, truncated, info = env.step(torch.from_numpy(action[None]))
+                if step % 2:  # both command topics, names in another order than the action's
+                    client.send_trajectory(shuffled, [action[ACTION_NAMES.index(n)] for n in shuffled])
+                else:
+                    client.send_array(action)
+                status = client.spin_until(lambda step=step: next((s for s in client.statuses if s["tick"] == step), None),
+                                           10, f"the status of step {step}")  # fmt: skip
+                done = bool(terminated[0] or truncated[0])
+                assert (status["step"], status["done"], status["success"]) == (step, done, bool(info["success"][0]))
+                if done:
+                    break
+                stamp = status["stamp_ns"]
+                state = client.spin_until(
+                    lambda stamp=stamp: client.state_at(stamp), 5, f"the joint state of step {step}"
+                )
+                np.testing.assert_array_equal(state, obs["observation.state"][0].double().numpy())
+            assert status["success"], f"the replayed expert did not lift the cube in {step} steps"
+    finally:
+        code, out, err = stop_command(robot, tmp_path, "robot", exits_by_itself=True)  # max_episodes=1
+    assert code == 0, err
+    summary = last_json(out)
+    assert summary["episodes_done"] == 1 and summary["successes"] == 1
+    assert summary["steps"] == step
+    assert "episode 0 succeeded" in err
+
+
+def _diagnostic(client, key: str) -> str:
+    return {kv.key: kv.value for kv in client.diagnostics[-1].values}[key]
+
+
+def test_commands_move_the_arm_bad_ones_are_rejected_and_stale_ones_hold(client, tmp_path):
+    """Real-time mode: the arm follows an end-effector target, survives NaN, wrong-size, wrongly named and
+    out-of-order commands (counted on /diagnostics and in its log), holds when commands stop, and recovers."""
+    robot = start_command(["sim-robot", "--env.task=reach", "--env.max_episode_steps=1000", "--command_timeout_s=0.3",
+                           "--diagnostics_period_s=0.2"], DOMAIN_ID, tmp_path, "robot")  # fmt: skip
+    names = ["ee_z", "grip", "ee_x", "ee_y"]  # matched by name, not position
+    try:
+        client.wait_for_robot()
+        client.spin_for(0.5)
+        assert client.diagnostics[-1].message == "no command yet; holding position"
+        ee0 = client.latest_ee()
+
+        target = ee0 + np.array([0.08, -0.06, -0.06])
+        for _ in range(25):  # 1.25 s at 20 Hz
+            client.send_trajectory(names, [target[2], 0.0, target[0], target[1]])
+            client.spin_for(0.05)
+        moved = client.latest_ee() - ee0
+        assert (moved * np.sign(target - ee0) > 0.03).all(), f"the end effector moved {moved}, toward {target - ee0}"
+        assert _diagnostic(client, "command_state") == "fresh"
+
+        before_bad = client.latest_ee()
+        stamp = client.node.get_clock().now().nanoseconds
+        bad = [
+            lambda: client.send_trajectory(names, [np.nan, 0.0, target[0], target[1]]),
+            lambda: client.send_array([0.5, 0.0]),
+            lambda: client.send_trajectory(["x", "y", "z", "grip"], [0.5, 0.0, 0.2, 0.0]),
+            lambda: client.send_trajectory(names, [target[2], 0.0, target[0], target[1]], stamp_ns=stamp - 10**8),
+        ]
+        for send in bad:
+            client.send_trajectory(names, [target[2], 0.0, target[0], target[1]])  # keeps the last valid action fresh
+            send()
+            client.spin_for(0.05)
+        client.spin_until(lambda: _diagnostic(client, "commands_rejected") == "4", 3, "4 rejections on /diagnostics")
+        rejected = {kv.key: kv.value for kv in client.diagnostics[-1].values}
+        assert [rejected[f"rejected_{k}"] for k in ("not_finite", "wrong_length", "wrong_names", "out_of_order")] == [
+            "1"
+        ] * 4
+        assert any(s.level == b"\x01" and "rejected command" in s.message for s in client.diagnostics)
+        # The last valid action stayed in force: the arm stays near the target it was holding.
+        assert np.linalg.norm(client.latest_ee() - before_bad) < 0.02
+
+        count = len(client.joint_states)
+        client.spin_for(0.8)  # no commands: stale after 0.3 s, then the arm holds where it is
+        assert len(client.joint_states) - count >= 10, "the robot stopped publishing"
+        assert _diagnostic(client, "command_state") == "stale"
+        assert "holding position" in client.diagnostics[-1].message
+        held = client.latest_ee()
+        client.spin_for(0.5)
+        assert np.linalg.norm(client.latest_ee() - held) < 0.005
+
+        second = held + np.array([0.0, 0.08, 0.0])
+        for _ in range(20):
+            client.send_array([*second, 0.0])
+            client.spin_for(0.05)
+        assert client.latest_ee()[1] - held[1] > 0.03, "the arm did not follow commands again after going stale"
+        client.spin_until(lambda: client.diagnostics[-1].message == "following commands", 3, "recovery on /diagnostics")
+    finally:
+        code, out, err = stop_command(robot, tmp_path, "robot")
+    assert code == 0, err
+    summary = last_json(out)
+    assert summary["commands_rejected"] == {"not_finite": 1, "wrong_length": 1, "wrong_names": 1, "out_of_order": 1}
+    assert 0.8 <= summary["realtime_factor"] <= 1.05, summary  # a loaded machine may fall behind a little
+    for kind in ("joint_trajectory: not_finite", "array: wrong_length", "joint_trajectory: wrong_names",
+                 "joint_trajectory: out_of_order"):  # fmt: skip
+        assert f"rejected command on /command/{kind}" in err
+    assert "holding position" in err and "commands resumed" in err

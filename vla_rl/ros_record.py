@@ -1,0 +1,161 @@
+"""`vla-rl record-ros`: record ROS 2 topics into an MCAP file, in pure Python (rosbag2 is not on pip).
+
+Each configured topic is subscribed once the graph shows a publisher for it, by the type the graph
+reports and with its publishers' durability and reliability (so latched topics such as
+``/instruction`` arrive too). Messages are stored as received, CDR bytes untouched, with their
+``.msg`` schemas (the ``ros2`` MCAP profile rosbag2 writes), so any MCAP tool can read the file.
+Log time is the middleware's reception time, publish time the publisher's source time (both ns).
+
+The file is written beside the target under a temporary name and renamed into place when the
+recording stops (Ctrl-C or ``duration_s``), so a crash never leaves a half-written recording
+under the target name.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from vla_rl.sim_robot import (
+    ARRAY_TOPIC,
+    DIAGNOSTICS_TOPIC,
+    EPISODE_TOPIC,
+    INSTRUCTION_TOPIC,
+    JOINT_STATES_TOPIC,
+    TRAJECTORY_TOPIC,
+    camera_topic,
+)
+
+DEFAULT_TOPICS = [JOINT_STATES_TOPIC, camera_topic("front"), INSTRUCTION_TOPIC, EPISODE_TOPIC, TRAJECTORY_TOPIC,
+                  ARRAY_TOPIC, DIAGNOSTICS_TOPIC]  # fmt: skip
+
+
+@dataclass
+class RecordRosConfig:
+    """Record ROS 2 topics into an MCAP file (message schemas included) until Ctrl-C or duration_s."""
+
+    output: str = "outputs/ros/recording.mcap"  # MCAP file to write; must not exist unless overwrite=true
+    # topics to record; each is subscribed as soon as the graph shows a publisher for it
+    topics: list[str] = field(default_factory=lambda: list(DEFAULT_TOPICS))
+    duration_s: float = 0.0  # stop after this many seconds; 0 = until Ctrl-C
+    overwrite: bool = False  # replace an existing file at output
+    compression: str = "zstd"  # chunk compression: zstd, lz4 or none
+    discovery_period_s: float = 0.5  # seconds between looks at the graph for topics not yet subscribed
+    queue_depth: int = 100  # messages kept per topic while the recorder is busy
+    node_name: str = "vla_rl_recorder"  # ROS 2 node name
+
+
+class McapTopicRecorder:
+    """Subscribes to topics as they appear and writes their raw messages into an open MCAP writer."""
+
+    def __init__(self, node, writer, topics: list[str], queue_depth: int):
+        self.node, self.writer, self.queue_depth = node, writer, queue_depth
+        self.pending = list(dict.fromkeys(topics))  # topics not subscribed yet, in the configured order
+        self.types: dict[str, str] = {}  # topic -> type name, once subscribed
+        self.counts: dict[str, int] = {}
+        self._subscriptions = []
+
+    def discover(self) -> None:
+        """Subscribe to every pending topic that now has a publisher (a topic with subscribers only waits)."""
+        for topic in list(self.pending):
+            publishers = self.node.get_publishers_info_by_topic(topic)
+            if publishers:
+                self._subscribe(topic, publishers)
+                self.pending.remove(topic)
+
+    def _subscribe(self, topic: str, publishers: list) -> None:
+        from mcap.well_known import MessageEncoding, SchemaEncoding
+
+        from vla_rl.ros_msgs import message_class, message_definition
+
+        types = sorted({p.topic_type for p in publishers})
+        type_name = types[0]
+        if len(types) > 1:
+            self.node.get_logger().warning(f"{topic} is published with several types {types}; recording {type_name}")
+        schema = self.writer.register_schema(type_name, SchemaEncoding.ROS2, message_definition(type_name).encode())
+        channel = self.writer.register_channel(topic, MessageEncoding.CDR, schema)
+        self.types[topic], self.counts[topic] = type_name, 0
+
+        def write(data: bytes, info) -> None:
+            received = info["received_timestamp"] or time.time_ns()
+            self.writer.add_message(channel, log_time=received, data=data, publish_time=info["source_timestamp"] or received,
+                                    sequence=self.counts[topic])  # fmt: skip
+            self.counts[topic] += 1
+
+        qos = self._publishers_qos(publishers)
+        self._subscriptions.append(self.node.create_subscription(message_class(type_name), topic, write, qos, raw=True))
+        self.node.get_logger().info(f"recording {topic} [{type_name}]")
+
+    def _publishers_qos(self, publishers: list):
+        """The QoS that receives from every one of a topic's ``publishers``: transient local only when all
+        offer it (a latched topic's last message then arrives), reliable only when all are."""
+        from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
+
+        offered = [info.qos_profile for info in publishers]
+        latched = all(q.durability == DurabilityPolicy.TRANSIENT_LOCAL for q in offered)
+        reliable = all(q.reliability == ReliabilityPolicy.RELIABLE for q in offered)
+        return QoSProfile(
+            depth=self.queue_depth,
+            durability=DurabilityPolicy.TRANSIENT_LOCAL if latched else DurabilityPolicy.VOLATILE,
+            reliability=ReliabilityPolicy.RELIABLE if reliable else ReliabilityPolicy.BEST_EFFORT,
+        )
+
+
+def record_ros(cfg: RecordRosConfig) -> dict:
+    """Record ``cfg.topics`` into ``cfg.output`` until Ctrl-C or ``cfg.duration_s``; returns a summary dict."""
+    import rclpy
+    from mcap.writer import CompressionType, Writer
+    from rclpy.executors import ExternalShutdownException
+    from rclpy.task import Future
+
+    compressions = {"zstd": CompressionType.ZSTD, "lz4": CompressionType.LZ4, "none": CompressionType.NONE}
+    if cfg.compression not in compressions:
+        raise ValueError(f"unknown compression {cfg.compression!r}; choose one of: {', '.join(compressions)}")
+    if not cfg.topics:
+        raise ValueError("no topics to record; pass --topics='[/joint_states,/camera/front/image_raw]'")
+    out = Path(cfg.output)
+    if out.exists() and not cfg.overwrite:
+        raise FileExistsError(f"{out} already exists; pass --overwrite=true to replace it or choose another --output")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp"
+
+    start = time.time()
+    rclpy.init()
+    node = rclpy.create_node(cfg.node_name)
+    completed = False
+    try:
+        with open(tmp, "wb") as stream:
+            writer = Writer(stream, compression=compressions[cfg.compression])
+            writer.start(profile="ros2", library="vla-rl record-ros")
+            recorder = McapTopicRecorder(node, writer, cfg.topics, cfg.queue_depth)
+            stop = Future()
+            recorder.discover()
+            node.create_timer(cfg.discovery_period_s, recorder.discover)
+            if cfg.duration_s > 0:
+                node.create_timer(cfg.duration_s, lambda: stop.set_result(True))
+            until = f"for {cfg.duration_s} s" if cfg.duration_s > 0 else "until Ctrl-C"
+            node.get_logger().info(f"recording into {out} {until}")
+            try:
+                rclpy.spin_until_future_complete(node, stop)
+            except (KeyboardInterrupt, ExternalShutdownException):
+                pass  # Ctrl-C is how a recording normally ends
+            writer.finish()
+        tmp.replace(out)
+        completed = True
+    finally:
+        node.destroy_node()
+        if rclpy.ok():
+            rclpy.shutdown()
+        if not completed:
+            tmp.unlink(missing_ok=True)
+    topics = {t: {"type": recorder.types[t], "messages": recorder.counts[t]} for t in recorder.types}
+    return {
+        "output": str(out),
+        "topics": topics,
+        "never_published": recorder.pending,
+        "messages": sum(recorder.counts.values()),
+        "bytes": out.stat().st_size,
+        "seconds": round(time.time() - start, 1),
+        "config": asdict(cfg),
+    }

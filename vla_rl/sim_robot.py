@@ -1,0 +1,460 @@
+"""`vla-rl sim-robot`: one world of a MuJoCo task run as a ROS 2 robot, for demos and closed-loop tests.
+
+The world is a `sim.mujoco_env.MujocoBatchedEnv` with one world, so physics, reset distribution,
+IK and success are exactly the training task's, and seed s gives the episodes of a batched env
+reset with seed s. Each control step publishes one observation, all stamped alike:
+
+- ``/camera/<camera>/image_raw`` sensor_msgs/Image rgb8 (H, W, 3), one per camera of the env
+  config, and ``.../compressed`` (png) with ``compressed_images=true``;
+- ``/joint_states`` sensor_msgs/JointState: ``name`` = `sim.mujoco_env.STATE_NAMES`, ``position`` =
+  ``observation.state`` (11,), ``velocity`` = the rates of the same 11 quantities;
+- ``/sim_robot/episode`` std_msgs/String JSON ``{"episode", "step", "tick", "success", "done",
+  "stamp_ns"}``: where the robot stands at ``stamp_ns``. That is the stamp of the observation
+  published with it, or, when ``done``, of the episode's final state (not published: the next
+  observation is the first of the next episode, as in the batched env).
+
+``/instruction`` std_msgs/String carries the task's instruction at each episode start (transient
+local, so late subscribers get it); ``/diagnostics`` reports commands received and rejected, why,
+whether the command is stale, and the real-time factor reached.
+
+Commands: ``/command/joint_trajectory`` trajectory_msgs/JointTrajectory whose ``joint_names`` are
+`sim.mujoco_env.ACTION_NAMES` in any order (the first point is the next step's action), or
+``/command/array`` std_msgs/Float64MultiArray in ACTION_NAMES order. See :class:`CommandGate`
+for what is rejected and what the robot holds meanwhile.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field, replace
+
+import numpy as np
+
+from sim.config import EnvConfig
+
+JOINT_STATES_TOPIC = "/joint_states"
+INSTRUCTION_TOPIC = "/instruction"
+EPISODE_TOPIC = "/sim_robot/episode"
+DIAGNOSTICS_TOPIC = "/diagnostics"
+TRAJECTORY_TOPIC = "/command/joint_trajectory"
+ARRAY_TOPIC = "/command/array"
+
+
+def camera_topic(camera: str) -> str:
+    return f"/camera/{camera}/image_raw"
+
+
+@dataclass
+class SimRobotConfig:
+    """Run one simulated world of a task as a ROS 2 robot node (joint states and images out, commands in)."""
+
+    env: EnvConfig = field(
+        default_factory=lambda: EnvConfig(num_envs=1)
+    )  # the simulated task (one world: env.num_envs is ignored)
+    seed: int = 0  # seed of the episodes' initial states: the same seed replays the same episodes
+    sync: bool = (
+        False  # lock-step: one control step per received command (deterministic tests); else a wall-clock timer
+    )
+    realtime_factor: float = 1.0  # simulated seconds per wall second of the control timer (without sync)
+    command_timeout_s: float = (
+        0.5  # a command this old (wall seconds since it arrived) is stale: the arm holds position
+    )
+    compressed_images: bool = False  # also publish /camera/<camera>/image_raw/compressed (png)
+    max_episodes: int = 0  # exit after this many episodes; 0 = run until Ctrl-C
+    diagnostics_period_s: float = 1.0  # seconds between /diagnostics reports (rejections report at once too)
+    sync_republish_s: float = (
+        0.5  # with sync, republish the waiting observation this often, freshly stamped, for late subscribers
+    )
+    node_name: str = "sim_robot"  # ROS 2 node name
+
+
+class CommandGate:
+    """Turns command messages into the action of the next control step, rejecting bad ones.
+
+    A command is rejected when its values are not finite, their number or names do not match the
+    action names, it has no trajectory point, or its header stamp (when set) is older than the last
+    accepted one or than ``timeout_s``. A rejected command is counted and leaves the last valid action
+    in force; a valid action older than ``timeout_s`` (since it arrived) is stale, and so is no action
+    at all: then :meth:`action` returns None and the robot holds position. Times are nanoseconds.
+    """
+
+    def __init__(self, action_names: list[str], timeout_s: float):
+        self.action_names = list(action_names)
+        self.timeout_ns = int(timeout_s * 1e9)
+        self.received = 0
+        self.rejected: Counter[str] = Counter()  # kind -> count
+        self.last_rejection = ""  # why the latest rejected command was rejected
+        self.last_rejected_ns = 0  # when it arrived
+        self._action: np.ndarray | None = None  # (A,) the last valid action
+        self._arrived_ns = 0
+        self._last_stamp_ns = 0
+
+    def offer_trajectory(
+        self, joint_names: list[str], positions: list[float] | None, stamp_ns: int, now_ns: int
+    ) -> str | None:
+        """A JointTrajectory's names and first point's positions (None: no point); the rejection reason or None."""
+        self.received += 1
+        if positions is None:
+            return self._reject("no_points", "the trajectory has no points", now_ns)
+        if len(positions) != len(joint_names):
+            return self._reject(
+                "wrong_length", f"{len(positions)} positions for {len(joint_names)} joint names", now_ns
+            )
+        unknown = sorted(set(joint_names) - set(self.action_names))
+        missing = [n for n in self.action_names if n not in joint_names]
+        if unknown or missing or len(joint_names) != len(self.action_names):
+            return self._reject(
+                "wrong_names", f"joint_names {list(joint_names)} must be {self.action_names} in any order", now_ns
+            )
+        by_name = dict(zip(joint_names, positions))
+        return self._accept(np.array([by_name[n] for n in self.action_names], dtype=np.float64), stamp_ns, now_ns)
+
+    def offer_array(self, values: list[float], now_ns: int) -> str | None:
+        """A Float64MultiArray's data, in action order; the rejection reason or None."""
+        self.received += 1
+        if len(values) != len(self.action_names):
+            return self._reject(
+                "wrong_length", f"{len(values)} values, expected {len(self.action_names)} {self.action_names}", now_ns
+            )
+        return self._accept(np.array(values, dtype=np.float64), 0, now_ns)
+
+    def action(self, now_ns: int) -> np.ndarray | None:
+        """(A,) the action for the next step, or None to hold position (no command yet, or stale)."""
+        return self._action if self.state(now_ns) == "fresh" else None
+
+    def state(self, now_ns: int) -> str:
+        """none (no valid command yet), fresh, or stale."""
+        if self._action is None:
+            return "none"
+        return "fresh" if now_ns - self._arrived_ns <= self.timeout_ns else "stale"
+
+    def age_s(self, now_ns: int) -> float:
+        return (now_ns - self._arrived_ns) / 1e9
+
+    def clear(self) -> None:
+        """Forget the last action (at an episode start: commands for the previous episode no longer apply)."""
+        self._action = None
+
+    def _accept(self, action: np.ndarray, stamp_ns: int, now_ns: int) -> str | None:
+        if not np.isfinite(action).all():
+            return self._reject("not_finite", f"non-finite values {action.tolist()}", now_ns)
+        if stamp_ns:
+            if stamp_ns < self._last_stamp_ns:
+                lag_ms = (self._last_stamp_ns - stamp_ns) / 1e6
+                return self._reject("out_of_order", f"stamped {lag_ms:.1f} ms before the last accepted command", now_ns)
+            if now_ns - stamp_ns > self.timeout_ns:
+                return self._reject(
+                    "stale", f"stamped {(now_ns - stamp_ns) / 1e9:.2f} s ago (limit {self.timeout_ns / 1e9} s)", now_ns
+                )
+            self._last_stamp_ns = stamp_ns
+        self._action, self._arrived_ns = action, now_ns
+        return None
+
+    def _reject(self, kind: str, reason: str, now_ns: int) -> str:
+        self.rejected[kind] += 1
+        self.last_rejection, self.last_rejected_ns = f"{kind}: {reason}", now_ns
+        return self.last_rejection
+
+
+class SimRobot:
+    """The node: an env of one world, its publishers and command subscriptions, and the control loop."""
+
+    def __init__(self, cfg: SimRobotConfig, node, env):
+        from diagnostic_msgs.msg import DiagnosticArray
+        from rclpy.qos import DurabilityPolicy, QoSProfile
+        from rclpy.task import Future
+        from sensor_msgs.msg import CompressedImage, Image, JointState
+        from std_msgs.msg import Float64MultiArray, String
+        from trajectory_msgs.msg import JointTrajectory
+
+        from sim.mujoco_env import ACTION_NAMES
+
+        self.cfg, self.node, self.env = cfg, node, env
+        self.log = node.get_logger()
+        self.gate = CommandGate(ACTION_NAMES, cfg.command_timeout_s)
+        sensor_qos = 10  # keep-last depth; reliable, so best-effort and reliable subscribers both match
+        latched = QoSProfile(depth=1, durability=DurabilityPolicy.TRANSIENT_LOCAL)
+        self.joint_pub = node.create_publisher(JointState, JOINT_STATES_TOPIC, sensor_qos)
+        self.image_pubs = {
+            cam: node.create_publisher(Image, camera_topic(cam), sensor_qos) for cam in env.config.cameras
+        }
+        self.compressed_pubs = (
+            {
+                cam: node.create_publisher(CompressedImage, camera_topic(cam) + "/compressed", sensor_qos)
+                for cam in env.config.cameras
+            }
+            if cfg.compressed_images
+            else {}
+        )
+        self.episode_pub = node.create_publisher(String, EPISODE_TOPIC, sensor_qos)
+        self.instruction_pub = node.create_publisher(String, INSTRUCTION_TOPIC, latched)
+        self.diagnostics_pub = node.create_publisher(DiagnosticArray, DIAGNOSTICS_TOPIC, sensor_qos)
+        node.create_subscription(JointTrajectory, TRAJECTORY_TOPIC, self._on_trajectory, 10)
+        node.create_subscription(Float64MultiArray, ARRAY_TOPIC, self._on_array, 10)
+
+        self.finished = Future()  # done after max_episodes episodes
+        self.episode, self.step, self.tick = 0, 0, 0
+        self.successes = 0
+        self._last_stamp_ns = 0
+        self._hold: np.ndarray | None = None  # (4,) latched when the arm starts holding position
+        self._command_state = "none"
+        self._logged_rejection: dict[str, float] = {}  # rejection kind -> monotonic time it was last logged
+        self._step_seconds = 0.0  # wall seconds spent stepping and publishing
+        self._started = time.monotonic()
+        self._first_tick_wall: float | None = None  # monotonic start of the first and of the latest control step
+        self._latest_tick_wall = 0.0
+
+        self.obs = env.reset(seed=cfg.seed)
+        self._publish_instruction()
+        self._publish_observation()
+        if cfg.sync:
+            node.create_timer(cfg.sync_republish_s, self._republish_if_idle)
+        else:
+            node.create_timer(env.control_dt / cfg.realtime_factor, self._control_step)
+        node.create_timer(cfg.diagnostics_period_s, self._publish_diagnostics)
+        self._idle_since = time.monotonic()
+
+    # -- commands ---------------------------------------------------------------------------
+
+    def _on_trajectory(self, msg) -> None:
+        from vla_rl.ros_msgs import stamp_ns
+
+        positions = list(msg.points[0].positions) if msg.points else None
+        reason = self.gate.offer_trajectory(
+            list(msg.joint_names), positions, stamp_ns(msg.header.stamp), self._now_ns()
+        )
+        self._after_command(TRAJECTORY_TOPIC, reason)
+
+    def _on_array(self, msg) -> None:
+        self._after_command(ARRAY_TOPIC, self.gate.offer_array(list(msg.data), self._now_ns()))
+
+    def _after_command(self, topic: str, reason: str | None) -> None:
+        if reason is not None:
+            kind, now = reason.split(":")[0], time.monotonic()
+            if now - self._logged_rejection.get(kind, -math.inf) >= 1.0:  # each kind at most once a second
+                self._logged_rejection[kind] = now
+                held = "the last valid action" if self.gate.state(self._now_ns()) == "fresh" else "position"
+                self.log.warning(f"rejected command on {topic}: {reason}; holding {held}")
+            self._publish_diagnostics()
+        if self.cfg.sync and not self.finished.done():
+            self._control_step()
+
+    # -- control ----------------------------------------------------------------------------
+
+    def _control_step(self) -> None:
+        """One control step with the gate's action (or holding position), then publish what follows."""
+        import torch
+
+        if self.finished.done():
+            return
+        start = time.monotonic()
+        if self._first_tick_wall is None:
+            self._first_tick_wall = start
+        self._latest_tick_wall = start
+        action = self._action()
+        obs, _, terminated, truncated, info = self.env.step(torch.from_numpy(action[None]))
+        self.tick += 1
+        self.step += 1
+        done = bool(terminated[0] or truncated[0])
+        success = bool(info["success"][0])
+        if not done:  # hence not successful either: success terminates the episode
+            self.obs = obs
+            self._publish_observation()
+        else:
+            # The final state is not published (the env has already reset), but its status is.
+            self._publish_status(success, done, self._next_stamp()[1])
+            self.successes += success
+            self.log.info(f"episode {self.episode} {'succeeded' if success else 'ended'} after {self.step} steps")
+            self.episode, self.step = self.episode + 1, 0
+            self.gate.clear()
+            self._hold = None
+            if self.cfg.max_episodes and self.episode >= self.cfg.max_episodes:
+                self.finished.set_result(True)
+            else:
+                self.obs = obs
+                self._publish_instruction()
+                self._publish_observation()
+        self._step_seconds += time.monotonic() - start
+        self._idle_since = time.monotonic()
+
+    def _action(self) -> np.ndarray:
+        """(4,) the gate's action, or the pose latched when holding began; logs the transitions."""
+        now = self._now_ns()
+        state = self.gate.state(now)
+        if state != self._command_state:
+            if state == "stale":
+                self.log.warning(
+                    f"last command is {self.gate.age_s(now):.2f} s old (limit {self.cfg.command_timeout_s} s); holding position"
+                )
+            elif state == "fresh" and self._command_state == "stale":
+                self.log.info("commands resumed")
+            self._command_state = state
+        action = self.gate.action(now)
+        if action is not None:
+            self._hold = None
+            return action
+        if self._hold is None:
+            self._hold = self.env.hold_actions()[0].double().numpy()
+        return self._hold
+
+    def _republish_if_idle(self) -> None:
+        """With sync, a waiting observation goes out again so subscribers that joined late see it."""
+        if time.monotonic() - self._idle_since >= self.cfg.sync_republish_s and not self.finished.done():
+            self._publish_observation()
+
+    # -- publishing -------------------------------------------------------------------------
+
+    def _next_stamp(self):
+        """(builtin_interfaces/Time, ns) of now, strictly after the previous stamp, so each stamp names one state."""
+        from builtin_interfaces.msg import Time
+
+        ns = max(self._now_ns(), self._last_stamp_ns + 1)
+        self._last_stamp_ns = ns
+        return Time(sec=ns // 1_000_000_000, nanosec=ns % 1_000_000_000), ns
+
+    def _publish_observation(self) -> None:
+        """Images, joint state and status of ``self.obs`` (mid-episode: not done, not successful), stamped alike."""
+        from sensor_msgs.msg import JointState
+
+        from sim.mujoco_env import STATE_NAMES
+        from vla_rl.ros_msgs import compressed_image_msg, float_array, image_msg
+        from vla_rl.types import OBS_STATE, image_key
+
+        stamp, ns = self._next_stamp()
+        for cam, pub in self.image_pubs.items():
+            frame = self.obs[image_key(cam)][0].permute(1, 2, 0).mul(255).round().byte().numpy()  # (H, W, 3)
+            pub.publish(image_msg(frame, stamp, cam))
+            if cam in self.compressed_pubs:
+                self.compressed_pubs[cam].publish(compressed_image_msg(frame, stamp, cam))
+        joints = JointState(name=STATE_NAMES)
+        joints.header.stamp = stamp
+        joints.position = float_array(self.obs[OBS_STATE][0].numpy())
+        joints.velocity = float_array(self._state_rates())
+        self.joint_pub.publish(joints)
+        self._publish_status(False, False, ns)
+
+    def _state_rates(self) -> np.ndarray:
+        """(11,) rates of the state quantities: 7 joint velocities, gripper opening rate, ee linear velocity."""
+        import mujoco
+
+        model, data = self.env.model, self.env.data[0]
+        site_vel = np.zeros(6)  # [angular, linear] in the world frame
+        mujoco.mj_objectVelocity(model, data, mujoco.mjtObj.mjOBJ_SITE, model.site("grasp").id, site_vel, 0)
+        return np.concatenate([data.qvel[:7], [data.qvel[7] + data.qvel[8]], site_vel[3:]])
+
+    def _publish_status(self, success: bool, done: bool, stamp_ns: int) -> None:
+        from std_msgs.msg import String
+
+        status = {"episode": self.episode, "step": self.step, "tick": self.tick, "success": success, "done": done,
+                  "stamp_ns": stamp_ns}  # fmt: skip
+        self.episode_pub.publish(String(data=json.dumps(status)))
+
+    def _publish_instruction(self) -> None:
+        from std_msgs.msg import String
+
+        self.instruction_pub.publish(String(data=self.env.task.instruction))
+
+    def _publish_diagnostics(self) -> None:
+        from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
+
+        now = self._now_ns()
+        state = self.gate.state(now)
+        recent_rejection = (
+            self.gate.last_rejected_ns and now - self.gate.last_rejected_ns <= 1e9 * self.cfg.diagnostics_period_s
+        )
+        if recent_rejection:
+            level, message = (
+                DiagnosticStatus.WARN,
+                f"rejected command ({self.gate.last_rejection}); holding "
+                + ("the last valid action" if state == "fresh" else "position"),
+            )
+        elif state == "stale":
+            level, message = (
+                DiagnosticStatus.WARN,
+                f"command stale ({self.gate.age_s(now):.2f} s old); holding position",
+            )
+        elif state == "none":
+            level, message = DiagnosticStatus.OK, "no command yet; holding position"
+        else:
+            level, message = DiagnosticStatus.OK, "following commands"
+        values = {
+            "command_state": state,
+            "commands_received": self.gate.received,
+            "commands_rejected": sum(self.gate.rejected.values()),
+            **{f"rejected_{kind}": n for kind, n in sorted(self.gate.rejected.items())},
+            "last_rejection": self.gate.last_rejection,
+            "episode": self.episode,
+            "step": self.step,
+            "successes": self.successes,
+            "realtime_factor": f"{self.realtime_factor():.3f}",
+            "step_ms_mean": f"{1e3 * self._step_seconds / max(1, self.tick):.2f}",
+        }
+        status = DiagnosticStatus(level=level, name=f"{self.cfg.node_name}: commands", message=message,
+                                  hardware_id=self.cfg.node_name,
+                                  values=[KeyValue(key=k, value=str(v)) for k, v in values.items()])  # fmt: skip
+        report = DiagnosticArray(status=[status])
+        report.header.stamp = self.node.get_clock().now().to_msg()
+        self.diagnostics_pub.publish(report)
+
+    # -- summary ----------------------------------------------------------------------------
+
+    def realtime_factor(self) -> float:
+        """Simulated seconds per wall second between the starts of the first and the latest control step."""
+        if self._first_tick_wall is None or self.tick < 2:
+            return 0.0
+        return (self.tick - 1) * self.env.control_dt / max(1e-9, self._latest_tick_wall - self._first_tick_wall)
+
+    def summary(self) -> dict:
+        return {
+            "steps": self.tick,
+            "episodes_done": self.episode,
+            "successes": self.successes,
+            "commands_received": self.gate.received,
+            "commands_rejected": dict(self.gate.rejected),
+            "realtime_factor": round(self.realtime_factor(), 3),
+            "step_ms_mean": round(1e3 * self._step_seconds / max(1, self.tick), 2),
+            "wall_s": round(time.monotonic() - self._started, 1),
+        }
+
+    def _now_ns(self) -> int:
+        return self.node.get_clock().now().nanoseconds
+
+
+def run_sim_robot(cfg: SimRobotConfig) -> dict:
+    """Run the node until ``max_episodes`` episodes are done or Ctrl-C; returns a summary dict."""
+    import rclpy
+    from rclpy.executors import ExternalShutdownException
+
+    from sim.factory import make_env
+
+    if cfg.env.backend != "cpu":
+        raise ValueError(
+            f"the sim robot runs on the cpu backend, got env.backend={cfg.env.backend!r}; pass --env.backend=cpu"
+        )
+    if cfg.realtime_factor <= 0:
+        raise ValueError(f"realtime_factor must be positive, got {cfg.realtime_factor}")
+    # One world whatever env.num_envs says: draccus rebuilds a nested config from the class
+    # defaults (num_envs=16) as soon as one of its fields is overridden.
+    env = make_env(replace(cfg.env, num_envs=1))
+    rclpy.init()
+    node = rclpy.create_node(cfg.node_name)
+    robot = None
+    try:
+        robot = SimRobot(cfg, node, env)
+        mode = "lock-step (one step per command)" if cfg.sync else f"{cfg.realtime_factor}x real time"
+        node.get_logger().info(
+            f"task {cfg.env.task!r}, {1 / env.control_dt:.0f} Hz control, {mode}; cameras {list(env.config.cameras)}"
+        )
+        rclpy.spin_until_future_complete(node, robot.finished)
+    except (KeyboardInterrupt, ExternalShutdownException):
+        pass
+    finally:
+        summary = robot.summary() if robot is not None else {}
+        node.destroy_node()
+        if rclpy.ok():
+            rclpy.shutdown()
+        env.close()
+    return {**summary, "config": asdict(cfg)}
