@@ -52,6 +52,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from robot_bridge.scheduling import quiet_interpreter, use_realtime
 from vla_rl.types import OBS_COMMITTED_ACTIONS, OBS_STATE, ActionChunk, image_key
 
 JOINTS = ["joint1", "joint2", "joint3", "joint4"]
@@ -173,6 +174,7 @@ def _serve_side(cfg: BenchBridgeConfig, rate: float, merge: str, horizon: int, r
 
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {0})
+    use_realtime(50)  # as `serve` does, before rclpy starts its DDS threads (no-op message if not permitted)
     torch.set_num_threads(1)
     context = rclpy.Context()
     rclpy.init(context=context, domain_id=cfg.domain_id)
@@ -199,6 +201,7 @@ def _serve_side(cfg: BenchBridgeConfig, rate: float, merge: str, horizon: int, r
     executor = SingleThreadedExecutor(context=context)
     executor.add_node(bridge)
     executor.add_node(echo)
+    quiet_interpreter()  # as `serve` does
     while not stop.is_set():
         executor.spin_once(timeout_sec=0.05)
     results.put({
@@ -417,6 +420,9 @@ def bench_bridge(cfg: BenchBridgeConfig) -> dict[str, Any]:
     os.environ["ROS_DOMAIN_ID"] = str(cfg.domain_id)
     if hasattr(os, "sched_setaffinity") and (os.cpu_count() or 1) > 1:
         os.sched_setaffinity(0, {1})  # the robot shares the inference core, where it wins over the niced worker
+    # A robot driver runs its I/O at real-time priority too; the serve processes spawned below
+    # inherit it and their inference workers drop it again.
+    use_realtime(50)
     # Room for a chunk to cover two inference delays (its own and the next one's) even at 2x the calibrated time.
     horizon = cfg.horizon or max(16, math.ceil(4 * cfg.inference_ms / 1e3 * max(cfg.rates_hz)) + cfg.execute_steps)
     context = rclpy.Context()
@@ -424,6 +430,7 @@ def bench_bridge(cfg: BenchBridgeConfig) -> dict[str, Any]:
     executor = SingleThreadedExecutor(context=context)
     robot = BenchRobot(context, cfg.image_size)
     executor.add_node(robot.node)
+    quiet_interpreter()
     runs: list[dict] = []
     pings: dict[float, dict] = {}
     try:

@@ -89,6 +89,10 @@ class ServeConfig:
     control_cpu: int = 0  # core the control loop is pinned to; -1 = no pinning
     inference_threads: int = 1  # torch threads of the inference
     inference_nice: int = 10  # niceness added to the inference process, so the control loop wins the CPU
+    # SCHED_FIFO priority (1-99) of the control loop and its DDS threads, so no other work on the core
+    # delays a tick (as ros2_control does); 0 = normal scheduling. Needs root or an rtprio limit;
+    # without permission the node logs why and runs with normal scheduling.
+    control_rt_priority: int = 50
     load_retry_s: float = 5.0  # wait before loading the checkpoint again after a failure
     error_retry_s: float = 0.5  # wait before asking the policy again after it raised
     dry_run: bool = False  # compute everything but publish nothing to the robot (no command topics)

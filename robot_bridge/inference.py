@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from robot_bridge.scheduling import use_normal
 from vla_rl.types import OBS_IMAGES, TASK, Policy
 
 
@@ -91,6 +92,9 @@ def serve_requests(
     """Worker body: load the policy (retrying), then answer requests until a ``None`` request arrives."""
     import torch
 
+    # Started from the real-time control thread, the worker inherits its SCHED_FIFO; inference
+    # must never preempt control, so it goes back to normal scheduling first.
+    use_normal()
     if cpu >= 0 and hasattr(os, "sched_setaffinity"):
         # pid 0 is the calling thread, so in thread mode only the inference thread is pinned.
         os.sched_setaffinity(0, {cpu % (os.cpu_count() or 1)})

@@ -179,3 +179,13 @@ def test_word_tokenizer_pads_and_maps_unknown_words():
     vocab = word_vocabulary(INSTRUCTIONS)
     assert ids[0].tolist() == [vocab.index(w) for w in ["pick", "up", "the", "red"]]  # cut at 4 tokens
     assert ids[1].tolist() == [1, 1, 0, 0] and mask[1].tolist() == [1, 1, 0, 0]  # unknown words, then padding
+
+
+def test_frozen_towers_get_no_gradient_but_their_projections_do():
+    policy = randomize(make_policy(freeze_towers=True)).train()
+    loss = policy(batch(), torch.Generator().manual_seed(0), copies=2)
+    loss.backward()
+    towers = list(policy.encoder.vision.parameters()) + list(policy.encoder.text.parameters())
+    assert all(p.grad is None and not p.requires_grad for p in towers)
+    assert policy.encoder.vision_proj.weight.grad.abs().sum() > 0
+    assert policy.encoder.text_proj.weight.grad.abs().sum() > 0

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from vla_rl.runtime import ActionChunkExecutor, rtc_weights
+from vla_rl.runtime import ActionChunkExecutor, rtc_blend_weights, rtc_weights
 from vla_rl.types import OBS_COMMITTED_ACTIONS, OBS_COMMITTED_MASK, OBS_DELAY_STEPS, ActionChunk
 
 
@@ -159,25 +159,35 @@ def test_rtc_weights_batched_rows_are_independent():
     assert w[1].tolist() == pytest.approx([soft(5 / 6), soft(4 / 6), soft(3 / 6), soft(2 / 6), soft(1 / 6), 0])
 
 
+HI, LO = (1 + math.cos(math.pi / 4)) / 2, (1 + math.cos(3 * math.pi / 4)) / 2  # 0.853553, 0.146447
+
+
+def test_rtc_blend_weights_ease_out_of_the_frozen_prefix():
+    # d = 1, end = 4: W_i = (1 + cos(pi * i / 4)) / 2 for i = 1..3.
+    w = rtc_blend_weights(6, torch.tensor([1]), torch.tensor([4]))
+    assert w[0].tolist() == pytest.approx([1, 0.853553, 0.5, 0.146447, 0, 0], abs=1e-6)
+    # No overlap left (end <= d): only the frozen prefix.
+    assert rtc_blend_weights(4, torch.tensor([3]), torch.tensor([2]))[0].tolist() == [1, 1, 1, 0]
+
+
 def test_rtc_blends_overlap_toward_previous_chunk():
     ex = ActionChunkExecutor(num_envs=1, action_dim=1, horizon=6, merge="rtc")
     ex.add_chunk(chunk([1, 2, 3, 4, 5, 6], obs_step=0))  # old plan: steps 0..5
     assert drain(ex, 3)[0] == [1, 2, 3]
-    # Requested at step 2 (s = 2 steps after the old chunk's observation), arrives at step 3 (d = 1).
-    # The old plan still holds steps 3..5 = chunk indices 1..3, so H - s = 4 and c_i = (4 - i) / 4.
+    # Requested at step 2, arrives at step 3 (d = 1). The old plan still holds steps 3..5 = chunk
+    # indices 1..3, so it ends at index 4 and W_i = (1 + cos(pi * i / 4)) / 2.
     ex.add_chunk(chunk([10, 20, 30, 40, 50, 60], obs_step=2))  # new plan: steps 2..7, 10 is past
     actions, valids = drain(ex, 6)
     assert actions == pytest.approx(
         [
-            soft(3 / 4) * 4 + (1 - soft(3 / 4)) * 20,  # step 3, i = 1: 0.4875 * 4 + 0.5125 * 20 = 12.199
-            soft(2 / 4) * 5 + (1 - soft(2 / 4)) * 30,  # step 4, i = 2: 0.1888 * 5 + 0.8112 * 30 = 25.281
-            soft(1 / 4) * 6 + (1 - soft(1 / 4)) * 40,  # step 5, i = 3: 0.0413 * 6 + 0.9587 * 40 = 38.595
+            HI * 4 + LO * 20,  # step 3, i = 1: 0.853553 * 4 + 0.146447 * 20 = 6.343146
+            0.5 * 5 + 0.5 * 30,  # step 4, i = 2: 17.5
+            LO * 6 + HI * 40,  # step 5, i = 3: 0.146447 * 6 + 0.853553 * 40 = 35.020815
             50.0,  # step 6: no old action, the new chunk alone
             60.0,  # step 7
             60.0,  # step 8: nothing queued, hold
-        ]
+        ],
     )
-    assert actions[0] == pytest.approx(12.1992, abs=1e-4)
     assert valids == [True] * 5 + [False]
 
 
@@ -185,9 +195,9 @@ def test_rtc_with_empty_queue_and_short_chunk_behaves_like_latest():
     ex = ActionChunkExecutor(num_envs=1, action_dim=1, horizon=4, merge="rtc")
     ex.add_chunk(chunk([1, 2], obs_step=0))  # nothing queued: taken as is
     assert drain(ex, 1)[0] == [1]
-    # H = 1, d = 0, the old plan reaches index 1 = H - s -> s = 0, c_0 = (1 - 0) / (1 - 0 + 1) = 1/2.
+    # H = 1, d = 0, the old plan reaches index 1: W_0 = (1 + cos(pi / 2)) / 2 = 1/2.
     ex.add_chunk(chunk([7], obs_step=1))
-    blended = soft(1 / 2) * 2 + (1 - soft(1 / 2)) * 7  # 0.1888 * 2 + 0.8112 * 7 = 6.056
+    blended = 0.5 * 2 + 0.5 * 7
     assert drain(ex, 2) == ([pytest.approx(blended), pytest.approx(blended)], [True, False])
     # A longer chunk than the old plan: the old tail does not survive past the new chunk either.
     ex.add_chunk(chunk([5, 6, 7, 8], obs_step=3))

@@ -59,6 +59,8 @@ class TrainConfig:
     l2_copies: int = 1
     lr: float = 1e-3  # peak learning rate (AdamW), cosine decay after warmup
     warmup_steps: int = 200  # linear LR warmup
+    # LR after warmup: cosine (decays to 0 at `steps`) or constant_with_warmup (any diffusers schedule name)
+    lr_schedule: str = "cosine"
     weight_decay: float = 1e-6  # AdamW weight decay
     ema_decay: float = 0.995  # EMA of weights used for evaluation; 0 disables it
     save_every: int = 1000  # checkpoint period in steps
@@ -136,7 +138,9 @@ def check_batching(cfg: TrainConfig) -> int:
             f"(frames x copies), so choose a batch_size that is a multiple of {k}"
         )
     if k > 1 and cfg.policy.type != "diffusion_vla":
-        raise ValueError(f"l2_copies={k} needs --policy.type=diffusion_vla (the {cfg.policy.type} policy has no copies)")
+        raise ValueError(
+            f"l2_copies={k} needs --policy.type=diffusion_vla (the {cfg.policy.type} policy has no copies)"
+        )
     if cfg.dataset.sampling not in ("task_balanced", "uniform"):
         raise ValueError(f"dataset.sampling must be task_balanced or uniform, got {cfg.dataset.sampling!r}")
     return cfg.batch_size // k
@@ -164,7 +168,8 @@ def validation_loss(policy, demos, frames: torch.Tensor, horizon: int, seed: int
     policy.eval()
     total, count = 0.0, 0
     for part in frames.split(64):
-        batch = {k: v.to(policy.state_mean.device) if torch.is_tensor(v) else v for k, v in demos.batch(part, horizon).items()}
+        batch = demos.batch(part, horizon)
+        batch = {k: v.to(policy.state_mean.device) if torch.is_tensor(v) else v for k, v in batch.items()}
         total += policy(batch, generator).item() * len(part)
         count += len(part)
     policy.train(was_training)
@@ -196,8 +201,14 @@ def train(cfg: TrainConfig) -> dict:
     torch.manual_seed(cfg.seed)  # weight initialization; the same seed builds the same network
     policy = build_policy(cfg, demos, dataset)
     ema = copy.deepcopy(policy).requires_grad_(False) if cfg.ema_decay > 0 else None
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    scheduler = get_scheduler("cosine", optimizer, num_warmup_steps=cfg.warmup_steps, num_training_steps=cfg.steps)
+    # Frozen parameters (e.g. fixed encoder towers) need neither optimizer state nor an EMA copy.
+    trainable = [p.requires_grad for p in policy.parameters()]
+    optimizer = torch.optim.AdamW(
+        [p for p in policy.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=cfg.weight_decay
+    )
+    scheduler = get_scheduler(
+        cfg.lr_schedule, optimizer, num_warmup_steps=cfg.warmup_steps, num_training_steps=cfg.steps
+    )
     generator = torch.Generator().manual_seed(cfg.seed + accelerator.process_index)
     step, history = 0, []
     val_history, train_seconds = [], 0.0  # [[step, training seconds, validation loss]]; seconds exclude validation
@@ -271,8 +282,9 @@ def train(cfg: TrainConfig) -> dict:
             scheduler.step()
             if ema is not None:
                 with torch.no_grad():
-                    for e, p in zip(ema.parameters(), raw_policy.parameters()):
-                        e.lerp_(p, 1.0 - cfg.ema_decay)
+                    for e, p, train_it in zip(ema.parameters(), raw_policy.parameters(), trainable):
+                        if train_it:
+                            e.lerp_(p, 1.0 - cfg.ema_decay)
             step += 1
             train_seconds += time.perf_counter() - step_start
             window.append(loss.item())

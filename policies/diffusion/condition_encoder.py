@@ -80,6 +80,10 @@ class ConditionEncoder(nn.Module):
                 max_position_embeddings=cfg.max_text_tokens, pad_token_id=0,
             ))  # fmt: skip
             self.tokenize = WordTokenizer(vocabulary, cfg.max_text_tokens)
+        self.freeze_towers = cfg.freeze_towers
+        if self.freeze_towers:
+            self.vision.requires_grad_(False)
+            self.text.requires_grad_(False)
         self.image_size = self.vision.config.image_size
         self.cameras = list(cfg.cameras)
         self.vision_proj = nn.Linear(self.vision.config.hidden_size, cfg.dim)
@@ -92,11 +96,15 @@ class ConditionEncoder(nn.Module):
         """images: per camera (B, 3, S, S) in [0, 1]; state (B, state_dim), normalized; B instructions."""
         b = state.shape[0]
         pixels = torch.cat([self._resize(img) for img in images]) * 2.0 - 1.0  # (n_cam * B, 3, s, s), SigLIP range
-        patches = self.vision_proj(self.vision(pixel_values=pixels).last_hidden_state)  # (n_cam * B, P, dim)
+        with torch.set_grad_enabled(torch.is_grad_enabled() and not self.freeze_towers):
+            vision_out = self.vision(pixel_values=pixels).last_hidden_state
+        patches = self.vision_proj(vision_out)  # (n_cam * B, P, dim)
         patches = patches.unflatten(0, (len(images), b)) + self.camera_embedding[:, None]  # (n_cam, B, P, dim)
         vision_tokens = patches.permute(1, 0, 2, 3).flatten(1, 2)  # (B, n_cam * P, dim)
         ids, attention = self.tokenize(instructions, state.device)
-        text_tokens = self.text_proj(self.text(input_ids=ids, attention_mask=attention).last_hidden_state)  # (B, T, dim)
+        with torch.set_grad_enabled(torch.is_grad_enabled() and not self.freeze_towers):
+            text_out = self.text(input_ids=ids, attention_mask=attention).last_hidden_state
+        text_tokens = self.text_proj(text_out)  # (B, T, dim)
         state_token = self.state_proj(state)[:, None]  # (B, 1, dim)
         tokens = self.out_norm(torch.cat([vision_tokens, text_tokens, state_token], 1))
         mask = torch.cat([
@@ -113,7 +121,9 @@ class ConditionEncoder(nn.Module):
 
 
 def _hf_tokenize(tokenizer, instructions: list[str], max_tokens: int, device):
-    enc = tokenizer(list(instructions), padding="max_length", truncation=True, max_length=max_tokens, return_tensors="pt")
+    enc = tokenizer(
+        list(instructions), padding="max_length", truncation=True, max_length=max_tokens, return_tensors="pt"
+    )
     ids = enc["input_ids"]
     # SigLIP tokenizers return no attention mask; padding positions are the pad id.
     attention = enc.get("attention_mask", (ids != tokenizer.pad_token_id).long())

@@ -32,6 +32,9 @@ class DiffusionVLAConfig(PolicyConfig):
     text_width: int = 64  # text tower width
     text_layers: int = 1  # text tower depth
     max_text_tokens: int = 16  # instruction tokens kept (longer instructions are cut)
+    # Keep the vision and text towers fixed, as when fine-tuning on top of a pretrained encoder;
+    # their projections into the DiT width still train. Frozen towers run without autograd.
+    freeze_towers: bool = False
     # -- diffusion transformer over the action chunk --
     dim: int = 128  # DiT width; condition tokens are projected to it
     depth: int = 4  # DiT blocks (self-attention within a chunk, cross-attention to the condition, MLP)

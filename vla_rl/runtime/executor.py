@@ -44,6 +44,22 @@ def rtc_weights(horizon: int, delay_steps: torch.Tensor, execute_steps: torch.Te
     return torch.where(i < d, 1.0, torch.where(i < end, soft, 0.0))
 
 
+def rtc_blend_weights(horizon: int, delay_steps: torch.Tensor, overlap_end: torch.Tensor) -> torch.Tensor:
+    """How much of the previous plan the executor keeps when it blends a new chunk in (``"rtc"`` merge).
+
+    delay_steps d (B,) and overlap_end (B,), the first chunk index past the previous plan (H - s),
+    -> W (B, horizon): 1 for i < d (frozen), ``(1 + cos(pi (i - d + 1) / (end - d + 1))) / 2``
+    for d <= i < end, 0 after. The cosine eases out of the frozen prefix with zero slope: a blend
+    ``W old + (1 - W) new`` moves the command's velocity by ``W' (old - new)``, and RTC's
+    exponential mask (:func:`rtc_weights`, right for guidance) is steepest exactly at the seam.
+    """
+    i = torch.arange(horizon, device=delay_steps.device)[None, :]  # (1, H)
+    d = delay_steps.long()[:, None]  # (B, 1)
+    end = overlap_end.long()[:, None]  # (B, 1)
+    ease = 0.5 * (1 + torch.cos(math.pi * (i - d + 1).float() / (end - d + 1).clamp(min=1).float()))
+    return torch.where(i < d, 1.0, torch.where(i < end, ease, 0.0))
+
+
 class ActionChunkExecutor:
     """Queue of future actions per env, fed by chunks and drained one control step at a time.
 
@@ -57,11 +73,11 @@ class ActionChunkExecutor:
       makes older predictions weigh more, as in ACT.
     - ``"rtc"`` (real-time chunking): the newest chunk defines the future as in ``"latest"``, but
       where a previous action is queued the two are blended, ``W_i old + (1 - W_i) new`` with the
-      soft mask of :func:`rtc_weights`. The delay d is the lag of the chunk (steps emitted since
-      its observation; those actions are dropped, which freezes the committed prefix), and the
-      execution horizon s is read off the queue: the previous plan reaches chunk index
-      ``d + queue_length = H - s``. Flow policies can also inpaint toward the queued actions
-      themselves, from :meth:`rtc_guidance`.
+      decaying weights of :func:`rtc_blend_weights`. The delay d is the lag of the chunk (steps
+      emitted since its observation; those actions are dropped, which freezes the committed
+      prefix), and the previous plan reaches chunk index ``d + queue_length = H - s``. Flow
+      policies also inpaint toward the queued actions themselves, guided by :meth:`rtc_guidance`
+      (RTC's own soft mask, :func:`rtc_weights`).
 
     Attributes:
         step: (B,) long, the control step whose action ``next_action()`` emits next, per env.
@@ -247,7 +263,7 @@ class ActionChunkExecutor:
         queued = self._count > 0  # (B, horizon)
         # The previous plan ends at chunk index d + (queued steps) = H - s.
         end = (lag + self.queue_length()).clamp(max=chunk_horizon)
-        weights = rtc_weights(chunk_horizon, lag, chunk_horizon - end)  # (B, H), by chunk index
+        weights = rtc_blend_weights(chunk_horizon, lag, end)  # (B, H), by chunk index
         index = (torch.arange(self.horizon, device=self.device) + lag[:, None]).clamp(max=chunk_horizon - 1)
         w = weights.gather(1, index) * queued  # (B, horizon), by slot; no old action -> take the new one
         return w[..., None] * self._queued_actions() + (1 - w[..., None]) * new

@@ -1,0 +1,341 @@
+"""Level-2 minibatching (Mini-Diffuser) against conventional batching, same model and data.
+
+    python benchmarks/l2_minibatching.py              # the full run on CPU (see --help for sizes)
+    python benchmarks/l2_minibatching.py --quick      # every stage at toy sizes, a few minutes
+
+Both arms draw the same number of denoising samples per step, ``--batch`` (B):
+conventional = B frames x 1 copy; Level-2 = B/K frames x K noised copies, each frame encoded once.
+
+1. Per-step cost: median step time and peak memory of one training step, each configuration in
+   a fresh process. Memory is the increase over the process's footprint just before the first
+   step (peak RSS on CPU, peak allocated memory on a GPU), so the ~1 GB of libraries does not
+   hide the difference. Measured over a grid of K and encoder sizes to show how the ratios move.
+2. Time to quality: the conventional arm trains for ``--steps``; its final validation denoising
+   loss (held-out episodes, fixed noise and timesteps, EMA weights) is the target. The Level-2
+   arm trains with the same hyperparameters until it reaches that loss, for at most
+   ``--l2-max-steps`` steps. Both use a constant learning rate after warmup, so the Level-2 arm
+   may run past ``--steps`` without a schedule that has already decayed. Training seconds
+   exclude validation.
+3. Success: both final policies run closed loop on the task with the same evaluation seeds.
+
+Results go to ``outputs/bench/l2_minibatching.json``; the last line reads
+``time_ratio=<x> memory_ratio=<y> success_ratio=<z>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("MUJOCO_GL", "egl")  # headless rendering for the closed-loop evaluation
+os.environ.setdefault("PYOPENGL_PLATFORM", os.environ["MUJOCO_GL"])
+
+# Encoder sizes of the grid; the DiT is the same in all of them. The towers are frozen, as when a
+# VLA is fine-tuned on top of a pretrained vision-language encoder (Mini-Diffuser's setting: the
+# condition is high-dimensional and expensive, the action expert small).
+ENCODERS = {
+    "small": {"vision_width": 128, "vision_layers": 2, "text_width": 64, "text_layers": 1},
+    "base": {"vision_width": 192, "vision_layers": 4, "text_width": 96, "text_layers": 2},
+    "large": {"vision_width": 256, "vision_layers": 6, "text_width": 128, "text_layers": 2},
+}
+DIT = {
+    "dim": 64,
+    "depth": 2,
+    "heads": 4,
+    "horizon": 16,
+    "n_action_steps": 8,
+    "objective": "flow",
+    "freeze_towers": True,
+}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--task", default="reach", help="sim task for data and closed-loop success (default: reach)")
+    p.add_argument("--episodes", type=int, default=150, help="demonstrations recorded (default: 150)")
+    p.add_argument("--batch", type=int, default=64, help="denoising samples per step, B (default: 64)")
+    p.add_argument("--copies", type=int, default=8, help="K of the Level-2 arm (default: 8)")
+    p.add_argument("--encoder", default="large", choices=ENCODERS, help="encoder size of the main comparison")
+    p.add_argument("--steps", type=int, default=800, help="training steps of the conventional arm (default: 800)")
+    p.add_argument("--val-every", type=int, default=100, help="validation period in steps (default: 100)")
+    p.add_argument("--lr", type=float, default=1e-3, help="learning rate of both arms after warmup (default: 1e-3)")
+    p.add_argument("--l2-max-steps", type=int, default=0, help="step cap of the Level-2 arm; 0 = 3 x --steps")
+    p.add_argument("--eval-episodes", type=int, default=50, help="closed-loop episodes per arm (default: 50)")
+    p.add_argument("--grid-copies", default="1,8,16", help="K values of the per-step grid (1 = conventional)")
+    p.add_argument("--grid-encoders", default="small,base,large", help="encoder sizes of the per-step grid")
+    p.add_argument("--device", default="cuda" if _cuda() else "cpu", help="torch device (default: cuda if present)")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads; 0 = all cores")
+    p.add_argument("--out", default="outputs/bench/l2_minibatching", help="work and result directory")
+    p.add_argument("--quick", action="store_true", help="toy sizes, to check every stage end to end")
+    p.add_argument(
+        "--reuse-conventional",
+        action="store_true",
+        help="keep a finished conventional arm of the same settings from an earlier run (e.g. to try another K)",
+    )
+    p.add_argument("--measure-step", help=argparse.SUPPRESS)  # internal: one per-step measurement (JSON spec)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.episodes, args.steps, args.val_every, args.eval_episodes = 8, 20, 10, 4
+        args.grid_copies, args.grid_encoders, args.encoder, args.copies = "1,4", "small", "small", 4
+        args.l2_max_steps = 40
+    if args.batch % args.copies:
+        p.error(f"--copies={args.copies} must divide --batch={args.batch}")
+    return args
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def policy_config(encoder: str):
+    from policies.diffusion import DiffusionVLAConfig
+
+    return DiffusionVLAConfig(**DIT, **ENCODERS[encoder])
+
+
+def train_config(args, encoder: str, copies: int, output_dir: Path, stop_at: float = 0.0, steps: int = 0):
+    from vla_rl.train import DatasetConfig, TrainConfig
+
+    return TrainConfig(
+        dataset=DatasetConfig(root=str(Path(args.out) / "dataset")), policy=policy_config(encoder),
+        output_dir=str(output_dir), steps=steps or args.steps, batch_size=args.batch, l2_copies=copies, lr=args.lr,
+        lr_schedule="constant_with_warmup", warmup_steps=min(100, args.steps // 10), save_every=10**9,
+        log_every=25, seed=0, log_with="none",
+        num_threads=args.threads, val_episodes=max(2, args.episodes // 10), val_every=args.val_every,
+        stop_at_val_loss=stop_at,
+    )  # fmt: skip
+
+
+# -- 1. per-step cost ----------------------------------------------------------------------------
+
+
+def measure_step(spec: dict) -> dict:
+    """One configuration in this (fresh) process: median step seconds and peak memory increase."""
+    import torch
+
+    from vla_rl.data import ChunkedDemos, open_dataset
+    from vla_rl.train import build_policy
+
+    args = argparse.Namespace(**spec["args"])
+    torch.set_num_threads(args.threads or os.cpu_count() or 1)
+    cfg = train_config(args, spec["encoder"], spec["copies"], Path(args.out) / "unused")
+    dataset = open_dataset(cfg.dataset.root)
+    demos = ChunkedDemos(dataset)
+    torch.manual_seed(0)
+    device = torch.device(args.device)
+    policy = build_policy(cfg, demos, dataset).to(device).train()
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-4)
+    generator = torch.Generator().manual_seed(0)
+    frames = args.batch // spec["copies"]
+
+    def step():
+        idx = torch.randint(0, len(demos), (frames,), generator=generator)
+        batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in demos.batch(idx, DIT["horizon"]).items()}
+        loss = policy(batch, generator, copies=spec["copies"])
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    baseline = _memory_now(device)
+    times = []
+    for i in range(spec["warmup"] + spec["repeats"]):
+        start = time.perf_counter()
+        step()
+        if i >= spec["warmup"]:
+            times.append(time.perf_counter() - start)
+    return {"step_seconds": sorted(times)[len(times) // 2], "peak_mb": (_memory_peak(device) - baseline) / 2**20}
+
+
+def _memory_now(device) -> float:
+    """Bytes in use now; also resets the peak so that _memory_peak measures from here."""
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        return torch.cuda.memory_allocated()
+    Path("/proc/self/clear_refs").write_text("5")  # resets the peak RSS (VmHWM) to the current RSS
+    return _proc_status("VmRSS")
+
+
+def _memory_peak(device) -> float:
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated()
+    return _proc_status("VmHWM")
+
+
+def _proc_status(field: str) -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return float(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def per_step_grid(args) -> list[dict]:
+    rows = []
+    for encoder in args.grid_encoders.split(","):
+        for copies in [int(k) for k in args.grid_copies.split(",")]:
+            spec = {"args": vars(args) | {"measure_step": None}, "encoder": encoder, "copies": copies,
+                    "warmup": 2, "repeats": 3 if args.quick else 7}  # fmt: skip
+            out = subprocess.run(
+                [sys.executable, __file__, "--measure-step", json.dumps(spec)],
+                capture_output=True,
+                text=True,
+                check=False,
+            )
+            if out.returncode != 0:
+                raise RuntimeError(f"per-step measurement {encoder} K={copies} failed:\n{out.stderr[-3000:]}")
+            row = {
+                "encoder": encoder,
+                "copies": copies,
+                "frames": args.batch // copies,
+                **json.loads(out.stdout.splitlines()[-1]),
+            }
+            rows.append(row)
+            print(f"  encoder={encoder:5s} K={copies:2d} frames={row['frames']:3d}: "
+                  f"{row['step_seconds'] * 1000:7.1f} ms/step, +{row['peak_mb']:7.1f} MB peak", flush=True)  # fmt: skip
+    for row in rows:  # ratios against the conventional row (K=1) of the same encoder
+        base = next((r for r in rows if r["encoder"] == row["encoder"] and r["copies"] == 1), None)
+        if base:
+            row["time_ratio"] = row["step_seconds"] / base["step_seconds"]
+            row["memory_ratio"] = row["peak_mb"] / max(base["peak_mb"], 1e-9)
+    return rows
+
+
+# -- 2. and 3. time to quality and success ------------------------------------------------------
+
+
+def time_to_quality(args) -> dict:
+    from vla_rl.train import train
+
+    out = Path(args.out)
+    conventional = _reuse(args, out / "conventional") or train(
+        train_config(args, args.encoder, 1, out / "conventional")
+    )
+    target = conventional["val_curve"][-1][2]
+    conv_seconds = _seconds_to(conventional["val_curve"], target)
+    max_steps = args.l2_max_steps or 3 * args.steps
+    l2 = train(train_config(args, args.encoder, args.copies, out / "level2", stop_at=target, steps=max_steps))
+    l2_seconds = _seconds_to(l2["val_curve"], target)
+    return {
+        "target_val_loss": target,
+        "conventional": {"seconds_to_target": conv_seconds, "steps": conventional["steps"], "val_curve": conventional["val_curve"]},
+        "level2": {
+            "seconds_to_target": l2_seconds, "reached": l2_seconds is not None, "steps": l2["steps"],
+            "seconds_trained": l2["train_seconds"], "val_curve": l2["val_curve"],
+        },
+    }  # fmt: skip
+
+
+def _reuse(args, arm_dir: Path) -> dict | None:
+    """The summary of a finished conventional arm trained with the same settings, if asked for and present."""
+    from vla_rl.train import _config_dict
+
+    summary, saved = arm_dir / "train_summary.json", arm_dir / "train_config.json"
+    if not (args.reuse_conventional and summary.exists() and saved.exists()):
+        return None
+    wanted = json.loads(json.dumps(_config_dict(train_config(args, args.encoder, 1, arm_dir))))
+    if json.loads(saved.read_text()) != wanted:
+        print("  the earlier conventional arm used other settings; training it again", flush=True)
+        return None
+    print(f"  reusing the conventional arm in {arm_dir}", flush=True)
+    return json.loads(summary.read_text())
+
+
+def _seconds_to(curve: list, target: float) -> float | None:
+    """Training seconds at the first validation at or below target; None if never reached."""
+    return next((seconds for _, seconds, loss in curve if loss <= target), None)
+
+
+def success(args, arm: str) -> dict:
+    from sim.config import EnvConfig
+    from vla_rl.eval import EvalConfig, evaluate
+
+    out = Path(args.out)
+    result = evaluate(EvalConfig(
+        checkpoint=str(out / arm), env=EnvConfig(task=args.task, num_envs=min(50, args.eval_episodes)),
+        num_episodes=args.eval_episodes, seed=1000, video_episodes=0, output_dir=str(out / f"eval_{arm}"),
+        device=args.device,
+    ))  # fmt: skip
+    return {"success_rate": result["success_rate"], "ci95": result["success_ci95"]}
+
+
+def record_dataset(args) -> None:
+    from sim.config import EnvConfig
+    from vla_rl.record import RecordConfig, record
+
+    root = Path(args.out) / "dataset"
+    info = root / "meta" / "vla_rl_record.json"
+    if info.exists() and json.loads(info.read_text())["episodes"] == args.episodes:
+        return
+    record(RecordConfig(env=EnvConfig(task=args.task, num_envs=16), num_episodes=args.episodes,
+                        output_dir=str(root), repo_id=f"local/{args.task}", overwrite=True))  # fmt: skip
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.measure_step:
+        print(json.dumps(measure_step(json.loads(args.measure_step))))
+        return
+    import torch
+
+    out = Path(args.out)
+    for arm in ("level2",) if args.reuse_conventional else ("conventional", "level2"):  # a rerun starts afresh
+        if (out / arm).exists():
+            import shutil
+
+            shutil.rmtree(out / arm)
+    started = time.time()
+    print(f"[1/4] demonstrations: {args.episodes} episodes of {args.task}", flush=True)
+    record_dataset(args)
+    print(f"[2/4] per-step cost at B={args.batch} denoising samples per step", flush=True)
+    grid = per_step_grid(args)
+    print(
+        f"[3/4] time to quality: encoder={args.encoder}, B={args.batch}, K={args.copies}, {args.steps} steps",
+        flush=True,
+    )
+    quality = time_to_quality(args)
+    print("[4/4] closed-loop success", flush=True)
+    success_conv, success_l2 = success(args, "conventional"), success(args, "level2")
+
+    main_row = next(r for r in grid if r["encoder"] == args.encoder and r["copies"] == args.copies)
+    l2_seconds = quality["level2"]["seconds_to_target"]
+    time_ratio = (l2_seconds if l2_seconds is not None else float("inf")) / quality["conventional"]["seconds_to_target"]
+    conv_rate = success_conv["success_rate"]
+    success_ratio = success_l2["success_rate"] / conv_rate if conv_rate > 0 else float("nan")
+    result = {
+        "task": args.task, "device": args.device, "batch_denoising_samples": args.batch, "copies": args.copies,
+        "encoder": {"name": args.encoder, **ENCODERS[args.encoder]}, "dit": DIT, "steps": args.steps,
+        "torch_threads": args.threads or os.cpu_count(), "torch": torch.__version__,
+        "per_step": grid, "time_to_quality": quality,
+        "success": {"conventional": success_conv, "level2": success_l2, "eval_episodes": args.eval_episodes, "seed": 1000},
+        "time_ratio": time_ratio, "memory_ratio": main_row["memory_ratio"], "success_ratio": success_ratio,
+        "per_step_time_ratio": main_row["time_ratio"], "minutes": round((time.time() - started) / 60, 1),
+        "args": {k: v for k, v in vars(args).items() if k != "measure_step"},
+    }  # fmt: skip
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / ".l2_minibatching.json.tmp"
+    tmp.write_text(json.dumps(result, indent=2))
+    os.replace(tmp, out.parent / "l2_minibatching.json")
+    print(f"target validation loss {quality['target_val_loss']:.4f}: conventional "
+          f"{quality['conventional']['seconds_to_target']:.0f} s, level-2 "
+          f"{'not reached' if l2_seconds is None else f'{l2_seconds:.0f} s'}; success "
+          f"{conv_rate:.0%} vs {success_l2['success_rate']:.0%}; results in {out.parent / 'l2_minibatching.json'}")  # fmt: skip
+    print(f"time_ratio={time_ratio:.3f} memory_ratio={main_row['memory_ratio']:.3f} success_ratio={success_ratio:.3f}")
+
+
+if __name__ == "__main__":
+    main()
