@@ -57,7 +57,7 @@ class TrainConfig:
     # on batch_size / l2_copies frames. 1 = conventional training. Needs a diffusion_vla policy
     # when above 1.
     l2_copies: int = 1
-    lr: float = 1e-3  # peak learning rate (AdamW), cosine decay after warmup
+    lr: float = 1e-3  # peak learning rate (AdamW), reached after warmup; see lr_schedule
     warmup_steps: int = 200  # linear LR warmup
     # LR after warmup: cosine (decays to 0 at `steps`) or constant_with_warmup (any diffusers schedule name)
     lr_schedule: str = "cosine"
