@@ -22,6 +22,7 @@ from diffusers import DDIMScheduler, DDPMScheduler
 from torch import nn
 
 from policies.diffusion.configuration import DiffusionConfig
+from policies.normalization import NormalizationMixin
 from vla_rl.types import ACTION, OBS_STATE, TASK, ActionChunk, image_key
 
 UNKNOWN_WORD = "<unk>"
@@ -90,7 +91,7 @@ class FiLMBlock(nn.Module):
         return x + self.fc2(F.mish(self.fc1(F.mish(h))))
 
 
-class DiffusionPolicy(nn.Module):
+class DiffusionPolicy(NormalizationMixin, nn.Module):
     """Implements `vla_rl.types.Policy`: observation batch -> ActionChunk of (B, horizon, action_dim)."""
 
     policy_type = "diffusion"
@@ -113,31 +114,11 @@ class DiffusionPolicy(nn.Module):
         self.blocks = nn.ModuleList([FiLMBlock(cfg.hidden_dim, cond_dim) for _ in range(cfg.num_blocks)])
         self.output_proj = nn.Sequential(nn.LayerNorm(cfg.hidden_dim), nn.Linear(cfg.hidden_dim, flat))
 
-        self.register_buffer("state_mean", torch.zeros(cfg.state_dim))
-        self.register_buffer("state_std", torch.ones(cfg.state_dim))
-        self.register_buffer("action_min", -torch.ones(cfg.action_dim))
-        self.register_buffer("action_max", torch.ones(cfg.action_dim))
+        self.register_normalization(cfg.state_dim, cfg.action_dim)
 
         sched = dict(num_train_timesteps=cfg.num_train_timesteps, beta_schedule=cfg.beta_schedule, clip_sample=True)
         self.train_scheduler = DDPMScheduler(**sched, prediction_type="epsilon")
         self.sample_scheduler = DDIMScheduler(**sched, prediction_type="epsilon")
-
-    # -- normalization ------------------------------------------------------------------------
-
-    def set_normalization(self, state_mean, state_std, action_min, action_max) -> None:
-        """Copy dataset statistics into the buffers; near-constant dimensions are guarded."""
-        self.state_mean.copy_(torch.as_tensor(state_mean))
-        self.state_std.copy_(torch.as_tensor(state_std).clamp_min(1e-3))
-        lo, hi = torch.as_tensor(action_min), torch.as_tensor(action_max)
-        pad = ((1e-3 - (hi - lo)) / 2).clamp_min(0)  # widen a constant action dim to a 1e-3 range
-        self.action_min.copy_(lo - pad)
-        self.action_max.copy_(hi + pad)
-
-    def normalize_action(self, a: torch.Tensor) -> torch.Tensor:
-        return (a - self.action_min) / (self.action_max - self.action_min) * 2 - 1
-
-    def unnormalize_action(self, a: torch.Tensor) -> torch.Tensor:
-        return (a + 1) / 2 * (self.action_max - self.action_min) + self.action_min
 
     # -- conditioning -------------------------------------------------------------------------
 
@@ -154,7 +135,7 @@ class DiffusionPolicy(nn.Module):
         self.check_observation(obs)
         state = obs[OBS_STATE]
         feats = [self.image_encoders[cam](obs[image_key(cam)]) for cam in self.config.cameras]
-        feats.append((state - self.state_mean) / self.state_std)
+        feats.append(self.normalize_state(state))
         feats.append(self._encode_text(list(obs[TASK]), state.device))
         return self.obs_proj(torch.cat(feats, -1))
 

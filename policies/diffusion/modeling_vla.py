@@ -24,10 +24,11 @@ from torch import nn
 from policies.diffusion.condition_encoder import ConditionEncoder
 from policies.diffusion.configuration_vla import DiffusionVLAConfig
 from policies.diffusion.dit import DiT
+from policies.normalization import NormalizationMixin
 from vla_rl.types import ACTION, OBS_STATE, TASK, ActionChunk, image_key
 
 
-class DiffusionVLAPolicy(nn.Module):
+class DiffusionVLAPolicy(NormalizationMixin, nn.Module):
     """Implements `vla_rl.types.Policy`: observation batch -> ActionChunk (B, horizon, action_dim)."""
 
     policy_type = "diffusion_vla"
@@ -40,10 +41,7 @@ class DiffusionVLAPolicy(nn.Module):
         self.config = cfg = config
         self.encoder = ConditionEncoder(cfg)
         self.dit = DiT(cfg.action_dim, cfg.horizon, cfg.dim, cfg.depth, cfg.heads, cfg.mlp_ratio)
-        self.register_buffer("state_mean", torch.zeros(cfg.state_dim))
-        self.register_buffer("state_std", torch.ones(cfg.state_dim))
-        self.register_buffer("action_min", -torch.ones(cfg.action_dim))
-        self.register_buffer("action_max", torch.ones(cfg.action_dim))
+        self.register_normalization(cfg.state_dim, cfg.action_dim)
         sched = dict(num_train_timesteps=cfg.num_train_timesteps, beta_schedule=cfg.beta_schedule, clip_sample=True)
         self.train_scheduler = DDPMScheduler(**sched, prediction_type="epsilon")
         sampler = DDIMScheduler if cfg.ddpm_sampler == "ddim" else DDPMScheduler
@@ -54,29 +52,12 @@ class DiffusionVLAPolicy(nn.Module):
         """Whether ``predict_chunk`` accepts ``inpaint`` (real-time chunking guidance): flow sampling only."""
         return self.config.objective == "flow"
 
-    # -- normalization ------------------------------------------------------------------------
-
-    def set_normalization(self, state_mean, state_std, action_min, action_max) -> None:
-        """Copy dataset statistics into the buffers; near-constant dimensions are guarded."""
-        self.state_mean.copy_(torch.as_tensor(state_mean))
-        self.state_std.copy_(torch.as_tensor(state_std).clamp_min(1e-3))
-        lo, hi = torch.as_tensor(action_min), torch.as_tensor(action_max)
-        pad = ((1e-3 - (hi - lo)) / 2).clamp_min(0)  # widen a constant action dim to a 1e-3 range
-        self.action_min.copy_(lo - pad)
-        self.action_max.copy_(hi + pad)
-
-    def normalize_action(self, a: torch.Tensor) -> torch.Tensor:
-        return (a - self.action_min) / (self.action_max - self.action_min) * 2 - 1
-
-    def unnormalize_action(self, a: torch.Tensor) -> torch.Tensor:
-        return (a + 1) / 2 * (self.action_max - self.action_min) + self.action_min
-
     # -- conditioning -------------------------------------------------------------------------
 
     def encode_observation(self, obs: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """Observation batch -> condition tokens (B, L, dim) and mask (B, L). Validates the input."""
         self.check_observation(obs)
-        state = (obs[OBS_STATE] - self.state_mean) / self.state_std
+        state = self.normalize_state(obs[OBS_STATE])
         images = [obs[image_key(cam)] for cam in self.config.cameras]
         return self.encoder(images, state, list(obs[TASK]))
 
