@@ -23,6 +23,7 @@ from torch import nn
 
 from policies.diffusion.configuration import DiffusionConfig
 from policies.normalization import NormalizationMixin
+from policies.observation import check_observation
 from vla_rl.types import ACTION, OBS_STATE, TASK, ActionChunk, image_key
 
 UNKNOWN_WORD = "<unk>"
@@ -132,36 +133,12 @@ class DiffusionPolicy(NormalizationMixin, nn.Module):
 
     def encode_observation(self, obs: dict) -> torch.Tensor:
         """Observation batch -> (B, hidden_dim) condition. Validates shapes and finiteness."""
-        self.check_observation(obs)
+        check_observation(obs, self.config.state_dim, self.config.cameras, self.config.image_size)
         state = obs[OBS_STATE]
         feats = [self.image_encoders[cam](obs[image_key(cam)]) for cam in self.config.cameras]
         feats.append(self.normalize_state(state))
         feats.append(self._encode_text(list(obs[TASK]), state.device))
         return self.obs_proj(torch.cat(feats, -1))
-
-    def check_observation(self, obs: dict) -> None:
-        cfg = self.config
-        state = obs.get(OBS_STATE)
-        if state is None or state.ndim != 2 or state.shape[1] != cfg.state_dim:
-            got = None if state is None else tuple(state.shape)
-            raise ValueError(f"{OBS_STATE} must be (B, {cfg.state_dim}), got {got}")
-        b = state.shape[0]
-        expected = (b, 3, cfg.image_size, cfg.image_size)
-        for cam in cfg.cameras:
-            img = obs.get(image_key(cam))
-            if img is None:
-                raise ValueError(f"missing {image_key(cam)}: this policy was trained with cameras {cfg.cameras}")
-            if tuple(img.shape) != expected:
-                raise ValueError(
-                    f"{image_key(cam)} must be {expected} (B, C, H, W) in [0, 1], got {tuple(img.shape)}; "
-                    f"resize images to {cfg.image_size}x{cfg.image_size}"
-                )
-            if not torch.isfinite(img).all():
-                raise ValueError(f"{image_key(cam)} contains NaN or inf")
-        if not torch.isfinite(state).all():
-            raise ValueError(f"{OBS_STATE} contains NaN or inf")
-        if TASK not in obs or len(obs[TASK]) != b:
-            raise ValueError(f"'{TASK}' must be a list of {b} instruction strings")
 
     # -- training and inference ---------------------------------------------------------------
 

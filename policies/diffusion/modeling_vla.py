@@ -25,6 +25,7 @@ from policies.diffusion.condition_encoder import ConditionEncoder
 from policies.diffusion.configuration_vla import DiffusionVLAConfig
 from policies.diffusion.dit import DiT
 from policies.normalization import NormalizationMixin
+from policies.observation import check_observation
 from vla_rl.types import ACTION, OBS_STATE, TASK, ActionChunk, image_key
 
 
@@ -56,30 +57,10 @@ class DiffusionVLAPolicy(NormalizationMixin, nn.Module):
 
     def encode_observation(self, obs: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """Observation batch -> condition tokens (B, L, dim) and mask (B, L). Validates the input."""
-        self.check_observation(obs)
+        check_observation(obs, self.config.state_dim, self.config.cameras, image_size=None)  # the encoder resizes
         state = self.normalize_state(obs[OBS_STATE])
         images = [obs[image_key(cam)] for cam in self.config.cameras]
         return self.encoder(images, state, list(obs[TASK]))
-
-    def check_observation(self, obs: dict) -> None:
-        cfg = self.config
-        state = obs.get(OBS_STATE)
-        if state is None or state.ndim != 2 or state.shape[1] != cfg.state_dim:
-            got = None if state is None else tuple(state.shape)
-            raise ValueError(f"{OBS_STATE} must be (B, {cfg.state_dim}), got {got}")
-        b = state.shape[0]
-        for cam in cfg.cameras:
-            img = obs.get(image_key(cam))
-            if img is None:
-                raise ValueError(f"missing {image_key(cam)}: this policy was trained with cameras {cfg.cameras}")
-            if img.ndim != 4 or img.shape[0] != b or img.shape[1] != 3:
-                raise ValueError(f"{image_key(cam)} must be ({b}, 3, H, W) in [0, 1], got {tuple(img.shape)}")
-            if not torch.isfinite(img).all():
-                raise ValueError(f"{image_key(cam)} contains NaN or inf")
-        if not torch.isfinite(state).all():
-            raise ValueError(f"{OBS_STATE} contains NaN or inf")
-        if TASK not in obs or len(obs[TASK]) != b:
-            raise ValueError(f"'{TASK}' must be a list of {b} instruction strings")
 
     # -- training -----------------------------------------------------------------------------
 
