@@ -75,6 +75,7 @@ class BenchBridgeConfig:
     chunk_noise: float = 0.001  # largest per-chunk correction of the bench policy (joint units)
     image_size: int = 64  # camera image side, pixels
     inference: str = "process"  # process or thread: where the serve node runs the policy
+    ros_executor: str = "events"  # rclpy executor of the serve process (and its ping echo): events or single_threaded
     domain_id: int = 47  # ROS_DOMAIN_ID of the benchmark (a private one: other nodes would disturb it)
     start_timeout_s: float = 120.0  # longest wait for the serve node's first chunk
     output_json: str = "outputs/bench/bridge.json"  # where the results are written
@@ -165,12 +166,11 @@ def build_bench_policy(inference_ms: float, horizon: int, control_hz: float, ima
 def _serve_side(cfg: BenchBridgeConfig, rate: float, merge: str, horizon: int, results, stop) -> None:
     """Spawned: run the bridge and the ping echo until ``stop``; put tick records and counters on ``results``."""
     import rclpy
-    from rclpy.executors import SingleThreadedExecutor
     from rclpy.qos import QoSProfile, ReliabilityPolicy
     from sensor_msgs.msg import JointState
 
     from robot_bridge.config import CameraTopic, ServeConfig
-    from robot_bridge.node import PolicyBridge
+    from robot_bridge.node import PolicyBridge, make_executor
 
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {0})
@@ -182,15 +182,16 @@ def _serve_side(cfg: BenchBridgeConfig, rate: float, merge: str, horizon: int, r
         checkpoint="(bench policy)", cameras=[CameraTopic(CAMERA, f"/camera/{CAMERA}/image_raw")],
         state_names=list(JOINTS), action_names=list(JOINTS), action_space="joint", control_hz=rate,
         horizon=horizon, execute_steps=cfg.execute_steps, merge=merge, max_delay_steps=horizon,
-        inference=cfg.inference, inference_cpu=1, control_cpu=0, diagnostics_hz=2.0,
+        inference=cfg.inference, inference_cpu=1, control_cpu=0, diagnostics_hz=2.0, ros_executor=cfg.ros_executor,
     )  # fmt: skip
     serve_cfg.safety.stale_after_s = 0.5
     serve_cfg.safety.initial_command = {}
-    ticks: list[tuple] = []
+    ticks: list[tuple] = []  # (step, scheduled, published, from_policy, seam, command), then the state stamp in us
     loader = partial(build_bench_policy, cfg.inference_ms, horizon, rate, cfg.image_size, cfg.chunk_noise)
     bridge = PolicyBridge(
         serve_cfg, loader, on_tick=lambda r: ticks.append((r.step, r.scheduled, r.published, r.from_policy, r.seam,
-                                                           None if r.command is None else r.command.tolist())),
+                                                           None if r.command is None else r.command.tolist(),
+                                                           round(r.obs_stamp * 1e6))),
         context=context,
     )  # fmt: skip
     echo = rclpy.create_node("bench_echo", context=context)
@@ -198,7 +199,7 @@ def _serve_side(cfg: BenchBridgeConfig, rate: float, merge: str, horizon: int, r
     echo.create_subscription(
         JointState, PING_TOPIC, pong.publish, QoSProfile(depth=1, reliability=ReliabilityPolicy.BEST_EFFORT)
     )
-    executor = SingleThreadedExecutor(context=context)
+    executor = make_executor(cfg.ros_executor, context)  # the echo shares it: the baseline pays the same dispatch
     executor.add_node(bridge)
     executor.add_node(echo)
     quiet_interpreter()  # as `serve` does
@@ -238,8 +239,7 @@ class BenchRobot:
         self.image = Image(height=image_size, width=image_size, encoding="rgb8", step=3 * image_size)
         self.image.data = np.random.default_rng(0).integers(0, 256, 3 * image_size**2, dtype=np.uint8).tobytes()
         self.position = [0.0] * len(JOINTS)  # perfect tracking: the state is the last command
-        self.commands: dict[int, int] = {}  # state stamp ns -> command receive ns
-        self.command_times: list[int] = []  # receive ns, in arrival order
+        self.commands: dict[int, int] = {}  # state stamp ns -> receive ns of the first command stamped with it
         self.pongs: dict[int, int] = {}  # ping stamp ns -> pong receive ns
         self.chunks = 0
         self.bridge_state = ""
@@ -253,8 +253,9 @@ class BenchRobot:
         return header.stamp.sec * 1_000_000_000 + header.stamp.nanosec
 
     def _on_command(self, msg, info) -> None:
-        self.commands[self._stamp_ns(msg.header)] = info["received_timestamp"]
-        self.command_times.append(info["received_timestamp"])
+        # The first command stamped with a state is the one computed on arrival; the node's
+        # watchdog repeats the hold with the same stamp once states stop.
+        self.commands.setdefault(self._stamp_ns(msg.header), info["received_timestamp"])
         self.position = list(msg.points[0].positions)
 
     def _on_pong(self, msg, info) -> None:
@@ -329,7 +330,7 @@ def seam_jumps(ticks: list[tuple], period: float) -> dict[str, float]:
     """
     seam_max = within_max = 0.0
     run: list[tuple] = []  # consecutive policy ticks (step, seam, command)
-    for step, _, _, from_policy, seam, command in ticks:
+    for step, _, _, from_policy, seam, command, *_ in ticks:
         if not from_policy or (run and step != run[-1][0] + 1):
             run = []
             if not from_policy:
@@ -379,7 +380,6 @@ def _run_one(
         serve.join(30)
         raise RuntimeError(f"the serve node produced no chunks within {cfg.start_timeout_s} s (state {robot.bridge_state!r})")
     robot.commands.clear()
-    robot.command_times.clear()
     sent = _in_thread(executor, robot.run_schedule, period, cycles, "state")
     stop.set()
     serve_result = results.get(timeout=60)
@@ -387,20 +387,27 @@ def _run_one(
 
     latency_ms = [(robot.commands[s] - s) / 1e6 for s in sent if s in robot.commands]
     lost = sum(1 for s in sent if s not in robot.commands)
-    late = sum(1 for x in latency_ms if x > period * 1e3 / 2)
-    intervals = np.diff(np.asarray(robot.command_times, dtype=np.int64)) / 1e6
-    ticks = serve_result["ticks"]
-    # Ticks of the measured cycles only (the node's scheduled time is monotonic; its count is what matters).
-    measured = ticks[-len(sent) :] if len(ticks) >= len(sent) else ticks
+    late_at = [i for i, s in enumerate(sent) if s in robot.commands and (robot.commands[s] - s) / 1e6 > period * 1e3 / 2]
+    late = len(late_at)
+    # Between the commands of consecutive measured cycles (a lost one merges two intervals).
+    intervals = np.diff(np.asarray([robot.commands[s] for s in sent if s in robot.commands], dtype=np.int64)) / 1e6
+    # The tick each measured state triggered: the first stamped with it (watchdog ticks repeat the stamp).
+    sent_us = {round(s / 1e3) for s in sent}
+    first_ticks: dict[int, tuple] = {}
+    for t in serve_result["ticks"]:
+        if t[6] in sent_us:
+            first_ticks.setdefault(t[6], t)
+    measured = list(first_ticks.values())
     node_late = sum(1 for t in measured if t[2] - t[1] > period / 2)
     starved = sum(1 for t in measured if not t[3])  # ticks without a queued policy action (held instead)
     infer = serve_result["inference_latency_ms"]
     return {
         "rate_hz": rate, "merge": merge, "cycles": len(sent), "commands_received": len(latency_ms),
         "deadline_misses": late + lost, "lost_commands": lost, "late_commands": late,
+        "late_cycles": late_at[:50],  # indices into the measured cycles, to tell start-up from steady state
         "node_deadline_misses": node_late, "starved_ticks": starved, "node_counters": serve_result["counters"],
         "state_to_command_ms": _quantiles(latency_ms),
-        # Inside the node: DDS receive of the joint state -> command handed to ROS.
+        # Inside the node: the joint state callback starting -> command handed to ROS.
         "node_tick_latency_ms": _quantiles([(t[2] - t[1]) * 1e3 for t in measured]),
         "jitter_ms": _quantiles(np.abs(intervals - period * 1e3)),
         "inference_latency_ms": _quantiles(infer),

@@ -20,6 +20,7 @@ MERGE_MODES = ("latest", "ensemble", "rtc")
 ACTION_MODES = ("absolute", "delta")
 ACTION_SPACES = ("joint", "end_effector")
 CLOCKS = ("joint_states", "timer")
+ROS_EXECUTORS = ("events", "single_threaded")
 INFERENCE_MODES = ("process", "thread")
 RELIABILITIES = ("best_effort", "reliable")
 
@@ -93,6 +94,9 @@ class ServeConfig:
     # delays a tick (as ros2_control does); 0 = normal scheduling. Needs root or an rtprio limit;
     # without permission the node logs why and runs with normal scheduling.
     control_rt_priority: int = 50
+    # rclpy executor of the control loop: events (rclpy's C++ EventsExecutor: dispatching a
+    # message costs tens of microseconds) or single_threaded (the classic Python one, hundreds).
+    ros_executor: str = "events"
     load_retry_s: float = 5.0  # wait before loading the checkpoint again after a failure
     error_retry_s: float = 0.5  # wait before asking the policy again after it raised
     dry_run: bool = False  # compute everything but publish nothing to the robot (no command topics)
@@ -111,6 +115,7 @@ class ServeConfig:
             "action_space": (self.action_space, ACTION_SPACES),
             "clock": (self.clock, CLOCKS),
             "inference": (self.inference, INFERENCE_MODES),
+            "ros_executor": (self.ros_executor, ROS_EXECUTORS),
             "qos.sensor_reliability": (self.qos.sensor_reliability, RELIABILITIES),
         }
         for name, (value, allowed) in choices.items():

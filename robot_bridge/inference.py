@@ -117,7 +117,9 @@ def serve_requests(
             return
         start = time.perf_counter()
         try:
-            with torch.inference_mode():
+            # no_grad, not inference_mode: RTC guidance takes a vector-Jacobian product of the flow
+            # policy's denoiser, which inference mode forbids even under enable_grad.
+            with torch.no_grad():
                 batch = to_policy_batch(request.observation)
                 obs_step = torch.tensor([request.obs_step])
                 if request.guidance is not None:

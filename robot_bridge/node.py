@@ -5,9 +5,11 @@ The policy runs in an `InferenceWorker` (its own process by default) and its chu
 by `vla_rl.runtime.ActionChunkExecutor`, the object the sim delay wrapper drives too.
 
 Control tick (one per arriving joint state with ``clock=joint_states``, else one per timer
-period): merge any chunk that came back, take the executor's next action, pass it through the
-`SafetyFilter` and publish it; then, off the latency path, ask for the next chunk when due
-(every ``execute_steps`` steps, one request in flight at a time, as in `sim.delay`).
+period): pass the action prepared for this step through the `SafetyFilter` and publish it. Only
+then, off the latency path: merge any chunk that came back, ask for the next chunk when due
+(every ``execute_steps`` steps, one request in flight at a time, as in `sim.delay`), and take
+the next step's action from the executor. So a chunk takes effect from the step after the tick
+that found it, which is also the lag its delay augmentation announced.
 
 Hold: the node publishes the previous command (the measured position before any command)
 whenever it cannot trust the next action, and names the cause on /diagnostics and in its log:
@@ -36,13 +38,13 @@ import numpy as np
 import rclpy
 import rclpy.executors
 import torch
+from rclpy.experimental import EventsExecutor
 from builtin_interfaces.msg import Duration, Time
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
 from rcl_interfaces.msg import ParameterDescriptor
 from rclpy.node import Node
 from rclpy.parameter import Parameter
 from rclpy.qos import HistoryPolicy, QoSProfile, ReliabilityPolicy
-from rclpy.subscription import MessageInfo
 from sensor_msgs.msg import CompressedImage, Image, JointState
 from std_msgs.msg import Bool, Float64MultiArray, String
 from trajectory_msgs.msg import JointTrajectory, JointTrajectoryPoint
@@ -135,10 +137,15 @@ class PolicyBridge(Node):
         self._in_flight: dict[str, Any] | None = None
         self._request_id = 0
         self._next_request_step = 0
-        self._delay_steps = 0  # for the next request: ceil(measured latency / period), as in training
+        self._delay_steps = 0  # for the next request: the lag of the last merged chunk, in steps, as in training
         self._epoch = 0  # bumped by every hold; chunks requested in an older epoch are dropped
         self._holding = False
-        self._seam = False
+        self._merged = False  # a chunk was merged since the last action was prepared
+        # The action prepared for the next tick: (A,) or None (nothing queued), its executor step,
+        # and whether it is the first from a newly merged chunk.
+        self._next_target: np.ndarray | None = None
+        self._next_step = -1
+        self._next_is_seam = False
         self.node_state = "LOADING"
         self.cause: str | None = "loading the policy"
         self.last_error = ""
@@ -230,10 +237,10 @@ class PolicyBridge(Node):
         self._faults[source] = reason
         self.last_error = reason
 
-    def _on_joint_state(self, msg: JointState, info: MessageInfo) -> None:
-        # The command is due from when DDS received the state, not from when this callback got to run.
-        queued_s = (time.time_ns() - info["received_timestamp"]) * 1e-9 if info["received_timestamp"] else 0.0
-        arrival = time.monotonic() - max(queued_s, 0.0)
+    def _on_joint_state(self, msg: JointState) -> None:
+        # The callback's start stands for the arrival: rclpy's EventsExecutor cannot pass MessageInfo
+        # (the DDS receive time), and dispatches within tens of microseconds of it.
+        arrival = time.monotonic()
         try:
             vector = joint_state_vector(msg.name, msg.position, self.config.state_names)
             self._accept("joint_states", stamp_seconds(msg.header.stamp), arrival)
@@ -295,41 +302,45 @@ class PolicyBridge(Node):
 
     def _control_tick(self, scheduled: float) -> None:
         now = time.monotonic()
-        self._handle_worker_messages(now)
         cause = self._hold_cause(now)
-        target = None
-        step = -1
-        ex = self.executor_
-        if ex is not None:
-            step = int(ex.step[0])
-            if cause is not None:
-                if not self._holding:
-                    ex.discard_queue()
-                    self._epoch += 1
-                ex.next_action()  # the step counter keeps time while holding
-            else:
-                action, valid = ex.next_action()
-                if bool(valid[0]):
-                    target = action[0].numpy()
-        self._holding = cause is not None
+        target = self._next_target if cause is None else None
         command = self._command(target)
         if command is not None:
             self._publish_command(command)
         published = time.monotonic()
-        self._set_cause(cause)  # after the command went out: it may log and publish diagnostics
+        # Everything below runs after the command went out.
+        self._set_cause(cause)  # may log and publish diagnostics
         self.counters["ticks"] += 1
         if published - scheduled > self.period / 2:
             self.counters["missed_deadlines"] += 1
         if self.on_tick is not None:
             record = TickRecord(
-                step, scheduled, published, command, target is not None, self.node_state, self._seam,
-                self._stamp.get("joint_states", 0.0),
+                self._next_step, scheduled, published, command, target is not None, self.node_state,
+                self._next_is_seam, self._stamp.get("joint_states", 0.0),
             )  # fmt: skip
             self.on_tick(record)
-        if self._seam:
+        if self._next_is_seam:
             self.obs_to_command_ms.append((published - self._seam_obs_arrival) * 1e3)
-        self._seam = False
+        self._prepare_next_action(cause, now)
+
+    def _prepare_next_action(self, cause: str | None, now: float) -> None:
+        """Merge returned chunks, request the next one when due, and take the next step's action."""
+        self._handle_worker_messages(now)
+        ex = self.executor_
+        self._next_target, self._next_step, self._next_is_seam = None, -1, False
+        if ex is None:
+            return
+        if cause is not None and not self._holding:
+            ex.discard_queue()
+            self._epoch += 1
+        self._holding = cause is not None
         self._maybe_request(now)
+        self._next_step = int(ex.step[0])
+        action, valid = ex.next_action()  # also while holding: the step counter keeps time
+        if bool(valid[0]) and not self._holding:
+            self._next_target = action[0].numpy()
+            self._next_is_seam = self._merged
+            self._merged = False
 
     def _hold_cause(self, now: float) -> str | None:
         """Why the next command must be a hold, or None when the policy's action can go out."""
@@ -466,17 +477,18 @@ class PolicyBridge(Node):
         if request["epoch"] != self._epoch:
             self.counters["dropped_chunks"] += 1  # planned before a hold: stale by definition
             return
+        # Steps that ran between the observation and this merge: the chunk's delay, in the steps
+        # the delay augmentation counts (the sim's d). The next request announces it.
         lag = int(ex.step[0]) - result.obs_step
         ex.add_chunk(ActionChunk(torch.from_numpy(actions), torch.tensor([result.obs_step])))
-        self._seam = True
+        self._merged = True
         self._seam_obs_arrival = request["obs_arrival"]
         self._policy_error = None
         self.counters["chunks"] += 1
         self.latencies_ms.append(latency * 1e3)
-        delay = math.ceil(latency / self.period - 1e-9)
-        if delay > self.config.max_delay_steps:
+        if lag > self.config.max_delay_steps:
             self.counters["delay_clamped"] += 1
-        self._delay_steps = min(delay, self.config.max_delay_steps)
+        self._delay_steps = min(lag, self.config.max_delay_steps)
         info = {
             "chunk_id": result.request_id, "obs_stamp": request["obs_stamp"], "obs_step": result.obs_step,
             "merged_at_step": int(ex.step[0]), "lag_steps": lag, "inference_latency_ms": round(latency * 1e3, 3),
@@ -566,6 +578,15 @@ class PolicyBridge(Node):
         self.destroy_node()
 
 
+def make_executor(kind: str, context: rclpy.Context):
+    """The rclpy executor named by ``ServeConfig.ros_executor``: "events" or "single_threaded"."""
+    if kind == "events":
+        return EventsExecutor(context=context)
+    if kind == "single_threaded":
+        return rclpy.executors.SingleThreadedExecutor(context=context)
+    raise ValueError(f"ros_executor must be 'events' or 'single_threaded', got {kind!r}")
+
+
 def spin(node: Node, duration_s: float = 0.0, executor=None) -> None:
     """Run the node's callbacks in this thread, for duration_s seconds (0 = until Ctrl-C or shutdown)."""
     executor = executor or rclpy.executors.SingleThreadedExecutor(context=node.context)
@@ -600,7 +621,7 @@ def serve(config: ServeConfig, load_policy: Callable[[], Policy], ros_args: list
         node.get_logger().warning(f"control loop runs with normal scheduling: {rt_problem}")
     quiet_interpreter()
     try:
-        spin(node, node.config.duration_s)
+        spin(node, node.config.duration_s, make_executor(node.config.ros_executor, context))
     except KeyboardInterrupt:
         pass
     finally:

@@ -71,3 +71,17 @@ def random_diffusion_policy():
         n_action_steps=4, hidden_dim=64, num_blocks=2, num_inference_steps=3, vocabulary=["<unk>", "lift"],
     )  # fmt: skip
     return DiffusionPolicy(config).eval()
+
+
+def random_flow_vla_policy():
+    """The project's DiffusionVLAPolicy (flow matching, so it takes RTC guidance), tiny, random weights."""
+    from policies.diffusion import DiffusionVLAConfig, DiffusionVLAPolicy
+    from policies.diffusion.condition_encoder import word_vocabulary
+
+    torch.manual_seed(0)
+    config = DiffusionVLAConfig(
+        state_dim=len(SIM_STATE_NAMES), action_dim=len(SIM_ACTION_NAMES), cameras=["front"], image_size=IMAGE_SIZE,
+        patch_size=8, horizon=8, n_action_steps=4, dim=32, depth=1, heads=2, vision_width=32, vision_layers=1,
+        text_width=32, vocabulary=word_vocabulary(["lift the cube"]), objective="flow", num_inference_steps=3,
+    )  # fmt: skip
+    return DiffusionVLAPolicy(config).eval()

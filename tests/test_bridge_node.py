@@ -98,7 +98,7 @@ def ros():
     rclpy.shutdown(context=context)
 
 
-def make_bridge(context, executor, load=None, parameters=(), **overrides):
+def make_bridge(context, executor, load=None, parameters=(), on_tick=None, **overrides):
     cfg = ServeConfig(
         checkpoint="(test policy)", control_hz=HZ, inference="thread", inference_cpu=-1, execute_steps=4,
         max_delay_steps=8, instruction="lift the cube", diagnostics_hz=10.0, load_retry_s=0.3, error_retry_s=0.1,
@@ -108,7 +108,7 @@ def make_bridge(context, executor, load=None, parameters=(), **overrides):
     for key, value in overrides.items():
         setattr(cfg, key, value)
     bridge = PolicyBridge(
-        cfg, load or partial(ramp_policy, 8), context=context, parameter_overrides=list(parameters)
+        cfg, load or partial(ramp_policy, 8), on_tick=on_tick, context=context, parameter_overrides=list(parameters)
     )
     robot = FakeRobot(context)
     executor.add_node(bridge)
@@ -177,6 +177,34 @@ def test_streams_commands_chunks_and_diagnostics(ros):
         assert spin_until(executor, lambda: any(c["instruction"] == "stack the cubes" for c in robot.chunks[seen:]))
     finally:
         bridge.close()
+
+
+def test_chunk_takes_effect_the_step_after_it_is_found_with_its_lag_announced(ros):
+    """The tick publishes first and merges after: a chunk's first command is chunk index lag, at
+    step merged_at_step, and the next request announces that lag as its delay (as the sim counts it).
+    Runs on rclpy's EventsExecutor, the one `serve` uses."""
+    from rclpy.experimental import EventsExecutor
+
+    context, _ = ros
+    executor = EventsExecutor(context=context)
+    ticks = []
+    bridge, robot = make_bridge(context, executor, on_tick=ticks.append, merge="latest", horizon=8)
+    try:
+        assert spin_until(executor, lambda: len(robot.chunks) >= 6)
+        chunks = {c["merged_at_step"]: c for c in robot.chunks}
+        seams = [t for t in ticks if t.seam]
+        assert len(seams) >= 5
+        for tick in seams:
+            chunk = chunks[tick.step]
+            lag = tick.step - chunk["obs_step"]
+            assert lag == chunk["lag_steps"] >= 1
+            # RampPolicy: chunk index j commands ee_x + STEP * (j + 1); index lag is the first to run.
+            assert tick.command[0] == pytest.approx(EE[0] + STEP * (lag + 1), abs=1e-6)
+        for previous, chunk in zip(robot.chunks, robot.chunks[1:]):
+            assert chunk["delay_steps"] == min(previous["lag_steps"], 8)
+    finally:
+        bridge.close()
+        executor.shutdown()
 
 
 def _bad_state(kind):
@@ -397,6 +425,23 @@ def test_serves_the_project_diffusion_policy_with_resized_images(ros):
         # The robot's 16x16 images are resized to the policy's 64x64; chunks flow and commands are finite.
         assert spin_until(executor, lambda: len(robot.chunks) >= 2, timeout=20), bridge.cause
         assert bridge.policy_info["image_size"] == 64 and robot.chunks[-1]["horizon"] == 8
+        assert np.isfinite(robot.commands[-1][1]).all()
+    finally:
+        bridge.close()
+
+
+def test_serves_a_flow_vla_with_rtc_guidance_in_a_worker_process(ros):
+    """merge=rtc with a flow VLA: every request after the first carries RTC guidance, which the
+    worker process computes with autograd (a vector-Jacobian product) on each denoising step."""
+    from bridge_policies import random_flow_vla_policy
+
+    context, executor = ros
+    bridge, robot = make_bridge(context, executor, load=random_flow_vla_policy, merge="rtc", inference="process")
+    try:
+        assert spin_until(executor, lambda: len(robot.chunks) >= 4, timeout=60), bridge.cause
+        assert bridge.policy_info["supports_inpainting"] is True
+        assert all(c["guided"] for c in robot.chunks[1:])
+        assert bridge.counters["policy_errors"] == 0 and bridge.node_state == "RUNNING"
         assert np.isfinite(robot.commands[-1][1]).all()
     finally:
         bridge.close()
