@@ -17,12 +17,14 @@ evenly over the merge modes (one serve process per mode). Measured:
 
 - deadline misses: a cycle whose command reached the robot more than half a period after its
   joint state was sent, or never (robot side, so DDS both ways counts); the node's own count
-  (command handed to ROS more than half a period after the state was received) is reported too;
-- command jitter: |interval between consecutive commands received - period|, p50/p99;
+  (command handed to ROS more than half a period after the state's callback started) is
+  reported too. Each state counts its first command (the watchdog repeats the stamp in holds);
+- command jitter: |interval between the commands of consecutive cycles - period|, p50/p99;
 - added latency: p-quantiles of (state sent -> command received) minus those of the raw ping-pong
   round trip;
 - observation -> command latency: from a joint state's arrival in the node to the first command
-  of the chunk conditioned on it (the inference latency plus the wait for the next tick);
+  of the chunk conditioned on it (the inference latency, plus up to one period until the tick
+  that merges the chunk, plus one period until the next tick publishes from it);
 - seams: the largest joint-velocity jump |v_k - v_(k-1)| (v in units/s) at the commands where
   a new chunk takes over, against the largest elsewhere.
 
