@@ -44,6 +44,7 @@ ENCODERS = {
     "small": {"vision_width": 128, "vision_layers": 2, "text_width": 64, "text_layers": 1},
     "base": {"vision_width": 192, "vision_layers": 4, "text_width": 96, "text_layers": 2},
     "large": {"vision_width": 256, "vision_layers": 6, "text_width": 128, "text_layers": 2},
+    "xlarge": {"vision_width": 384, "vision_layers": 8, "text_width": 192, "text_layers": 2},
 }
 DIT = {
     "dim": 64,
@@ -61,15 +62,15 @@ def parse_args(argv=None):
     p.add_argument("--task", default="reach", help="sim task for data and closed-loop success (default: reach)")
     p.add_argument("--episodes", type=int, default=150, help="demonstrations recorded (default: 150)")
     p.add_argument("--batch", type=int, default=64, help="denoising samples per step, B (default: 64)")
-    p.add_argument("--copies", type=int, default=8, help="K of the Level-2 arm (default: 8)")
-    p.add_argument("--encoder", default="large", choices=ENCODERS, help="encoder size of the main comparison")
+    p.add_argument("--copies", type=int, default=16, help="K of the Level-2 arm (default: 16)")
+    p.add_argument("--encoder", default="xlarge", choices=ENCODERS, help="encoder size of the main comparison")
     p.add_argument("--steps", type=int, default=800, help="training steps of the conventional arm (default: 800)")
     p.add_argument("--val-every", type=int, default=100, help="validation period in steps (default: 100)")
     p.add_argument("--lr", type=float, default=1e-3, help="learning rate of both arms after warmup (default: 1e-3)")
     p.add_argument("--l2-max-steps", type=int, default=0, help="step cap of the Level-2 arm; 0 = 3 x --steps")
     p.add_argument("--eval-episodes", type=int, default=50, help="closed-loop episodes per arm (default: 50)")
     p.add_argument("--grid-copies", default="1,8,16", help="K values of the per-step grid (1 = conventional)")
-    p.add_argument("--grid-encoders", default="small,base,large", help="encoder sizes of the per-step grid")
+    p.add_argument("--grid-encoders", default="small,base,large,xlarge", help="encoder sizes of the per-step grid")
     p.add_argument("--device", default="cuda" if _cuda() else "cpu", help="torch device (default: cuda if present)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads; 0 = all cores")
     p.add_argument("--out", default="outputs/bench/l2_minibatching", help="work and result directory")
