@@ -54,7 +54,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from robot_bridge.scheduling import quiet_interpreter, use_realtime
+from robot_bridge.scheduling import lock_memory, quiet_interpreter, use_realtime
 from vla_rl.types import OBS_COMMITTED_ACTIONS, OBS_STATE, ActionChunk, image_key
 
 JOINTS = ["joint1", "joint2", "joint3", "joint4"]
@@ -177,6 +177,7 @@ def _serve_side(cfg: BenchBridgeConfig, rate: float, merge: str, horizon: int, r
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {0})
     use_realtime(50)  # as `serve` does, before rclpy starts its DDS threads (no-op message if not permitted)
+    lock_memory()  # as `serve` does (control_lock_memory)
     torch.set_num_threads(1)
     context = rclpy.Context()
     rclpy.init(context=context, domain_id=cfg.domain_id)

@@ -94,6 +94,9 @@ class ServeConfig:
     # delays a tick (as ros2_control does); 0 = normal scheduling. Needs root or an rtprio limit;
     # without permission the node logs why and runs with normal scheduling.
     control_rt_priority: int = 50
+    # Lock the control process's memory in RAM (mlockall), so no tick waits on a page fault; needs
+    # CAP_IPC_LOCK or a memlock limit above the process size, else the node logs why and goes on.
+    control_lock_memory: bool = True
     # rclpy executor of the control loop: events (rclpy's C++ EventsExecutor: dispatching a
     # message costs tens of microseconds) or single_threaded (the classic Python one, hundreds).
     ros_executor: str = "events"

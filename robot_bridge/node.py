@@ -60,7 +60,7 @@ from robot_bridge.messages import (
     stamp_seconds,
 )
 from robot_bridge.safety import SafetyFilter
-from robot_bridge.scheduling import quiet_interpreter, use_realtime
+from robot_bridge.scheduling import lock_memory, quiet_interpreter, use_realtime
 from vla_rl.runtime import ActionChunkExecutor
 from vla_rl.types import OBS_STATE, TASK, ActionChunk, Policy
 
@@ -613,12 +613,15 @@ def serve(config: ServeConfig, load_policy: Callable[[], Policy], ros_args: list
         os.sched_setaffinity(0, {config.control_cpu % cores})
     # Before rclpy.init, so the DDS threads it starts inherit the real-time policy.
     rt_problem = use_realtime(config.control_rt_priority) if config.control_rt_priority else None
+    lock_problem = lock_memory() if config.control_lock_memory else None
     torch.set_num_threads(1)  # the executor's tensors are tiny; a thread pool would only add wake-ups
     context = rclpy.Context()
     rclpy.init(args=ros_args, context=context)
     node = PolicyBridge(config, load_policy, context=context)
     if rt_problem:
         node.get_logger().warning(f"control loop runs with normal scheduling: {rt_problem}")
+    if lock_problem:
+        node.get_logger().warning(f"control loop memory is not locked: {lock_problem}")
     quiet_interpreter()
     try:
         spin(node, node.config.duration_s, make_executor(node.config.ros_executor, context))

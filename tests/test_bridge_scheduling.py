@@ -1,6 +1,8 @@
 """Real-time scheduling of the control loop, and the inference worker's return to normal scheduling."""
 
 import os
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -33,3 +35,21 @@ def test_realtime_then_normal_in_a_thread():
 def test_priority_out_of_range_names_the_fix():
     with pytest.raises(ValueError, match=r"\[1, 99\]"):
         use_realtime(0)
+
+
+def test_lock_memory_locks_the_whole_process_or_says_why():
+    """In a child process, since a lock covers the whole process: afterwards its pages are locked
+    (VmLck close to VmRSS), including memory allocated after the call."""
+    code = (
+        "from robot_bridge.scheduling import lock_memory\n"
+        "problem = lock_memory()\n"
+        "grown = bytearray(64 * 2**20)\n"
+        "status = dict(line.split(':', 1) for line in open('/proc/self/status'))\n"
+        "print(problem, int(status['VmLck'].split()[0]), int(status['VmRSS'].split()[0]))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    problem, locked_kb, rss_kb = " ".join(out[:-2]), int(out[-2]), int(out[-1])
+    if problem != "None":  # an unprivileged machine: the reason names the fix, nothing is locked
+        assert "memlock" in problem and locked_kb == 0
+    else:
+        assert locked_kb >= 0.9 * rss_kb and locked_kb > 64 * 1024  # the 64 MB allocated later is locked too
