@@ -587,9 +587,8 @@ def make_executor(kind: str, context: rclpy.Context):
     raise ValueError(f"ros_executor must be 'events' or 'single_threaded', got {kind!r}")
 
 
-def spin(node: Node, duration_s: float = 0.0, executor=None) -> None:
-    """Run the node's callbacks in this thread, for duration_s seconds (0 = until Ctrl-C or shutdown)."""
-    executor = executor or rclpy.executors.SingleThreadedExecutor(context=node.context)
+def spin(node: Node, executor, duration_s: float = 0.0) -> None:
+    """Run the node's callbacks on executor in this thread, for duration_s seconds (0 = until Ctrl-C or shutdown)."""
     executor.add_node(node)
     end = time.monotonic() + duration_s if duration_s > 0 else math.inf
     try:
@@ -624,7 +623,7 @@ def serve(config: ServeConfig, load_policy: Callable[[], Policy], ros_args: list
         node.get_logger().warning(f"control loop memory is not locked: {lock_problem}")
     quiet_interpreter()
     try:
-        spin(node, node.config.duration_s, make_executor(node.config.ros_executor, context))
+        spin(node, make_executor(node.config.ros_executor, context), node.config.duration_s)
     except KeyboardInterrupt:
         pass
     finally:
