@@ -2,6 +2,8 @@
 
     python benchmarks/l2_minibatching.py              # the full run on CPU (see --help for sizes)
     python benchmarks/l2_minibatching.py --quick      # every stage at toy sizes, a few minutes
+    python benchmarks/l2_minibatching.py --encoder small --towers trained --steps 3000
+                                                      # towers that learn: a policy that succeeds
 
 Both arms draw the same number of denoising samples per step, ``--batch`` (B):
 conventional = B frames x 1 copy; Level-2 = B/K frames x K noised copies, each frame encoded once.
@@ -37,9 +39,11 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("MUJOCO_GL", "egl")  # headless rendering for the closed-loop evaluation
 os.environ.setdefault("PYOPENGL_PLATFORM", os.environ["MUJOCO_GL"])
 
-# Encoder sizes of the grid; the DiT is the same in all of them. The towers are frozen, as when a
-# VLA is fine-tuned on top of a pretrained vision-language encoder (Mini-Diffuser's setting: the
-# condition is high-dimensional and expensive, the action expert small).
+# Encoder sizes of the grid; the DiT is the same in all of them (Mini-Diffuser's setting: the
+# condition is high-dimensional and expensive, the action expert small). By default the towers are
+# frozen, as when a VLA is fine-tuned on top of a pretrained vision-language encoder; with random
+# weights they cannot localize reach's 2-pixel ball, so success is then near zero in both arms.
+# ``--towers trained`` trains them with the action expert: slower, but the policy can succeed.
 ENCODERS = {
     "small": {"vision_width": 128, "vision_layers": 2, "text_width": 64, "text_layers": 1},
     "base": {"vision_width": 192, "vision_layers": 4, "text_width": 96, "text_layers": 2},
@@ -53,7 +57,6 @@ DIT = {
     "horizon": 16,
     "n_action_steps": 8,
     "objective": "flow",
-    "freeze_towers": True,
 }
 
 
@@ -64,6 +67,12 @@ def parse_args(argv=None):
     p.add_argument("--batch", type=int, default=64, help="denoising samples per step, B (default: 64)")
     p.add_argument("--copies", type=int, default=16, help="K of the Level-2 arm (default: 16)")
     p.add_argument("--encoder", default="xlarge", choices=ENCODERS, help="encoder size of the main comparison")
+    p.add_argument(
+        "--towers",
+        default="frozen",
+        choices=("frozen", "trained"),
+        help="frozen: only the towers' projections train (default); trained: the SigLIP towers train too",
+    )
     p.add_argument("--steps", type=int, default=800, help="training steps of the conventional arm (default: 800)")
     p.add_argument("--val-every", type=int, default=100, help="validation period in steps (default: 100)")
     p.add_argument("--lr", type=float, default=1e-3, help="learning rate of both arms after warmup (default: 1e-3)")
@@ -97,17 +106,17 @@ def _cuda() -> bool:
     return torch.cuda.is_available()
 
 
-def policy_config(encoder: str):
+def policy_config(args, encoder: str):
     from policies.diffusion import DiffusionVLAConfig
 
-    return DiffusionVLAConfig(**DIT, **ENCODERS[encoder])
+    return DiffusionVLAConfig(**DIT, **ENCODERS[encoder], freeze_towers=args.towers == "frozen")
 
 
 def train_config(args, encoder: str, copies: int, output_dir: Path, stop_at: float = 0.0, steps: int = 0):
     from vla_rl.train import DatasetConfig, TrainConfig
 
     return TrainConfig(
-        dataset=DatasetConfig(root=str(Path(args.out) / "dataset")), policy=policy_config(encoder),
+        dataset=DatasetConfig(root=str(Path(args.out) / "dataset")), policy=policy_config(args, encoder),
         output_dir=str(output_dir), steps=steps or args.steps, batch_size=args.batch, l2_copies=copies, lr=args.lr,
         lr_schedule="constant_with_warmup", warmup_steps=min(100, args.steps // 10), save_every=10**9,
         log_every=25, seed=0, log_with="none",
@@ -319,7 +328,7 @@ def main(argv=None) -> None:
     success_ratio = success_l2["success_rate"] / conv_rate if conv_rate > 0 else float("nan")
     result = {
         "task": args.task, "device": args.device, "batch_denoising_samples": args.batch, "copies": args.copies,
-        "encoder": {"name": args.encoder, **ENCODERS[args.encoder]}, "dit": DIT, "steps": args.steps,
+        "encoder": {"name": args.encoder, "towers": args.towers, **ENCODERS[args.encoder]}, "dit": DIT, "steps": args.steps,
         "torch_threads": args.threads or os.cpu_count(), "torch": torch.__version__,
         "per_step": grid, "time_to_quality": quality,
         "success": {"conventional": success_conv, "level2": success_l2, "eval_episodes": args.eval_episodes, "seed": 1000},
