@@ -2,16 +2,19 @@
 
     python benchmarks/l2_minibatching.py              # the full run on CPU (see --help for sizes)
     python benchmarks/l2_minibatching.py --quick      # every stage at toy sizes, a few minutes
-    python benchmarks/l2_minibatching.py --encoder small --towers trained --steps 3000
-                                                      # towers that learn: a policy that succeeds
+    python benchmarks/l2_minibatching.py --encoder small --towers trained --steps 3000 --episodes 600
+                                                      # towers trained with the action expert
 
 Both arms draw the same number of denoising samples per step, ``--batch`` (B):
 conventional = B frames x 1 copy; Level-2 = B/K frames x K noised copies, each frame encoded once.
 
 1. Per-step cost: median step time and peak memory of one training step, each configuration in
-   a fresh process. Memory is the increase over the process's footprint just before the first
-   step (peak RSS on CPU, peak allocated memory on a GPU), so the ~1 GB of libraries does not
-   hide the difference. Measured over a grid of K and encoder sizes to show how the ratios move.
+   a fresh process. Memory is a step's working memory (activations, gradients): the peak over
+   the steady-state steps above the footprint after the warmup steps (peak RSS on CPU, peak
+   allocated memory on a GPU), so the ~1 GB of libraries, and the optimizer state and kernel
+   caches the first steps create in both arms alike, do not hide the difference (the JSON also
+   keeps the warmup steps' peak). Measured over a grid of K and encoder sizes to show how the
+   ratios move.
 2. Time to quality: the conventional arm trains for ``--steps``; its final validation denoising
    loss (held-out episodes, fixed noise and timesteps, EMA weights) is the target. The Level-2
    arm trains with the same hyperparameters until it reaches that loss, for at most
@@ -27,6 +30,7 @@ Results go to ``outputs/bench/l2_minibatching.json``; the last line reads
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import subprocess
@@ -43,7 +47,8 @@ os.environ.setdefault("PYOPENGL_PLATFORM", os.environ["MUJOCO_GL"])
 # condition is high-dimensional and expensive, the action expert small). By default the towers are
 # frozen, as when a VLA is fine-tuned on top of a pretrained vision-language encoder; with random
 # weights they cannot localize reach's 2-pixel ball, so success is then near zero in both arms.
-# ``--towers trained`` trains them with the action expert: slower, but the policy can succeed.
+# ``--towers trained`` trains them with the action expert: slower, and the conventional policy can
+# succeed, but a tower that sees only B/K frames per step learns more slowly under Level-2.
 ENCODERS = {
     "small": {"vision_width": 128, "vision_layers": 2, "text_width": 64, "text_layers": 1},
     "base": {"vision_width": 192, "vision_layers": 4, "text_width": 96, "text_layers": 2},
@@ -157,14 +162,21 @@ def measure_step(spec: dict) -> dict:
         if device.type == "cuda":
             torch.cuda.synchronize()
 
-    baseline = _memory_now(device)
+    before_first = _memory_now(device)
+    for _ in range(spec["warmup"]):
+        step()
+    first_steps_mb = (_memory_peak(device) - before_first) / 2**20
+    before_steady = _memory_now(device)  # optimizer state and kernel caches now exist in both arms alike
     times = []
-    for i in range(spec["warmup"] + spec["repeats"]):
+    for _ in range(spec["repeats"]):
         start = time.perf_counter()
         step()
-        if i >= spec["warmup"]:
-            times.append(time.perf_counter() - start)
-    return {"step_seconds": sorted(times)[len(times) // 2], "peak_mb": (_memory_peak(device) - baseline) / 2**20}
+        times.append(time.perf_counter() - start)
+    return {
+        "step_seconds": sorted(times)[len(times) // 2],
+        "peak_mb": (_memory_peak(device) - before_steady) / 2**20,
+        "first_steps_peak_mb": first_steps_mb,
+    }
 
 
 def _memory_now(device) -> float:
@@ -175,6 +187,11 @@ def _memory_now(device) -> float:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         return torch.cuda.memory_allocated()
+    # Hand freed heap back to the OS first: a step that reuses memory freed while loading the data
+    # would not raise the RSS, and its peak would read too low.
+    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)  # glibc only
+    if trim is not None:
+        trim(0)
     Path("/proc/self/clear_refs").write_text("5")  # resets the peak RSS (VmHWM) to the current RSS
     return _proc_status("VmRSS")
 
@@ -202,6 +219,9 @@ def per_step_grid(args) -> list[dict]:
                     "warmup": 2, "repeats": 3 if args.quick else 7}  # fmt: skip
             out = subprocess.run(
                 [sys.executable, __file__, "--measure-step", json.dumps(spec)],
+                # A fixed mmap threshold: glibc otherwise raises it as large blocks are freed and
+                # serves later tensors from the heap it keeps, which the RSS no longer shows.
+                env=os.environ | {"MALLOC_MMAP_THRESHOLD_": str(128 * 1024)},
                 capture_output=True,
                 text=True,
                 check=False,
