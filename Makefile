@@ -4,7 +4,7 @@ PYTHON ?= python3.12
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: quickstart test test-slow
+.PHONY: quickstart lint test test-slow
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -16,7 +16,11 @@ $(STAMP): pyproject.toml
 quickstart: $(STAMP)  ## install, then record -> train -> eval on the default lift task
 	$(VENV)/bin/vla-rl quickstart
 
-test: $(STAMP)  ## install, then run the default test suite (about 10 minutes on 2 cores)
+lint: $(STAMP)  ## ruff (the version pinned in the dev extra): lint rules and formatting, whole tree
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+test: lint  ## install, lint, then run the default test suite (about 10 minutes on 2 cores)
 	$(VENV)/bin/python -m pytest
 
 test-slow: $(STAMP)  ## the long end-to-end tests (the full quickstart with its success threshold)

@@ -6,6 +6,29 @@ os.environ.setdefault("MUJOCO_GL", "egl")
 os.environ.setdefault("PYOPENGL_PLATFORM", os.environ["MUJOCO_GL"])
 
 import pytest  # noqa: E402
+from extras import extras_required  # noqa: E402
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Where every extra is installed (CI), a skipped test is a failure: nothing may vanish silently."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.skipped and extras_required() and not hasattr(report, "wasxfail"):
+        report.outcome = "failed"
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr
+        report.longrepr = f"skipped under CI=true, where every extra is installed and nothing may skip: {reason}"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    """The same for a whole file skipped at import (``pytest.importorskip`` at module level)."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.skipped and extras_required():
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr
+        report.outcome = "failed"
+        report.longrepr = f"skipped under CI=true, where every extra is installed and nothing may skip: {reason}"
 
 
 @pytest.fixture(scope="session")

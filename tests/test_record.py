@@ -64,7 +64,15 @@ def test_interrupted_recording_leaves_no_dataset(tmp_path, monkeypatch):
     out = tmp_path / "ds"
     with pytest.raises(KeyboardInterrupt):
         record(RecordConfig(env=EnvConfig(num_envs=2), num_episodes=5, output_dir=str(out)))
-    assert not out.exists()
+    assert not list(tmp_path.iterdir())  # neither the dataset nor its hidden temporary copy
+
+
+def test_record_shows_one_progress_bar(tmp_path, capfd):
+    """The `datasets` library's `Map:` bar for every saved episode used to bury the command's own bar."""
+    record(RecordConfig(env=EnvConfig(num_envs=2), num_episodes=3, output_dir=str(tmp_path / "ds")))
+    err = capfd.readouterr().err
+    bars = {line.split(":")[0].strip() for line in err.replace("\r", "\n").splitlines() if "%|" in line}
+    assert bars == {"record lift"}, err[-2000:]
 
 
 def test_in_memory_demos_match_lerobot_frames(tiny_dataset):

@@ -52,7 +52,8 @@ def save_checkpoint(
     checkpoints_dir.mkdir(parents=True, exist_ok=True)
     final = checkpoints_dir / f"step-{step:08d}"
     tmp = checkpoints_dir / f".tmp-step-{step:08d}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    for stale in checkpoints_dir.glob(".tmp-step-*"):  # left by a killed writer (one writer per run)
+        shutil.rmtree(stale, ignore_errors=True)
     tmp.mkdir()
     state = {k: v.detach().cpu().contiguous() for k, v in policy.state_dict().items()}
     save_file(state, str(tmp / "model.safetensors"))

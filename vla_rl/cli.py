@@ -9,6 +9,7 @@ Values come from the dataclass defaults, then the YAML file, then the command li
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -239,19 +240,88 @@ def parse_config(name: str, args: list[str]):
     """Parse ``args`` into the command's config; bad keys or values stop with one line of error.
 
     name: a command (``"train"``) or a command and subcommand (``"bench sim"``).
+
+    Layers, each over the one before: the command's own defaults, the YAML file of
+    ``--config_path``, the dotted overrides. Overriding one nested field keeps its siblings (see
+    :func:`_with_defaults`).
     """
+    import tempfile
+
     import draccus
 
     config_cls = _command(name).config()
     if any(a in ("-h", "--help") for a in args):
         draccus.parse(config_cls, args=["--help"], prog=f"vla-rl {name}", preferred_help="inline")
     try:
-        return draccus.parse(config_cls, args=args, prog=f"vla-rl {name}", exit_on_error=False)
+        args, config_path = _split_config_path(args)
+        base = _with_defaults(config_cls, config_path, args)
+        with tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="vla-rl-defaults-") as layered:
+            import yaml
+
+            yaml.safe_dump(base, layered)
+            layered.flush()
+            return draccus.parse(config_cls, config_path=layered.name, args=args, prog=f"vla-rl {name}",
+                                 exit_on_error=False)  # fmt: skip
     except BaseException as err:  # draccus raises argparse errors, DecodingError and SystemExit
         if isinstance(err, KeyboardInterrupt):
             raise
         message = " ".join(str(err).split()) or type(err).__name__
         raise SystemExit(f"vla-rl {name}: error: {message}. See `vla-rl {name} --help` for the valid fields.")
+
+
+def _split_config_path(args: list[str]) -> tuple[list[str], str | None]:
+    """(args without ``--config_path``, its value or None)."""
+    rest, path = [], None
+    it = iter(args)
+    for arg in it:
+        if arg.startswith("--config_path="):
+            path = arg.split("=", 1)[1]
+        elif arg == "--config_path":
+            path = next(it, None)
+        else:
+            rest.append(arg)
+    return rest, path
+
+
+def _with_defaults(config_cls: type, config_path: str | None, args: list[str]) -> dict:
+    """The command's defaults with the YAML file over them, as one nested dict for draccus to start from.
+
+    draccus decodes a nested config from the keys it was given alone: ``--env.task=reach`` alone
+    would rebuild ``env`` from ``EnvConfig``'s class defaults, silently dropping the command's own
+    (``vla-rl eval`` has 50 worlds, not 16). Starting from every default avoids that. Where a
+    choice field changes its ``type`` (``--policy.type=diffusion_vla``), that subtree starts from
+    the new type's defaults instead, since the old type's fields would not fit it.
+    """
+    import draccus
+    import yaml
+
+    base = draccus.encode(config_cls())
+    if config_path is not None:
+        with open(config_path, encoding="utf-8") as f:
+            base = _layer(base, yaml.safe_load(f) or {})
+    for arg in args:  # --a.b.type=X on the command line switches the subtree a.b to type X
+        key, _, value = arg.removeprefix("--").partition("=")
+        if key.endswith(".type") and value:
+            *path, _ = key.split(".")
+            node = base
+            for part in path[:-1]:
+                node = node.get(part, {}) if isinstance(node, dict) else {}
+            if isinstance(node, dict) and isinstance(node.get(path[-1]), dict):
+                if node[path[-1]].get("type") != value:
+                    node[path[-1]] = {"type": value}
+    return base
+
+
+def _layer(base: dict, top: dict) -> dict:
+    """``top`` over ``base``, nested dicts merged key by key; a subtree whose ``type`` changes is replaced."""
+    out = dict(base)
+    for key, value in top.items():
+        below = out.get(key)
+        if isinstance(value, dict) and isinstance(below, dict) and value.get("type", below.get("type")) == below.get("type"):
+            out[key] = _layer(below, value)
+        else:
+            out[key] = value
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -277,15 +347,24 @@ def main(argv: list[str] | None = None) -> int:
     if "--ros-args" in args:  # ROS's own arguments (parameter overrides) are for rclpy, not the config
         args = args[: args.index("--ros-args")]
     cfg = parse_config(name, args)
-    try:
-        _command(name).run(cfg)
-    except KeyboardInterrupt:
-        print(f"\nvla-rl {name}: interrupted", file=sys.stderr)
-        return 130
-    except (ValueError, FileNotFoundError, FileExistsError, FloatingPointError) as err:
-        print(f"vla-rl {name}: error: {err}", file=sys.stderr)
-        return 2
-    return 0
+    from vla_rl import interrupt
+
+    # SIGINT and SIGTERM end every command the same way, however the process was started (a
+    # background job inherits SIGINT as ignored; schedulers send SIGTERM): see vla_rl.interrupt.
+    with interrupt.handlers():
+        try:
+            _command(name).run(cfg)
+        except KeyboardInterrupt as err:
+            signum = getattr(err, "signum", None) or interrupt.received() or signal.SIGINT
+            print(f"\nvla-rl {name}: interrupted by {signal.Signals(signum).name}", file=sys.stderr)
+            return 128 + signum
+        except (ValueError, FileNotFoundError, FileExistsError, FloatingPointError) as err:
+            print(f"vla-rl {name}: error: {err}", file=sys.stderr)
+            return 2
+        # A command whose normal end is a stop signal (serve, sim-robot, record-ros) returns its
+        # summary; the exit code still says the run was stopped, and by which signal.
+        signum = interrupt.received()
+    return 128 + signum if signum else 0
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ features works, ours or a public one.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
@@ -21,6 +22,28 @@ def video_backend() -> str:
         return "torchcodec"
     except (ImportError, OSError, RuntimeError):
         return "pyav"
+
+
+def quiet_datasets() -> None:
+    """Hide the `datasets` library's per-call progress bars (a `Map:` bar for every saved episode),
+    so a command that writes a dataset shows its own bar alone."""
+    from datasets.utils.logging import disable_progress_bar
+
+    disable_progress_bar()
+
+
+def discard_dataset(dataset, root: Path) -> None:
+    """Remove a dataset being written at ``root`` (an interrupted or failed recording).
+
+    Its writers are closed first: LeRobot's writer finalizes itself when garbage-collected, which
+    would otherwise write its metadata files again into the removed directory.
+    """
+    import shutil
+
+    if dataset is not None:
+        with contextlib.suppress(Exception):  # already failing: removing the directory matters more
+            dataset.finalize()
+    shutil.rmtree(root, ignore_errors=True)
 
 
 def open_dataset(root: str | Path, repo_id: str | None = None):

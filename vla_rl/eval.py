@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 from sim.config import EnvConfig
 from sim.delay import DelayConfig
+from vla_rl import interrupt
 from vla_rl.checkpoint import load_policy
 from vla_rl.types import TASK, ActionChunk
 
@@ -83,21 +84,25 @@ def evaluate(cfg: EvalConfig) -> dict:
             ensemble_coeff=cfg.ensemble_coeff,
         )  # fmt: skip
         bar = tqdm(total=cfg.num_episodes, desc="eval", unit="ep")
-        for r in range(math.ceil(cfg.num_episodes / n)):
-            want = min(n, cfg.num_episodes - r * n)
-            recorder.enabled = r == 0
-            obs, need = delayed.reset(seed=cfg.seed + r)
-            finished = np.arange(n) >= want  # worlds beyond the episode quota run but are not counted
-            length = np.zeros(n, dtype=np.int64)
-            while not finished.all():
-                obs, _, terminated, truncated, info, need = delayed.step(_predict(policy, obs, need, delayed.obs_step))
-                length += np.where(finished, 0, info["steps"].numpy())
-                done = (terminated | truncated).numpy() & ~finished
-                for i in np.flatnonzero(done):
-                    episodes.append({"round": r, "world": int(i), "seed": cfg.seed + r,
-                                     "success": bool(info["success"][i]), "length": int(length[i])})  # fmt: skip
-                    bar.update(1)
-                finished |= done
+        # A stop signal ends the evaluation between env steps (vla_rl.interrupt); an incomplete
+        # evaluation writes no results, so eval.json always describes num_episodes episodes.
+        with interrupt.deferred():
+            for r in range(math.ceil(cfg.num_episodes / n)):
+                want = min(n, cfg.num_episodes - r * n)
+                recorder.enabled = r == 0
+                obs, need = delayed.reset(seed=cfg.seed + r)
+                finished = np.arange(n) >= want  # worlds beyond the episode quota run but are not counted
+                length = np.zeros(n, dtype=np.int64)
+                while not finished.all():
+                    obs, _, terminated, truncated, info, need = delayed.step(_predict(policy, obs, need, delayed.obs_step))
+                    length += np.where(finished, 0, info["steps"].numpy())
+                    done = (terminated | truncated).numpy() & ~finished
+                    for i in np.flatnonzero(done):
+                        episodes.append({"round": r, "world": int(i), "seed": cfg.seed + r,
+                                         "success": bool(info["success"][i]), "length": int(length[i])})  # fmt: skip
+                        bar.update(1)
+                    finished |= done
+                    interrupt.raise_if_stopped()
         bar.close()
     episodes.sort(key=lambda e: (e["round"], e["world"]))
     successes = sum(e["success"] for e in episodes)

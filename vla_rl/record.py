@@ -1,7 +1,8 @@
 """`vla-rl record`: roll out a scripted expert in the batched env and write a LeRobotDataset (v3).
 
 The dataset is written into a temporary directory beside the target and renamed into place
-only when complete, so an interrupted recording never leaves a half-written dataset behind.
+only when complete, so an interrupted recording (SIGINT, SIGTERM, an error) never leaves a
+half-written dataset behind: the temporary directory is removed and the target is untouched.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import torch
 from tqdm import tqdm
 
 from sim.config import EnvConfig
+from vla_rl import interrupt
+from vla_rl.data import discard_dataset, quiet_datasets
 from vla_rl.types import ACTION, OBS_STATE, image_key
 
 
@@ -70,20 +73,28 @@ def record(cfg: RecordConfig) -> dict:
     shutil.rmtree(tmp, ignore_errors=True)
     out.parent.mkdir(parents=True, exist_ok=True)
 
+    quiet_datasets()
     start = time.time()
     ds, saved, failed, lengths = None, 0, 0, []
-    for task_number, task in enumerate(tasks):
-        with make_env(replace(cfg.env, task=task)) as env:
-            if ds is None:
-                ds = LeRobotDataset.create(
-                    cfg.repo_id, fps=round(1 / env.control_dt), features=dataset_features(env), root=tmp,
-                    robot_type="panda", use_videos=False, video_backend=video_backend(),
-                )  # fmt: skip
-            # Each task gets its own seed range, so tasks never share initial-state draws.
-            expert = EXPERTS[task](env.num_envs)
-            task_saved, task_failed = _record_task(env, expert, ds, cfg, cfg.seed + 1000 * task_number, lengths)
-            saved, failed = saved + task_saved, failed + task_failed
-    ds.finalize()
+    # A stop signal is noted and acted on between env steps (vla_rl.interrupt); then, as on any
+    # error, the partial dataset is removed.
+    try:
+        with interrupt.deferred():
+            for task_number, task in enumerate(tasks):
+                with make_env(replace(cfg.env, task=task)) as env:
+                    if ds is None:
+                        ds = LeRobotDataset.create(
+                            cfg.repo_id, fps=round(1 / env.control_dt), features=dataset_features(env), root=tmp,
+                            robot_type="panda", use_videos=False, video_backend=video_backend(),
+                        )  # fmt: skip
+                    # Each task gets its own seed range, so tasks never share initial-state draws.
+                    expert = EXPERTS[task](env.num_envs)
+                    task_saved, task_failed = _record_task(env, expert, ds, cfg, cfg.seed + 1000 * task_number, lengths)
+                    saved, failed = saved + task_saved, failed + task_failed
+            ds.finalize()
+    except BaseException:
+        discard_dataset(ds, tmp)
+        raise
     if out.exists():
         shutil.rmtree(out)
     tmp.rename(out)
@@ -134,4 +145,5 @@ def _record_task(env, expert, ds, cfg: RecordConfig, seed: int, lengths: list) -
                 buffers[i] = []
             expert.reset(done)
             obs = next_obs
+            interrupt.raise_if_stopped()
     return saved, failed

@@ -131,7 +131,7 @@ def convert(cfg: ConvertConfig) -> dict:
     """Convert ``cfg.input`` into a LeRobotDataset at ``cfg.output_dir``; returns a summary dict."""
     from lerobot.datasets.lerobot_dataset import LeRobotDataset
 
-    from vla_rl.data import video_backend
+    from vla_rl.data import discard_dataset, quiet_datasets, video_backend
     from vla_rl.ros_msgs import image_array, stamp_ns
 
     src, out = Path(cfg.input), Path(cfg.output_dir)
@@ -222,6 +222,8 @@ def convert(cfg: ConvertConfig) -> dict:
                 for c, img in first_images.items()}  # fmt: skip
     features[OBS_STATE] = {"dtype": "float32", "shape": (len(state_names),), "names": state_names}
     features[ACTION] = {"dtype": "float32", "shape": (len(cfg.action_names),), "names": list(cfg.action_names)}
+    quiet_datasets()
+    ds = None
     try:
         ds = LeRobotDataset.create(cfg.repo_id, fps=cfg.fps, features=features, root=tmp, robot_type=cfg.robot_type,
                                    use_videos=False, video_backend=video_backend())  # fmt: skip
@@ -241,7 +243,7 @@ def convert(cfg: ConvertConfig) -> dict:
                 tasks.append(task)
         ds.finalize()
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        discard_dataset(ds, tmp)
         raise
     if out.exists():
         shutil.rmtree(out)

@@ -2,7 +2,8 @@
 
 Checkpoints are atomic and hold everything ``--resume=true`` needs to continue the same run:
 step count, optimizer and LR schedule, EMA and raw weights, the sampling RNG and the loss
-curve. Ctrl-C writes a checkpoint at the current step before exiting.
+curve. SIGINT (Ctrl-C) or SIGTERM ends the run at the next step boundary with a checkpoint there,
+however the process was started, and the command exits 130 or 143 (see ``vla_rl.interrupt``).
 
 Level-2 minibatching (``--l2_copies=K``, Mini-Diffuser): each step draws batch_size / K frames,
 encodes each observation once and denoises K independently noised copies of its action chunk,
@@ -28,6 +29,7 @@ from tqdm import tqdm
 
 from policies.config import PolicyConfig
 from policies.diffusion import DiffusionConfig
+from vla_rl import interrupt
 from vla_rl.checkpoint import resolve_checkpoint, save_checkpoint
 from vla_rl.types import OBS_IMAGES, OBS_STATE
 
@@ -210,7 +212,7 @@ def train(cfg: TrainConfig) -> dict:
         cfg.lr_schedule, optimizer, num_warmup_steps=cfg.warmup_steps, num_training_steps=cfg.steps
     )
     generator = torch.Generator().manual_seed(cfg.seed + accelerator.process_index)
-    step, history = 0, []
+    step, history, window = 0, [], []  # window: losses since the last logged mean
     val_history, train_seconds = [], 0.0  # [[step, training seconds, validation loss]]; seconds exclude validation
 
     if cfg.resume:
@@ -222,7 +224,7 @@ def train(cfg: TrainConfig) -> dict:
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         generator.set_state(state["generator"])
-        step, history = state["step"], state["history"]
+        step, history, window = state["step"], state["history"], state.get("loss_window", [])
         val_history, train_seconds = state.get("val_history", []), state.get("train_seconds", 0.0)
         if accelerator.is_main_process:
             print(f"resumed from {ckpt} at step {step}", file=sys.stderr)
@@ -237,6 +239,8 @@ def train(cfg: TrainConfig) -> dict:
     def checkpoint(at_step: int) -> Path | None:
         if not accelerator.is_main_process:
             return None
+        if at_step == saved[0]:  # already on disk: rewriting would briefly remove it
+            return resolve_checkpoint(ckpt_dir)
         state = {
             "model": raw_policy.state_dict(),
             "ema": ema.state_dict() if ema is not None else None,
@@ -245,11 +249,14 @@ def train(cfg: TrainConfig) -> dict:
             "generator": generator.get_state(),
             "step": at_step,
             "history": history,
+            "loss_window": window,  # losses since the last logged mean, so a resumed curve is the same
             "val_history": val_history,
             "train_seconds": train_seconds,
         }
         meta = {"dataset": str(cfg.dataset.root), "dataset_frames": len(demos), "train_config": _config_dict(cfg)}
-        return save_checkpoint(ckpt_dir, at_step, ema if ema is not None else raw_policy, meta, state)
+        path = save_checkpoint(ckpt_dir, at_step, ema if ema is not None else raw_policy, meta, state)
+        saved[0] = at_step
+        return path
 
     def validate() -> bool:
         """Log the validation loss; True when it reached the stopping target."""
@@ -261,55 +268,60 @@ def train(cfg: TrainConfig) -> dict:
 
     device = accelerator.device
     copies = {"copies": cfg.l2_copies} if cfg.l2_copies > 1 else {}
-    start, window = time.time(), []
+    start = time.time()
+    saved = [step if cfg.resume else None]  # the step of the checkpoint on disk
     bar = tqdm(total=cfg.steps, initial=step, desc="train", unit="step", disable=not accelerator.is_main_process)
-    try:
-        while step < cfg.steps:
-            step_start = time.perf_counter()
-            idx = sampler.sample(frames_per_step, generator)
-            batch = demos.batch(idx, raw_policy.config.horizon)
-            for key in [k for k in batch if k.startswith(OBS_IMAGES)]:
-                batch[key] = random_shift(batch[key], raw_policy.config.crop_shift, generator)
-            batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
-            policy.train()
-            loss = policy(batch, generator, **copies)  # forward() is the training loss, so DDP syncs gradients
-            if not math.isfinite(loss.item()):
-                raise FloatingPointError(f"loss became {loss.item()} at step {step}; lower --lr and --resume=true")
-            optimizer.zero_grad(set_to_none=True)
-            accelerator.backward(loss)
-            accelerator.clip_grad_norm_(policy.parameters(), 1.0)
-            optimizer.step()
-            scheduler.step()
-            if ema is not None:
-                with torch.no_grad():
-                    for e, p, train_it in zip(ema.parameters(), raw_policy.parameters(), trainable):
-                        if train_it:
-                            e.lerp_(p, 1.0 - cfg.ema_decay)
-            step += 1
-            train_seconds += time.perf_counter() - step_start
-            window.append(loss.item())
-            bar.update(1)
-            if step % cfg.log_every == 0 or step == cfg.steps:
-                mean = sum(window) / len(window)
-                history.append([step, mean])
-                window = []
-                bar.set_postfix(loss=f"{mean:.4f}", lr=f"{scheduler.get_last_lr()[0]:.1e}")
-                if trackers:
-                    accelerator.log({"loss": mean, "lr": scheduler.get_last_lr()[0]}, step=step)
-            if len(val_frames) and (step % cfg.val_every == 0 or step == cfg.steps):
-                if validate():
-                    bar.set_postfix(val_loss=f"{val_history[-1][2]:.4f}", stop="target reached")
-                    break
-            if step % cfg.save_every == 0 and step < cfg.steps:
-                checkpoint(step)
-    except KeyboardInterrupt:
+    # SIGINT and SIGTERM are only noted during a step or a checkpoint write: the loop stops at the
+    # next step boundary and writes a checkpoint there (see vla_rl.interrupt).
+    with interrupt.deferred():
+        try:
+            while step < cfg.steps:
+                step_start = time.perf_counter()
+                idx = sampler.sample(frames_per_step, generator)
+                batch = demos.batch(idx, raw_policy.config.horizon)
+                for key in [k for k in batch if k.startswith(OBS_IMAGES)]:
+                    batch[key] = random_shift(batch[key], raw_policy.config.crop_shift, generator)
+                batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+                policy.train()
+                loss = policy(batch, generator, **copies)  # forward() is the training loss, so DDP syncs gradients
+                if not math.isfinite(loss.item()):
+                    raise FloatingPointError(f"loss became {loss.item()} at step {step}; lower --lr and --resume=true")
+                optimizer.zero_grad(set_to_none=True)
+                accelerator.backward(loss)
+                accelerator.clip_grad_norm_(policy.parameters(), 1.0)
+                optimizer.step()
+                scheduler.step()
+                if ema is not None:
+                    with torch.no_grad():
+                        for e, p, train_it in zip(ema.parameters(), raw_policy.parameters(), trainable):
+                            if train_it:
+                                e.lerp_(p, 1.0 - cfg.ema_decay)
+                step += 1
+                train_seconds += time.perf_counter() - step_start
+                window.append(loss.item())
+                bar.update(1)
+                if step % cfg.log_every == 0 or step == cfg.steps:
+                    mean = sum(window) / len(window)
+                    history.append([step, mean])
+                    window = []
+                    bar.set_postfix(loss=f"{mean:.4f}", lr=f"{scheduler.get_last_lr()[0]:.1e}")
+                    if trackers:
+                        accelerator.log({"loss": mean, "lr": scheduler.get_last_lr()[0]}, step=step)
+                if len(val_frames) and (step % cfg.val_every == 0 or step == cfg.steps):
+                    if validate():
+                        bar.set_postfix(val_loss=f"{val_history[-1][2]:.4f}", stop="target reached")
+                        break
+                if step % cfg.save_every == 0 and step < cfg.steps:
+                    checkpoint(step)
+                interrupt.raise_if_stopped()  # the step boundary: model, optimizer and RNG agree here
+        except KeyboardInterrupt:
+            bar.close()
+            path = checkpoint(step)
+            if accelerator.is_main_process:
+                print(f"\ninterrupted at step {step}; checkpoint written to {path}. Continue with --resume=true", file=sys.stderr)
+            raise
         bar.close()
-        path = checkpoint(step)
-        if accelerator.is_main_process:
-            print(f"\ninterrupted at step {step}; checkpoint written to {path}. Continue with --resume=true", file=sys.stderr)
-        raise
-    bar.close()
-    final = checkpoint(step)
+        final = checkpoint(step)
     if trackers:
         accelerator.end_training()
     summary = {

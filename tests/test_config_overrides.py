@@ -1,0 +1,90 @@
+"""Config layering: a nested override keeps its siblings' values, for every command.
+
+draccus alone rebuilds a nested config from its class defaults when one of its fields is set on
+the command line, so `vla-rl eval --env.task=reach` used to drop eval's 50 worlds back to 16.
+"""
+
+import dataclasses
+
+import draccus
+import pytest
+
+from vla_rl.cli import COMMANDS, parse_config
+
+
+def _commands():
+    for name, cmd in COMMANDS.items():
+        if cmd.subcommands:
+            yield from ((f"{name} {sub}", c) for sub, c in cmd.subcommands.items())
+        else:
+            yield name, cmd
+
+
+def _changed(value):
+    """A value of the same type that differs from ``value``; None where none is obvious."""
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, int):
+        return value + 3
+    if isinstance(value, float):
+        return value * 2 + 0.5
+    if isinstance(value, str):
+        return value + "_x"
+    return None
+
+
+def _nested_overrides(cls):
+    """(dotted key, new value) for the first overridable leaf of each nested dataclass field of cls()."""
+    defaults = draccus.encode(cls())
+    for f in dataclasses.fields(cls):
+        sub = defaults.get(f.name)
+        if not isinstance(sub, dict) or len(sub) < 2:
+            continue
+        for leaf, value in sub.items():
+            new = _changed(value)
+            if leaf != "type" and new is not None:
+                yield f"{f.name}.{leaf}", new
+                break
+
+
+CASES = [(name, key, new) for name, cmd in _commands() for key, new in _nested_overrides(cmd.config())]
+
+
+def test_every_command_with_a_nested_config_is_covered():
+    assert {name for name, _, _ in CASES} >= {"record", "train", "eval", "quickstart", "sim-robot", "serve"}
+
+
+@pytest.mark.parametrize("name, key, new", CASES, ids=[f"{n}:{k}" for n, k, _ in CASES])
+def test_one_nested_override_keeps_every_sibling(name, key, new):
+    config_cls = dict(_commands())[name].config()
+    expected = draccus.encode(config_cls())  # the command's own defaults, nested ones included
+    parent, leaf = key.split(".")
+    expected[parent][leaf] = new
+    got = draccus.encode(parse_config(name, [f"--{key}={new}"]))
+    assert got[parent] == expected[parent]
+    assert got == expected
+
+
+def test_eval_keeps_its_fifty_worlds_when_the_task_changes():
+    cfg = parse_config("eval", ["--env.task=reach"])
+    assert (cfg.env.task, cfg.env.num_envs) == ("reach", 50)
+    cfg = parse_config("quickstart", ["--eval.env.task=reach"])
+    assert (cfg.eval.env.task, cfg.eval.env.num_envs) == ("reach", 50)
+
+
+def test_switching_a_policy_type_starts_from_that_types_defaults():
+    from policies.diffusion import DiffusionVLAConfig
+
+    cfg = parse_config("train", ["--policy.type=diffusion_vla", "--policy.depth=3"])
+    assert isinstance(cfg.policy, DiffusionVLAConfig)
+    assert cfg.policy.depth == 3
+    assert dataclasses.replace(cfg.policy, depth=DiffusionVLAConfig().depth) == DiffusionVLAConfig()
+
+
+def test_yaml_file_then_command_line_each_over_the_defaults(tmp_path):
+    path = tmp_path / "eval.yaml"
+    path.write_text("num_episodes: 7\nenv:\n  image_size: 96\n")
+    cfg = parse_config("eval", [f"--config_path={path}", "--env.task=push"])
+    assert (cfg.num_episodes, cfg.env.image_size, cfg.env.task, cfg.env.num_envs) == (7, 96, "push", 50)
+    cfg = parse_config("eval", [f"--config_path={path}", "--env.image_size=32"])
+    assert cfg.env.image_size == 32  # the command line wins over the file
