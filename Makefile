@@ -21,7 +21,7 @@ lint: $(STAMP)  ## ruff (the version pinned in the dev extra): lint rules and fo
 	$(VENV)/bin/ruff format --check .
 
 test: lint  ## install, lint, then run the default test suite (about 10 minutes on 2 cores)
-	$(VENV)/bin/python -m pytest
+	VLA_RL_REQUIRE_EXTRAS=1 $(VENV)/bin/python -m pytest  # every extra is installed: a skip is a failure
 
 test-slow: $(STAMP)  ## the long end-to-end tests (the full quickstart with its success threshold)
-	$(VENV)/bin/python -m pytest -m slow
+	VLA_RL_REQUIRE_EXTRAS=1 $(VENV)/bin/python -m pytest -m slow

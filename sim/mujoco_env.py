@@ -146,13 +146,21 @@ class MujocoBatchedEnv:
         return self._observe()
 
     def step(self, actions: torch.Tensor | np.ndarray):
-        """actions (N, 4) -> obs, reward (N,), terminated (N,), truncated (N,), info."""
+        """actions (N, 4) -> obs, reward (N,), terminated (N,), truncated (N,), info.
+
+        info: ``success``, ``diverged`` (a blown-up world, reset), ``invalid_actions`` (a row with
+        NaN or inf, which holds the pose), ``clipped_actions`` (a finite row outside the workspace,
+        clipped to it), each (N,) bool, and ``final_obs``.
+        """
         act = np.asarray(torch.as_tensor(actions, dtype=torch.float64).cpu(), dtype=np.float64)
         if act.shape != (self.num_envs, self.action_dim):
             raise ValueError(f"actions must have shape ({self.num_envs}, {self.action_dim}), got {act.shape}")
         invalid = ~np.isfinite(act).all(axis=1)
         if invalid.any():  # a non-finite action holds the end-effector pose instead of crashing the batch
             act[invalid] = np.concatenate([self.ee_positions()[invalid], np.zeros((invalid.sum(), 1))], axis=1)
+        # Finite rows outside the workspace are clipped to it and counted, as the other backends do;
+        # a held (invalid) row is counted as invalid only.
+        clipped = ~invalid & ((act < self.ACTION_LOW) | (act > self.ACTION_HIGH)).any(axis=1)
         act = np.clip(act, self.ACTION_LOW, self.ACTION_HIGH)
 
         final_state = self._advance(act)
@@ -176,6 +184,7 @@ class MujocoBatchedEnv:
             "success": torch.from_numpy(success),
             "diverged": torch.from_numpy(diverged),
             "invalid_actions": torch.from_numpy(invalid),
+            "clipped_actions": torch.from_numpy(clipped),
             "final_obs": final_obs,
         }
         to_t = torch.from_numpy

@@ -34,9 +34,7 @@ try:
     import mujoco_warp as mjw
     import warp as wp
 except ImportError as err:  # the `gpu` extra is optional
-    raise ImportError(
-        'the warp backend needs MuJoCo Warp: install the gpu extra with pip install -e ".[gpu]"'
-    ) from err
+    raise ImportError('the warp backend needs MuJoCo Warp: install the gpu extra with pip install -e ".[gpu]"') from err
 
 # Contact and constraint-row slots per world: Warp sizes its arrays once and drops what does not
 # fit. Scripted-expert episodes of every task peak at 14 contacts and 57 constraint rows per
@@ -154,7 +152,10 @@ class WarpBatchedEnv:
         invalid = ~torch.isfinite(act).all(dim=1)
         # A non-finite action holds the current end-effector pose instead of crashing the batch.
         hold = torch.cat([self._ee().double(), torch.zeros_like(act[:, :1])], dim=1)
-        act = torch.where(invalid[:, None], hold, act).clamp(self._low, self._high)
+        act = torch.where(invalid[:, None], hold, act)
+        # Finite rows outside the workspace are clipped to it and counted, as the other backends do.
+        clipped = ~invalid & ((act < self._low) | (act > self._high)).any(dim=1)
+        act = act.clamp(self._low, self._high)
 
         self._ctrl.copy_(self._ik_control(act))
         with self._warp_scope():
@@ -176,7 +177,13 @@ class WarpBatchedEnv:
         if len(done_worlds):
             self._reset_worlds(done_worlds)
         obs = self._observe() if len(done_worlds) else final_obs
-        info = {"success": success, "diverged": diverged, "invalid_actions": invalid, "final_obs": final_obs}
+        info = {
+            "success": success,
+            "diverged": diverged,
+            "invalid_actions": invalid,
+            "clipped_actions": clipped,
+            "final_obs": final_obs,
+        }
         return obs, success.float(), terminated, truncated, info
 
     def ee_positions(self) -> np.ndarray:

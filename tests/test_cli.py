@@ -72,13 +72,18 @@ def test_checkpoint_of_another_policy_type(tiny_checkpoint, tmp_path):
     assert res.returncode == 2 and "not a vla-rl checkpoint" in res.stderr and "'act'" in res.stderr
 
 
-def test_yaml_configs_parse_and_override():
+def test_a_yaml_config_sets_the_run_and_flags_override_it(tmp_path):
     from vla_rl.cli import parse_config
+    from vla_rl.record import record
 
-    cfg = parse_config("train", [f"--config_path={ROOT / 'configs' / 'train.yaml'}", "--policy.horizon=8"])
-    assert cfg.policy.horizon == 8
-    assert cfg.steps == 5000
-    for name in ("record", "eval", "quickstart"):
+    config = tmp_path / "record.yaml"
+    config.write_text(f"num_episodes: 5\nenv:\n  num_envs: 2\n  image_size: 32\noutput_dir: {tmp_path / 'ds'}\n")
+    summary = record(parse_config("record", [f"--config_path={config}", "--num_episodes=2"]))
+    assert summary["episodes"] == 2  # the flag wins over the file's 5
+    info = json.loads((tmp_path / "ds" / "meta" / "info.json").read_text())  # written where the file said
+    assert info["features"]["observation.images.front"]["shape"] == [32, 32, 3]  # the file's size, not 64
+    # The shipped configs name only current fields: a renamed field must fail here, not for a user.
+    for name in ("record", "train", "eval", "quickstart"):
         parse_config(name, [f"--config_path={ROOT / 'configs' / f'{name}.yaml'}"])
 
 

@@ -65,6 +65,30 @@ def test_bad_inputs_are_named():
         policy(batch)
 
 
+def test_images_outside_zero_one_are_rejected_naming_the_fix():
+    policy = make_policy()
+    pixels = obs()
+    pixels["observation.images.front"] = torch.tensor([0.0, 255.0]).repeat(2, 3, 32, 16)  # 0-255 values as float
+    with pytest.raises(ValueError, match=r"must be in \[0, 1\], got values in \[0, 255\]; divide 0-255 .* by 255"):
+        policy.predict_chunk(pixels)
+    raw = obs()
+    raw["observation.images.front"] = (raw["observation.images.front"] * 255).to(torch.uint8)
+    fix = r"must be float in \[0, 1\], got torch.uint8; convert with img.float\(\) / 255"
+    with pytest.raises(ValueError, match=fix):
+        policy.predict_chunk(raw)
+    normalized = obs()
+    normalized["observation.images.front"][1, 0, 0, 0] = -0.5  # one pixel of a [-1, 1] normalized image
+    with pytest.raises(ValueError, match=r"got values in \[-0.5, .*undo the normalization"):
+        policy.predict_chunk(normalized)
+    broken = obs()
+    broken["observation.images.front"][0, 1, 2, 3] = float("nan")
+    with pytest.raises(ValueError, match="observation.images.front contains NaN or inf"):
+        policy.predict_chunk(broken)
+    edges = obs()
+    edges["observation.images.front"] = torch.tensor([0.0, 1.0]).repeat(2, 3, 32, 16)  # both ends are valid
+    assert policy.predict_chunk(edges).actions.shape == (2, 4, 2)
+
+
 def test_padding_is_excluded_from_the_loss(monkeypatch):
     policy = make_policy()
     monkeypatch.setattr(policy, "denoise", lambda noisy, t, cond: torch.zeros_like(noisy))

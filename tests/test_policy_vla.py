@@ -41,44 +41,55 @@ def randomize(policy):
     return policy
 
 
-def denoise_copies(policy, obs, noisy, t):
-    """Run the DiT on noisy (B, K, H, A) copies at timesteps t (B, K) for obs's conditions."""
-    cond, mask = policy.encode_observation(obs)
-    return policy.dit(noisy, t, cond, mask)
-
-
-def test_perturbing_one_copy_changes_no_other_copy():
+def test_perturbing_one_condition_copy_cell_changes_no_other_cell():
+    """Each (condition, copy) cell is its own sample: a change to one reaches no other cell, neither
+    another copy of the same condition nor the same copy index of another condition."""
     policy = randomize(make_policy())
     obs = batch()
-    k, j = 5, 2
-    noisy = torch.randn(3, k, 6, 2)
-    t = torch.rand(3, k)
+    b, k = 3, 5
+    noisy = torch.randn(b, k, 6, 2)
+    t = torch.rand(b, k)
     with torch.no_grad():
-        base = denoise_copies(policy, obs, noisy, t)
-        perturbed_input = noisy.clone()
-        perturbed_input[:, j] += torch.randn(3, 6, 2)
-        perturbed = denoise_copies(policy, obs, perturbed_input, t)
-    others = [i for i in range(k) if i != j]
-    torch.testing.assert_close(perturbed[:, others], base[:, others], rtol=0, atol=1e-6)
-    assert (perturbed[:, j] - base[:, j]).abs().max() > 1e-3  # copy j itself did change
-    # The same holds for a perturbed timestep of copy j (its AdaLN context).
-    t2 = t.clone()
-    t2[:, j] = 1 - t2[:, j]
-    with torch.no_grad():
-        moved = denoise_copies(policy, obs, noisy, t2)
-    torch.testing.assert_close(moved[:, others], base[:, others], rtol=0, atol=1e-6)
-    assert (moved[:, j] - base[:, j]).abs().max() > 1e-3
+        cond, mask = policy.encode_observation(obs)
+        base = policy.dit(noisy, t, cond, mask)
+        for i, j in [(0, 0), (1, 2), (2, 4)]:
+            others = torch.ones(b, k, dtype=torch.bool)
+            others[i, j] = False
+            moved_noise = noisy.clone()
+            moved_noise[i, j] += torch.randn(6, 2)
+            moved_time = t.clone()
+            moved_time[i, j] = 1 - moved_time[i, j]  # the cell's own timestep: its AdaLN context
+            for perturbed in (policy.dit(moved_noise, t, cond, mask), policy.dit(noisy, moved_time, cond, mask)):
+                torch.testing.assert_close(perturbed[others], base[others], rtol=0, atol=1e-6)
+                assert (perturbed[i, j] - base[i, j]).abs().max() > 1e-3  # the cell itself did change
+        # A condition's tokens reach all K copies of that condition and no copy of any other one.
+        moved_cond = cond.clone()
+        moved_cond[1] += torch.randn(cond.shape[1:])
+        perturbed = policy.dit(noisy, t, moved_cond, mask)
+    torch.testing.assert_close(perturbed[[0, 2]], base[[0, 2]], rtol=0, atol=1e-6)
+    assert ((perturbed[1] - base[1]).abs().amax(dim=(1, 2)) > 1e-3).all()
 
 
-def test_k_copies_in_one_pass_equal_k_separate_passes():
+def test_a_b_by_k_pass_equals_b_times_k_single_sample_passes():
     policy = randomize(make_policy())
     obs = batch()
-    noisy = torch.randn(3, 4, 6, 2)
-    t = torch.rand(3, 4)
+    b, k = 3, 4
+    noisy = torch.randn(b, k, 6, 2)
+    t = torch.rand(b, k)
     with torch.no_grad():
-        together = denoise_copies(policy, obs, noisy, t)
-        separate = torch.cat([denoise_copies(policy, obs, noisy[:, i : i + 1], t[:, i : i + 1]) for i in range(4)], 1)
-    torch.testing.assert_close(together, separate, rtol=1e-5, atol=1e-5)
+        cond, mask = policy.encode_observation(obs)
+        together = policy.dit(noisy, t, cond, mask)
+        single = torch.stack([
+            torch.stack([
+                policy.dit(noisy[i : i + 1, j : j + 1], t[i : i + 1, j : j + 1], cond[i : i + 1], mask[i : i + 1])[0, 0]
+                for j in range(k)
+            ])
+            for i in range(b)
+        ])  # fmt: skip
+    assert single.shape == together.shape == (b, k, 6, 2)
+    torch.testing.assert_close(together, single, rtol=1e-5, atol=1e-5)
+    # The conditions differ (images, instruction length), so a mix-up between them would show here.
+    assert (together[0] - together[1]).abs().max() > 1e-2
 
 
 def test_the_encoder_runs_once_per_condition_not_per_copy():
@@ -92,17 +103,30 @@ def test_the_encoder_runs_once_per_condition_not_per_copy():
     assert policy.encoder.vision_proj.weight.grad.abs().sum() > 0  # gradients reach the shared encoder
 
 
-def test_condition_tokens_do_not_depend_on_actions():
+def test_condition_tokens_follow_the_documented_layout():
+    """[front patches | wrist patches | instruction | state]: each input moves only its own tokens,
+    of its own condition (the encoder acts per sample), and instruction padding is masked."""
     policy = make_policy()
     obs = batch()
+    # 32 px images in 8 px patches: 16 tokens per camera; 16 instruction slots; 1 state token.
+    blocks = {"observation.images.front": slice(0, 16), "observation.images.wrist": slice(16, 32),
+              "task": slice(32, 48), "observation.state": slice(48, 49)}  # fmt: skip
     with torch.no_grad():
         tokens, mask = policy.encode_observation(obs)
-        obs["action"] = torch.randn(3, 6, 2)
-        tokens_again, _ = policy.encode_observation(obs)
-    assert tokens.shape == (3, 2 * 16 + 16 + 1, 32) and mask.shape == tokens.shape[:2]
-    assert torch.equal(tokens, tokens_again)
-    # Instruction padding is masked: "pick up the red cube" has 5 words of the 16 slots.
-    assert mask[0, 32:48].sum().item() == 5 and mask[1, 32:48].sum().item() == 7
+        assert tokens.shape == (3, 49, 32) and mask.shape == (3, 49)
+        for key, block in blocks.items():
+            changed = {k: (list(v) if k == "task" else v.clone()) for k, v in obs.items()}
+            if key == "task":
+                changed[key][1] = INSTRUCTIONS[0]  # condition 1 had the other instruction
+            else:
+                changed[key][1] = torch.rand(changed[key][1].shape, generator=torch.Generator().manual_seed(9))
+            moved = (policy.encode_observation(changed)[0] - tokens).abs().amax(-1)  # (B, L)
+            expected = torch.zeros(3, 49, dtype=torch.bool)
+            expected[1, block] = True
+            assert torch.equal(moved > 1e-5, expected), key
+    # "pick up the red cube" has 5 words, "move the gripper to the green ball" 7, of the 16 slots.
+    assert mask[:, 32:48].sum(1).tolist() == [5, 7, 5]
+    assert mask[:, :32].all() and mask[:, 48].all()
 
 
 @pytest.mark.parametrize("objective", ["flow", "ddpm"])
@@ -154,6 +178,10 @@ def test_images_of_another_size_are_resized_and_bad_inputs_rejected():
     bad["observation.state"][1, 0] = float("nan")
     with pytest.raises(ValueError, match="NaN"):
         policy.predict_chunk(bad)
+    bright = batch()
+    bright["observation.images.wrist"] = bright["observation.images.wrist"] * 255  # pixel values, not [0, 1]
+    with pytest.raises(ValueError, match=r"observation.images.wrist must be in \[0, 1\].*divide 0-255"):
+        policy.predict_chunk(bright)
     missing = batch()
     del missing["observation.images.wrist"]
     with pytest.raises(ValueError, match="trained with cameras"):
@@ -207,7 +235,9 @@ def save_tiny_siglip(directory):
     SiglipModel(config).save_pretrained(directory)
     word_level = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     word_level.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=word_level, pad_token="<pad>", unk_token="<unk>").save_pretrained(directory)
+    PreTrainedTokenizerFast(tokenizer_object=word_level, pad_token="<pad>", unk_token="<unk>").save_pretrained(
+        directory
+    )
     return words
 
 

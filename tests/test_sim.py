@@ -79,15 +79,30 @@ def test_success_check_is_height_of_cube(env):
 def test_bad_actions_are_clipped_and_counted(env):
     env.reset(seed=0)
     before = env.ee_positions().copy()
-    actions = torch.tensor(env.ee_positions().tolist()).float()
-    actions = torch.cat([actions, torch.zeros(8, 1)], dim=1)
+    hold = np.concatenate([before, np.zeros((8, 1))], axis=1)
+    actions = torch.from_numpy(hold.copy())
     actions[1] = float("nan")
     actions[2, 0] = float("inf")
-    actions[3, 2] = -5.0  # below the table: clipped to the workspace
+    actions[3] = torch.tensor([5.0, before[3, 1], -5.0, 7.0])  # far in +x, below the table, grip beyond closed
+    actions[4, 3] = 0.5  # in range: applied as given
     obs, _, _, _, info = env.step(actions)
     assert info["invalid_actions"].tolist() == [False, True, True, False, False, False, False, False]
+    assert info["clipped_actions"].tolist() == [False, False, False, True, False, False, False, False]
     assert torch.isfinite(obs[OBS_STATE]).all()
     np.testing.assert_allclose(env.ee_positions()[1], before[1], atol=0.01)  # NaN holds position
+    moved = {i: (env.data[i].qpos.copy(), env.data[i].ctrl.copy()) for i in (3, 4)}
+    # Row 3 on the workspace's edge (x <= 0.80 m, z >= 0 m, grip <= 1), sent from the same start, does
+    # exactly what the out-of-range row did: the env applied the clipped action.
+    env.reset(seed=0)
+    edge = torch.from_numpy(hold.copy())
+    edge[3] = torch.tensor([0.80, before[3, 1], 0.0, 1.0])
+    edge[4, 3] = 0.5
+    _, _, _, _, info = env.step(edge)
+    assert not info["clipped_actions"].any() and not info["invalid_actions"].any()
+    np.testing.assert_array_equal(env.data[3].qpos, moved[3][0])
+    np.testing.assert_array_equal(env.data[3].ctrl, moved[3][1])
+    np.testing.assert_array_equal(env.data[3].ctrl[7:9], [0.0, 0.0])  # grip 1 (closed): fingers at 0 m
+    np.testing.assert_allclose(moved[4][1][7:9], [0.02, 0.02])  # grip 0.5: each finger half of its 0.04 m
     with pytest.raises(ValueError, match=r"actions must have shape \(8, 4\)"):
         env.step(torch.zeros(8, 7))
 

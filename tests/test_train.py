@@ -108,3 +108,25 @@ def test_existing_run_needs_resume(tiny_checkpoint, tiny_dataset):
     out, _ = tiny_checkpoint
     with pytest.raises(FileExistsError, match="--resume=true"):
         train(TrainConfig(dataset=DatasetConfig(root=str(tiny_dataset[0])), output_dir=str(out), log_with="none"))
+
+
+def test_resume_with_a_lower_lr_continues_the_schedule_from_the_new_peak(tiny_dataset, tmp_path):
+    """The non-finite-loss stop says "lower --lr and --resume=true": the lower LR must take effect."""
+    import math
+
+    from vla_rl.cli import main
+
+    run = tmp_path / "run"
+    args = _train_cmd(tiny_dataset[0], run, 20, 5)[3:] + ["--lr=1e-3", "--warmup_steps=4"]
+    assert main([a if a != "--steps=20" else "--steps=10" for a in args]) == 0
+    assert main(args + ["--resume=true", "--lr=1e-4"]) == 0
+
+    def cosine_with_warmup(step, peak, warmup=4, total=20):  # diffusers' "cosine", written out
+        if step < warmup:
+            return peak * step / warmup
+        return peak * 0.5 * (1 + math.cos(math.pi * (step - warmup) / (total - warmup)))
+
+    state = torch.load(run / "checkpoints" / "step-00000015" / "training_state.pt", weights_only=False)
+    assert state["step"] == 15
+    # The LR after 15 scheduler steps is the new peak's (3.1e-5), not the old one's (3.1e-4).
+    assert state["optimizer"]["param_groups"][0]["lr"] == pytest.approx(cosine_with_warmup(15, 1e-4), rel=1e-9)

@@ -85,6 +85,81 @@ def test_l2_training_on_a_libero_format_multitask_dataset(libero_format_dataset,
     assert policy.predict_chunk(obs).actions.shape == (2, 8, 7)
 
 
+def tiny_vla_config(dataset_root, output_dir, **kw):
+    """A TrainConfig for the tiny VLA of TINY_VLA, built in-process (for hooks into `train`)."""
+    from policies.diffusion import DiffusionVLAConfig
+    from vla_rl.train import DatasetConfig, TrainConfig
+
+    policy = DiffusionVLAConfig(dim=32, depth=1, heads=2, vision_width=32, vision_layers=1, text_width=32,
+                                horizon=8, n_action_steps=4, image_size=16)  # fmt: skip
+    return TrainConfig(dataset=DatasetConfig(root=str(dataset_root)), output_dir=str(output_dir), policy=policy,
+                       log_with="none", num_threads=1, warmup_steps=2, log_every=2, **kw)  # fmt: skip
+
+
+def test_l2_copies_run_the_encoder_on_batch_over_k_frames_per_step(libero_format_dataset, tmp_path, monkeypatch):
+    """In a real `train()` with l2_copies=4 and batch_size=8, every step encodes 2 frames and the DiT
+    denoises 2 x 4 = 8 samples, each copy with its own timestep."""
+    from policies.diffusion.condition_encoder import ConditionEncoder
+    from policies.diffusion.dit import DiT
+    from vla_rl.train import train
+
+    encoded, denoised = [], []
+    encode, denoise = ConditionEncoder.forward, DiT.forward
+
+    def encoder_hook(self, images, state, instructions):
+        encoded.append([state.shape[0], len(instructions), *(img.shape[0] for img in images)])
+        return encode(self, images, state, instructions)
+
+    def dit_hook(self, noisy, t, cond, cond_mask):
+        denoised.append((tuple(noisy.shape), t.detach().clone(), cond.shape[0]))
+        return denoise(self, noisy, t, cond, cond_mask)
+
+    monkeypatch.setattr(ConditionEncoder, "forward", encoder_hook)
+    monkeypatch.setattr(DiT, "forward", dit_hook)
+    summary = train(tiny_vla_config(libero_format_dataset, tmp_path / "run", steps=3, batch_size=8, l2_copies=4))
+    assert summary["steps"] == 3
+    # One encoder call per step, on 8 / 4 = 2 frames: state, instructions and both cameras.
+    assert encoded == [[2, 2, 2, 2]] * 3
+    assert [(shape, b) for shape, _, b in denoised] == [((2, 4, 8, 7), 2)] * 3  # (frames, copies, H, A)
+    for _, t, _ in denoised:
+        assert t.shape == (2, 4) and len(set(t.flatten().tolist())) == 8  # an own timestep per copy
+
+
+def test_a_non_finite_loss_stops_training_and_keeps_the_last_good_checkpoint(
+    libero_format_dataset, tmp_path, monkeypatch
+):
+    from policies.diffusion import DiffusionVLAPolicy
+    from vla_rl.checkpoint import resolve_checkpoint
+    from vla_rl.train import train
+
+    losses = DiffusionVLAPolicy.forward
+    calls = []
+
+    def nan_at_the_sixth_step(self, batch, generator=None, copies=1):
+        loss = losses(self, batch, generator, copies)
+        calls.append(len(calls))
+        return loss * float("nan") if len(calls) == 6 else loss  # the 6th step, after 5 completed steps
+
+    monkeypatch.setattr(DiffusionVLAPolicy, "forward", nan_at_the_sixth_step)
+    out = tmp_path / "run"
+    cfg = tiny_vla_config(libero_format_dataset, out, steps=10, batch_size=4, save_every=2)
+    with pytest.raises(FloatingPointError, match=r"loss became nan at step 5; lower --lr and --resume=true"):
+        train(cfg)
+    assert len(calls) == 6  # it stopped at once, not after more steps
+    # Checkpoints at steps 2 and 4 were written; nothing of the failed step, so `last` is step 4.
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["last", "step-00000002", "step-00000004"]
+    last = resolve_checkpoint(out)
+    assert last.name == "step-00000004"
+    state = torch.load(last / "training_state.pt", weights_only=False)
+    assert state["step"] == 4 and all(torch.isfinite(v).all() for v in state["model"].values())
+    # --resume=true, as the message says, continues from that checkpoint to the end.
+    resumed = []
+    monkeypatch.setattr(DiffusionVLAPolicy, "forward", lambda *a, **kw: resumed.append(1) or losses(*a, **kw))
+    cfg.resume = True
+    summary = train(cfg)
+    assert len(resumed) == 6 and summary["steps"] == 10 and np.isfinite(summary["final_loss"])  # steps 5 to 10
+
+
 def test_task_balanced_sampling_evens_out_a_skewed_dataset():
     task_index = torch.tensor([0] * 90 + [1] * 10)
     frames = torch.arange(100)

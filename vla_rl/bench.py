@@ -1,20 +1,34 @@
 """`vla-rl bench sim`: env-steps/s of each simulator backend, against two baselines run alongside.
 
 For every N in ``num_envs`` (plus ``gpu_num_envs`` when a backend runs on a GPU), in the same
-process and run, with the same task, model, N and ``substeps`` physics steps per control step:
+process and run, with the same task, model, N and ``substeps`` physics steps per control step.
+What each side computes per control step, per world:
 
-- ``raw_rollout``: `mujoco.rollout` alone stepping N worlds of the task model with constant
-  controls and the same number of threads, no Python work per world. The physics ceiling.
+- ``raw_rollout``: the physics alone, the ceiling. One `mujoco.rollout` call over the N worlds
+  (the same thread count as the cpu backend) runs ``substeps`` ``mj_step`` each, with constant
+  controls (each world's servo targets and mocap poses at reset, so the arms hold still), and the
+  states reached are copied in as the next call's initial states. As the cpu backend calls it:
+  one `Rollout` (thread pool) for the whole run, inputs and outputs allocated once, and
+  ``skip_checks=True``. No controller, no pass after the physics, no observation.
 - ``gym_async``: gymnasium's `AsyncVectorEnv` over N :class:`GymTaskEnv` (one world each, one
-  worker process each): the same MJCF, the same IK controller (`sim.ik`), the same substeps.
+  worker process each). Each worker does what the cpu backend does for one world: clip the
+  action, ``mj_jacSite`` and one `sim.ik` step to servo targets, ``substeps`` ``mj_step``
+  (warm start zeroed, as `mujoco.rollout` starts), the same position pass after the physics
+  (`sim.mujoco_env.forward_positions`: ``mj_kinematics``, ``mj_comPos``, ``mj_camlight``,
+  ``mj_collision``; ``mj_forward`` on scenes with tendons, flexes or sensors), the task's success
+  check and the (11,) state vector (and the camera frame). On top: the vector env's pipes and
+  shared memory.
 - each backend (``cpu``: `MujocoBatchedEnv`; ``warp``: MuJoCo Warp) through ``env.step``,
-  physics only (``EnvConfig.cameras=[]``) and, when ``include_render``, with the camera.
+  physics only (``EnvConfig.cameras=[]``) and, when ``include_render``, with the camera. The cpu
+  backend does the work above with the IK batched over the worlds and the physics in one
+  `mujoco.rollout` call (a few pipelined blocks at large N), plus reading each world's state
+  out (``mj_getState``) and writing the result back (``mj_setState``).
 
 Every method holds its worlds still with constant actions (each arm's current end-effector
 pose), times ``steps`` control steps after ``warmup_steps`` and reports env-steps/s = N x
 control steps / seconds, the fastest of ``repeats`` runs. Episodes never end during a
-measurement. Results go to JSON; the
-last line printed is ``sim_overhead_vs_rollout=<x> speedup_vs_gym_async=<y>`` where
+measurement. Results go to JSON; the last line printed is
+``sim_overhead_vs_rollout=<x> speedup_vs_gym_async=<y>`` where
 
 - sim_overhead_vs_rollout = raw_rollout / first backend, physics only, at the largest N
   measured on CPU (1.0 = no overhead over the bare physics);
@@ -41,12 +55,11 @@ from mujoco import rollout
 from tqdm import tqdm
 
 from sim.ik import ik_targets, orientation_error
+from sim.mujoco_env import forward_positions
 from sim.render import Renderers
 from sim.tasks import get_task
 
 SPEEDUP_NUM_ENVS = 16  # N at which speedup_vs_gym_async is read
-# Most float64s one raw-rollout call writes out (nbatch x nstep x nstate); longer runs are split.
-MAX_ROLLOUT_OUTPUT = 8_000_000
 
 
 @dataclass
@@ -80,8 +93,9 @@ class GymTaskEnv(gymnasium.Env):
 
     The same scene, action, controller and physics as one world of `MujocoBatchedEnv`: a 4-D
     end-effector target [x, y, z, grip] clipped to the workspace, one `sim.ik` step to servo
-    targets, ``substeps`` calls of ``mj_step``, then ``mj_forward`` so the next control step reads
-    the kinematics of the state reached. Observation: the (11,) state vector (7 joints, gripper
+    targets, ``substeps`` calls of ``mj_step``, then the batched env's position pass
+    (`sim.mujoco_env.forward_positions`, or ``mj_forward`` where it does so) so the next control
+    step reads the kinematics of the state reached. Observation: the (11,) state vector (7 joints, gripper
     width, end-effector xyz), or with ``camera`` a dict of it and the (S, S, 3) uint8 image.
     """
 
@@ -111,6 +125,9 @@ class GymTaskEnv(gymnasium.Env):
         mujoco.mj_resetDataKeyframe(self.model, self.data, home.id)
         mujoco.mj_forward(self.model, self.data)
         self._target_rot = self.data.site_xmat[self._site].reshape(3, 3).copy()
+        m = self.model  # the choice MujocoBatchedEnv makes: the kinematic pass misses tendons, flexes, sensors
+        simple = m.ntendon == 0 and m.nflex == 0 and m.nsensor == 0
+        self._forward_positions = forward_positions if simple else mujoco.mj_forward
         self._jacp = np.zeros((3, self.model.nv))
         self._jacr = np.zeros((3, self.model.nv))
         self._t = 0
@@ -146,7 +163,7 @@ class GymTaskEnv(gymnasium.Env):
         # doing the same here keeps this env's trajectories identical to the batched env's.
         d.qacc_warmstart[:] = 0.0
         mujoco.mj_step(m, d, nstep=self.substeps)
-        mujoco.mj_forward(m, d)
+        self._forward_positions(m, d)
         self._t += 1
         success = self.task.is_success(m, d)
         terminated = success or not np.isfinite(d.qpos).all()
@@ -203,7 +220,9 @@ def raw_rollout_rate(cfg: BenchSimConfig, n: int) -> tuple[float, float]:
     """(env-steps/s, seconds of the fastest run) of bare `mujoco.rollout` on N worlds, constant controls.
 
     The controls are each world's servo targets and mocap poses at reset (the arm holds still).
-    The run is one rollout call per chunk of control steps, each continuing from the last state.
+    Each control step is one rollout call of ``substeps`` steps from the states the last one
+    reached, made as `MujocoBatchedEnv` makes it: one `Rollout` for the run, buffers allocated
+    once, ``skip_checks=True``.
     """
     task = get_task(cfg.task)
     model = mujoco.MjModel.from_xml_path(task.xml_path())
@@ -211,36 +230,29 @@ def raw_rollout_rate(cfg: BenchSimConfig, n: int) -> tuple[float, float]:
     state_spec = mujoco.mjtState.mjSTATE_FULLPHYSICS
     control_spec = mujoco.mjtState.mjSTATE_CTRL | mujoco.mjtState.mjSTATE_MOCAP_POS | mujoco.mjtState.mjSTATE_MOCAP_QUAT
     nstate = mujoco.mj_stateSize(model, state_spec)
-    state = np.empty((n, nstate))
-    control = np.empty((n, 1, mujoco.mj_stateSize(model, control_spec)))
+    init = np.empty((n, nstate))
+    control = np.empty((n, cfg.substeps, mujoco.mj_stateSize(model, control_spec)))
+    reached = np.empty((n, cfg.substeps, nstate))  # skip_checks: every shape in full, nothing tiled
     for i, d in enumerate(datas):
-        mujoco.mj_getState(model, d, state[i], state_spec)
+        mujoco.mj_getState(model, d, init[i], state_spec)
         mujoco.mj_getState(model, d, control[i, 0], control_spec)
+    control[:, 1:] = control[:, :1]
+    models = [model] * n
     nthread = min(cfg.num_threads or os.cpu_count() or 1, n)
     thread_data = [mujoco.MjData(model) for _ in range(nthread)]
-    chunk = max(1, min(cfg.steps, MAX_ROLLOUT_OUTPUT // (n * cfg.substeps * nstate)))
 
     with rollout.Rollout(nthread=nthread) as runner:
 
-        def run(control_steps: int) -> None:
-            nonlocal state
-            out, _ = runner.rollout(
-                model, thread_data, state, control, control_spec=control_spec, nstep=cfg.substeps * control_steps
-            )
-            state = out[:, -1]
+        def step() -> None:
+            runner.rollout(
+                models, thread_data, init, control, control_spec=control_spec, nstep=cfg.substeps,
+                state=reached, skip_checks=True,
+            )  # fmt: skip
+            init[:] = reached[:, -1]
 
-        if cfg.warmup_steps:
-            run(cfg.warmup_steps)
-        calls = [chunk] * (cfg.steps // chunk) + ([cfg.steps % chunk] if cfg.steps % chunk else [])
-        best = float("inf")
-        with tqdm(total=cfg.steps * cfg.repeats, desc=f"raw_rollout N={n}", unit="step", leave=False) as bar:
-            for _ in range(cfg.repeats):
-                start = time.perf_counter()
-                for k in calls:
-                    run(k)
-                    bar.update(k)
-                best = min(best, time.perf_counter() - start)
-    return n * cfg.steps / best, best
+        for _ in range(cfg.warmup_steps):
+            step()
+        return _timed(f"raw_rollout N={n}", cfg, n, step)
 
 
 def gym_async_rate(cfg: BenchSimConfig, n: int, render: bool) -> tuple[float, float]:

@@ -223,6 +223,12 @@ def train(cfg: TrainConfig) -> dict:
             ema.load_state_dict(state["ema"])
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
+        # The schedule continues with this run's --lr as its peak: lowering --lr on resume is the fix
+        # the non-finite-loss stop names, and the loaded states would otherwise keep the old one.
+        scheduler.base_lrs = [cfg.lr] * len(optimizer.param_groups)
+        for group, lr_at in zip(optimizer.param_groups, scheduler.lr_lambdas, strict=True):
+            group["initial_lr"], group["lr"] = cfg.lr, cfg.lr * lr_at(scheduler.last_epoch)
+        scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
         generator.set_state(state["generator"])
         step, history, window = state["step"], state["history"], state.get("loss_window", [])
         val_history, train_seconds = state.get("val_history", []), state.get("train_seconds", 0.0)
