@@ -11,6 +11,7 @@ privileged state its scripted expert reads.
 
 from __future__ import annotations
 
+import itertools
 import os
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
@@ -22,8 +23,8 @@ import torch
 from mujoco import rollout
 
 from sim.config import EnvConfig
-from sim.render import Renderers
 from sim.ik import ik_targets, orientation_error
+from sim.render import Renderers
 from vla_rl.types import OBS_STATE, TASK, image_key
 
 ACTION_NAMES = ["ee_x", "ee_y", "ee_z", "grip"]
@@ -82,7 +83,7 @@ class MujocoBatchedEnv:
         # Blocks of worlds pipelined through the rollout (see `_advance`); one block when N is small.
         nblocks = max(1, min(self.PIPELINE_BLOCKS, self.num_envs // self.MIN_BLOCK_WORLDS))
         bounds = np.linspace(0, self.num_envs, nblocks + 1).round().astype(int)
-        self._blocks = [slice(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
+        self._blocks = [slice(int(a), int(b)) for a, b in itertools.pairwise(bounds)]
         self._stepper = ThreadPoolExecutor(1, thread_name_prefix="rollout") if nblocks > 1 else None
         # Scenes with tendons, flexes or sensors have position-dependent quantities the kinematic
         # pass leaves out; they get the full mj_forward after every step.

@@ -25,9 +25,9 @@ import torch
 
 from sim.batched_success import SUCCESS_RULES, WorldTensors
 from sim.config import EnvConfig
-from sim.render import Renderers
 from sim.ik import ik_targets_torch, orientation_error_torch
 from sim.mujoco_env import STATE_NAMES, MujocoBatchedEnv
+from sim.render import Renderers
 from vla_rl.types import OBS_STATE, TASK, image_key
 
 try:
@@ -123,7 +123,7 @@ class WarpBatchedEnv:
             geom_bodyid=torch.as_tensor(self.model.geom_bodyid, dtype=torch.long, device=self.device),
         )
 
-        f64 = dict(dtype=torch.float64, device=self.device)
+        f64 = {"dtype": torch.float64, "device": self.device}
         self._low, self._high = torch.tensor(self.ACTION_LOW, **f64), torch.tensor(self.ACTION_HIGH, **f64)
         self._arm_range = torch.tensor(self.model.jnt_range[:7], **f64)  # (7, 2)
         home = self.model.key("home")

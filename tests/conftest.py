@@ -5,8 +5,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("MUJOCO_GL", "egl")
 os.environ.setdefault("PYOPENGL_PLATFORM", os.environ["MUJOCO_GL"])
 
-import pytest  # noqa: E402
-from extras import extras_required  # noqa: E402
+import pytest
+from extras import extras_required
 
 
 @pytest.hookimpl(hookwrapper=True)

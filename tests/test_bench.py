@@ -9,6 +9,7 @@ import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
+from typing import ClassVar
 
 import mujoco
 import numpy as np
@@ -83,7 +84,7 @@ def _record_mujoco_calls(monkeypatch) -> list[tuple[str, dict]]:
 class _RolloutSpy(rollout.Rollout):
     """`mujoco.rollout.Rollout` that logs how each rollout call is made."""
 
-    made: list["_RolloutSpy"] = []
+    made: ClassVar[list["_RolloutSpy"]] = []
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
@@ -253,7 +254,7 @@ def test_batched_ik_equals_the_per_world_formula():
 def _vla_rl(*args):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "vla_rl.cli", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, check=False)
 
 
 def test_bench_sim_tiny_run_writes_json_and_final_line(tmp_path):

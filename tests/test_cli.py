@@ -5,13 +5,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def vla_rl(*args, cwd=None):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "vla_rl.cli", *args], capture_output=True, text=True, env=env, cwd=cwd)
+    return subprocess.run(
+        [sys.executable, "-m", "vla_rl.cli", *args], capture_output=True, text=True, env=env, cwd=cwd, check=False
+    )
 
 
 def test_overview_lists_commands():

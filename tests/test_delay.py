@@ -24,7 +24,10 @@ class CountingEnv:
         self.t = np.zeros(num_envs, dtype=np.int64)
 
     def _obs(self):
-        return {"observation.state": torch.from_numpy(self.t[:, None].astype(np.float32)), "task": ["count"] * self.num_envs}
+        return {
+            "observation.state": torch.from_numpy(self.t[:, None].astype(np.float32)),
+            "task": ["count"] * self.num_envs,
+        }
 
     def reset(self, seed=None):
         self.t[:] = 0
@@ -46,14 +49,16 @@ class CountingEnv:
 def run(d, s, horizon, steps, merge="latest", coeff=0.0, length=1000):
     """Drive the wrapper with chunk k = [10k + j]; return the applied actions and the observations seen."""
     env = CountingEnv(length=length)
-    wrapper = DelayedChunkEnv(env, horizon, s, DelayModel(DelayConfig(kind="fixed", steps=d)), merge=merge, ensemble_coeff=coeff)
+    wrapper = DelayedChunkEnv(
+        env, horizon, s, DelayModel(DelayConfig(kind="fixed", steps=d)), merge=merge, ensemble_coeff=coeff
+    )
     obs, need = wrapper.reset(seed=0)
     k, seen = 0, []
     while len(env.applied[0]) < steps:
         assert need.tolist() == [True]
         seen.append((wrapper.obs_step.item(), obs))
         actions = (10 * k + torch.arange(horizon, dtype=torch.float32)).reshape(1, horizon, 1)
-        obs, _, _, trunc, info, need = wrapper.step(ActionChunk(actions, wrapper.obs_step))
+        obs, _, _, _trunc, info, need = wrapper.step(ActionChunk(actions, wrapper.obs_step))
         assert info["delay_steps"].tolist() == [d]
         k += 1
     return env.applied[0][:steps], seen
@@ -105,11 +110,11 @@ def test_temporal_ensembling_under_delay():
 def test_episode_end_drops_the_in_flight_chunk():
     env = CountingEnv(length=5)
     wrapper = DelayedChunkEnv(env, 4, 2, DelayModel(DelayConfig(kind="fixed", steps=2)))
-    obs, need = wrapper.reset()
+    wrapper.reset()
     k, truncs = 0, []
     while len(env.applied[0]) < 7:
         actions = (10 * k + torch.arange(4, dtype=torch.float32)).reshape(1, 4, 1)
-        obs, _, _, trunc, _, need = wrapper.step(ActionChunk(actions, wrapper.obs_step))
+        _obs, _, _, trunc, _, _need = wrapper.step(ActionChunk(actions, wrapper.obs_step))
         truncs.append((len(env.applied[0]), bool(trunc[0]), wrapper.obs_step.item()))
         k += 1
     # Steps 0-4: hold, hold, chunk0[2], chunk0[3], chunk1[2] (chunk1 asked at t=2, arrived t=4).
@@ -122,12 +127,15 @@ def test_each_world_keeps_its_own_schedule():
     env = CountingEnv(num_envs=3)
     cfg = DelayConfig(kind="uniform", low=0, high=3, seed=1)
     wrapper = DelayedChunkEnv(env, 8, 2, DelayModel(cfg))
-    obs, need = wrapper.reset()
+    obs, _ = wrapper.reset()
     seen_delays = []
     for _ in range(30):
         assert obs[OBS_COMMITTED_ACTIONS].shape == (3, 3, 1)
-        chunk = ActionChunk(torch.arange(8, dtype=torch.float32).repeat(3, 1)[..., None] + wrapper.obs_step[:, None, None], wrapper.obs_step)
-        obs, _, _, _, info, need = wrapper.step(chunk)
+        chunk = ActionChunk(
+            torch.arange(8, dtype=torch.float32).repeat(3, 1)[..., None] + wrapper.obs_step[:, None, None],
+            wrapper.obs_step,
+        )
+        obs, _, _, _, info, _ = wrapper.step(chunk)
         seen_delays += [d for d in info["delay_steps"].tolist() if d >= 0]
     assert set(seen_delays) == {0, 1, 2, 3}
     for i in range(3):
@@ -164,7 +172,7 @@ def test_mujoco_arm_holds_still_until_the_delayed_chunk_arrives():
 
     with MujocoBatchedEnv(EnvConfig(num_envs=2)) as env:
         wrapper = DelayedChunkEnv(env, horizon=8, execute_steps=8, delay=DelayModel(DelayConfig(kind="fixed", steps=3)))
-        obs, need = wrapper.reset(seed=0)
+        _, need = wrapper.reset(seed=0)
         start = env.ee_positions().copy()
         target = start + np.array([0.0, 0.0, 0.08])
         actions = torch.from_numpy(np.concatenate([target, np.zeros((2, 1))], axis=1)).float()
@@ -177,7 +185,7 @@ def test_mujoco_arm_holds_still_until_the_delayed_chunk_arrives():
             return real_step(a)
 
         env.step = counting_step
-        obs, _, _, _, info, need = wrapper.step(chunk)
+        _obs, _, _, _, info, need = wrapper.step(chunk)
         assert info["steps"].tolist() == [8, 8] and need.tolist() == [True, True]
         # Steps 0-2 hold (the chunk arrives at step 3): the gripper stays within 3 mm of where it was.
         for ee in env_steps[1:4]:
@@ -190,12 +198,12 @@ def test_per_world_schedules_across_episode_ends():
     """Random delays and episodes of 7 steps: every non-hold action still equals its own step index."""
     env = CountingEnv(num_envs=3, length=7)
     wrapper = DelayedChunkEnv(env, 6, 2, DelayModel(DelayConfig(kind="uniform", low=0, high=4, seed=3)))
-    obs, need = wrapper.reset()
+    wrapper.reset()
     truncations = 0
     for _ in range(60):
         steps = wrapper.obs_step
         chunk = ActionChunk(torch.arange(6, dtype=torch.float32).repeat(3, 1)[..., None] + steps[:, None, None], steps)
-        obs, _, _, trunc, info, need = wrapper.step(chunk)
+        _obs, _, _, trunc, _info, _need = wrapper.step(chunk)
         truncations += int(trunc.sum())
     assert truncations >= 6
     for i in range(3):

@@ -47,7 +47,11 @@ def test_eval_ensemble_mode_replans_every_step(tiny_checkpoint, tmp_path, monkey
 
     calls = []
     real = DiffusionPolicy.predict_chunk
-    monkeypatch.setattr(DiffusionPolicy, "predict_chunk", lambda self, obs, step=None: calls.append(step.tolist()) or real(self, obs, step))
+    monkeypatch.setattr(
+        DiffusionPolicy,
+        "predict_chunk",
+        lambda self, obs, step=None: calls.append(step.tolist()) or real(self, obs, step),
+    )
     out, _ = tiny_checkpoint
     result = evaluate(EvalConfig(
         checkpoint=str(out), env=EnvConfig(num_envs=2, max_episode_steps=5), num_episodes=2, merge="ensemble",
@@ -73,7 +77,11 @@ def test_eval_under_inference_delay(tiny_checkpoint, tmp_path, monkeypatch):
 
     calls = []
     real = DiffusionPolicy.predict_chunk
-    monkeypatch.setattr(DiffusionPolicy, "predict_chunk", lambda self, obs, step=None: calls.append(step.tolist()) or real(self, obs, step))
+    monkeypatch.setattr(
+        DiffusionPolicy,
+        "predict_chunk",
+        lambda self, obs, step=None: calls.append(step.tolist()) or real(self, obs, step),
+    )
     out, _ = tiny_checkpoint
     for d, expected in [(0, [0, 2, 4, 6, 8]), (3, [0, 3, 6, 9])]:
         calls.clear()

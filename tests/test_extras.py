@@ -48,7 +48,9 @@ def test_skips_fail_where_every_extra_is_required(project, monkeypatch):
 def test_ci_true_requires_them_too(project, monkeypatch):
     monkeypatch.delenv("VLA_RL_REQUIRE_EXTRAS", raising=False)
     monkeypatch.setenv("CI", "true")
-    project.runpytest_inprocess("-p", "no:cacheprovider", "--continue-on-collection-errors").assert_outcomes(failed=2, errors=1)
+    project.runpytest_inprocess("-p", "no:cacheprovider", "--continue-on-collection-errors").assert_outcomes(
+        failed=2, errors=1
+    )
 
 
 def test_a_partial_install_still_skips_with_the_extra_named(project, monkeypatch):

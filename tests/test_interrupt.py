@@ -126,7 +126,7 @@ def test_a_background_run_stops_cleanly_whatever_it_inherited(sig, inherited, ti
     # The child's disposition is set explicitly, so this test does not depend on how pytest was started.
     proc = subprocess.Popen(
         cmd, env={**os.environ, "PYTHONPATH": str(ROOT)}, stderr=subprocess.PIPE, text=True,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, inherited),
+        preexec_fn=lambda: signal.signal(signal.SIGINT, inherited),  # noqa: PLW1509 (no threads in this child yet)
     )  # fmt: skip
     first = out / "checkpoints" / f"step-{SAVE_EVERY:08d}"
     try:
@@ -173,20 +173,18 @@ def test_interrupted_eval_writes_no_results(sig, tiny_checkpoint, tmp_path, monk
 
 def test_deferred_block_notes_a_signal_until_the_step_boundary():
     reached = []
-    with pytest.raises(interrupt.Interrupted) as stopped:
-        with interrupt.deferred():
-            os.kill(os.getpid(), signal.SIGTERM)
-            reached.append("rest of the step")  # the signal did not cut the step short
-            interrupt.raise_if_stopped()
-            reached.append("next step")
+    with pytest.raises(interrupt.Interrupted) as stopped, interrupt.deferred():
+        os.kill(os.getpid(), signal.SIGTERM)
+        reached.append("rest of the step")  # the signal did not cut the step short
+        interrupt.raise_if_stopped()
+        reached.append("next step")
     assert reached == ["rest of the step"]
     assert stopped.value.exit_code == 143
     # Outside a deferred block the signal stops at once, as Ctrl-C normally does.
-    with pytest.raises(interrupt.Interrupted):
-        with interrupt.handlers():
-            os.kill(os.getpid(), signal.SIGINT)
-            for _ in range(1000):
-                pass
-            reached.append("after an immediate stop")
+    with pytest.raises(interrupt.Interrupted), interrupt.handlers():
+        os.kill(os.getpid(), signal.SIGINT)
+        for _ in range(1000):
+            pass
+        reached.append("after an immediate stop")
     assert reached == ["rest of the step"]
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

@@ -256,7 +256,7 @@ def test_pretrained_encoder_loads_weights_sizes_and_tokenizer_from_a_local_direc
     assert encoder.image_size == 48 and encoder.vision.config.hidden_size == 48
     # Instructions go through the saved tokenizer, padded to max_text_tokens.
     ids, attention = encoder.tokenize(["pick up the red cube"], "cpu")
-    assert ids[0, :5].tolist() == [words.index(w) for w in "pick up the red cube".split()]
+    assert ids[0, :5].tolist() == [words.index(w) for w in ["pick", "up", "the", "red", "cube"]]
     assert ids.shape == (1, 8) and attention[0].tolist() == [1] * 5 + [0] * 3
     # The 32 px camera images are resized to the tower's 48 px; sampling gives a finite chunk.
     obs = batch()

@@ -82,7 +82,9 @@ def test_in_memory_demos_match_lerobot_frames(tiny_dataset):
     demos = ChunkedDemos(ds)
     for i in (0, 17, len(ds) - 1):
         frame = ds[i]
-        torch.testing.assert_close(demos.images["front"][i].float() / 255, frame["observation.images.front"], atol=1e-6, rtol=0)
+        torch.testing.assert_close(
+            demos.images["front"][i].float() / 255, frame["observation.images.front"], atol=1e-6, rtol=0
+        )
         torch.testing.assert_close(demos.state[i], frame["observation.state"])
         torch.testing.assert_close(demos.action[i], frame["action"])
     # A chunk starting 3 frames before an episode's end: 3 real actions, then the last one repeated as padding.

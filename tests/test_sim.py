@@ -113,7 +113,7 @@ def test_truncation_and_autoreset():
         hold = torch.from_numpy(np.concatenate([env.ee_positions(), np.zeros((2, 1))], axis=1))
         cubes = env.privileged_state()["cube"]
         for t in range(3):
-            obs, _, term, trunc, info = env.step(hold)
+            _obs, _, term, trunc, info = env.step(hold)
         assert trunc.tolist() == [True, True] and term.tolist() == [False, False]
         assert env.episode_step.tolist() == [0, 0]
         assert not np.allclose(env.privileged_state()["cube"], cubes)  # new episodes were drawn
@@ -130,7 +130,7 @@ def test_non_finite_world_is_reset_and_flagged(env):
     env.data[2].qvel[:] = float("nan")  # a world whose state blew up
     others_before = env.ee_positions()[[0, 1, 3]].copy()
     hold = torch.from_numpy(np.concatenate([env.ee_positions(), np.zeros((8, 1))], axis=1))
-    obs, _, terminated, truncated, info = env.step(hold)
+    obs, _, terminated, _truncated, info = env.step(hold)
     assert info["diverged"].tolist() == [False, False, True] + [False] * 5
     assert terminated[2] and not terminated[[0, 1, 3]].any()
     assert env.episode_step.tolist() == [1, 1, 0, 1, 1, 1, 1, 1]  # only world 2 was reset

@@ -39,7 +39,7 @@ WIDTH_TOL = 2e-3  # m, gripper width
 def test_same_trajectory_as_cpu_backend():
     """The same actions (the lift expert's, computed from the cpu backend) drive both backends."""
     n, seed, free_steps = 3, 11, 20
-    config = dict(task="lift", num_envs=n, cameras=[], max_episode_steps=1000)
+    config = {"task": "lift", "num_envs": n, "cameras": [], "max_episode_steps": 1000}
     with make_env(EnvConfig(backend="cpu", **config)) as cpu, make_env(EnvConfig(backend="warp", **config)) as warp:
         obs_cpu, obs_warp = cpu.reset(seed=seed), warp.reset(seed=seed)
         # the same initial states: drawn by the same task sampler from the same per-world streams
@@ -48,7 +48,7 @@ def test_same_trajectory_as_cpu_backend():
         for _ in range(40):
             actions = torch.from_numpy(expert.act(cpu.ee_positions(), cpu.privileged_state()))
             obs_cpu, _, term_cpu, trunc_cpu, info_cpu = cpu.step(actions)
-            obs_warp, _, term_warp, trunc_warp, info_warp = warp.step(actions)
+            obs_warp, _, term_warp, _trunc_warp, info_warp = warp.step(actions)
             assert torch.equal(info_warp["success"], info_cpu["success"]) and torch.equal(term_warp, term_cpu)
             successes += int(info_cpu["success"].sum())
             expert.reset((term_cpu | trunc_cpu).numpy())

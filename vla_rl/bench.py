@@ -99,7 +99,7 @@ class GymTaskEnv(gymnasium.Env):
     width, end-effector xyz), or with ``camera`` a dict of it and the (S, S, 3) uint8 image.
     """
 
-    metadata = {"render_modes": []}
+    metadata = {"render_modes": []}  # noqa: RUF012 (gymnasium reads this class attribute)
     ACTION_LOW = np.array([0.25, -0.35, 0.0, 0.0])  # the same workspace as MujocoBatchedEnv
     ACTION_HIGH = np.array([0.80, 0.35, 0.40, 1.0])
 

@@ -33,7 +33,12 @@ import vla_rl
 def git_revision() -> str | None:
     try:
         out = subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, cwd=Path(__file__).parent
+            ["git", "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+            cwd=Path(__file__).parent,
+            check=False,
         )
         return out.stdout.strip() or None
     except (OSError, subprocess.SubprocessError):

@@ -11,8 +11,9 @@ from __future__ import annotations
 import os
 import signal
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 # Headless rendering works out of the box with EGL (Mesa on CPU, the driver on a GPU machine).
 os.environ.setdefault("MUJOCO_GL", "egl")
@@ -125,7 +126,9 @@ def _run_train(cfg):
     from vla_rl.train import train
 
     summary = train(cfg)
-    print(f"trained {summary['steps']} steps, final loss {summary['final_loss']:.4f}; checkpoint {summary['checkpoint']}")
+    print(
+        f"trained {summary['steps']} steps, final loss {summary['final_loss']:.4f}; checkpoint {summary['checkpoint']}"
+    )
 
 
 def _run_eval(cfg):
@@ -167,7 +170,9 @@ def _run_record_ros(cfg):
 
     summary = record_ros(cfg)
     print(json.dumps({k: v for k, v in summary.items() if k != "config"}, indent=2))
-    print(f"recorded {summary['messages']} messages on {len(summary['topics'])} topics in {summary['seconds']} s: {summary['output']}")
+    print(
+        f"recorded {summary['messages']} messages on {len(summary['topics'])} topics in {summary['seconds']} s: {summary['output']}"
+    )
 
 
 def _run_convert(cfg):
@@ -185,19 +190,30 @@ COMMANDS: dict[str, Command] = {
     "train": Command("train a diffusion policy by imitation on a LeRobotDataset", _train, _run_train),
     "eval": Command("closed-loop success rate, video and JSON of a checkpoint", _eval, _run_eval),
     "quickstart": Command("record -> train -> eval on the default lift task", _quickstart, _run_quickstart),
-    "sim-robot": Command("a MuJoCo-simulated arm as a ROS 2 node (joint states, images, commands)", _sim_robot, _run_sim_robot),
+    "sim-robot": Command(
+        "a MuJoCo-simulated arm as a ROS 2 node (joint states, images, commands)", _sim_robot, _run_sim_robot
+    ),
     "record-ros": Command("record ROS 2 topics into an MCAP file", _record_ros, _run_record_ros),
     "convert": Command("convert an MCAP recording of the robot into a LeRobotDataset (v3)", _convert, _run_convert),
-    "serve": Command("run a checkpoint as a ROS 2 node: sensors in, safe commands out at the control rate",
-                     _serve, _run_serve),
+    "serve": Command(
+        "run a checkpoint as a ROS 2 node: sensors in, safe commands out at the control rate", _serve, _run_serve
+    ),
     "bench": Command(
         "performance benchmarks; `bench sim`: env-steps/s vs mujoco.rollout and gymnasium",
         None,
         None,
-        {"sim": Command("env-steps/s of each sim backend vs raw mujoco.rollout and gymnasium AsyncVectorEnv",
-                        _bench_sim, _run_bench_sim),
-         "bridge": Command("ROS 2 bridge: deadline misses, jitter and added latency vs raw rclpy ping-pong",
-                           _bench_bridge, _run_bench_bridge)},
+        {
+            "sim": Command(
+                "env-steps/s of each sim backend vs raw mujoco.rollout and gymnasium AsyncVectorEnv",
+                _bench_sim,
+                _run_bench_sim,
+            ),
+            "bridge": Command(
+                "ROS 2 bridge: deadline misses, jitter and added latency vs raw rclpy ping-pong",
+                _bench_bridge,
+                _run_bench_bridge,
+            ),
+        },
     ),
 }
 
@@ -306,9 +322,9 @@ def _with_defaults(config_cls: type, config_path: str | None, args: list[str]) -
             node = base
             for part in path[:-1]:
                 node = node.get(part, {}) if isinstance(node, dict) else {}
-            if isinstance(node, dict) and isinstance(node.get(path[-1]), dict):
-                if node[path[-1]].get("type") != value:
-                    node[path[-1]] = {"type": value}
+            subtree = node.get(path[-1]) if isinstance(node, dict) else None
+            if isinstance(subtree, dict) and subtree.get("type") != value:
+                node[path[-1]] = {"type": value}
     return base
 
 
@@ -317,7 +333,11 @@ def _layer(base: dict, top: dict) -> dict:
     out = dict(base)
     for key, value in top.items():
         below = out.get(key)
-        if isinstance(value, dict) and isinstance(below, dict) and value.get("type", below.get("type")) == below.get("type"):
+        if (
+            isinstance(value, dict)
+            and isinstance(below, dict)
+            and value.get("type", below.get("type")) == below.get("type")
+        ):
             out[key] = _layer(below, value)
         else:
             out[key] = value

@@ -33,7 +33,9 @@ class EvalConfig:
     """Evaluate a policy checkpoint in closed loop in the batched simulator."""
 
     checkpoint: str = "outputs/quickstart/train"  # checkpoint dir, or a training output dir (uses its last)
-    env: EnvConfig = field(default_factory=lambda: EnvConfig(num_envs=50))  # simulated task; num_envs worlds per round (default here: 50)
+    env: EnvConfig = field(
+        default_factory=lambda: EnvConfig(num_envs=50)
+    )  # simulated task; num_envs worlds per round (default here: 50)
     num_episodes: int = 50  # episodes in total
     seed: int = 1000  # seed of the evaluation initial states (kept apart from the recording seed)
     n_action_steps: int = 0  # steps executed per chunk before replanning; 0 = the policy's own setting
@@ -94,7 +96,9 @@ def evaluate(cfg: EvalConfig) -> dict:
                 finished = np.arange(n) >= want  # worlds beyond the episode quota run but are not counted
                 length = np.zeros(n, dtype=np.int64)
                 while not finished.all():
-                    obs, _, terminated, truncated, info, need = delayed.step(_predict(policy, obs, need, delayed.obs_step))
+                    obs, _, terminated, truncated, info, need = delayed.step(
+                        _predict(policy, obs, need, delayed.obs_step)
+                    )
                     length += np.where(finished, 0, info["steps"].numpy())
                     done = (terminated | truncated).numpy() & ~finished
                     for i in np.flatnonzero(done):
@@ -136,7 +140,11 @@ def evaluate(cfg: EvalConfig) -> dict:
 def _predict(policy, obs: dict, need: torch.Tensor, obs_step: torch.Tensor) -> ActionChunk:
     """Run the policy on the requesting worlds only; other rows of the (N, H, A) chunk stay zero."""
     rows = torch.nonzero(need).flatten()
-    sub = {k: [v[i] for i in rows.tolist()] if k == TASK else v[rows] for k, v in obs.items() if k == TASK or torch.is_tensor(v)}
+    sub = {
+        k: [v[i] for i in rows.tolist()] if k == TASK else v[rows]
+        for k, v in obs.items()
+        if k == TASK or torch.is_tensor(v)
+    }
     chunk = policy.predict_chunk(sub, obs_step[rows])
     actions = torch.zeros(len(need), *chunk.actions.shape[1:], dtype=chunk.actions.dtype)
     actions[rows] = chunk.actions.cpu()

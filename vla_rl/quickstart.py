@@ -47,7 +47,10 @@ def quickstart(cfg: QuickstartConfig, log=print) -> dict:
         log(f"[2/3] reusing the trained policy in {cfg.train.output_dir}")
     else:
         cfg.train.resume = (Path(cfg.train.output_dir) / "checkpoints" / "last").exists()
-        log(f"[2/3] training for {cfg.train.steps} steps -> {cfg.train.output_dir}" + (" (resuming)" if cfg.train.resume else ""))
+        log(
+            f"[2/3] training for {cfg.train.steps} steps -> {cfg.train.output_dir}"
+            + (" (resuming)" if cfg.train.resume else "")
+        )
         tr = train(cfg.train)
         log(f"      final loss {tr['final_loss']:.4f} in {tr['seconds_this_run']} s")
 

@@ -68,7 +68,9 @@ def record(cfg: RecordConfig) -> dict:
 
     out = Path(cfg.output_dir)
     if out.exists() and not cfg.overwrite:
-        raise FileExistsError(f"{out} already exists; pass --overwrite=true to replace it or choose another --output_dir")
+        raise FileExistsError(
+            f"{out} already exists; pass --overwrite=true to replace it or choose another --output_dir"
+        )
     tmp = out.parent / f".{out.name}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     out.parent.mkdir(parents=True, exist_ok=True)

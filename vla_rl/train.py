@@ -313,10 +313,9 @@ def train(cfg: TrainConfig) -> dict:
                     bar.set_postfix(loss=f"{mean:.4f}", lr=f"{scheduler.get_last_lr()[0]:.1e}")
                     if trackers:
                         accelerator.log({"loss": mean, "lr": scheduler.get_last_lr()[0]}, step=step)
-                if len(val_frames) and (step % cfg.val_every == 0 or step == cfg.steps):
-                    if validate():
-                        bar.set_postfix(val_loss=f"{val_history[-1][2]:.4f}", stop="target reached")
-                        break
+                if len(val_frames) and (step % cfg.val_every == 0 or step == cfg.steps) and validate():
+                    bar.set_postfix(val_loss=f"{val_history[-1][2]:.4f}", stop="target reached")
+                    break
                 if step % cfg.save_every == 0 and step < cfg.steps:
                     checkpoint(step)
                 interrupt.raise_if_stopped()  # the step boundary: model, optimizer and RNG agree here
@@ -324,7 +323,10 @@ def train(cfg: TrainConfig) -> dict:
             bar.close()
             path = checkpoint(step)
             if accelerator.is_main_process:
-                print(f"\ninterrupted at step {step}; checkpoint written to {path}. Continue with --resume=true", file=sys.stderr)
+                print(
+                    f"\ninterrupted at step {step}; checkpoint written to {path}. Continue with --resume=true",
+                    file=sys.stderr,
+                )
             raise
         bar.close()
         final = checkpoint(step)

@@ -103,7 +103,9 @@ class DiffusionPolicy(NormalizationMixin, nn.Module):
             raise ValueError("DiffusionConfig needs state_dim, action_dim and cameras (they come from the dataset)")
         self.config = config
         cfg = config
-        self.image_encoders = nn.ModuleDict({cam: ImageEncoder(cfg.vision_channels, cfg.num_keypoints) for cam in cfg.cameras})
+        self.image_encoders = nn.ModuleDict(
+            {cam: ImageEncoder(cfg.vision_channels, cfg.num_keypoints) for cam in cfg.cameras}
+        )
         self.word_index = {w: i for i, w in enumerate(cfg.vocabulary or [UNKNOWN_WORD])}
         self.word_embedding = nn.EmbeddingBag(len(self.word_index), cfg.text_dim, mode="mean")
         obs_dim = len(cfg.cameras) * 2 * cfg.num_keypoints + cfg.state_dim + cfg.text_dim
@@ -117,7 +119,11 @@ class DiffusionPolicy(NormalizationMixin, nn.Module):
 
         self.register_normalization(cfg.state_dim, cfg.action_dim)
 
-        sched = dict(num_train_timesteps=cfg.num_train_timesteps, beta_schedule=cfg.beta_schedule, clip_sample=True)
+        sched = {
+            "num_train_timesteps": cfg.num_train_timesteps,
+            "beta_schedule": cfg.beta_schedule,
+            "clip_sample": True,
+        }
         self.train_scheduler = DDPMScheduler(**sched, prediction_type="epsilon")
         self.sample_scheduler = DDIMScheduler(**sched, prediction_type="epsilon")
 

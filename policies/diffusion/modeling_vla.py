@@ -43,7 +43,11 @@ class DiffusionVLAPolicy(NormalizationMixin, nn.Module):
         self.encoder = ConditionEncoder(cfg)
         self.dit = DiT(cfg.action_dim, cfg.horizon, cfg.dim, cfg.depth, cfg.heads, cfg.mlp_ratio)
         self.register_normalization(cfg.state_dim, cfg.action_dim)
-        sched = dict(num_train_timesteps=cfg.num_train_timesteps, beta_schedule=cfg.beta_schedule, clip_sample=True)
+        sched = {
+            "num_train_timesteps": cfg.num_train_timesteps,
+            "beta_schedule": cfg.beta_schedule,
+            "clip_sample": True,
+        }
         self.train_scheduler = DDPMScheduler(**sched, prediction_type="epsilon")
         sampler = DDIMScheduler if cfg.ddpm_sampler == "ddim" else DDPMScheduler
         self.sample_scheduler = sampler(**sched, prediction_type="epsilon")

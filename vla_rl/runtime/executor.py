@@ -96,9 +96,7 @@ class ActionChunkExecutor:
         if merge not in get_args(MergeMode):
             raise ValueError(f"merge must be one of {get_args(MergeMode)}, got {merge!r}")
         if num_envs < 1 or action_dim < 1 or horizon < 1:
-            raise ValueError(
-                f"num_envs, action_dim and horizon must be >= 1, got {num_envs}, {action_dim}, {horizon}"
-            )
+            raise ValueError(f"num_envs, action_dim and horizon must be >= 1, got {num_envs}, {action_dim}, {horizon}")
         if max_delay < 0:
             raise ValueError(f"max_delay must be >= 0, got {max_delay}")
         if not math.isfinite(ensemble_coeff):
