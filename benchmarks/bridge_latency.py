@@ -5,7 +5,8 @@ process over loopback DDS, the policy a real torch network calibrated to ``--inf
 
 Usage: python benchmarks/bridge_latency.py [--rates_hz=[50,100]] [--cycles=10000] [--inference_ms=300] [--help]
 Writes JSON (default outputs/bench/bridge.json); the last line printed is
-``deadline_misses=<n> added_latency_p99_ms=<x> jitter_p99_ms=<y>``.
+``deadline_misses=<n> added_latency_p99_ms=<x> jitter_p99_ms=<y> realtime_scheduling=<granted|refused>
+memory_locking=<granted|refused>``; a miss is a command more than ``--deadline_ms`` (default 5) late.
 """
 
 import sys

@@ -15,10 +15,11 @@ Per control rate: first ``ping_cycles`` raw ping-pongs (JointState out, the same
 back by a bare rclpy subscription in the serve process), then ``cycles`` control cycles split
 evenly over the merge modes (one serve process per mode). Measured:
 
-- deadline misses: a cycle whose command reached the robot more than half a period after its
-  joint state was sent, or never (robot side, so DDS both ways counts); the node's own count
-  (command handed to ROS more than half a period after the state's callback started) is
-  reported too. Each state counts its first command (the watchdog repeats the stamp in holds);
+- deadline misses: a cycle whose command reached the robot more than ``deadline_ms`` (5 ms by
+  default, the same at every rate) after its joint state was sent, or never (robot side, so DDS
+  both ways counts); the node's own count (command handed to ROS more than ``deadline_ms`` after
+  the state's callback started) is reported too. Each state counts its first command (the
+  watchdog repeats the stamp in holds);
 - command jitter: |interval between the commands of consecutive cycles - period|, p50/p99;
 - added latency: p-quantiles of (state sent -> command received) minus those of the raw ping-pong
   round trip;
@@ -30,9 +31,15 @@ evenly over the merge modes (one serve process per mode). Measured:
 
 The bench policy follows a smooth periodic reference (0.5 Hz sines, amplitude 0.2) and adds a
 per-chunk correction of at most ``chunk_noise`` computed by the network from the image and state,
-so consecutive chunks disagree slightly, as a trained policy's do. The final line is
-``deadline_misses=<n> added_latency_p99_ms=<x> jitter_p99_ms=<y>``: misses summed over every
-run, the other two the worst over the rates.
+so consecutive chunks disagree slightly, as a trained policy's do.
+
+Whether the serve processes got real-time scheduling (SCHED_FIFO) and locked memory is recorded
+per run and overall (``scheduling`` in the JSON): without them the misses are not the node's
+(in our runs real-time scheduling alone took them from 1,200 to 16), so the summary warns when
+either was refused. The final line is ``deadline_misses=<n> added_latency_p99_ms=<x>
+jitter_p99_ms=<y> realtime_scheduling=<granted|refused> memory_locking=<granted|refused>``:
+misses summed over every run, latency and jitter the worst over the rates, and "granted" only
+when every serve process got it.
 """
 
 from __future__ import annotations
@@ -68,6 +75,7 @@ class BenchBridgeConfig:
     """Deadline misses, jitter and added latency of the serve node, against raw rclpy in the same run."""
 
     rates_hz: list[float] = field(default_factory=lambda: [50.0, 100.0])  # control rates measured
+    deadline_ms: float = 5.0  # a command later than this after its joint state was sent is a miss, at every rate
     merges: list[str] = field(default_factory=lambda: ["latest", "ensemble", "rtc"])  # merge modes, one run each
     cycles: int = 10000  # control cycles per rate, split evenly over the merge modes
     ping_cycles: int = 1000  # raw rclpy ping-pong round trips per rate (the baseline)
@@ -96,7 +104,9 @@ class BenchPolicy(nn.Module):
 
     def __init__(self, horizon: int, control_hz: float, image_size: int, chunk_noise: float, width: int = 256):
         super().__init__()
-        self.config = SimpleNamespace(horizon=horizon, image_size=image_size, state_dim=len(JOINTS), action_dim=len(JOINTS))
+        self.config = SimpleNamespace(
+            horizon=horizon, image_size=image_size, state_dim=len(JOINTS), action_dim=len(JOINTS)
+        )
         self.control_hz = control_hz
         self.chunk_noise = chunk_noise
         self.patch = image_size // 8
@@ -176,8 +186,10 @@ def _serve_side(cfg: BenchBridgeConfig, rate: float, merge: str, horizon: int, r
 
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {0})
-    use_realtime(50)  # as `serve` does, before rclpy starts its DDS threads (no-op message if not permitted)
-    lock_memory()  # as `serve` does (control_lock_memory)
+    # As `serve` does, before rclpy starts its DDS threads. Each returns None when granted, else why
+    # not; the results go into the JSON, since they decide what the miss count means.
+    rt_problem = use_realtime(50)
+    lock_problem = lock_memory()  # as `serve` does (control_lock_memory)
     torch.set_num_threads(1)
     context = rclpy.Context()
     rclpy.init(context=context, domain_id=cfg.domain_id)
@@ -186,9 +198,13 @@ def _serve_side(cfg: BenchBridgeConfig, rate: float, merge: str, horizon: int, r
         state_names=list(JOINTS), action_names=list(JOINTS), action_space="joint", control_hz=rate,
         horizon=horizon, execute_steps=cfg.execute_steps, merge=merge, max_delay_steps=horizon,
         inference=cfg.inference, inference_cpu=1, control_cpu=0, diagnostics_hz=2.0, ros_executor=cfg.ros_executor,
+        deadline_ms=cfg.deadline_ms,
     )  # fmt: skip
     serve_cfg.safety.stale_after_s = 0.5
     serve_cfg.safety.initial_command = {}
+    # The bench arm is not the sim Panda: its joints follow sines around 0, outside the Panda's
+    # joint4 range, so the Panda's state bounds would reject every state.
+    serve_cfg.safety.state_bounds = {}
     ticks: list[tuple] = []  # (step, scheduled, published, from_policy, seam, command), then the state stamp in us
     loader = partial(build_bench_policy, cfg.inference_ms, horizon, rate, cfg.image_size, cfg.chunk_noise)
     bridge = PolicyBridge(
@@ -212,6 +228,7 @@ def _serve_side(cfg: BenchBridgeConfig, rate: float, merge: str, horizon: int, r
         "ticks": ticks, "counters": dict(bridge.counters), "inference_latency_ms": bridge.latencies_ms,
         "obs_to_command_ms": bridge.obs_to_command_ms,
         "policy_info": bridge.policy_info, "state": bridge.node_state, "cause": bridge.cause,
+        "scheduling": scheduling_record(rt_problem, lock_problem),
     })  # fmt: skip
     bridge.close()
     echo.destroy_node()
@@ -319,6 +336,24 @@ def _in_thread(executor, fn, *args, **kwargs):
 # -- statistics ---------------------------------------------------------------------------------
 
 
+def scheduling_record(rt_problem: str | None, lock_problem: str | None) -> dict[str, Any]:
+    """What `use_realtime` and `lock_memory` returned (None = granted, else why not), as the JSON records it."""
+    return {
+        "realtime_scheduling": rt_problem is None, "realtime_problem": rt_problem,
+        "memory_locked": lock_problem is None, "memory_lock_problem": lock_problem,
+    }  # fmt: skip
+
+
+def deadline_misses(sent_ns: list[int], received_ns: dict[int, int], deadline_ms: float) -> tuple[list[int], int]:
+    """(indices of the cycles whose command came more than deadline_ms after the state was sent, lost commands).
+
+    ``received_ns`` maps a state's send stamp to the receive time of its first command; a state
+    missing from it never got one (lost). The deadline is absolute, the same at every rate.
+    """
+    late = [i for i, s in enumerate(sent_ns) if s in received_ns and (received_ns[s] - s) / 1e6 > deadline_ms]
+    return late, sum(1 for s in sent_ns if s not in received_ns)
+
+
 def _quantiles(values_ms, qs=(50, 99)) -> dict[str, float]:
     values = np.asarray(values_ms, dtype=np.float64)
     if values.size == 0:
@@ -381,7 +416,9 @@ def _run_one(
     if robot.chunks < 2:
         stop.set()
         serve.join(30)
-        raise RuntimeError(f"the serve node produced no chunks within {cfg.start_timeout_s} s (state {robot.bridge_state!r})")
+        raise RuntimeError(
+            f"the serve node produced no chunks within {cfg.start_timeout_s} s (state {robot.bridge_state!r})"
+        )
     robot.commands.clear()
     sent = _in_thread(executor, robot.run_schedule, period, cycles, "state")
     stop.set()
@@ -389,8 +426,7 @@ def _run_one(
     serve.join(30)
 
     latency_ms = [(robot.commands[s] - s) / 1e6 for s in sent if s in robot.commands]
-    lost = sum(1 for s in sent if s not in robot.commands)
-    late_at = [i for i, s in enumerate(sent) if s in robot.commands and (robot.commands[s] - s) / 1e6 > period * 1e3 / 2]
+    late_at, lost = deadline_misses(sent, robot.commands, cfg.deadline_ms)
     late = len(late_at)
     # Between the commands of consecutive measured cycles (a lost one merges two intervals).
     intervals = np.diff(np.asarray([robot.commands[s] for s in sent if s in robot.commands], dtype=np.int64)) / 1e6
@@ -401,12 +437,12 @@ def _run_one(
         if t[6] in sent_us:
             first_ticks.setdefault(t[6], t)
     measured = list(first_ticks.values())
-    node_late = sum(1 for t in measured if t[2] - t[1] > period / 2)
+    node_late = sum(1 for t in measured if t[2] - t[1] > cfg.deadline_ms / 1e3)
     starved = sum(1 for t in measured if not t[3])  # ticks without a queued policy action (held instead)
     infer = serve_result["inference_latency_ms"]
     return {
         "rate_hz": rate, "merge": merge, "cycles": len(sent), "commands_received": len(latency_ms),
-        "deadline_misses": late + lost, "lost_commands": lost, "late_commands": late,
+        "deadline_ms": cfg.deadline_ms, "deadline_misses": late + lost, "lost_commands": lost, "late_commands": late,
         "late_cycles": late_at[:50],  # indices into the measured cycles, to tell start-up from steady state
         "node_deadline_misses": node_late, "starved_ticks": starved, "node_counters": serve_result["counters"],
         "state_to_command_ms": _quantiles(latency_ms),
@@ -416,7 +452,7 @@ def _run_one(
         "inference_latency_ms": _quantiles(infer),
         "obs_to_influenced_command_ms": _quantiles(serve_result["obs_to_command_ms"]),
         "seams": seam_jumps(measured, period),
-        "policy_info": serve_result["policy_info"],
+        "policy_info": serve_result["policy_info"], "scheduling": serve_result["scheduling"],
     }, ping  # fmt: skip
 
 
@@ -432,7 +468,10 @@ def bench_bridge(cfg: BenchBridgeConfig) -> dict[str, Any]:
         os.sched_setaffinity(0, {1})  # the robot shares the inference core, where it wins over the niced worker
     # A robot driver runs its I/O at real-time priority too; the serve processes spawned below
     # inherit it and their inference workers drop it again.
-    use_realtime(50)
+    robot_rt_problem = use_realtime(50)
+    if robot_rt_problem:  # said now, not only after minutes of measuring
+        print(f"bench bridge: WARNING: real-time scheduling refused ({robot_rt_problem}); "
+              f"expect deadline misses that are not the node's", flush=True)  # fmt: skip
     # Room for a chunk to cover two inference delays (its own and the next one's) even at 2x the calibrated time.
     horizon = cfg.horizon or max(16, math.ceil(4 * cfg.inference_ms / 1e3 * max(cfg.rates_hz)) + cfg.execute_steps)
     context = rclpy.Context()
@@ -449,7 +488,9 @@ def bench_bridge(cfg: BenchBridgeConfig) -> dict[str, Any]:
             for i, merge in enumerate(cfg.merges):
                 print(f"bench bridge: {rate:g} Hz, merge={merge}, {per_merge} cycles", flush=True)
                 # The first run of each rate also measures the raw ping-pong baseline.
-                run, ping = _run_one(cfg, executor, robot, rate, merge, horizon, per_merge, cfg.ping_cycles if i == 0 else 0)
+                run, ping = _run_one(
+                    cfg, executor, robot, rate, merge, horizon, per_merge, cfg.ping_cycles if i == 0 else 0
+                )
                 runs.append(run)
                 if ping is not None:
                     pings[rate] = ping
@@ -457,14 +498,16 @@ def bench_bridge(cfg: BenchBridgeConfig) -> dict[str, Any]:
         executor.shutdown()
         robot.node.destroy_node()
         rclpy.try_shutdown(context=context)
-    result = _summarize(cfg, horizon, runs, pings)
+    result = _summarize(cfg, horizon, runs, pings, robot_rt_problem)
     out = Path(cfg.output_json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     return result
 
 
-def _summarize(cfg: BenchBridgeConfig, horizon: int, runs: list[dict], pings: dict) -> dict[str, Any]:
+def _summarize(
+    cfg: BenchBridgeConfig, horizon: int, runs: list[dict], pings: dict, robot_rt_problem: str | None = None
+) -> dict[str, Any]:
     per_rate = {}
     for rate in cfg.rates_hz:
         rows = [r for r in runs if r["rate_hz"] == rate]
@@ -481,9 +524,18 @@ def _summarize(cfg: BenchBridgeConfig, horizon: int, runs: list[dict], pings: di
             "raw_round_trip_ms": raw,
             "seams": {r["merge"]: r["seams"] for r in rows},
         }
+    problems = {r["scheduling"][k] for r in runs for k in ("realtime_problem", "memory_lock_problem")} - {None}
     return {
         "config": asdict(cfg),
         "horizon": horizon,
+        "deadline_ms": cfg.deadline_ms,
+        # Granted only if every serve process got it; the robot process's own real-time priority apart.
+        "scheduling": {
+            "realtime_scheduling": all(r["scheduling"]["realtime_scheduling"] for r in runs),
+            "memory_locked": all(r["scheduling"]["memory_locked"] for r in runs),
+            "robot_realtime_scheduling": robot_rt_problem is None,
+            "problems": sorted(problems | ({robot_rt_problem} - {None})),
+        },
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "load_avg": os.getloadavg()},
         "runs": runs,
         "pings": {str(k): v for k, v in pings.items()},
@@ -495,7 +547,12 @@ def _summarize(cfg: BenchBridgeConfig, horizon: int, runs: list[dict], pings: di
 
 
 def format_summary(result: dict[str, Any]) -> str:
-    lines = [f"bridge benchmark: inference {result['config']['inference_ms']:g} ms (calibrated), horizon {result['horizon']}"]
+    lines = [
+        (
+            f"bridge benchmark: inference {result['config']['inference_ms']:g} ms (calibrated), "
+            f"horizon {result['horizon']}, a miss is a command more than {result['deadline_ms']:g} ms late"
+        )
+    ]
     for run in result["runs"]:
         s2c, inf, seams = run["state_to_command_ms"], run["inference_latency_ms"], run["seams"]
         lines.append(
@@ -514,12 +571,34 @@ def format_summary(result: dict[str, Any]) -> str:
             f"added latency p50/p99={row['added_latency_p50_ms']:.3f}/{row['added_latency_p99_ms']:.3f} ms"
         )
     lines.append(f"results: {result['config']['output_json']}")
+    lines.extend(scheduling_warnings(result))
     lines.append(final_line(result))
     return "\n".join(lines)
 
 
+def scheduling_warnings(result: dict[str, Any]) -> list[str]:
+    """A WARNING line for real-time scheduling and for memory locking when a serve process was refused it."""
+    sched, runs = result["scheduling"], result["runs"]
+    lines = []
+    if not sched["realtime_scheduling"]:
+        why = next(r["scheduling"]["realtime_problem"] for r in runs if not r["scheduling"]["realtime_scheduling"])
+        lines.append(
+            f"WARNING: real-time scheduling was refused ({why}): the control loop ran with normal scheduling, so "
+            f"the deadline misses measure this machine's load, not the node; run as root or grant an rtprio limit"
+        )
+    if not sched["memory_locked"]:
+        why = next(r["scheduling"]["memory_lock_problem"] for r in runs if not r["scheduling"]["memory_locked"])
+        lines.append(f"WARNING: memory locking was refused ({why}): page faults can delay ticks")
+    return lines
+
+
 def final_line(result: dict[str, Any]) -> str:
+    def word(granted: bool) -> str:
+        return "granted" if granted else "refused"
+
+    sched = result["scheduling"]
     return (
         f"deadline_misses={result['deadline_misses']} added_latency_p99_ms={result['added_latency_p99_ms']:.3f} "
-        f"jitter_p99_ms={result['jitter_p99_ms']:.3f}"
+        f"jitter_p99_ms={result['jitter_p99_ms']:.3f} realtime_scheduling={word(sched['realtime_scheduling'])} "
+        f"memory_locking={word(sched['memory_locked'])}"
     )

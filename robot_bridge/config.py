@@ -15,6 +15,22 @@ from vla_rl.types import image_key
 # What the simulated robot (`vla-rl sim-robot`) publishes and accepts; see sim.mujoco_env.
 SIM_STATE_NAMES = [f"joint{i}" for i in range(1, 8)] + ["gripper_width", "ee_x", "ee_y", "ee_z"]
 SIM_ACTION_NAMES = ["ee_x", "ee_y", "ee_z", "grip"]
+# What the simulated Panda can physically report, per state entry (radians, metres): the joint
+# limits of sim/assets/panda_arm.xml, the gripper's two 0.04 m finger slides, and the end-effector
+# workspace of sim.mujoco_env.MujocoBatchedEnv.ACTION_LOW/HIGH (the IK only reaches for targets in it).
+SIM_STATE_BOUNDS = {
+    "joint1": [-2.8973, 2.8973],
+    "joint2": [-1.7628, 1.7628],
+    "joint3": [-2.8973, 2.8973],
+    "joint4": [-3.0718, -0.0698],
+    "joint5": [-2.8973, 2.8973],
+    "joint6": [-0.0175, 3.7525],
+    "joint7": [-2.8973, 2.8973],
+    "gripper_width": [0.0, 0.08],
+    "ee_x": [0.25, 0.80],
+    "ee_y": [-0.35, 0.35],
+    "ee_z": [0.0, 0.40],
+}
 
 MERGE_MODES = ("latest", "ensemble", "rtc")
 ACTION_MODES = ("absolute", "delta")
@@ -58,10 +74,22 @@ class QosConfig:
 class SafetyConfig:
     position_min: list[float] = field(default_factory=list)  # lowest command per action dim; empty = unbounded
     position_max: list[float] = field(default_factory=list)  # highest command per action dim; empty = unbounded
-    max_velocity: list[float] = field(default_factory=list)  # |command change| / period per action dim; empty = unlimited
-    max_acceleration: list[float] = field(default_factory=list)  # |velocity change| / period per action dim; empty = unlimited
+    # |command change| / period per action dim; empty = unlimited
+    max_velocity: list[float] = field(default_factory=list)
+    # |velocity change| / period per action dim; empty = unlimited
+    max_acceleration: list[float] = field(default_factory=list)
     stale_after_s: float = 0.25  # hold when the newest joint state or any camera image is older than this
-    initial_command: dict[str, float] = field(default_factory=lambda: {"grip": 0.0})  # hold value of action dims no state entry of the same name measures, until the first policy command
+    # [low, high] per JointState entry (by name): a state outside [low - state_margin, high +
+    # state_margin] is a sensor fault and is rejected (hold) before it reaches the policy. Names not
+    # in state_names are ignored and entries without bounds are unchecked; {} checks nothing.
+    state_bounds: dict[str, list[float]] = field(
+        default_factory=lambda: {name: list(bound) for name, bound in SIM_STATE_BOUNDS.items()}
+    )
+    # Tolerance beyond state_bounds, in each entry's own unit: soft joint limits give a little, the
+    # fingers can be pushed apart, the arm can overshoot the workspace edge.
+    state_margin: float = 0.05
+    # Hold value of the action dims no state entry of the same name measures, until the first policy command.
+    initial_command: dict[str, float] = field(default_factory=lambda: {"grip": 0.0})
 
 
 @dataclass
@@ -71,14 +99,17 @@ class ServeConfig:
     checkpoint: str = "outputs/quickstart/train"  # checkpoint dir (or a training output dir) to load
     device: str = "cpu"  # torch device of the policy
     cameras: list[CameraTopic] = field(default_factory=lambda: [CameraTopic()])  # camera topic -> policy image feature
-    state_names: list[str] = field(default_factory=lambda: list(SIM_STATE_NAMES))  # JointState names, in observation.state order
-    action_names: list[str] = field(default_factory=lambda: list(SIM_ACTION_NAMES))  # JointTrajectory joint_names, in action order
+    # JointState names, in observation.state order
+    state_names: list[str] = field(default_factory=lambda: list(SIM_STATE_NAMES))
+    # JointTrajectory joint_names, in action order
+    action_names: list[str] = field(default_factory=lambda: list(SIM_ACTION_NAMES))
     action_space: str = "end_effector"  # joint or end_effector: what the action dims command
     action_mode: str = "absolute"  # absolute targets, or delta: added to the last commanded target
     instruction: str = ""  # task instruction until one arrives on the instruction topic
     image_size: int = 0  # expected square image side; 0 = the policy's config.image_size
     resize_images: bool = False  # resize images of another size instead of rejecting them
     control_hz: float = 100.0  # control rate; with clock=joint_states, the rate the robot publishes at
+    deadline_ms: float = 5.0  # a command handed to ROS later than this after its tick was due is a missed deadline
     clock: str = "joint_states"  # joint_states: one command per arriving joint state; timer: the node's own timer
     horizon: int = 0  # chunk length H; 0 = the policy's config.horizon
     execute_steps: int = 8  # steps of each chunk executed before the next request (more when inference is slower)
@@ -124,14 +155,16 @@ class ServeConfig:
         for name, (value, allowed) in choices.items():
             if value not in allowed:
                 raise ValueError(f"{name}={value!r} is not one of {allowed}; set --{name}={allowed[0]}")
-        if self.control_hz <= 0 or self.diagnostics_hz <= 0:
-            raise ValueError("control_hz and diagnostics_hz must be > 0")
+        if self.control_hz <= 0 or self.diagnostics_hz <= 0 or self.deadline_ms <= 0:
+            raise ValueError("control_hz, diagnostics_hz and deadline_ms must be > 0")
         if self.execute_steps < 1:
             raise ValueError(f"execute_steps must be >= 1, got {self.execute_steps}")
         if self.max_delay_steps < 0 or self.horizon < 0 or self.image_size < 0:
             raise ValueError("max_delay_steps, horizon and image_size must be >= 0")
         if not self.state_names or not self.action_names:
-            raise ValueError("state_names and action_names must not be empty; list the JointState names and action dims")
+            raise ValueError(
+                "state_names and action_names must not be empty; list the JointState names and action dims"
+            )
         names = [c.name for c in self.cameras]
         if len(set(names)) != len(names):
             raise ValueError(f"camera names must be unique, got {names}")
@@ -139,8 +172,12 @@ class ServeConfig:
         for name in ("position_min", "position_max", "max_velocity", "max_acceleration"):
             values = getattr(self.safety, name)
             if values and len(values) != n:
-                raise ValueError(f"safety.{name} has {len(values)} values but there are {n} action_names; give one per action")
-        unmeasured = [n for n in self.action_names if n not in self.state_names and n not in self.safety.initial_command]
+                raise ValueError(
+                    f"safety.{name} has {len(values)} values but there are {n} action_names; give one per action"
+                )
+        unmeasured = [
+            n for n in self.action_names if n not in self.state_names and n not in self.safety.initial_command
+        ]
         if unmeasured:
             raise ValueError(
                 f"action dims {unmeasured} have no state entry of the same name to hold at start-up; "
@@ -148,6 +185,11 @@ class ServeConfig:
             )
         if self.safety.stale_after_s <= 0:
             raise ValueError(f"safety.stale_after_s must be > 0, got {self.safety.stale_after_s}")
+        if self.safety.state_margin < 0:
+            raise ValueError(f"safety.state_margin must be >= 0, got {self.safety.state_margin}")
+        for name, bound in self.safety.state_bounds.items():
+            if len(bound) != 2 or not bound[0] <= bound[1]:
+                raise ValueError(f"safety.state_bounds.{name} must be [low, high] with low <= high, got {bound}")
 
 
 def flat_fields(config: Any, prefix: str = "") -> dict[str, tuple[Any, str]]:

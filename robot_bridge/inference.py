@@ -54,6 +54,31 @@ class WorkerStatus:
     info: dict[str, Any] = field(default_factory=dict)  # when ready: horizon, image_size, supports_inpainting, ...
 
 
+def chunk_problem(actions: np.ndarray | None, horizon: int, action_names: list[str]) -> str | None:
+    """Why a policy's chunk cannot be executed (wrong shape, non-finite values), or None when it can.
+
+    actions must be (1, h, A) with 1 <= h <= horizon and A = len(action_names), all finite. The
+    node holds instead of merging such a chunk: NaN would poison the ensemble or RTC blend of every
+    later chunk, and a misshapen one means the checkpoint does not fit the serve config.
+    """
+    a = len(action_names)
+    if actions is None or actions.ndim != 3 or actions.shape[0] != 1 or actions.shape[2] != a \
+            or not 1 <= actions.shape[1] <= horizon:  # fmt: skip
+        shape = None if actions is None else tuple(actions.shape)
+        return (
+            f"policy returned a chunk of shape {shape}, expected (1, 1..{horizon}, {a}) for action_names "
+            f"{action_names}; serve a checkpoint whose action_dim and horizon match the serve config"
+        )
+    bad = ~np.isfinite(actions[0])
+    if bad.any():
+        step, dim = (int(i[0]) for i in np.nonzero(bad))
+        return (
+            f"policy returned a chunk with {int(bad.sum())} non-finite (NaN/inf) values of {bad.size}, the first at "
+            f"step {step}, {action_names[dim]}; check the checkpoint's weights and normalization statistics"
+        )
+    return None
+
+
 def to_policy_batch(observation: dict[str, Any]):
     """numpy batch -> torch batch: images (1, H, W, 3) uint8 -> (1, 3, H, W) float in [0, 1]."""
     import torch

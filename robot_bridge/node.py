@@ -14,10 +14,13 @@ that found it, which is also the lag its delay augmentation announced.
 Hold: the node publishes the previous command (the measured position before any command)
 whenever it cannot trust the next action, and names the cause on /diagnostics and in its log:
 e-stop, policy loading or failed to load, a rejected input (malformed, NaN, wrong size,
-out-of-order stamp; cleared by the next good message from that source), a stale input (older
-than ``safety.stale_after_s``), a policy exception (cleared by the next good chunk). Entering a
-hold discards the queued plan and any chunk still in flight, so the robot never resumes a plan
-made before it stopped. The e-stop latches: ``True`` on the estop topic holds until ``False``.
+out-of-order stamp, a state outside ``safety.state_bounds``; cleared by the next good message
+from that source), a stale input (older than ``safety.stale_after_s``), a policy exception or an
+invalid chunk (NaN, wrong shape; cleared by the next good chunk). Entering a hold discards the
+queued plan and any chunk still in flight, so the robot never resumes a plan made before it
+stopped. The e-stop latches: ``True`` on the estop topic holds until ``False``. A fault that
+repeats with every message is logged at most once a second per cause (`LogLimiter`); the exact
+counts, per cause, are on /diagnostics (``rejected_<kind>``, ``invalid_chunks``, ...).
 
 Commands: JointTrajectory with ``joint_names = action_names`` and one point (the command,
 ``time_from_start`` = one period); ``header.stamp`` is the stamp of the newest joint state the
@@ -50,9 +53,11 @@ from std_msgs.msg import Bool, Float64MultiArray, String
 from trajectory_msgs.msg import JointTrajectory, JointTrajectoryPoint
 
 from robot_bridge.config import ServeConfig, apply_overrides, flat_fields
-from robot_bridge.inference import InferenceRequest, InferenceResult, InferenceWorker, WorkerStatus
+from robot_bridge.inference import InferenceRequest, InferenceResult, InferenceWorker, WorkerStatus, chunk_problem
+from robot_bridge.log_limit import LogLimiter
 from robot_bridge.messages import (
     InputRejected,
+    check_bounds,
     compressed_to_rgb,
     fit_image,
     image_to_rgb,
@@ -97,7 +102,8 @@ class PolicyBridge(Node):
     """Sensors in, policy chunks merged asynchronously, safe commands out at the control rate.
 
     ``load_policy`` is called inside the inference worker (so it must pickle for process mode);
-    ``on_tick`` (optional) receives a ``TickRecord`` after every control tick.
+    ``on_tick`` (optional) receives a ``TickRecord`` after every control tick; ``log_clock`` is the
+    clock (seconds) of the once-a-second limit on repeated log lines.
     """
 
     def __init__(
@@ -105,6 +111,7 @@ class PolicyBridge(Node):
         config: ServeConfig,
         load_policy: Callable[[], Policy],
         on_tick: Callable[[TickRecord], None] | None = None,
+        log_clock: Callable[[], float] = time.monotonic,
         **node_kwargs: Any,
     ) -> None:
         super().__init__("vla_rl_serve", **node_kwargs)
@@ -128,11 +135,16 @@ class PolicyBridge(Node):
         self._arrival: dict[str, float] = {}
         self._stamp: dict[str, float] = {}
         self._images: dict[str, np.ndarray] = {}  # camera -> (H, W, 3) uint8
-        self._faults: dict[str, str] = {}  # source -> why its last message was rejected
+        self._faults: dict[str, tuple[str, str]] = {}  # source -> (kind, why) its last message was rejected
+        # Plausibility bounds of the state entries, in state_names order; +-inf where none is configured.
+        bounds = cfg.safety.state_bounds
+        self._state_low = np.array([bounds[n][0] if n in bounds else -np.inf for n in cfg.state_names])
+        self._state_high = np.array([bounds[n][1] if n in bounds else np.inf for n in cfg.state_names])
 
         self._worker_state = "loading"
         self._worker_error: str | None = None
         self._policy_error: str | None = None
+        self._policy_error_kind = ""  # policy_raised or invalid_chunk
         self._retry_at = 0.0
         self._in_flight: dict[str, Any] | None = None
         self._request_id = 0
@@ -148,11 +160,18 @@ class PolicyBridge(Node):
         self._next_is_seam = False
         self.node_state = "LOADING"
         self.cause: str | None = "loading the policy"
+        self._cause_key: str | None = "worker loading"  # what the cause is, without its changing details
         self.last_error = ""
         self.counters = {
             "ticks": 0, "missed_deadlines": 0, "rejected_messages": 0, "out_of_order": 0, "stale_events": 0,
-            "chunks": 0, "dropped_chunks": 0, "policy_errors": 0, "load_failures": 0, "delay_clamped": 0,
+            "chunks": 0, "dropped_chunks": 0, "policy_errors": 0, "invalid_chunks": 0, "load_failures": 0,
+            "delay_clamped": 0,
         }  # fmt: skip
+        self.rejections: dict[str, int] = {}  # kind of rejected input (InputRejected.kind) -> messages
+        # Whether the control process got real-time scheduling and locked memory ("granted", or why
+        # not); `serve` fills it in, and it is reported on /diagnostics and in the final summary.
+        self.scheduling: dict[str, str] = {}
+        self.log_limiter = LogLimiter(self._log_line, period_s=1.0, clock=log_clock)
         self.latencies_ms: list[float] = []  # request -> result, per chunk
         self.obs_to_command_ms: list[float] = []  # joint state arrival -> first command of its chunk
         self._seam_obs_arrival = 0.0
@@ -169,6 +188,17 @@ class PolicyBridge(Node):
         )
 
     # -- setup -----------------------------------------------------------------------------------
+
+    def _log_line(self, level: str, line: str) -> None:
+        # One call per severity: rclpy keys a logger call's context by its call site and refuses a
+        # site whose severity changes between calls.
+        logger = self.get_logger()
+        if level == "error":
+            logger.error(line)
+        elif level == "warning":
+            logger.warning(line)
+        else:
+            logger.info(line)
 
     def _apply_parameter_overrides(self) -> None:
         """Declare every scalar/list config field as a ROS parameter; values set at launch override the config."""
@@ -200,8 +230,8 @@ class PolicyBridge(Node):
         self.create_subscription(String, cfg.topics.instruction, self._on_instruction, command_qos)
         self.create_subscription(Bool, cfg.topics.estop, self._on_estop, command_qos)
         # Dry run: the command topics do not exist at all, so nothing can reach the robot.
-        self._trajectory_pub = None if cfg.dry_run else self.create_publisher(
-            JointTrajectory, cfg.topics.joint_trajectory, command_qos
+        self._trajectory_pub = (
+            None if cfg.dry_run else self.create_publisher(JointTrajectory, cfg.topics.joint_trajectory, command_qos)
         )
         self._array_pub = None
         if cfg.publish_array and not cfg.dry_run:
@@ -224,17 +254,21 @@ class PolicyBridge(Node):
         last = self._stamp.get(source)
         if last is not None and stamp < last:
             self.counters["out_of_order"] += 1
-            raise InputRejected(f"out-of-order stamp {stamp:.6f} s, older than the last accepted {last:.6f} s")
+            raise InputRejected(
+                f"out-of-order stamp {stamp:.6f} s, older than the last accepted {last:.6f} s", "out_of_order"
+            )
         self._stamp[source] = stamp
         self._arrival[source] = arrival
         self._faults.pop(source, None)
 
     def _reject(self, source: str, err: InputRejected) -> None:
         self.counters["rejected_messages"] += 1
+        self.rejections[err.kind] = self.rejections.get(err.kind, 0) + 1
         reason = f"{source}: {err}"
-        if self._faults.get(source) != reason:
-            self.get_logger().warning(f"rejected {reason}")
-        self._faults[source] = reason
+        # One line per source and cause per second: the details (a value, a stamp) change with
+        # every message of a persisting fault, the cause does not.
+        self.log_limiter(f"rejected {source} {err.kind}", "warning", f"rejected {reason} [{err.kind}]; holding")
+        self._faults[source] = (err.kind, reason)
         self.last_error = reason
 
     def _on_joint_state(self, msg: JointState) -> None:
@@ -243,6 +277,8 @@ class PolicyBridge(Node):
         arrival = time.monotonic()
         try:
             vector = joint_state_vector(msg.name, msg.position, self.config.state_names)
+            check_bounds(vector, self.config.state_names, self._state_low, self._state_high,
+                         self.config.safety.state_margin)  # fmt: skip
             self._accept("joint_states", stamp_seconds(msg.header.stamp), arrival)
             self._state = vector
             self._state_stamp = msg.header.stamp  # echoed exactly in the commands it leads to
@@ -302,16 +338,16 @@ class PolicyBridge(Node):
 
     def _control_tick(self, scheduled: float) -> None:
         now = time.monotonic()
-        cause = self._hold_cause(now)
+        cause_key, cause = self._hold_cause(now)
         target = self._next_target if cause is None else None
         command = self._command(target)
         if command is not None:
             self._publish_command(command)
         published = time.monotonic()
         # Everything below runs after the command went out.
-        self._set_cause(cause)  # may log and publish diagnostics
+        self._set_cause(cause_key, cause)  # may log and publish diagnostics
         self.counters["ticks"] += 1
-        if published - scheduled > self.period / 2:
+        if published - scheduled > self.config.deadline_ms / 1e3:
             self.counters["missed_deadlines"] += 1
         if self.on_tick is not None:
             record = TickRecord(
@@ -342,31 +378,45 @@ class PolicyBridge(Node):
             self._next_is_seam = self._merged
             self._merged = False
 
-    def _hold_cause(self, now: float) -> str | None:
-        """Why the next command must be a hold, or None when the policy's action can go out."""
+    def _hold_cause(self, now: float) -> tuple[str | None, str | None]:
+        """(key, text): why the next command must be a hold, or (None, None) when the policy's action can go out.
+
+        The key names the cause without the details that change from message to message (a value,
+        a stamp), so a persisting fault is one cause: logged once, counted once as a state change.
+        """
         if self.safety.estopped:
-            return "e-stop engaged"
+            return "estop", "e-stop engaged"
         if self._worker_state != "ready":
-            return self._worker_error or "loading the policy"
+            return f"worker {self._worker_state}", self._worker_error or "loading the policy"
         if not self.worker.alive():
             self._worker_state, self._worker_error = "failed", "the inference worker died; restart the node"
-            return self._worker_error
+            self.get_logger().error(self._worker_error)
+            return "worker died", self._worker_error
         if self._faults:
-            return "rejected input: " + "; ".join(self._faults.values())
+            key = "rejected " + ", ".join(f"{source} {kind}" for source, (kind, _) in sorted(self._faults.items()))
+            return key, "rejected input: " + "; ".join(reason for _, reason in self._faults.values())
         stale = self._stale_inputs(now)
         if stale:
-            return f"stale input (none newer than {self.config.safety.stale_after_s:g} s): {', '.join(stale)}"
-        return self._policy_error
+            text = f"stale input (none newer than {self.config.safety.stale_after_s:g} s): {', '.join(stale)}"
+            return "stale " + ", ".join(stale), text
+        if self._policy_error is not None:
+            return f"policy {self._policy_error_kind}", self._policy_error
+        return None, None
 
     def _stale_inputs(self, now: float) -> list[str]:
         limit = self.config.safety.stale_after_s
         sources = ["joint_states"] + [f"camera {c.name}" for c in self.config.cameras]
         return [s for s in sources if now - self._arrival.get(s, -math.inf) > limit]
 
-    def _set_cause(self, cause: str | None) -> None:
-        if cause == self.cause:
+    def _set_cause(self, key: str | None, cause: str | None) -> None:
+        if key == self._cause_key:
+            # The same cause with new details (the next out-of-order stamp, another value): the
+            # diagnostics timer reports the newest text; no log line, no state change.
+            if cause != self.cause:
+                self.cause = cause
+                self.last_error = cause or self.last_error
             return
-        if cause is None:
+        if key is None:
             state = "RUNNING"
         elif self.safety.estopped:
             state = "ESTOP"
@@ -374,14 +424,17 @@ class PolicyBridge(Node):
             state = self._worker_state.upper() if self._worker_state == "failed" else "LOADING"
         else:
             state = "HOLDING"
-        if cause is None:
-            self.get_logger().info(f"{self.node_state} -> RUNNING (recovered from: {self.cause})")
+        # Rejections, policy errors, load failures and the e-stop are logged where they are found;
+        # only staleness (an absence: nothing arrives to be logged) and recovery are logged here.
+        # Both are rate-limited: input that flickers between good and bad would flip the state every tick.
+        if key is None:
+            self.log_limiter("recovered", "info", f"{self.node_state} -> RUNNING (recovered from: {self.cause})")
         else:
-            if cause.startswith("stale"):
+            if key.startswith("stale"):
                 self.counters["stale_events"] += 1
-            self.get_logger().warning(f"{state}: {cause}")
+                self.log_limiter(key, "warning", f"{state}: {cause}")
             self.last_error = cause
-        self.node_state, self.cause = state, cause
+        self.node_state, self.cause, self._cause_key = state, cause, key
         self.publish_diagnostics()
 
     def _command(self, target: np.ndarray | None) -> np.ndarray | None:
@@ -467,12 +520,12 @@ class PolicyBridge(Node):
         latency = now - request["sent"]
         ex = self.executor_
         if result.error is not None:
-            self._policy_failed(result.error, now)
+            self._policy_failed(result.error, "policy_raised", now)
             return
         actions = result.actions
-        if actions is None or actions.ndim != 3 or actions.shape[0] != 1 or actions.shape[2] != ex.action_dim \
-                or not 1 <= actions.shape[1] <= ex.horizon or not np.isfinite(actions).all():
-            self._policy_failed(f"policy returned an invalid chunk {getattr(actions, 'shape', None)} (NaN, or wrong shape)", now)
+        problem = chunk_problem(actions, ex.horizon, self.config.action_names)
+        if problem is not None:  # never merged: a NaN or misshapen plan must not reach the safety filter
+            self._policy_failed(problem, "invalid_chunk", now)
             return
         if request["epoch"] != self._epoch:
             self.counters["dropped_chunks"] += 1  # planned before a hold: stale by definition
@@ -498,12 +551,14 @@ class PolicyBridge(Node):
         }  # fmt: skip
         self._chunk_pub.publish(String(data=json.dumps(info)))
 
-    def _policy_failed(self, error: str, now: float) -> None:
-        self.counters["policy_errors"] += 1
+    def _policy_failed(self, error: str, kind: str, now: float) -> None:
+        """Hold on a policy that raised (kind policy_raised) or returned an unusable chunk (invalid_chunk);
+        ask again after ``error_retry_s``."""
+        self.counters["policy_errors" if kind == "policy_raised" else "invalid_chunks"] += 1
         self._retry_at = now + self.config.error_retry_s
-        if error != self._policy_error:
-            self.get_logger().error(error)
-        self._policy_error = error
+        retry = f"; holding, asking again in {self.config.error_retry_s:g} s"
+        self.log_limiter(f"policy {kind}", "error", error + retry)
+        self._policy_error, self._policy_error_kind = error, kind
         self.last_error = error
 
     def _maybe_request(self, now: float) -> None:
@@ -520,7 +575,11 @@ class PolicyBridge(Node):
         size = self._image_size()
         for cam in self.config.cameras:
             try:
-                rgb = fit_image(self._images[cam.name], size, self.config.resize_images) if size else self._images[cam.name]
+                rgb = (
+                    fit_image(self._images[cam.name], size, self.config.resize_images)
+                    if size
+                    else self._images[cam.name]
+                )
             except InputRejected as err:  # arrived before the policy told its image size
                 self._reject(f"camera {cam.name}", err)
                 return
@@ -561,6 +620,8 @@ class PolicyBridge(Node):
             "dry_run": str(self.config.dry_run),
         }
         values.update({k: str(v) for k, v in self.counters.items()})
+        values.update({f"rejected_{kind}": str(n) for kind, n in sorted(self.rejections.items())})
+        values.update(self.scheduling)
         return values
 
     def publish_diagnostics(self) -> None:
@@ -598,6 +659,13 @@ def spin(node: Node, executor, duration_s: float = 0.0) -> None:
         executor.remove_node(node)
 
 
+def granted(asked: bool, problem: str | None) -> str:
+    """What a scheduling request came to: "off" (not asked for), "granted", or "refused: <why>"."""
+    if not asked:
+        return "off"
+    return f"refused: {problem}" if problem else "granted"
+
+
 def serve(config: ServeConfig, load_policy: Callable[[], Policy], ros_args: list[str] | None = None) -> dict[str, str]:
     """Run the bridge until ``config.duration_s`` passes or Ctrl-C; returns the final diagnostics values.
 
@@ -617,6 +685,10 @@ def serve(config: ServeConfig, load_policy: Callable[[], Policy], ros_args: list
     context = rclpy.Context()
     rclpy.init(args=ros_args, context=context)
     node = PolicyBridge(config, load_policy, context=context)
+    node.scheduling = {
+        "realtime_scheduling": granted(config.control_rt_priority > 0, rt_problem),
+        "memory_locking": granted(config.control_lock_memory, lock_problem),
+    }
     if rt_problem:
         node.get_logger().warning(f"control loop runs with normal scheduling: {rt_problem}")
     if lock_problem:

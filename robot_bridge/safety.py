@@ -48,7 +48,9 @@ class SafetyFilter:
         self.max_velocity = _per_dim(max_velocity, action_dim, np.inf)
         self.max_acceleration = _per_dim(max_acceleration, action_dim, np.inf)
         if (self.low > self.high).any() or (self.max_velocity < 0).any() or (self.max_acceleration < 0).any():
-            raise ValueError("safety limits need position_min <= position_max and non-negative velocity/acceleration limits")
+            raise ValueError(
+                "safety limits need position_min <= position_max and non-negative velocity/acceleration limits"
+            )
         self.action_dim = action_dim
         self.estopped = False
         self.last_command: np.ndarray | None = None  # (A,), None until the first command

@@ -47,18 +47,31 @@ def ramp_policy(horizon: int = 8, delta: bool = False) -> RampPolicy:
     return RampPolicy(horizon, delta)
 
 
-class FailingLoader:
-    """Raises like a missing checkpoint for the first ``failures`` calls, then loads a RampPolicy."""
+class BadChunkPolicy(RampPolicy):
+    """A RampPolicy whose calls numbered in ``bad`` (1-based) return an unusable chunk: "nan" puts one
+    NaN at step 2, ee_y; "shape" drops the last action dim (grip)."""
 
-    def __init__(self, failures: int):
-        self.failures = failures
+    def __init__(self, bad: dict[int, str]):
+        super().__init__(horizon=8)
+        self.bad = bad
         self.calls = 0
 
-    def __call__(self) -> RampPolicy:
+    def predict_chunk(self, obs, obs_step=None) -> ActionChunk:
+        chunk = super().predict_chunk(obs, obs_step)
         self.calls += 1
-        if self.calls <= self.failures:
-            raise FileNotFoundError("no checkpoint at /nonexistent (injected)")
-        return RampPolicy()
+        kind = self.bad.get(self.calls)
+        if kind == "nan":
+            actions = chunk.actions.clone()
+            actions[0, 2, 1] = float("nan")
+            return ActionChunk(actions, chunk.obs_step)
+        if kind == "shape":
+            return ActionChunk(chunk.actions[..., :3].contiguous(), chunk.obs_step)
+        return chunk
+
+
+def bad_chunk_policy() -> BadChunkPolicy:
+    """Chunk 3 carries a NaN, chunk 5 is one action dim short; the rest are good."""
+    return BadChunkPolicy({3: "nan", 5: "shape"})
 
 
 def random_diffusion_policy():

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
+STOPPED_BY_SIGINT = 128 + signal.SIGINT  # the exit code of a `vla-rl` command ended by Ctrl-C
+
 
 def ros_environ(domain_id: int) -> dict[str, str]:
     return {**os.environ, "ROS_DOMAIN_ID": str(domain_id), "ROS_AUTOMATIC_DISCOVERY_RANGE": "LOCALHOST",
@@ -33,16 +35,20 @@ def start_command(args: list[str], domain_id: int, log_dir: Path, name: str) -> 
         )
 
 
-def stop_command(proc: subprocess.Popen, log_dir: Path, name: str, timeout: float = 20, exits_by_itself: bool = False
-                 ) -> tuple[int, str, str]:  # fmt: skip
-    """Ctrl-C the process (after ``timeout`` s if it ``exits_by_itself``); its exit code, stdout and stderr."""
+def stop_command(proc: subprocess.Popen, log_dir: Path, name: str, timeout: float = 20, exits_by_itself: bool = False,
+                 sig: int = signal.SIGINT) -> tuple[int, str, str]:  # fmt: skip
+    """Send ``sig`` (Ctrl-C by default; after ``timeout`` s if it ``exits_by_itself``); its exit code, stdout, stderr.
+
+    A `vla-rl` command stopped by a signal still prints its summary, and exits with 128 + the signal
+    number (130 for SIGINT: STOPPED_BY_SIGINT) to say it was stopped; one that ended by itself exits with 0.
+    """
     if exits_by_itself:
         try:
             proc.wait(timeout)
         except subprocess.TimeoutExpired:
             pass
     if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(sig)
         try:
             proc.wait(timeout)
         except subprocess.TimeoutExpired:

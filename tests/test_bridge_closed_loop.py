@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 
 import pytest
-from ros_helpers import RobotClient, last_json, start_command, stop_command
+from ros_helpers import STOPPED_BY_SIGINT, RobotClient, last_json, start_command, stop_command
 
 DOMAIN_ID = 63
 
@@ -44,10 +44,14 @@ def test_serve_drives_the_sim_robot_to_success(lift_checkpoint, tmp_path):
         assert success["done"]
     finally:
         client.close()
-        serve_code, _, serve_err = stop_command(bridge, tmp_path, "serve")
+        serve_code, serve_out, serve_err = stop_command(bridge, tmp_path, "serve")
         robot_code, robot_out, robot_err = stop_command(robot, tmp_path, "robot")
-    assert robot_code == 0, robot_err
-    assert serve_code == 0, serve_err
+    assert robot_code == STOPPED_BY_SIGINT, robot_err  # stopped by Ctrl-C, after printing their summaries
+    assert serve_code == STOPPED_BY_SIGINT, serve_err
+    # The bridge's summary says whether the control loop got real-time scheduling and locked memory.
+    served = last_json(serve_out)
+    for key in ("realtime_scheduling", "memory_locking"):
+        assert served[key] == "granted" or served[key].startswith("refused: "), served
     summary = last_json(robot_out)
     # The bridge speaks the robot's command interface: every command it sent was accepted.
     assert summary["commands_received"] > 100 and summary["commands_rejected"] == {}, summary

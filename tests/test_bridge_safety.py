@@ -1,20 +1,36 @@
-"""SafetyFilter and message conversions, with hand-computed numbers (no ROS needed)."""
+"""SafetyFilter, message and chunk checks, the log limiter and the state bounds, with hand-computed numbers (no ROS)."""
 
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import cv2
 import numpy as np
 import pytest
 
-from robot_bridge.messages import InputRejected, compressed_to_rgb, fit_image, image_to_rgb, joint_state_vector
+from robot_bridge.config import SIM_ACTION_NAMES, SIM_STATE_BOUNDS, SIM_STATE_NAMES, ServeConfig
+from robot_bridge.inference import chunk_problem
+from robot_bridge.log_limit import LogLimiter
+from robot_bridge.messages import (
+    InputRejected,
+    check_bounds,
+    compressed_to_rgb,
+    fit_image,
+    image_to_rgb,
+    joint_state_vector,
+)
 from robot_bridge.safety import SafetyFilter
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_importing_the_bridge_core_needs_no_ros():
     import subprocess  # a fresh process: other tests in this session import rclpy
 
-    code = "import sys, robot_bridge.safety, robot_bridge.config, robot_bridge.messages, robot_bridge.inference; print('rclpy' in sys.modules)"
+    code = (
+        "import sys, robot_bridge.safety, robot_bridge.config, robot_bridge.messages, robot_bridge.inference, "
+        "robot_bridge.log_limit; print('rclpy' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
     assert out.stdout.strip() == "False", out.stderr
 
@@ -76,8 +92,87 @@ def test_joint_state_by_name():
         joint_state_vector(["a"], [1.0], ["a", "d"])
     with pytest.raises(InputRejected, match="2 names but 1 positions"):
         joint_state_vector(["a", "b"], [1.0], ["a"])
-    with pytest.raises(InputRejected, match=r"non-finite values for \['a'\]"):
+    with pytest.raises(InputRejected, match=r"non-finite values for \['a'\]") as err:
         joint_state_vector(["a"], [float("inf")], ["a"])
+    assert err.value.kind == "not_finite"
+
+
+def test_state_bounds_with_margin():
+    names = ["a", "b", "c"]
+    low, high = np.array([-1.0, 0.0, -np.inf]), np.array([1.0, 0.08, np.inf])
+    check_bounds(np.array([1.05, -0.05, 1e9]), names, low, high, margin=0.05)  # on the margin; c is unbounded
+    with pytest.raises(InputRejected) as err:
+        check_bounds(np.array([1.06, 0.2, 0.0]), names, low, high, margin=0.05)
+    assert err.value.kind == "out_of_bounds"
+    assert "a=1.06 outside [-1, 1], b=0.2 outside [0, 0.08], margin 0.05" in str(err.value)
+    assert "widen safety.state_bounds" in str(err.value)
+    with pytest.raises(InputRejected) as err:
+        check_bounds(np.full(5, 5.0), [f"z{i}" for i in range(5)], np.zeros(5), np.ones(5), margin=0.0)
+    assert "z0=5 outside [0, 1], z1=5 outside [0, 1], z2=5 outside [0, 1] (and 2 more)" in str(err.value)
+
+
+def test_default_state_bounds_are_the_sim_pandas():
+    """Read independently from the MJCF model and the env: joint ranges, two finger slides, the workspace."""
+    import mujoco
+
+    from sim.mujoco_env import STATE_NAMES, MujocoBatchedEnv
+
+    assert SIM_STATE_NAMES == STATE_NAMES and list(SIM_STATE_BOUNDS) == STATE_NAMES
+    model = mujoco.MjModel.from_xml_path(str(ROOT / "sim/assets/panda_lift.xml"))
+    for i in range(7):
+        assert SIM_STATE_BOUNDS[f"joint{i + 1}"] == pytest.approx(model.jnt_range[i].tolist())
+    fingers = model.jnt_range[7:9]
+    assert SIM_STATE_BOUNDS["gripper_width"] == pytest.approx([fingers[:, 0].sum(), fingers[:, 1].sum()])
+    low, high = MujocoBatchedEnv.ACTION_LOW, MujocoBatchedEnv.ACTION_HIGH
+    for i, name in enumerate(["ee_x", "ee_y", "ee_z"]):
+        assert SIM_STATE_BOUNDS[name] == pytest.approx([low[i], high[i]])
+    # configs/serve.yaml states the same bounds.
+    import yaml
+
+    served = yaml.safe_load((ROOT / "configs/serve.yaml").read_text())["safety"]
+    assert served["state_bounds"] == SIM_STATE_BOUNDS and served["state_margin"] == ServeConfig().safety.state_margin
+
+
+def test_state_bounds_config_is_validated():
+    cfg = ServeConfig()
+    cfg.safety.state_bounds = {"joint1": [1.0, -1.0]}
+    with pytest.raises(ValueError, match=r"safety.state_bounds.joint1 must be \[low, high\]"):
+        cfg.validate()
+    cfg.safety.state_bounds, cfg.safety.state_margin = {}, -0.1
+    with pytest.raises(ValueError, match="state_margin must be >= 0"):
+        cfg.validate()
+
+
+def test_chunk_problem_names_nan_and_shape():
+    names = list(SIM_ACTION_NAMES)
+    good = np.zeros((1, 8, 4), np.float32)
+    assert chunk_problem(good, 8, names) is None
+    assert chunk_problem(good[:, :3], 8, names) is None  # a shorter chunk is fine
+    bad = good.copy()
+    bad[0, 5, 3] = np.inf
+    bad[0, 6, 0] = np.nan
+    assert "2 non-finite (NaN/inf) values of 32, the first at step 5, grip" in chunk_problem(bad, 8, names)
+    for shape in [(1, 8, 3), (2, 8, 4), (1, 9, 4), (1, 0, 4), (8, 4)]:
+        assert f"shape {shape}, expected (1, 1..8, 4)" in chunk_problem(np.zeros(shape), 8, names)
+    assert "shape None" in chunk_problem(None, 8, names)
+
+
+def test_log_limiter_one_line_per_cause_per_period():
+    now = [0.0]
+    lines = []
+    log = LogLimiter(lambda level, line: lines.append((level, line)), period_s=1.0, clock=lambda: now[0])
+    for i in range(10):
+        log("a", "warning", f"a {i}")
+        log("b", "error", f"b {i}")
+        now[0] += 0.05  # 10 calls in 0.45 s
+    assert lines == [("warning", "a 0"), ("error", "b 0")]
+    now[0] = 1.0  # one period after the first line
+    assert log("a", "warning", "a again")
+    assert not log("a", "warning", "a held")
+    assert lines[-1] == ("warning", "a again (9 more like it in the last 1.0 s)")
+    now[0] = 5.0
+    log("a", "warning", "a later")
+    assert lines[-1] == ("warning", "a later (1 more like it in the last 4.0 s)")
 
 
 def _image(encoding, pixels, pad=0):

@@ -1,9 +1,11 @@
 """`vla-rl record-ros` -> MCAP -> `vla-rl convert` -> LeRobotDataset, against what the sim robot published."""
 
+import signal
+
 import numpy as np
 import pytest
 import torch
-from ros_helpers import RobotClient, last_json, start_command, stop_command
+from ros_helpers import STOPPED_BY_SIGINT, RobotClient, last_json, start_command, stop_command
 
 DOMAIN_ID = 62
 EPISODE_STEPS = 6
@@ -51,9 +53,10 @@ def recording(tmp_path_factory):
         instruction = client.instructions[-1]
     finally:
         client.close()
-        rec = stop_command(recorder, logs, "recorder")
+        rec = stop_command(recorder, logs, "recorder", sig=signal.SIGTERM)  # as a scheduler stops a job
         bot = stop_command(robot, logs, "robot")
-    assert rec[0] == 0 and bot[0] == 0, rec[2] + bot[2]
+    # Each printed its summary and says which signal stopped it; the MCAP file is complete (tests below).
+    assert (rec[0], bot[0]) == (128 + signal.SIGTERM, STOPPED_BY_SIGINT), rec[2] + bot[2]
     return mcap, last_json(rec[1]), np.array(sent), observed, instruction
 
 

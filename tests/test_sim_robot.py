@@ -1,11 +1,19 @@
-"""`vla-rl sim-robot` as a subprocess, driven over real ROS 2 topics from this process."""
+"""`vla-rl sim-robot` as a subprocess, driven over real ROS 2 topics from this process.
+
+The machine may be loaded (the robot can fall behind real time): the tests wait for events and
+counts with generous timeouts, never for what a wall-clock window should contain. The real-time
+factor is checked by the slow test at the end.
+"""
+
+import time
 
 import numpy as np
 import pytest
 import torch
-from ros_helpers import RobotClient, last_json, start_command, stop_command
+from ros_helpers import STOPPED_BY_SIGINT, RobotClient, last_json, start_command, stop_command
 
 DOMAIN_ID = 61
+TIMEOUT = 30  # seconds to wait for an event
 
 
 @pytest.fixture
@@ -35,7 +43,7 @@ def test_lock_step_robot_matches_the_batched_env_and_the_replayed_expert_succeed
             assert (start["episode"], start["step"], start["tick"]) == (0, 0, 0)
             published = client.state_at(start["stamp_ns"])
             np.testing.assert_array_equal(published, obs["observation.state"][0].double().numpy())
-            image = client.spin_until(lambda: client.images.get(start["stamp_ns"]), 5, "the first image")
+            image = client.spin_until(lambda: client.images.get(start["stamp_ns"]), TIMEOUT, "the first image")
             expected = obs["observation.images.front"][0].permute(1, 2, 0).mul(255).round().byte().numpy()
             assert (image.height, image.width, image.encoding) == (64, 64, "rgb8")
             assert (
@@ -51,14 +59,14 @@ def test_lock_step_robot_matches_the_batched_env_and_the_replayed_expert_succeed
                 else:
                     client.send_array(action)
                 status = client.spin_until(lambda step=step: next((s for s in client.statuses if s["tick"] == step), None),
-                                           10, f"the status of step {step}")  # fmt: skip
+                                           TIMEOUT, f"the status of step {step}")  # fmt: skip
                 done = bool(terminated[0] or truncated[0])
                 assert (status["step"], status["done"], status["success"]) == (step, done, bool(info["success"][0]))
                 if done:
                     break
                 stamp = status["stamp_ns"]
                 state = client.spin_until(
-                    lambda stamp=stamp: client.state_at(stamp), 5, f"the joint state of step {step}"
+                    lambda stamp=stamp: client.state_at(stamp), TIMEOUT, f"the joint state of step {step}"
                 )
                 np.testing.assert_array_equal(state, obs["observation.state"][0].double().numpy())
             assert status["success"], f"the replayed expert did not lift the cube in {step} steps"
@@ -72,7 +80,16 @@ def test_lock_step_robot_matches_the_batched_env_and_the_replayed_expert_succeed
 
 
 def _diagnostic(client, key: str) -> str:
-    return {kv.key: kv.value for kv in client.diagnostics[-1].values}[key]
+    return {kv.key: kv.value for kv in client.diagnostics[-1].values}[key] if client.diagnostics else ""
+
+
+def _drive_until(client, send, done, what: str, timeout: float = TIMEOUT):
+    """Send a command every 50 ms (fresh, well within the robot's 0.3 s timeout) until ``done()``."""
+    end = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < end, f"timed out after {timeout} s waiting for {what}"
+        send()
+        client.spin_for(0.05)
 
 
 def test_commands_move_the_arm_bad_ones_are_rejected_and_stale_ones_hold(client, tmp_path):
@@ -83,17 +100,21 @@ def test_commands_move_the_arm_bad_ones_are_rejected_and_stale_ones_hold(client,
     names = ["ee_z", "grip", "ee_x", "ee_y"]  # matched by name, not position
     try:
         client.wait_for_robot()
-        client.spin_for(0.5)
+        client.spin_until(lambda: client.diagnostics, TIMEOUT, "the first diagnostics")
         assert client.diagnostics[-1].message == "no command yet; holding position"
         ee0 = client.latest_ee()
 
         target = ee0 + np.array([0.08, -0.06, -0.06])
-        for _ in range(25):  # 1.25 s at 20 Hz
-            client.send_trajectory(names, [target[2], 0.0, target[0], target[1]])
-            client.spin_for(0.05)
-        moved = client.latest_ee() - ee0
-        assert (moved * np.sign(target - ee0) > 0.03).all(), f"the end effector moved {moved}, toward {target - ee0}"
-        assert _diagnostic(client, "command_state") == "fresh"
+        _drive_until(
+            client, lambda: client.send_trajectory(names, [target[2], 0.0, target[0], target[1]]),
+            lambda: ((client.latest_ee() - ee0) * np.sign(target - ee0) > 0.03).all()
+            and np.linalg.norm(client.latest_ee() - target) < 0.01,
+            f"the end effector to move from {ee0} to {target}",
+        )  # fmt: skip
+        _drive_until(
+            client, lambda: client.send_trajectory(names, [target[2], 0.0, target[0], target[1]]),
+            lambda: _diagnostic(client, "command_state") == "fresh", "command_state fresh on /diagnostics",
+        )  # fmt: skip
 
         before_bad = client.latest_ee()
         stamp = client.node.get_clock().now().nanoseconds
@@ -107,7 +128,7 @@ def test_commands_move_the_arm_bad_ones_are_rejected_and_stale_ones_hold(client,
             client.send_trajectory(names, [target[2], 0.0, target[0], target[1]])  # keeps the last valid action fresh
             send()
             client.spin_for(0.05)
-        client.spin_until(lambda: _diagnostic(client, "commands_rejected") == "4", 3, "4 rejections on /diagnostics")
+        client.spin_until(lambda: _diagnostic(client, "commands_rejected") == "4", TIMEOUT, "4 rejections reported")
         rejected = {kv.key: kv.value for kv in client.diagnostics[-1].values}
         assert [rejected[f"rejected_{k}"] for k in ("not_finite", "wrong_length", "wrong_names", "out_of_order")] == [
             "1"
@@ -116,28 +137,44 @@ def test_commands_move_the_arm_bad_ones_are_rejected_and_stale_ones_hold(client,
         # The last valid action stayed in force: the arm stays near the target it was holding.
         assert np.linalg.norm(client.latest_ee() - before_bad) < 0.02
 
+        # No commands: stale after 0.3 s, then the arm holds where it is and the robot keeps publishing.
+        client.spin_until(lambda: _diagnostic(client, "command_state") == "stale", TIMEOUT, "a stale command")
+        client.spin_until(lambda: "holding position" in client.diagnostics[-1].message, TIMEOUT, "holding position")
         count = len(client.joint_states)
-        client.spin_for(0.8)  # no commands: stale after 0.3 s, then the arm holds where it is
-        assert len(client.joint_states) - count >= 10, "the robot stopped publishing"
-        assert _diagnostic(client, "command_state") == "stale"
-        assert "holding position" in client.diagnostics[-1].message
+        client.spin_until(lambda: len(client.joint_states) >= count + 5, TIMEOUT, "joint states while holding")
         held = client.latest_ee()
-        client.spin_for(0.5)
+        client.spin_until(lambda: len(client.joint_states) >= count + 15, TIMEOUT, "ten more joint states")
         assert np.linalg.norm(client.latest_ee() - held) < 0.005
 
         second = held + np.array([0.0, 0.08, 0.0])
-        for _ in range(20):
-            client.send_array([*second, 0.0])
-            client.spin_for(0.05)
-        assert client.latest_ee()[1] - held[1] > 0.03, "the arm did not follow commands again after going stale"
-        client.spin_until(lambda: client.diagnostics[-1].message == "following commands", 3, "recovery on /diagnostics")
+        _drive_until(
+            client, lambda: client.send_array([*second, 0.0]),
+            lambda: client.latest_ee()[1] - held[1] > 0.03 and client.diagnostics[-1].message == "following commands",
+            "the arm to follow commands again after going stale, and recovery on /diagnostics",
+        )  # fmt: skip
     finally:
         code, out, err = stop_command(robot, tmp_path, "robot")
-    assert code == 0, err
+    assert code == STOPPED_BY_SIGINT, err
     summary = last_json(out)
     assert summary["commands_rejected"] == {"not_finite": 1, "wrong_length": 1, "wrong_names": 1, "out_of_order": 1}
-    assert 0.8 <= summary["realtime_factor"] <= 1.05, summary  # a loaded machine may fall behind a little
     for kind in ("joint_trajectory: not_finite", "array: wrong_length", "joint_trajectory: wrong_names",
                  "joint_trajectory: out_of_order"):  # fmt: skip
         assert f"rejected command on /command/{kind}" in err
     assert "holding position" in err and "commands resumed" in err
+
+
+@pytest.mark.slow
+def test_real_time_mode_keeps_pace(client, tmp_path):
+    """Without commands, for 100 control steps (5 s at 20 Hz): simulated time keeps up with the wall clock."""
+    robot = start_command(["sim-robot", "--env.task=reach", "--env.max_episode_steps=1000"], DOMAIN_ID, tmp_path,
+                          "robot")  # fmt: skip
+    try:
+        client.wait_for_robot()
+        count = len(client.joint_states)
+        client.spin_until(lambda: len(client.joint_states) >= count + 100, 60, "100 control steps")
+    finally:
+        code, out, err = stop_command(robot, tmp_path, "robot")
+    assert code == STOPPED_BY_SIGINT, err
+    summary = last_json(out)
+    assert summary["steps"] >= 100
+    assert 0.9 <= summary["realtime_factor"] <= 1.05, summary

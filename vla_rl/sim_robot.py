@@ -436,8 +436,7 @@ def run_sim_robot(cfg: SimRobotConfig) -> dict:
         )
     if cfg.realtime_factor <= 0:
         raise ValueError(f"realtime_factor must be positive, got {cfg.realtime_factor}")
-    # One world whatever env.num_envs says: draccus rebuilds a nested config from the class
-    # defaults (num_envs=16) as soon as one of its fields is overridden.
+    # One world whatever env.num_envs says: the node is one robot.
     env = make_env(replace(cfg.env, num_envs=1))
     rclpy.init()
     node = rclpy.create_node(cfg.node_name)
