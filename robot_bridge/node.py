@@ -140,6 +140,8 @@ class PolicyBridge(Node):
         bounds = cfg.safety.state_bounds
         self._state_low = np.array([bounds[n][0] if n in bounds else -np.inf for n in cfg.state_names])
         self._state_high = np.array([bounds[n][1] if n in bounds else np.inf for n in cfg.state_names])
+        # A robot whose joint names differ from the sim arm's gets no check from the defaults: say so.
+        self.unchecked_state = [n for n in cfg.state_names if n not in bounds]
 
         self._worker_state = "loading"
         self._worker_error: str | None = None
@@ -172,6 +174,11 @@ class PolicyBridge(Node):
         # not); `serve` fills it in, and it is reported on /diagnostics and in the final summary.
         self.scheduling: dict[str, str] = {}
         self.log_limiter = LogLimiter(self._log_line, period_s=1.0, clock=log_clock)
+        if self.unchecked_state:
+            self.get_logger().warning(
+                f"state entries {self.unchecked_state} have no plausibility bounds, so a sensor fault there "
+                f"reaches the policy; set safety.state_bounds.<name>=[low,high] for each"
+            )
         self.latencies_ms: list[float] = []  # request -> result, per chunk
         self.obs_to_command_ms: list[float] = []  # joint state arrival -> first command of its chunk
         self._seam_obs_arrival = 0.0

@@ -604,3 +604,22 @@ def test_commands_arrive_at_the_control_rate(ros):
         assert np.median(np.diff(times)) == pytest.approx(1 / HZ, abs=0.004)
     finally:
         bridge.close()
+
+
+def test_state_entries_without_bounds_are_named_at_start(ros):
+    """A robot whose joint names the bounds do not cover would pass its sensor faults on: the node says which."""
+    from robot_bridge.config import SafetyConfig
+
+    context, executor = ros
+    safety = SafetyConfig(stale_after_s=0.3)
+    del safety.state_bounds["joint7"], safety.state_bounds["ee_z"]
+    bridge, _ = make_bridge(context, executor, safety=safety)
+    try:
+        assert bridge.unchecked_state == ["joint7", "ee_z"]
+    finally:
+        bridge.close()
+    bridge, _ = make_bridge(context, executor)
+    try:
+        assert bridge.unchecked_state == []  # the defaults cover every entry of the sim arm
+    finally:
+        bridge.close()

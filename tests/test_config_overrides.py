@@ -88,3 +88,15 @@ def test_yaml_file_then_command_line_each_over_the_defaults(tmp_path):
     assert (cfg.num_episodes, cfg.env.image_size, cfg.env.task, cfg.env.num_envs) == (7, 96, "push", 50)
     cfg = parse_config("eval", [f"--config_path={path}", "--env.image_size=32"])
     assert cfg.env.image_size == 32  # the command line wins over the file
+
+
+def test_dict_valued_fields_are_replaced_whole_not_merged(tmp_path):
+    """A mapping (not a nested config) set by a layer is that layer's mapping exactly."""
+    cfg = parse_config("serve", ["--safety.state_bounds={}", "--safety.stale_after_s=0.5"])
+    assert cfg.safety.state_bounds == {}  # an empty mapping really is empty: nothing checked
+    assert cfg.safety.initial_command == {"grip": 0.0} and cfg.safety.stale_after_s == 0.5
+    path = tmp_path / "serve.yaml"
+    path.write_text("safety:\n  initial_command:\n    gripper: 1.0\n")
+    cfg = parse_config("serve", [f"--config_path={path}"])
+    assert cfg.safety.initial_command == {"gripper": 1.0}  # not merged with the default's "grip"
+    assert cfg.safety.state_bounds["joint1"] == [-2.8973, 2.8973]  # an unset mapping keeps its default

@@ -311,7 +311,8 @@ def _with_defaults(config_cls: type, config_path: str | None, args: list[str]) -
     import draccus
     import yaml
 
-    base = draccus.encode(config_cls())
+    defaults = config_cls()
+    base = _nested_configs_only(defaults, draccus.encode(defaults))
     if config_path is not None:
         with open(config_path, encoding="utf-8") as f:
             base = _layer(base, yaml.safe_load(f) or {})
@@ -326,6 +327,25 @@ def _with_defaults(config_cls: type, config_path: str | None, args: list[str]) -
             if isinstance(subtree, dict) and subtree.get("type") != value:
                 node[path[-1]] = {"type": value}
     return base
+
+
+def _nested_configs_only(config: Any, encoded: dict) -> dict:
+    """``encoded`` without its dict-valued fields that are values, not nested configs.
+
+    A dict value (``safety.state_bounds``, say) is replaced whole by whatever sets it; merged with
+    its default it could never be emptied or lose a key. Left out here, it keeps its field's default
+    unless the YAML file or the command line sets it.
+    """
+    import dataclasses
+
+    out = {}
+    for key, value in encoded.items():
+        field_value = getattr(config, key, None)
+        if dataclasses.is_dataclass(field_value) and isinstance(value, dict):
+            out[key] = _nested_configs_only(field_value, value)
+        elif not isinstance(value, dict):
+            out[key] = value
+    return out
 
 
 def _layer(base: dict, top: dict) -> dict:
