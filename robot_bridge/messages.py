@@ -55,7 +55,7 @@ def check_bounds(vector: np.ndarray, names: list[str], low: np.ndarray, high: np
     more = f" (and {len(bad) - 3} more)" if len(bad) > 3 else ""
     raise InputRejected(
         f"joint_states out of bounds: {', '.join(bad[:3])}{more}, margin {margin:g}; a sensor fault, or widen "
-        f"safety.state_bounds (or safety.state_margin) if the robot really is there",
+        f"safety.state_bounds in the serve YAML (or safety.state_margin) if the robot really is there",
         "out_of_bounds",
     )
 

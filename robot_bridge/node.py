@@ -177,7 +177,7 @@ class PolicyBridge(Node):
         if self.unchecked_state:
             self.get_logger().warning(
                 f"state entries {self.unchecked_state} have no plausibility bounds, so a sensor fault there "
-                f"reaches the policy; set safety.state_bounds.<name>=[low,high] for each"
+                f"reaches the policy; give each a [low, high] under safety.state_bounds in the serve YAML"
             )
         self.latencies_ms: list[float] = []  # request -> result, per chunk
         self.obs_to_command_ms: list[float] = []  # joint state arrival -> first command of its chunk

@@ -606,20 +606,23 @@ def test_commands_arrive_at_the_control_rate(ros):
         bridge.close()
 
 
-def test_state_entries_without_bounds_are_named_at_start(ros):
+def test_state_entries_without_bounds_are_named_at_start(ros, capfd):
     """A robot whose joint names the bounds do not cover would pass its sensor faults on: the node says which."""
     from robot_bridge.config import SafetyConfig
 
     context, executor = ros
     safety = SafetyConfig(stale_after_s=0.3)
     del safety.state_bounds["joint7"], safety.state_bounds["ee_z"]
+    capfd.readouterr()
     bridge, _ = make_bridge(context, executor, safety=safety)
     try:
         assert bridge.unchecked_state == ["joint7", "ee_z"]
+        assert "state entries ['joint7', 'ee_z'] have no plausibility bounds" in capfd.readouterr().err
     finally:
         bridge.close()
     bridge, _ = make_bridge(context, executor)
     try:
         assert bridge.unchecked_state == []  # the defaults cover every entry of the sim arm
+        assert "plausibility bounds" not in capfd.readouterr().err
     finally:
         bridge.close()

@@ -100,3 +100,24 @@ def test_dict_valued_fields_are_replaced_whole_not_merged(tmp_path):
     cfg = parse_config("serve", [f"--config_path={path}"])
     assert cfg.safety.initial_command == {"gripper": 1.0}  # not merged with the default's "grip"
     assert cfg.safety.state_bounds["joint1"] == [-2.8973, 2.8973]  # an unset mapping keeps its default
+
+
+def test_a_command_line_mapping_replaces_the_yaml_files_whole():
+    """The README's serve path: configs/serve.yaml, then the bounds of another robot on the command line."""
+    cfg = parse_config("serve", ["--config_path=configs/serve.yaml", "--safety.state_bounds={}"])
+    assert cfg.safety.state_bounds == {}
+    cfg = parse_config("serve", ["--config_path=configs/serve.yaml", "--safety.state_bounds={j1: [-1, 1]}"])
+    assert cfg.safety.state_bounds == {"j1": [-1, 1]}
+    assert cfg.safety.max_velocity == [0.5, 0.5, 0.5, 10.0]  # the file's other safety settings stay (default: [])
+
+
+def test_space_separated_values_switch_a_type_too():
+    from policies.diffusion import DiffusionVLAConfig
+
+    cfg = parse_config("train", ["--policy.type", "diffusion_vla", "--policy.depth", "3"])
+    assert isinstance(cfg.policy, DiffusionVLAConfig) and cfg.policy.depth == 3
+
+
+def test_config_path_without_a_file_is_an_error():
+    with pytest.raises(SystemExit, match="--config_path needs a YAML file"):
+        parse_config("train", ["--config_path", "--steps=3"])

@@ -188,3 +188,44 @@ def test_deferred_block_notes_a_signal_until_the_step_boundary():
         reached.append("after an immediate stop")
     assert reached == ["rest of the step"]
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_while_eval_writes_its_results_leaves_them_whole(sig, tiny_checkpoint, tmp_path, monkeypatch):
+    import vla_rl.eval as eval_module
+
+    out = tmp_path / "eval"
+    calls = _signal_on_call(monkeypatch, eval_module, "_write_video", sig, 1)
+    code = main(["eval", f"--checkpoint={tiny_checkpoint[0]}", "--env.num_envs=2", "--num_episodes=2",
+                 "--video_episodes=1", f"--output_dir={out}"])  # fmt: skip
+    assert calls["n"] == 1 and code == 128 + sig
+    result = json.loads((out / "eval.json").read_text())  # written after the signal, whole
+    assert result["episodes"] == 2 and result["video"] == str(out / "rollouts.mp4")
+    assert "(" in (out / "summary.md").read_text() and (out / "rollouts.mp4").stat().st_size > 1000
+    assert sorted(p.name for p in out.iterdir()) == ["eval.json", "rollouts.mp4", "summary.md"]  # no temporaries
+
+
+def test_a_signal_while_train_writes_its_summary_leaves_it_whole(tiny_dataset, tmp_path, monkeypatch):
+    import vla_rl.train as train_module
+
+    out = tmp_path / "run"
+    calls = _signal_on_call(monkeypatch, train_module, "write_text_atomic", signal.SIGTERM, 2)  # config, summary
+    assert main(_train_args(tiny_dataset[0], out)) == 128 + signal.SIGTERM
+    assert calls["n"] >= 2
+    assert json.loads((out / "train_summary.json").read_text())["steps"] == STEPS
+    assert (out / "loss.png").stat().st_size > 1000  # the plot after it was still drawn
+
+
+def test_record_overwrite_swaps_the_whole_dataset_even_when_signalled(tmp_path, monkeypatch):
+    from vla_rl import files
+
+    out = tmp_path / "demos"
+    assert main(["record", "--env.num_envs=2", "--num_episodes=2", f"--output_dir={out}"]) == 0
+    first = json.loads((out / "meta" / "info.json").read_text())["total_episodes"]
+    calls = _signal_on_call(monkeypatch, files.os, "rename", signal.SIGTERM, 1, after=True,
+                            match=lambda src, dst: Path(dst).name.startswith(".demos.old"))  # fmt: skip
+    code = main(["record", "--env.num_envs=2", "--num_episodes=3", f"--output_dir={out}", "--overwrite=true"])
+    assert calls["n"] == 1 and code == 128 + signal.SIGTERM
+    # Signalled between moving the old dataset aside and moving the new one in: the swap completed.
+    assert (first, json.loads((out / "meta" / "info.json").read_text())["total_episodes"]) == (2, 3)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["demos"]

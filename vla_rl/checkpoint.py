@@ -59,6 +59,8 @@ def save_checkpoint(
     tmp = checkpoints_dir / f".tmp-step-{step:08d}-{os.getpid()}"
     for stale in checkpoints_dir.glob(".tmp-step-*"):  # left by a killed writer (one writer per run)
         shutil.rmtree(stale, ignore_errors=True)
+    for stale in checkpoints_dir.glob(".last-*"):  # a link a killed writer made but never swapped in
+        stale.unlink(missing_ok=True)
     tmp.mkdir()
     state = {k: v.detach().cpu().contiguous() for k, v in policy.state_dict().items()}
     save_file(state, str(tmp / "model.safetensors"))

@@ -285,6 +285,21 @@ def parse_config(name: str, args: list[str]):
         raise SystemExit(f"vla-rl {name}: error: {message}. See `vla-rl {name} --help` for the valid fields.")
 
 
+def _cli_pairs(args: list[str]) -> list[tuple[str, str]]:
+    """(dotted key, value) of each override, written ``--key=value`` or ``--key value``."""
+    pairs, i = [], 0
+    while i < len(args):
+        arg = args[i]
+        if arg.startswith("--") and "=" in arg:
+            key, _, value = arg[2:].partition("=")
+            pairs.append((key, value))
+        elif arg.startswith("--") and i + 1 < len(args) and not args[i + 1].startswith("--"):
+            pairs.append((arg[2:], args[i + 1]))
+            i += 1
+        i += 1
+    return pairs
+
+
 def _split_config_path(args: list[str]) -> tuple[list[str], str | None]:
     """(args without ``--config_path``, its value or None)."""
     rest, path = [], None
@@ -294,6 +309,8 @@ def _split_config_path(args: list[str]) -> tuple[list[str], str | None]:
             path = arg.split("=", 1)[1]
         elif arg == "--config_path":
             path = next(it, None)
+            if path is None or path.startswith("--"):
+                raise ValueError("--config_path needs a YAML file: --config_path=configs/<command>.yaml")
         else:
             rest.append(arg)
     return rest, path
@@ -306,7 +323,8 @@ def _with_defaults(config_cls: type, config_path: str | None, args: list[str]) -
     would rebuild ``env`` from ``EnvConfig``'s class defaults, silently dropping the command's own
     (``vla-rl eval`` has 50 worlds, not 16). Starting from every default avoids that. Where a
     choice field changes its ``type`` (``--policy.type=diffusion_vla``), that subtree starts from
-    the new type's defaults instead, since the old type's fields would not fit it.
+    the new type's defaults instead, since the old type's fields would not fit it. A mapping given
+    on the command line (``--safety.state_bounds={}``) replaces the file's whole, as it would the default.
     """
     import draccus
     import yaml
@@ -316,16 +334,21 @@ def _with_defaults(config_cls: type, config_path: str | None, args: list[str]) -
     if config_path is not None:
         with open(config_path, encoding="utf-8") as f:
             base = _layer(base, yaml.safe_load(f) or {})
-    for arg in args:  # --a.b.type=X on the command line switches the subtree a.b to type X
-        key, _, value = arg.removeprefix("--").partition("=")
-        if key.endswith(".type") and value:
-            *path, _ = key.split(".")
-            node = base
+    for key, value in _cli_pairs(args):
+        *path, leaf = key.split(".")
+        node = base
+        for part in path:
+            node = node.get(part) if isinstance(node, dict) else None
+        if not isinstance(node, dict):
+            continue
+        if leaf == "type" and path and value:  # --a.b.type=X switches the subtree a.b to type X
+            parent = base
             for part in path[:-1]:
-                node = node.get(part, {}) if isinstance(node, dict) else {}
-            subtree = node.get(path[-1]) if isinstance(node, dict) else None
-            if isinstance(subtree, dict) and subtree.get("type") != value:
-                node[path[-1]] = {"type": value}
+                parent = parent[part]
+            if node.get("type") != value:
+                parent[path[-1]] = {"type": value}
+        elif isinstance(node.get(leaf), dict) and value.lstrip().startswith("{"):
+            del node[leaf]  # draccus would merge the command line's mapping into the file's
     return base
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -25,6 +26,7 @@ from sim.config import EnvConfig
 from sim.delay import DelayConfig
 from vla_rl import interrupt
 from vla_rl.checkpoint import load_policy
+from vla_rl.files import temporary_beside, write_text_atomic
 from vla_rl.types import TASK, ActionChunk
 
 
@@ -129,11 +131,13 @@ def evaluate(cfg: EvalConfig) -> dict:
         "per_episode": episodes,
         "config": asdict(cfg),
     }
-    (out / "eval.json").write_text(json.dumps(result, indent=2))
-    if recorder.frames:
-        _write_video(out / "rollouts.mp4", recorder.frames, fps=round(1 / env.control_dt))
-        result["video"] = str(out / "rollouts.mp4")
-    (out / "summary.md").write_text(_summary_md(result))
+    # Each file is whole or absent: a stop signal while writing is acted on once all three are written.
+    with interrupt.deferred():
+        if recorder.frames:
+            _write_video(out / "rollouts.mp4", recorder.frames, fps=round(1 / env.control_dt))
+            result["video"] = str(out / "rollouts.mp4")
+        write_text_atomic(out / "eval.json", json.dumps(result, indent=2))
+        write_text_atomic(out / "summary.md", _summary_md(result))
     return result
 
 
@@ -188,9 +192,11 @@ class FrameRecorder:
 def _write_video(path: Path, frames: list[np.ndarray], fps: int) -> None:
     import imageio.v2 as imageio
 
-    with imageio.get_writer(path, fps=fps, codec="libx264", quality=7, macro_block_size=1) as writer:
+    tmp = temporary_beside(path)
+    with imageio.get_writer(tmp, fps=fps, codec="libx264", quality=7, macro_block_size=1) as writer:
         for f in frames:
             writer.append_data(f)
+    os.replace(tmp, path)
 
 
 def _summary_md(r: dict) -> str:

@@ -20,6 +20,7 @@ from tqdm import tqdm
 from sim.config import EnvConfig
 from vla_rl import interrupt
 from vla_rl.data import discard_dataset, quiet_datasets
+from vla_rl.files import replace_directory
 from vla_rl.types import ACTION, OBS_STATE, image_key
 
 
@@ -94,24 +95,22 @@ def record(cfg: RecordConfig) -> dict:
                     task_saved, task_failed = _record_task(env, expert, ds, cfg, cfg.seed + 1000 * task_number, lengths)
                     saved, failed = saved + task_saved, failed + task_failed
             ds.finalize()
+        summary = {
+            "dataset": str(out),
+            "episodes": saved,
+            "tasks": tasks,
+            "frames": int(sum(lengths)),
+            "expert_failures_discarded": failed,
+            "expert_success_rate": saved / max(1, saved + failed),
+            "mean_episode_length": float(np.mean(lengths)) if lengths else 0.0,
+            "seconds": round(time.time() - start, 1),
+            "config": asdict(cfg),
+        }
+        (tmp / "meta" / "vla_rl_record.json").write_text(json.dumps(summary, indent=2))
     except BaseException:
         discard_dataset(ds, tmp)
         raise
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
-    summary = {
-        "dataset": str(out),
-        "episodes": saved,
-        "tasks": tasks,
-        "frames": int(sum(lengths)),
-        "expert_failures_discarded": failed,
-        "expert_success_rate": saved / max(1, saved + failed),
-        "mean_episode_length": float(np.mean(lengths)) if lengths else 0.0,
-        "seconds": round(time.time() - start, 1),
-        "config": asdict(cfg),
-    }
-    (out / "meta" / "vla_rl_record.json").write_text(json.dumps(summary, indent=2))
+    replace_directory(tmp, out)
     return summary
 
 

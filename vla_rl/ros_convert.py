@@ -132,6 +132,7 @@ def convert(cfg: ConvertConfig) -> dict:
     from lerobot.datasets.lerobot_dataset import LeRobotDataset
 
     from vla_rl.data import discard_dataset, quiet_datasets, video_backend
+    from vla_rl.files import replace_directory
     from vla_rl.ros_msgs import image_array, stamp_ns
 
     src, out = Path(cfg.input), Path(cfg.output_dir)
@@ -242,25 +243,23 @@ def convert(cfg: ConvertConfig) -> dict:
                 ds.save_episode()
                 tasks.append(task)
         ds.finalize()
+        summary = {
+            "dataset": str(out),
+            "recording": str(src),
+            "episodes": len(episodes),
+            "frames": len(frames),
+            "episode_lengths": [len(e) for e in episodes],
+            "tasks": sorted(set(tasks)),
+            "cameras": cameras,
+            "commands": len(commands),
+            "dropped": dict(dropped),
+            "episodes_from": "status" if episode_of_stamp else "gaps",
+            "seconds": round(time.time() - start, 1),
+            "config": asdict(cfg),
+        }
+        (tmp / "meta" / "vla_rl_convert.json").write_text(json.dumps(summary, indent=2))
     except BaseException:
         discard_dataset(ds, tmp)
         raise
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
-    summary = {
-        "dataset": str(out),
-        "recording": str(src),
-        "episodes": len(episodes),
-        "frames": len(frames),
-        "episode_lengths": [len(e) for e in episodes],
-        "tasks": sorted(set(tasks)),
-        "cameras": cameras,
-        "commands": len(commands),
-        "dropped": dict(dropped),
-        "episodes_from": "status" if episode_of_stamp else "gaps",
-        "seconds": round(time.time() - start, 1),
-        "config": asdict(cfg),
-    }
-    (out / "meta" / "vla_rl_convert.json").write_text(json.dumps(summary, indent=2))
+    replace_directory(tmp, out)
     return summary

@@ -19,6 +19,7 @@ import copy
 import json
 import math
 import os
+import signal
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -31,6 +32,7 @@ from policies.config import PolicyConfig
 from policies.diffusion import DiffusionConfig
 from vla_rl import interrupt
 from vla_rl.checkpoint import resolve_checkpoint, save_checkpoint
+from vla_rl.files import temporary_beside, write_text_atomic
 from vla_rl.types import OBS_IMAGES, OBS_STATE
 
 
@@ -229,6 +231,10 @@ def train(cfg: TrainConfig) -> dict:
         for group, lr_at in zip(optimizer.param_groups, scheduler.lr_lambdas, strict=True):
             group["initial_lr"], group["lr"] = cfg.lr, cfg.lr * lr_at(scheduler.last_epoch)
         scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+        was = state.get("lr", cfg.lr)
+        if was != cfg.lr and accelerator.is_main_process:
+            print(f"--lr={cfg.lr:g} (the checkpoint ran at {was:g}): the schedule continues from the new peak",
+                  file=sys.stderr)  # fmt: skip
         generator.set_state(state["generator"])
         step, history, window = state["step"], state["history"], state.get("loss_window", [])
         val_history, train_seconds = state.get("val_history", []), state.get("train_seconds", 0.0)
@@ -240,7 +246,7 @@ def train(cfg: TrainConfig) -> dict:
     if trackers:
         accelerator.init_trackers("train", config=_flat(_config_dict(cfg)))
     out.mkdir(parents=True, exist_ok=True)
-    (out / "train_config.json").write_text(json.dumps(_config_dict(cfg), indent=2))
+    write_text_atomic(out / "train_config.json", json.dumps(_config_dict(cfg), indent=2))
 
     def checkpoint(at_step: int) -> Path | None:
         if not accelerator.is_main_process:
@@ -254,6 +260,7 @@ def train(cfg: TrainConfig) -> dict:
             "scheduler": scheduler.state_dict(),
             "generator": generator.get_state(),
             "step": at_step,
+            "lr": cfg.lr,  # the schedule's peak, so a resumed run can say when it changes
             "history": history,
             "loss_window": window,  # losses since the last logged mean, so a resumed curve is the same
             "val_history": val_history,
@@ -318,7 +325,13 @@ def train(cfg: TrainConfig) -> dict:
                     break
                 if step % cfg.save_every == 0 and step < cfg.steps:
                     checkpoint(step)
-                interrupt.raise_if_stopped()  # the step boundary: model, optimizer and RNG agree here
+                # The step boundary: model, optimizer and RNG agree here. With several processes all stop
+                # at the same step, or the ones that got no signal would wait in DDP's all-reduce forever.
+                if accelerator.num_processes > 1:
+                    noted = torch.tensor([float(interrupt.received() is not None)], device=device)
+                    if accelerator.reduce(noted, reduction="max").item():
+                        raise interrupt.Interrupted(interrupt.received() or signal.SIGTERM)
+                interrupt.raise_if_stopped()
         except KeyboardInterrupt:
             bar.close()
             path = checkpoint(step)
@@ -330,22 +343,22 @@ def train(cfg: TrainConfig) -> dict:
             raise
         bar.close()
         final = checkpoint(step)
-    if trackers:
-        accelerator.end_training()
-    summary = {
-        "checkpoint": str(final),
-        "steps": step,
-        "final_loss": history[-1][1] if history else None,
-        "loss_curve": history,
-        "val_curve": val_history,  # [step, training seconds, validation loss]
-        "train_seconds": round(train_seconds, 2),
-        "seconds_this_run": round(time.time() - start, 1),
-        "dataset_frames": len(demos),
-        "dataset_episodes": dataset.num_episodes,
-    }
-    if accelerator.is_main_process:
-        (out / "train_summary.json").write_text(json.dumps(summary, indent=2))
-        _plot_loss(history, out / "loss.png")
+        if trackers:
+            accelerator.end_training()
+        summary = {
+            "checkpoint": str(final),
+            "steps": step,
+            "final_loss": history[-1][1] if history else None,
+            "loss_curve": history,
+            "val_curve": val_history,  # [step, training seconds, validation loss]
+            "train_seconds": round(train_seconds, 2),
+            "seconds_this_run": round(time.time() - start, 1),
+            "dataset_frames": len(demos),
+            "dataset_episodes": dataset.num_episodes,
+        }
+        if accelerator.is_main_process:
+            write_text_atomic(out / "train_summary.json", json.dumps(summary, indent=2))
+            _plot_loss(history, out / "loss.png")
     return summary
 
 
@@ -382,5 +395,7 @@ def _plot_loss(history: list, path: Path) -> None:
     ax.set_ylabel("denoising loss")
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    tmp = temporary_beside(path)
+    fig.savefig(tmp, dpi=100)
+    os.replace(tmp, path)
     plt.close(fig)

@@ -1,0 +1,39 @@
+"""Result files written atomically: a reader (or a killed run) never sees half a file."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+
+def write_text_atomic(path: str | Path, text: str) -> None:
+    """Write ``text`` to a temporary file beside ``path``, then rename it over ``path``."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def temporary_beside(path: str | Path) -> Path:
+    """A temporary name beside ``path`` (same suffix, so writers that go by it still work); rename it over after."""
+    path = Path(path)
+    return path.with_name(f".tmp-{os.getpid()}-{path.name}")
+
+
+def replace_directory(finished: Path, target: Path) -> None:
+    """Move the complete directory ``finished`` to ``target``, replacing what is there.
+
+    The old ``target`` is renamed aside before the new one moves in and is removed only after, so
+    ``target`` is never a mix of the two; a stop signal meanwhile is acted on after the swap.
+    """
+    from vla_rl import interrupt
+
+    with interrupt.deferred():
+        if target.exists():
+            old = target.with_name(f".{target.name}.old-{os.getpid()}")
+            os.rename(target, old)
+            os.rename(finished, target)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(finished, target)
