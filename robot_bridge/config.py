@@ -8,8 +8,9 @@ fields when the node starts. No ROS import here.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, is_dataclass
-from typing import Any
+from typing import Any, Literal, get_args
 
+from vla_rl.runtime import MergeMode
 from vla_rl.types import image_key
 
 # What the simulated robot (`vla-rl sim-robot`) publishes and accepts; see sim.mujoco_env.
@@ -32,13 +33,14 @@ SIM_STATE_BOUNDS = {
     "ee_z": [0.0, 0.40],
 }
 
-MERGE_MODES = ("latest", "ensemble", "rtc")
-ACTION_MODES = ("absolute", "delta")
-ACTION_SPACES = ("joint", "end_effector")
-CLOCKS = ("joint_states", "timer")
-ROS_EXECUTORS = ("events", "single_threaded")
-INFERENCE_MODES = ("process", "thread")
-RELIABILITIES = ("best_effort", "reliable")
+# The choices of each field, as Literal types: the parser rejects anything else with the choices
+# listed, and validate() checks them for configs built in code.
+ActionMode = Literal["absolute", "delta"]
+ActionSpace = Literal["joint", "end_effector"]
+Clock = Literal["joint_states", "timer"]
+RosExecutor = Literal["events", "single_threaded"]
+InferenceMode = Literal["process", "thread"]
+Reliability = Literal["best_effort", "reliable"]
 
 
 @dataclass
@@ -65,7 +67,7 @@ class TopicsConfig:
 
 @dataclass
 class QosConfig:
-    sensor_reliability: str = "best_effort"  # best_effort or reliable, for joint states and images
+    sensor_reliability: Reliability = "best_effort"  # best_effort or reliable, for joint states and images
     sensor_depth: int = 1  # queue depth of the sensor subscriptions (1 = only the newest matters)
     command_depth: int = 10  # queue depth of the reliable command publishers
 
@@ -103,20 +105,20 @@ class ServeConfig:
     state_names: list[str] = field(default_factory=lambda: list(SIM_STATE_NAMES))
     # JointTrajectory joint_names, in action order
     action_names: list[str] = field(default_factory=lambda: list(SIM_ACTION_NAMES))
-    action_space: str = "end_effector"  # joint or end_effector: what the action dims command
-    action_mode: str = "absolute"  # absolute targets, or delta: added to the last commanded target
+    action_space: ActionSpace = "end_effector"  # joint or end_effector: what the action dims command
+    action_mode: ActionMode = "absolute"  # absolute targets, or delta: added to the last commanded target
     instruction: str = ""  # task instruction until one arrives on the instruction topic
     image_size: int = 0  # expected square image side; 0 = the policy's config.image_size
     resize_images: bool = False  # resize images of another size instead of rejecting them
     control_hz: float = 100.0  # control rate; with clock=joint_states, the rate the robot publishes at
     deadline_ms: float = 5.0  # a command handed to ROS later than this after its tick was due is a missed deadline
-    clock: str = "joint_states"  # joint_states: one command per arriving joint state; timer: the node's own timer
+    clock: Clock = "joint_states"  # joint_states: one command per arriving joint state; timer: the node's own timer
     horizon: int = 0  # chunk length H; 0 = the policy's config.horizon
     execute_steps: int = 8  # steps of each chunk executed before the next request (more when inference is slower)
-    merge: str = "rtc"  # latest, ensemble (ACT temporal ensembling) or rtc (real-time chunking)
+    merge: MergeMode = "rtc"  # latest, ensemble (ACT temporal ensembling) or rtc (real-time chunking)
     ensemble_coeff: float = 0.01  # temporal ensembling weight exp(-c * i), i = 0 the oldest prediction
     max_delay_steps: int = 0  # D_max of the delay augmentation; must match what the policy was trained with
-    inference: str = "process"  # process (own core, no GIL sharing) or thread
+    inference: InferenceMode = "process"  # process (own core, no GIL sharing) or thread
     inference_cpu: int = 1  # core the inference is pinned to; -1 = no pinning
     control_cpu: int = 0  # core the control loop is pinned to; -1 = no pinning
     inference_threads: int = 1  # torch threads of the inference
@@ -130,7 +132,7 @@ class ServeConfig:
     control_lock_memory: bool = True
     # rclpy executor of the control loop: events (rclpy's C++ EventsExecutor: dispatching a
     # message costs tens of microseconds) or single_threaded (the classic Python one, hundreds).
-    ros_executor: str = "events"
+    ros_executor: RosExecutor = "events"
     load_retry_s: float = 5.0  # wait before loading the checkpoint again after a failure
     error_retry_s: float = 0.5  # wait before asking the policy again after it raised
     dry_run: bool = False  # compute everything but publish nothing to the robot (no command topics)
@@ -144,13 +146,13 @@ class ServeConfig:
     def validate(self) -> None:
         """Raise ValueError with a one-line fix for any inconsistent field."""
         choices = {
-            "merge": (self.merge, MERGE_MODES),
-            "action_mode": (self.action_mode, ACTION_MODES),
-            "action_space": (self.action_space, ACTION_SPACES),
-            "clock": (self.clock, CLOCKS),
-            "inference": (self.inference, INFERENCE_MODES),
-            "ros_executor": (self.ros_executor, ROS_EXECUTORS),
-            "qos.sensor_reliability": (self.qos.sensor_reliability, RELIABILITIES),
+            "merge": (self.merge, get_args(MergeMode)),
+            "action_mode": (self.action_mode, get_args(ActionMode)),
+            "action_space": (self.action_space, get_args(ActionSpace)),
+            "clock": (self.clock, get_args(Clock)),
+            "inference": (self.inference, get_args(InferenceMode)),
+            "ros_executor": (self.ros_executor, get_args(RosExecutor)),
+            "qos.sensor_reliability": (self.qos.sensor_reliability, get_args(Reliability)),
         }
         for name, (value, allowed) in choices.items():
             if value not in allowed:

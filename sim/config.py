@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
+
+Backend = Literal["cpu", "warp"]
 
 
 @dataclass
@@ -14,7 +17,7 @@ class EnvConfig:
     task: str = "lift"
     # Physics backend. cpu = MuJoCo with mujoco.rollout threads; warp = MuJoCo Warp, all worlds
     # in one process on `device` (needs the `gpu` extra). See `sim.factory.make_env`.
-    backend: str = "cpu"
+    backend: Backend = "cpu"
     device: str = "cpu"  # torch device of the observations; the cpu backend runs on "cpu" only
     num_envs: int = 16  # worlds stepped as one batch
     image_size: int = 64  # square camera image side, pixels

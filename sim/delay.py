@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -38,7 +38,7 @@ from vla_rl.types import ActionChunk, BatchedEnv
 class DelayConfig:
     """How long inference takes, in control steps."""
 
-    kind: str = "fixed"  # fixed, uniform or histogram
+    kind: Literal["fixed", "uniform", "histogram"] = "fixed"  # fixed, uniform or histogram
     steps: int = 0  # fixed: the delay d
     low: int = 0  # uniform: smallest d
     high: int = 0  # uniform: largest d

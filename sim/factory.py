@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from sim.config import EnvConfig
+from typing import get_args
 
-BACKENDS = ("cpu", "warp")
+from sim.config import Backend, EnvConfig
+
+BACKENDS = get_args(Backend)
 LIBERO_PREFIX = "libero_"  # libero_spatial, libero_object, libero_goal, libero_10, libero_90 (see sim.libero_env)
 ROBOSUITE_PREFIX = "robosuite/"  # robosuite/Lift, robosuite/Stack, robosuite/PickPlaceCan (see sim.robosuite_env)
 

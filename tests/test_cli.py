@@ -32,7 +32,7 @@ def test_help_explains_every_field():
 
 def test_unknown_key_is_one_line_error():
     res = vla_rl("train", "--policy.horizn=8")
-    assert res.returncode != 0
+    assert res.returncode == 2
     lines = [line for line in res.stderr.strip().splitlines() if line]
     assert len(lines) == 1, res.stderr
     assert "policy.horizn" in lines[0] and "vla-rl train --help" in lines[0]

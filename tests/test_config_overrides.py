@@ -35,13 +35,22 @@ def _changed(value):
 
 def _nested_overrides(cls):
     """(dotted key, new value) for the first overridable leaf of each nested dataclass field of cls()."""
+    import typing
+
     defaults = draccus.encode(cls())
+    hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         sub = defaults.get(f.name)
         if not isinstance(sub, dict) or len(sub) < 2:
             continue
+        leaf_hints = typing.get_type_hints(hints[f.name]) if dataclasses.is_dataclass(hints[f.name]) else {}
         for leaf, value in sub.items():
-            new = _changed(value)
+            choices = (
+                typing.get_args(leaf_hints.get(leaf))
+                if typing.get_origin(leaf_hints.get(leaf)) is typing.Literal
+                else ()
+            )
+            new = next((c for c in choices if c != value), None) if choices else _changed(value)
             if leaf != "type" and new is not None:
                 yield f"{f.name}.{leaf}", new
                 break
@@ -121,3 +130,34 @@ def test_space_separated_values_switch_a_type_too():
 def test_config_path_without_a_file_is_an_error():
     with pytest.raises(SystemExit, match="--config_path needs a YAML file"):
         parse_config("train", ["--config_path", "--steps=3"])
+
+
+def _literal_fields(cls, prefix=""):
+    """(dotted key, allowed values) of every Literal-typed field of cls and of its nested configs."""
+    import typing
+
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        hint = hints[f.name]
+        if typing.get_origin(hint) is typing.Literal:
+            yield prefix + f.name, typing.get_args(hint)
+        elif dataclasses.is_dataclass(hint):
+            yield from _literal_fields(hint, f"{prefix}{f.name}.")
+
+
+CHOICES = [(name, key, allowed) for name, cmd in _commands() for key, allowed in _literal_fields(cmd.config())]
+
+
+def test_choice_fields_are_typed_as_literals():
+    keys = {(name, key) for name, key, _ in CHOICES}
+    assert {("serve", "merge"), ("serve", "clock"), ("eval", "merge"), ("eval", "delay.kind"),
+            ("eval", "env.backend"), ("train", "dataset.sampling"), ("record-ros", "compression")} <= keys  # fmt: skip
+
+
+@pytest.mark.parametrize("name, key, allowed", CHOICES, ids=[f"{n}:{k}" for n, k, _ in CHOICES])
+def test_a_value_outside_a_choice_is_rejected_by_the_parser_naming_the_choices(name, key, allowed):
+    with pytest.raises(SystemExit) as err:
+        parse_config(name, [f"--{key}=not_a_choice"])
+    assert "invalid choice: 'not_a_choice'" in str(err.value)
+    assert all(repr(a) in str(err.value) for a in allowed)
+    assert draccus.encode(parse_config(name, [f"--{key}={allowed[-1]}"]))  # each listed choice parses

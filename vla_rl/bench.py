@@ -54,6 +54,7 @@ import numpy as np
 from mujoco import rollout
 from tqdm import tqdm
 
+from sim.config import Backend
 from sim.ik import ik_targets, orientation_error
 from sim.mujoco_env import forward_positions
 from sim.render import Renderers
@@ -67,7 +68,7 @@ class BenchSimConfig:
     """Throughput of the batched simulators against mujoco.rollout and gymnasium's AsyncVectorEnv."""
 
     task: str = "lift"  # task whose scene is stepped; see `sim.tasks.TASKS`
-    backends: list[str] = field(default_factory=lambda: ["cpu"])  # cpu and/or warp; the first gives the final line
+    backends: list[Backend] = field(default_factory=lambda: ["cpu"])  # cpu and/or warp; the first gives the final line
     num_envs: list[int] = field(default_factory=lambda: [1, 16, 256])  # world counts N measured
     gpu_num_envs: list[int] = field(default_factory=lambda: [4096])  # extra N for backends on a CUDA device
     steps: int = 40  # timed control steps per measurement; raise for steadier numbers

@@ -23,69 +23,18 @@ os.environ.setdefault("PYOPENGL_PLATFORM", os.environ["MUJOCO_GL"])
 @dataclass
 class Command:
     summary: str
-    config: Callable[[], type] | None  # None for a command that only groups subcommands
+    # "module:ConfigClass", imported only when the command runs, so `vla-rl --help` stays fast;
+    # empty for a command that only groups subcommands.
+    config_path: str
     run: Callable[[Any], Any] | None
     subcommands: dict[str, Command] = field(default_factory=dict)  # `vla-rl <command> <sub>`
 
+    def config(self) -> type:
+        """The command's config dataclass."""
+        import importlib
 
-def _record():
-    from vla_rl.record import RecordConfig
-
-    return RecordConfig
-
-
-def _train():
-    from vla_rl.train import TrainConfig
-
-    return TrainConfig
-
-
-def _eval():
-    from vla_rl.eval import EvalConfig
-
-    return EvalConfig
-
-
-def _quickstart():
-    from vla_rl.quickstart import QuickstartConfig
-
-    return QuickstartConfig
-
-
-def _bench_sim():
-    from vla_rl.bench import BenchSimConfig
-
-    return BenchSimConfig
-
-
-def _sim_robot():
-    from vla_rl.sim_robot import SimRobotConfig
-
-    return SimRobotConfig
-
-
-def _record_ros():
-    from vla_rl.ros_record import RecordRosConfig
-
-    return RecordRosConfig
-
-
-def _convert():
-    from vla_rl.ros_convert import ConvertConfig
-
-    return ConvertConfig
-
-
-def _serve():
-    from robot_bridge.config import ServeConfig
-
-    return ServeConfig
-
-
-def _bench_bridge():
-    from robot_bridge.bench import BenchBridgeConfig
-
-    return BenchBridgeConfig
+        module, _, name = self.config_path.partition(":")
+        return getattr(importlib.import_module(module), name)
 
 
 def _policy_from_checkpoint(path: str, device: str):
@@ -186,31 +135,47 @@ def _run_convert(cfg):
 
 
 COMMANDS: dict[str, Command] = {
-    "record": Command("roll out the scripted expert and write a LeRobotDataset (v3)", _record, _run_record),
-    "train": Command("train a diffusion policy by imitation on a LeRobotDataset", _train, _run_train),
-    "eval": Command("closed-loop success rate, video and JSON of a checkpoint", _eval, _run_eval),
-    "quickstart": Command("record -> train -> eval on the default lift task", _quickstart, _run_quickstart),
-    "sim-robot": Command(
-        "a MuJoCo-simulated arm as a ROS 2 node (joint states, images, commands)", _sim_robot, _run_sim_robot
+    "record": Command(
+        "roll out the scripted expert and write a LeRobotDataset (v3)", "vla_rl.record:RecordConfig", _run_record
     ),
-    "record-ros": Command("record ROS 2 topics into an MCAP file", _record_ros, _run_record_ros),
-    "convert": Command("convert an MCAP recording of the robot into a LeRobotDataset (v3)", _convert, _run_convert),
+    "train": Command(
+        "train a diffusion policy by imitation on a LeRobotDataset", "vla_rl.train:TrainConfig", _run_train
+    ),
+    "eval": Command("closed-loop success rate, video and JSON of a checkpoint", "vla_rl.eval:EvalConfig", _run_eval),
+    "quickstart": Command(
+        "record -> train -> eval on the default lift task", "vla_rl.quickstart:QuickstartConfig", _run_quickstart
+    ),
+    "sim-robot": Command(
+        "a MuJoCo-simulated arm as a ROS 2 node (joint states, images, commands)",
+        "vla_rl.sim_robot:SimRobotConfig",
+        _run_sim_robot,
+    ),
+    "record-ros": Command(
+        "record ROS 2 topics into an MCAP file", "vla_rl.ros_record:RecordRosConfig", _run_record_ros
+    ),
+    "convert": Command(
+        "convert an MCAP recording of the robot into a LeRobotDataset (v3)",
+        "vla_rl.ros_convert:ConvertConfig",
+        _run_convert,
+    ),
     "serve": Command(
-        "run a checkpoint as a ROS 2 node: sensors in, safe commands out at the control rate", _serve, _run_serve
+        "run a checkpoint as a ROS 2 node: sensors in, safe commands out at the control rate",
+        "robot_bridge.config:ServeConfig",
+        _run_serve,
     ),
     "bench": Command(
         "performance benchmarks; `bench sim`: env-steps/s vs mujoco.rollout and gymnasium",
-        None,
+        "",
         None,
         {
             "sim": Command(
                 "env-steps/s of each sim backend vs raw mujoco.rollout and gymnasium AsyncVectorEnv",
-                _bench_sim,
+                "vla_rl.bench:BenchSimConfig",
                 _run_bench_sim,
             ),
             "bridge": Command(
                 "ROS 2 bridge: deadline misses, jitter and added latency vs raw rclpy ping-pong",
-                _bench_bridge,
+                "robot_bridge.bench:BenchBridgeConfig",
                 _run_bench_bridge,
             ),
         },
@@ -409,7 +374,13 @@ def main(argv: list[str] | None = None) -> int:
         name, args = f"{name} {args[0]}", args[1:]
     if "--ros-args" in args:  # ROS's own arguments (parameter overrides) are for rclpy, not the config
         args = args[: args.index("--ros-args")]
-    cfg = parse_config(name, args)
+    try:
+        cfg = parse_config(name, args)
+    except SystemExit as stop:
+        if not isinstance(stop.code, str):  # --help, which exits 0
+            raise
+        print(stop.code, file=sys.stderr)
+        return 2  # a usage error, as for an unknown command
     from vla_rl import interrupt
 
     # SIGINT and SIGTERM end every command the same way, however the process was started (a

@@ -17,6 +17,7 @@ import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import torch
@@ -41,7 +42,9 @@ class EvalConfig:
     num_episodes: int = 50  # episodes in total
     seed: int = 1000  # seed of the evaluation initial states (kept apart from the recording seed)
     n_action_steps: int = 0  # steps executed per chunk before replanning; 0 = the policy's own setting
-    merge: str = "latest"  # how overlapping chunks merge: latest or ensemble (temporal ensembling)
+    merge: Literal["latest", "ensemble"] = (
+        "latest"  # how overlapping chunks merge: latest or ensemble (temporal ensembling)
+    )
     ensemble_coeff: float = 0.01  # temporal-ensembling weight decay, w_i = exp(-coeff * i)
     delay: DelayConfig = field(default_factory=DelayConfig)  # inference delay in control steps (0 = none)
     video_episodes: int = 4  # episodes shown in rollouts.mp4 (0 = no video)

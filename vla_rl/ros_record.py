@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from vla_rl.sim_robot import (
     ARRAY_TOPIC,
@@ -40,7 +41,7 @@ class RecordRosConfig:
     topics: list[str] = field(default_factory=lambda: list(DEFAULT_TOPICS))
     duration_s: float = 0.0  # stop after this many seconds; 0 = until Ctrl-C
     overwrite: bool = False  # replace an existing file at output
-    compression: str = "zstd"  # chunk compression: zstd, lz4 or none
+    compression: Literal["zstd", "lz4", "none"] = "zstd"  # chunk compression: zstd, lz4 or none
     discovery_period_s: float = 0.5  # seconds between looks at the graph for topics not yet subscribed
     queue_depth: int = 100  # messages kept per topic while the recorder is busy
     node_name: str = "vla_rl_recorder"  # ROS 2 node name

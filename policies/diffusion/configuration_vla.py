@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
 from policies.config import PolicyConfig
 
-OBJECTIVES = ("flow", "ddpm")
-DDPM_SAMPLERS = ("ddim", "ddpm")
+Objective = Literal["flow", "ddpm"]
+DdpmSampler = Literal["ddim", "ddpm"]
 
 
 @PolicyConfig.register_subclass("diffusion_vla")
@@ -41,10 +42,10 @@ class DiffusionVLAConfig(PolicyConfig):
     heads: int = 4  # attention heads in the DiT and the encoders
     mlp_ratio: float = 4.0  # MLP width / dim
     # -- objective --
-    objective: str = "flow"  # flow (flow matching, Euler sampling) or ddpm (epsilon prediction)
+    objective: Objective = "flow"  # flow (flow matching, Euler sampling) or ddpm (epsilon prediction)
     num_inference_steps: int = 10  # Euler steps (flow) or scheduler steps (ddpm)
     num_train_timesteps: int = 100  # ddpm noise levels
-    ddpm_sampler: str = "ddim"  # ddpm only: ddim (deterministic, few steps) or ddpm
+    ddpm_sampler: DdpmSampler = "ddim"  # ddpm only: ddim (deterministic, few steps) or ddpm
     beta_schedule: str = "squaredcos_cap_v2"  # ddpm only: diffusers beta schedule
     rtc_max_guidance: float = 5.0  # flow only: clip of the real-time-chunking inpainting guidance weight
     # Filled from the dataset when training starts; stored in every checkpoint.
@@ -55,10 +56,10 @@ class DiffusionVLAConfig(PolicyConfig):
 
     def validate(self) -> None:
         """Raise ValueError naming the fix for an inconsistent config."""
-        if self.objective not in OBJECTIVES:
-            raise ValueError(f"policy.objective must be one of {OBJECTIVES}, got {self.objective!r}")
-        if self.ddpm_sampler not in DDPM_SAMPLERS:
-            raise ValueError(f"policy.ddpm_sampler must be one of {DDPM_SAMPLERS}, got {self.ddpm_sampler!r}")
+        if self.objective not in get_args(Objective):
+            raise ValueError(f"policy.objective must be one of {get_args(Objective)}, got {self.objective!r}")
+        if self.ddpm_sampler not in get_args(DdpmSampler):
+            raise ValueError(f"policy.ddpm_sampler must be one of {get_args(DdpmSampler)}, got {self.ddpm_sampler!r}")
         if self.dim % self.heads or self.vision_width % self.heads or self.text_width % self.heads:
             raise ValueError(
                 f"policy.dim={self.dim}, vision_width={self.vision_width} and text_width={self.text_width} "
