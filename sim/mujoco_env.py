@@ -46,6 +46,12 @@ def forward_positions(model: mujoco.MjModel, data: mujoco.MjData) -> None:
     mujoco.mj_collision(model, data)
 
 
+def position_pass(model: mujoco.MjModel):
+    """The pass to run after stepping ``model``: :func:`forward_positions`, or ``mj_forward`` for scenes
+    with tendons, flexes or sensors, whose position-dependent quantities the kinematic pass leaves out."""
+    return forward_positions if model.ntendon == 0 and model.nflex == 0 and model.nsensor == 0 else mujoco.mj_forward
+
+
 class MujocoBatchedEnv:
     """Batched env (see `vla_rl.types.BatchedEnv`) for the MuJoCo tabletop tasks, on CPU.
 
@@ -85,10 +91,7 @@ class MujocoBatchedEnv:
         bounds = np.linspace(0, self.num_envs, nblocks + 1).round().astype(int)
         self._blocks = [slice(int(a), int(b)) for a, b in itertools.pairwise(bounds)]
         self._stepper = ThreadPoolExecutor(1, thread_name_prefix="rollout") if nblocks > 1 else None
-        # Scenes with tendons, flexes or sensors have position-dependent quantities the kinematic
-        # pass leaves out; they get the full mj_forward after every step.
-        simple = self.model.ntendon == 0 and self.model.nflex == 0 and self.model.nsensor == 0
-        self._forward_positions = forward_positions if simple else mujoco.mj_forward
+        self._forward_positions = position_pass(self.model)
         spec, size = mujoco.mjtState, partial(mujoco.mj_stateSize, self.model)
         self._state_spec = spec.mjSTATE_FULLPHYSICS
         # Tasks place goal markers and fixtures (bins, cabinets) per world as mocap bodies. Their

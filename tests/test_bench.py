@@ -35,21 +35,27 @@ def _actions(start: np.ndarray, t: int) -> np.ndarray:
     return np.concatenate([target, np.full((len(start), 1), float(t >= 20))], axis=1)
 
 
+def _gym_copies(env) -> list:
+    """One GymTaskEnv per world of ``env``, each set to that world's exact physics state."""
+    spec = mujoco.mjtState.mjSTATE_INTEGRATION  # everything that determines the next step
+    gyms = []
+    for d in env.data:
+        g = GymTaskEnv("lift", substeps=env.config.substeps)
+        g.reset(seed=0)
+        state = np.empty(mujoco.mj_stateSize(env.model, spec))
+        mujoco.mj_getState(env.model, d, state, spec)
+        mujoco.mj_setState(g.model, g.data, state, spec)
+        mujoco.mj_forward(g.model, g.data)
+        gyms.append(g)
+    return gyms
+
+
 def test_gym_baseline_follows_the_batched_env():
     """Same initial state and actions -> the same end-effector path, to 1e-6 m, over 40 steps."""
     n = 2
     with MujocoBatchedEnv(EnvConfig(num_envs=n, cameras=[])) as env:
         env.reset(seed=5)
-        spec = mujoco.mjtState.mjSTATE_INTEGRATION  # everything that determines the next step
-        gyms = []
-        for d in env.data:
-            g = GymTaskEnv("lift", substeps=env.config.substeps)
-            g.reset(seed=0)
-            state = np.empty(mujoco.mj_stateSize(env.model, spec))
-            mujoco.mj_getState(env.model, d, state, spec)
-            mujoco.mj_setState(g.model, g.data, state, spec)
-            mujoco.mj_forward(g.model, g.data)
-            gyms.append(g)
+        gyms = _gym_copies(env)
         start = env.ee_positions().copy()
         worst = 0.0
         for t in range(40):
@@ -112,16 +118,7 @@ def test_gym_baseline_makes_the_batched_envs_mujoco_calls_per_step(monkeypatch):
     calls = _record_mujoco_calls(monkeypatch)
     with MujocoBatchedEnv(EnvConfig(num_envs=n, cameras=[], substeps=substeps)) as env:
         env.reset(seed=3)
-        spec = mujoco.mjtState.mjSTATE_INTEGRATION
-        gyms = []
-        for d in env.data:
-            g = GymTaskEnv("lift", substeps=substeps)
-            g.reset(seed=0)
-            state = np.empty(mujoco.mj_stateSize(env.model, spec))
-            mujoco.mj_getState(env.model, d, state, spec)
-            mujoco.mj_setState(g.model, g.data, state, spec)
-            mujoco.mj_forward(g.model, g.data)
-            gyms.append(g)
+        gyms = _gym_copies(env)
         t0 = env.data[0].time
         actions = _actions(env.ee_positions(), 10)
 

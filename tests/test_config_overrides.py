@@ -160,4 +160,7 @@ def test_a_value_outside_a_choice_is_rejected_by_the_parser_naming_the_choices(n
         parse_config(name, [f"--{key}=not_a_choice"])
     assert "invalid choice: 'not_a_choice'" in str(err.value)
     assert all(repr(a) in str(err.value) for a in allowed)
-    assert draccus.encode(parse_config(name, [f"--{key}={allowed[-1]}"]))  # each listed choice parses
+    value = draccus.encode(parse_config(name, [f"--{key}={allowed[-1]}"]))
+    for part in key.split("."):
+        value = value[part]
+    assert value == allowed[-1]  # a listed choice parses, to itself

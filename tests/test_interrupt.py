@@ -158,14 +158,19 @@ def test_interrupted_record_leaves_no_dataset(sig, tmp_path, monkeypatch):
     assert not out.exists() and not list(tmp_path.iterdir())  # neither the dataset nor its temporary copy
 
 
+def _eval(checkpoint, out, video_episodes: int) -> int:
+    """`vla-rl eval` of 2 episodes in 2 worlds; its exit code."""
+    return main(["eval", f"--checkpoint={checkpoint}", "--env.num_envs=2", "--num_episodes=2",
+                 f"--video_episodes={video_episodes}", f"--output_dir={out}"])  # fmt: skip
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_interrupted_eval_writes_no_results(sig, tiny_checkpoint, tmp_path, monkeypatch):
     from sim.delay import DelayedChunkEnv
 
     out = tmp_path / "eval"
     calls = _signal_on_call(monkeypatch, DelayedChunkEnv, "step", sig, 3)
-    code = main(["eval", f"--checkpoint={tiny_checkpoint[0]}", "--env.num_envs=2", "--num_episodes=2",
-                 "--video_episodes=0", f"--output_dir={out}"])  # fmt: skip
+    code = _eval(tiny_checkpoint[0], out, video_episodes=0)
     assert calls["n"] == 3  # the rollout stopped at the step boundary after the signal
     assert code == 128 + sig
     assert not (out / "eval.json").exists()
@@ -196,12 +201,12 @@ def test_a_signal_while_eval_writes_its_results_leaves_them_whole(sig, tiny_chec
 
     out = tmp_path / "eval"
     calls = _signal_on_call(monkeypatch, eval_module, "_write_video", sig, 1)
-    code = main(["eval", f"--checkpoint={tiny_checkpoint[0]}", "--env.num_envs=2", "--num_episodes=2",
-                 "--video_episodes=1", f"--output_dir={out}"])  # fmt: skip
+    code = _eval(tiny_checkpoint[0], out, video_episodes=1)
     assert calls["n"] == 1 and code == 128 + sig
     result = json.loads((out / "eval.json").read_text())  # written after the signal, whole
     assert result["episodes"] == 2 and result["video"] == str(out / "rollouts.mp4")
-    assert "(" in (out / "summary.md").read_text() and (out / "rollouts.mp4").stat().st_size > 1000
+    assert f"({result['successes']}/2)" in (out / "summary.md").read_text()
+    assert (out / "rollouts.mp4").stat().st_size > 1000
     assert sorted(p.name for p in out.iterdir()) == ["eval.json", "rollouts.mp4", "summary.md"]  # no temporaries
 
 

@@ -56,7 +56,7 @@ from tqdm import tqdm
 
 from sim.config import Backend
 from sim.ik import ik_targets, orientation_error
-from sim.mujoco_env import forward_positions
+from sim.mujoco_env import MujocoBatchedEnv, position_pass
 from sim.render import Renderers
 from sim.tasks import get_task
 
@@ -101,8 +101,8 @@ class GymTaskEnv(gymnasium.Env):
     """
 
     metadata = {"render_modes": []}  # noqa: RUF012 (gymnasium reads this class attribute)
-    ACTION_LOW = np.array([0.25, -0.35, 0.0, 0.0])  # the same workspace as MujocoBatchedEnv
-    ACTION_HIGH = np.array([0.80, 0.35, 0.40, 1.0])
+    ACTION_LOW = MujocoBatchedEnv.ACTION_LOW  # the same workspace
+    ACTION_HIGH = MujocoBatchedEnv.ACTION_HIGH
 
     def __init__(
         self,
@@ -126,9 +126,7 @@ class GymTaskEnv(gymnasium.Env):
         mujoco.mj_resetDataKeyframe(self.model, self.data, home.id)
         mujoco.mj_forward(self.model, self.data)
         self._target_rot = self.data.site_xmat[self._site].reshape(3, 3).copy()
-        m = self.model  # the choice MujocoBatchedEnv makes: the kinematic pass misses tendons, flexes, sensors
-        simple = m.ntendon == 0 and m.nflex == 0 and m.nsensor == 0
-        self._forward_positions = forward_positions if simple else mujoco.mj_forward
+        self._forward_positions = position_pass(self.model)  # the pass MujocoBatchedEnv runs
         self._jacp = np.zeros((3, self.model.nv))
         self._jacr = np.zeros((3, self.model.nv))
         self._t = 0

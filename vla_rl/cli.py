@@ -229,6 +229,7 @@ def parse_config(name: str, args: list[str]):
     import tempfile
 
     import draccus
+    import yaml
 
     config_cls = _command(name).config()
     if any(a in ("-h", "--help") for a in args):
@@ -237,8 +238,6 @@ def parse_config(name: str, args: list[str]):
         args, config_path = _split_config_path(args)
         base = _with_defaults(config_cls, config_path, args)
         with tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="vla-rl-defaults-") as layered:
-            import yaml
-
             yaml.safe_dump(base, layered)
             layered.flush()
             return draccus.parse(config_cls, config_path=layered.name, args=args, prog=f"vla-rl {name}",

@@ -6,11 +6,12 @@ import os
 import shutil
 from pathlib import Path
 
+from vla_rl import interrupt
+
 
 def write_text_atomic(path: str | Path, text: str) -> None:
     """Write ``text`` to a temporary file beside ``path``, then rename it over ``path``."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = temporary_beside(path)
     tmp.write_text(text)
     os.replace(tmp, path)
 
@@ -27,8 +28,6 @@ def replace_directory(finished: Path, target: Path) -> None:
     The old ``target`` is renamed aside before the new one moves in and is removed only after, so
     ``target`` is never a mix of the two; a stop signal meanwhile is acted on after the swap.
     """
-    from vla_rl import interrupt
-
     with interrupt.deferred():
         if target.exists():
             old = target.with_name(f".{target.name}.old-{os.getpid()}")

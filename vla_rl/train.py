@@ -250,11 +250,13 @@ def train(cfg: TrainConfig) -> dict:
         accelerator.init_trackers("train", config=_flat(_config_dict(cfg)))
     out.mkdir(parents=True, exist_ok=True)
     write_text_atomic(out / "train_config.json", json.dumps(_config_dict(cfg), indent=2))
+    saved_step = step if cfg.resume else None  # the step of the checkpoint on disk
 
     def checkpoint(at_step: int) -> Path | None:
+        nonlocal saved_step
         if not accelerator.is_main_process:
             return None
-        if at_step == saved[0]:  # already on disk: rewriting would briefly remove it
+        if at_step == saved_step:  # already on disk: rewriting would briefly remove it
             return resolve_checkpoint(ckpt_dir)
         state = {
             "model": raw_policy.state_dict(),
@@ -271,7 +273,7 @@ def train(cfg: TrainConfig) -> dict:
         }
         meta = {"dataset": str(cfg.dataset.root), "dataset_frames": len(demos), "train_config": _config_dict(cfg)}
         path = save_checkpoint(ckpt_dir, at_step, ema if ema is not None else raw_policy, meta, state)
-        saved[0] = at_step
+        saved_step = at_step
         return path
 
     def validate() -> bool:
@@ -285,7 +287,6 @@ def train(cfg: TrainConfig) -> dict:
     device = accelerator.device
     copies = {"copies": cfg.l2_copies} if cfg.l2_copies > 1 else {}
     start = time.time()
-    saved = [step if cfg.resume else None]  # the step of the checkpoint on disk
     bar = tqdm(total=cfg.steps, initial=step, desc="train", unit="step", disable=not accelerator.is_main_process)
     # SIGINT and SIGTERM are only noted during a step or a checkpoint write: the loop stops at the
     # next step boundary and writes a checkpoint there (see vla_rl.interrupt).
