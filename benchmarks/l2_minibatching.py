@@ -112,7 +112,7 @@ def _cuda() -> bool:
 
 
 def policy_config(args, encoder: str):
-    from policies.diffusion import DiffusionVLAConfig
+    from policies.diffusion_vla import DiffusionVLAConfig
 
     return DiffusionVLAConfig(**DIT, **ENCODERS[encoder], freeze_towers=args.towers == "frozen")
 

@@ -1,11 +1,12 @@
-"""Policy models (torch only; no simulator or ROS imports).
+"""Policy models (torch only; no simulator or ROS imports), one folder per type in LeRobot's layout.
 
-``POLICY_TYPES`` maps a checkpoint's ``policy_type`` to its (config class, model class).
+Importing ``policies`` registers every config (``--policy.type=...``) but loads no model code;
+``policy_class(type)`` imports the model of a type when it is needed.
 """
 
-from policies.diffusion import DiffusionConfig, DiffusionPolicy, DiffusionVLAConfig, DiffusionVLAPolicy
+from policies.diffusion import DiffusionConfig
+from policies.diffusion_vla import DiffusionVLAConfig
+from policies.lerobot import LeRobotConfig
+from policies.pretrained import PolicyConfig, PreTrainedPolicy, policy_class
 
-POLICY_TYPES = {
-    "diffusion": (DiffusionConfig, DiffusionPolicy),
-    "diffusion_vla": (DiffusionVLAConfig, DiffusionVLAPolicy),
-}
+__all__ = ["DiffusionConfig", "DiffusionVLAConfig", "LeRobotConfig", "PolicyConfig", "PreTrainedPolicy", "policy_class"]

@@ -61,7 +61,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from robot_bridge import topics
 from robot_bridge.scheduling import lock_memory, quiet_interpreter, use_realtime
+from vla_rl.runtime import ChunkingConfig, MergeMode
 from vla_rl.types import OBS_COMMITTED_ACTIONS, OBS_STATE, ActionChunk, image_key
 
 JOINTS = ["joint1", "joint2", "joint3", "joint4"]
@@ -76,7 +78,7 @@ class BenchBridgeConfig:
 
     rates_hz: list[float] = field(default_factory=lambda: [50.0, 100.0])  # control rates measured
     deadline_ms: float = 5.0  # a command later than this after its joint state was sent is a miss, at every rate
-    merges: list[str] = field(default_factory=lambda: ["latest", "ensemble", "rtc"])  # merge modes, one run each
+    merges: list[MergeMode] = field(default_factory=lambda: ["latest", "ensemble", "rtc"])  # merge modes, one run each
     cycles: int = 10000  # control cycles per rate, split evenly over the merge modes
     ping_cycles: int = 1000  # raw rclpy ping-pong round trips per rate (the baseline)
     inference_ms: float = 300.0  # forward time the bench network is calibrated to, on one core (50-500)
@@ -175,7 +177,7 @@ def build_bench_policy(inference_ms: float, horizon: int, control_hz: float, ima
 # -- the serve side -----------------------------------------------------------------------------
 
 
-def _serve_side(cfg: BenchBridgeConfig, rate: float, merge: str, horizon: int, results, stop) -> None:
+def _serve_side(cfg: BenchBridgeConfig, rate: float, merge: MergeMode, horizon: int, results, stop) -> None:
     """Spawned: run the bridge and the ping echo until ``stop``; put tick records and counters on ``results``."""
     import rclpy
     from rclpy.qos import QoSProfile, ReliabilityPolicy
@@ -194,11 +196,11 @@ def _serve_side(cfg: BenchBridgeConfig, rate: float, merge: str, horizon: int, r
     context = rclpy.Context()
     rclpy.init(context=context, domain_id=cfg.domain_id)
     serve_cfg = ServeConfig(
-        checkpoint="(bench policy)", cameras=[CameraTopic(CAMERA, f"/camera/{CAMERA}/image_raw")],
+        checkpoint="(bench policy)", cameras=[CameraTopic(CAMERA, topics.camera(CAMERA).name)],
         state_names=list(JOINTS), action_names=list(JOINTS), action_space="joint", control_hz=rate,
-        horizon=horizon, execute_steps=cfg.execute_steps, merge=merge, max_delay_steps=horizon,
-        inference=cfg.inference, inference_cpu=1, control_cpu=0, diagnostics_hz=2.0, ros_executor=cfg.ros_executor,
-        deadline_ms=cfg.deadline_ms,
+        horizon=horizon, chunking=ChunkingConfig(execute_steps=cfg.execute_steps, merge=merge),
+        max_delay_steps=horizon, inference=cfg.inference, inference_cpu=1, control_cpu=0, diagnostics_hz=2.0,
+        ros_executor=cfg.ros_executor, deadline_ms=cfg.deadline_ms,
     )  # fmt: skip
     serve_cfg.safety.stale_after_s = 0.5
     serve_cfg.safety.initial_command = {}
@@ -225,9 +227,10 @@ def _serve_side(cfg: BenchBridgeConfig, rate: float, merge: str, horizon: int, r
     while not stop.is_set():
         executor.spin_once(timeout_sec=0.05)
     results.put({
-        "ticks": ticks, "counters": dict(bridge.counters), "inference_latency_ms": bridge.latencies_ms,
-        "obs_to_command_ms": bridge.obs_to_command_ms,
-        "policy_info": bridge.policy_info, "state": bridge.node_state, "cause": bridge.cause,
+        "ticks": ticks, "counters": dict(bridge.diagnostics.counters),
+        "inference_latency_ms": bridge.diagnostics.latencies_ms,
+        "obs_to_command_ms": bridge.diagnostics.obs_to_command_ms,
+        "policy_info": bridge.scheduler.policy_info, "state": bridge.hold.state, "cause": bridge.hold.cause,
         "scheduling": scheduling_record(rt_problem, lock_problem),
     })  # fmt: skip
     bridge.close()
@@ -253,8 +256,8 @@ class BenchRobot:
         self.node = rclpy.create_node("bench_robot", context=context)
         best_effort = QoSProfile(depth=1, reliability=ReliabilityPolicy.BEST_EFFORT)
         reliable = QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE)
-        self.state_pub = self.node.create_publisher(JointState, "/joint_states", best_effort)
-        self.image_pub = self.node.create_publisher(Image, f"/camera/{CAMERA}/image_raw", best_effort)
+        self.state_pub = self.node.create_publisher(JointState, topics.JOINT_STATES.name, best_effort)
+        self.image_pub = self.node.create_publisher(Image, topics.camera(CAMERA).name, best_effort)
         self.ping_pub = self.node.create_publisher(JointState, PING_TOPIC, best_effort)
         self.image = Image(height=image_size, width=image_size, encoding="rgb8", step=3 * image_size)
         self.image.data = np.random.default_rng(0).integers(0, 256, 3 * image_size**2, dtype=np.uint8).tobytes()
@@ -263,10 +266,10 @@ class BenchRobot:
         self.pongs: dict[int, int] = {}  # ping stamp ns -> pong receive ns
         self.chunks = 0
         self.bridge_state = ""
-        self.node.create_subscription(JointTrajectory, "/command/joint_trajectory", self._on_command, reliable)
+        self.node.create_subscription(JointTrajectory, topics.JOINT_TRAJECTORY.name, self._on_command, reliable)
         self.node.create_subscription(JointState, PONG_TOPIC, self._on_pong, reliable)
-        self.node.create_subscription(DiagnosticArray, "/diagnostics", self._on_diagnostics, reliable)
-        self.node.create_subscription(String, "/vla_rl/chunk", self._on_chunk, reliable)
+        self.node.create_subscription(DiagnosticArray, topics.DIAGNOSTICS.name, self._on_diagnostics, reliable)
+        self.node.create_subscription(String, topics.CHUNK_INFO.name, self._on_chunk, reliable)
 
     @staticmethod
     def _stamp_ns(header) -> int:
@@ -387,7 +390,7 @@ def seam_jumps(ticks: list[tuple], period: float) -> dict[str, float]:
 
 
 def _run_one(
-    cfg, executor, robot: BenchRobot, rate: float, merge: str, horizon: int, cycles: int, ping_cycles: int
+    cfg, executor, robot: BenchRobot, rate: float, merge: MergeMode, horizon: int, cycles: int, ping_cycles: int
 ) -> tuple[dict, dict | None]:
     """One serve process: optionally the raw ping-pong first (its bridge idle, fed no state), then the bridge."""
     period = 1.0 / rate

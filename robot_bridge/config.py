@@ -10,28 +10,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, Literal, get_args
 
-from vla_rl.runtime import MergeMode
+from robot_bridge import topics as topic_table
+from sim.arm import ACTION_NAMES as SIM_ACTION_NAMES
+from sim.arm import STATE_BOUNDS as SIM_STATE_BOUNDS
+from sim.arm import STATE_NAMES as SIM_STATE_NAMES
+from vla_rl.runtime import ChunkingConfig
 from vla_rl.types import image_key
 
-# What the simulated robot (`vla-rl sim-robot`) publishes and accepts; see sim.mujoco_env.
-SIM_STATE_NAMES = [f"joint{i}" for i in range(1, 8)] + ["gripper_width", "ee_x", "ee_y", "ee_z"]
-SIM_ACTION_NAMES = ["ee_x", "ee_y", "ee_z", "grip"]
-# What the simulated Panda can physically report, per state entry (radians, metres): the joint
-# limits of sim/assets/panda_arm.xml, the gripper's two 0.04 m finger slides, and the end-effector
-# workspace of sim.mujoco_env.MujocoBatchedEnv.ACTION_LOW/HIGH (the IK only reaches for targets in it).
-SIM_STATE_BOUNDS = {
-    "joint1": [-2.8973, 2.8973],
-    "joint2": [-1.7628, 1.7628],
-    "joint3": [-2.8973, 2.8973],
-    "joint4": [-3.0718, -0.0698],
-    "joint5": [-2.8973, 2.8973],
-    "joint6": [-0.0175, 3.7525],
-    "joint7": [-2.8973, 2.8973],
-    "gripper_width": [0.0, 0.08],
-    "ee_x": [0.25, 0.80],
-    "ee_y": [-0.35, 0.35],
-    "ee_z": [0.0, 0.40],
-}
+# The SIM_* defaults serve the simulated Panda (`vla-rl sim-robot`): the state it publishes, the actions
+# it accepts and what it can physically report per state entry (radians, metres); see `sim.arm`.
 
 # The choices of each field, as Literal types: the parser rejects anything else with the choices
 # listed, and validate() checks them for configs built in code.
@@ -46,7 +33,8 @@ Reliability = Literal["best_effort", "reliable"]
 @dataclass
 class CameraTopic:
     name: str = "front"  # camera name; the policy feature is observation.images.<name>
-    topic: str = "/camera/front/image_raw"  # sensor_msgs/Image topic, or sensor_msgs/CompressedImage when compressed
+    # sensor_msgs/Image topic, or sensor_msgs/CompressedImage when compressed
+    topic: str = topic_table.camera("front").name
     compressed: bool = False  # the topic carries sensor_msgs/CompressedImage (png or jpeg)
 
     @property
@@ -56,13 +44,17 @@ class CameraTopic:
 
 @dataclass
 class TopicsConfig:
-    joint_states: str = "/joint_states"  # sensor_msgs/JointState from the robot
-    instruction: str = "/instruction"  # std_msgs/String; a new one takes effect at the next chunk request
-    estop: str = "/estop"  # std_msgs/Bool; True latches a hold until False arrives
-    joint_trajectory: str = "/command/joint_trajectory"  # trajectory_msgs/JointTrajectory, one point per control step
-    command_array: str = "/command/array"  # std_msgs/Float64MultiArray with the same values (when publish_array)
-    chunk_info: str = "/vla_rl/chunk"  # std_msgs/String, JSON metadata of each merged chunk
-    diagnostics: str = "/diagnostics"  # diagnostic_msgs/DiagnosticArray
+    """Topic names of each role; the defaults and the message types are those of `robot_bridge.topics`."""
+
+    joint_states: str = topic_table.JOINT_STATES.name  # sensor_msgs/JointState from the robot
+    instruction: str = topic_table.INSTRUCTION.name  # std_msgs/String; a new one takes effect at the next chunk request
+    estop: str = topic_table.ESTOP.name  # std_msgs/Bool; True latches a hold until False arrives
+    # trajectory_msgs/JointTrajectory, one point per control step
+    joint_trajectory: str = topic_table.JOINT_TRAJECTORY.name
+    # std_msgs/Float64MultiArray with the same values (when publish_array)
+    command_array: str = topic_table.COMMAND_ARRAY.name
+    chunk_info: str = topic_table.CHUNK_INFO.name  # std_msgs/String, JSON metadata of each merged chunk
+    diagnostics: str = topic_table.DIAGNOSTICS.name  # diagnostic_msgs/DiagnosticArray
 
 
 @dataclass
@@ -114,9 +106,8 @@ class ServeConfig:
     deadline_ms: float = 5.0  # a command handed to ROS later than this after its tick was due is a missed deadline
     clock: Clock = "joint_states"  # joint_states: one command per arriving joint state; timer: the node's own timer
     horizon: int = 0  # chunk length H; 0 = the policy's config.horizon
-    execute_steps: int = 8  # steps of each chunk executed before the next request (more when inference is slower)
-    merge: MergeMode = "rtc"  # latest, ensemble (ACT temporal ensembling) or rtc (real-time chunking)
-    ensemble_coeff: float = 0.01  # temporal ensembling weight exp(-c * i), i = 0 the oldest prediction
+    # steps executed per chunk (0 = the policy's n_action_steps), merge mode (default here: rtc), ensemble weight
+    chunking: ChunkingConfig = field(default_factory=lambda: ChunkingConfig(merge="rtc"))
     max_delay_steps: int = 0  # D_max of the delay augmentation; must match what the policy was trained with
     inference: InferenceMode = "process"  # process (own core, no GIL sharing) or thread
     inference_cpu: int = 1  # core the inference is pinned to; -1 = no pinning
@@ -146,7 +137,6 @@ class ServeConfig:
     def validate(self) -> None:
         """Raise ValueError with a one-line fix for any inconsistent field."""
         choices = {
-            "merge": (self.merge, get_args(MergeMode)),
             "action_mode": (self.action_mode, get_args(ActionMode)),
             "action_space": (self.action_space, get_args(ActionSpace)),
             "clock": (self.clock, get_args(Clock)),
@@ -159,8 +149,7 @@ class ServeConfig:
                 raise ValueError(f"{name}={value!r} is not one of {allowed}; set --{name}={allowed[0]}")
         if self.control_hz <= 0 or self.diagnostics_hz <= 0 or self.deadline_ms <= 0:
             raise ValueError("control_hz, diagnostics_hz and deadline_ms must be > 0")
-        if self.execute_steps < 1:
-            raise ValueError(f"execute_steps must be >= 1, got {self.execute_steps}")
+        self.chunking.validate()
         if self.max_delay_steps < 0 or self.horizon < 0 or self.image_size < 0:
             raise ValueError("max_delay_steps, horizon and image_size must be >= 0")
         if not self.state_names or not self.action_names:

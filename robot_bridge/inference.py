@@ -51,7 +51,7 @@ class InferenceResult:
 class WorkerStatus:
     state: str  # "loading", "ready" or "failed"
     error: str | None = None
-    info: dict[str, Any] = field(default_factory=dict)  # when ready: horizon, image_size, supports_inpainting, ...
+    info: dict[str, Any] = field(default_factory=dict)  # when ready: horizon, n_action_steps, image_size, ...
 
 
 def chunk_problem(actions: np.ndarray | None, horizon: int, action_names: list[str]) -> str | None:
@@ -99,6 +99,7 @@ def policy_info(policy: Policy) -> dict[str, Any]:
     config = getattr(policy, "config", None)
     return {
         "horizon": getattr(config, "horizon", None),
+        "n_action_steps": getattr(config, "n_action_steps", None),  # steps per chunk unless chunking.execute_steps
         "image_size": getattr(config, "image_size", None),
         "state_dim": getattr(config, "state_dim", None),
         "action_dim": getattr(config, "action_dim", None),

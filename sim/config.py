@@ -1,9 +1,13 @@
-"""Configuration of the batched simulated environments (no simulator import here)."""
+"""Configuration of the batched simulated environments, and the conventions every backend shares:
+which worlds a call selects, what a seed means, the LeRobot features (no simulator import here)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
+
+import numpy as np
 
 Backend = Literal["cpu", "warp"]
 
@@ -27,3 +31,84 @@ class EnvConfig:
     substeps: int = 25  # physics steps per control step (0.002 s each: 20 Hz control)
     num_threads: int = 0  # physics threads; 0 = one per CPU core
     max_episode_steps: int = 0  # 0 = the task's own limit
+
+
+# -- what every backend shares: world selection, seeds, features ---------------------------------
+
+
+def world_indices(worlds: Any, num_envs: int) -> np.ndarray:
+    """`vla_rl.types.Worlds` -> (k,) int64 world indices, in the order given.
+
+    None selects every world; an (N,) bool mask the worlds where it is True; anything else is read
+    as indices, each in [0, N) and none repeated (a repeat would make "world w gets state j" ambiguous).
+    """
+    if worlds is None:
+        return np.arange(num_envs)
+    if hasattr(worlds, "cpu"):  # a torch tensor, possibly on an accelerator
+        worlds = worlds.cpu()
+    array = np.asarray(worlds)
+    if array.dtype == np.bool_:
+        if array.shape != (num_envs,):
+            raise ValueError(f"a world mask must have shape ({num_envs},), got {array.shape}")
+        return np.flatnonzero(array)
+    index = array.astype(np.int64).reshape(-1)
+    if array.size and (not np.issubdtype(array.dtype, np.integer) or index.min() < 0 or index.max() >= num_envs):
+        raise ValueError(f"world indices must be integers in [0, {num_envs}), got {array.tolist()}")
+    if len(np.unique(index)) != len(index):
+        raise ValueError(f"world indices must not repeat, got {index.tolist()}")
+    return index
+
+
+def is_batch_seed(seed: Any) -> bool:
+    """True for None or one int (a seed of the whole batch), False for one seed per selected world."""
+    return seed is None or isinstance(seed, int | np.integer)
+
+
+def per_world_seeds(seed: Sequence[int], count: int) -> list[int]:
+    """One seed per selected world, checked: ``count`` ints."""
+    seeds = [int(s) for s in seed]
+    if len(seeds) != count:
+        raise ValueError(f"{count} worlds need {count} seeds (one each) or a single int, got {len(seeds)}")
+    return seeds
+
+
+def seed_sequences(seed: int | Sequence[int] | None, worlds: np.ndarray, num_envs: int) -> list | None:
+    """The seed of each of ``worlds`` (k,) as a ``np.random.SeedSequence``, or None for "no seed given".
+
+    One int: world i gets child i of ``SeedSequence(seed)`` spawned N ways, what a full reset with
+    that seed gives it. One int per world: ``SeedSequence(seed[j])``, so equal seeds, equal streams.
+    """
+    if seed is None:
+        return None
+    if is_batch_seed(seed):
+        children = np.random.SeedSequence(int(seed)).spawn(num_envs)
+        return [children[w] for w in worlds]
+    return [np.random.SeedSequence(s) for s in per_world_seeds(seed, len(worlds))]
+
+
+def env_features(
+    cameras: Sequence[str], image_size: int, state_names: Sequence[str], action_names: Sequence[str]
+) -> dict[str, dict[str, Any]]:
+    """LeRobot's feature dict of a batched env (see `vla_rl.types.BatchedEnv.features`): square
+    ``image_size`` images per camera, stored as images, then the named state and action vectors."""
+    from vla_rl.types import ACTION, OBS_STATE, image_key
+
+    features: dict[str, dict[str, Any]] = {
+        image_key(cam): {
+            "dtype": "image",
+            "shape": (image_size, image_size, 3),
+            "names": ["height", "width", "channels"],
+        }
+        for cam in cameras
+    }
+    features[OBS_STATE] = {"dtype": "float32", "shape": (len(state_names),), "names": list(state_names)}
+    features[ACTION] = {"dtype": "float32", "shape": (len(action_names),), "names": list(action_names)}
+    return features
+
+
+def reseed(streams: list[np.random.Generator], seed: int | Sequence[int] | None, worlds: np.ndarray) -> None:
+    """Give each of ``worlds`` the random stream of its seed (`seed_sequences`); with no seed
+    (None) they keep drawing from their own streams, as an autoreset does."""
+    seeds = seed_sequences(seed, worlds, len(streams))
+    for w, s in zip(worlds, seeds or []):
+        streams[w] = np.random.default_rng(s)

@@ -18,6 +18,11 @@ Timing, per world (all worlds step together, each on its own schedule):
 
 Delay models draw d in control steps: fixed, uniform over [low, high], or replayed from latencies
 measured on a robot (seconds, converted with the control period and rounded up).
+
+For RL, each world's chunk is one transition: from its request to its next request, or to the end
+of its episode. Worlds run on their own schedules, so a call to ``step`` may end some worlds'
+transitions and only advance the others'; `ChunkTransition` (``info["transition"]``) keeps the
+per-world sums and marks the complete ones.
 """
 
 from __future__ import annotations
@@ -45,6 +50,48 @@ class DelayConfig:
     latencies_file: str = ""  # histogram: JSON list of measured inference latencies in seconds
     control_dt: float = 0.05  # histogram: control period in seconds, to turn latencies into steps
     seed: int = 0  # seed of the delay draws
+
+
+@dataclass
+class ChunkTransition:
+    """Each world's chunk-level transition, from its latest chunk request up to now. All (N,), on the CPU.
+
+    start_step: long, the control step of the request (the step the chunk was conditioned on).
+    steps: long, env steps taken since the request.
+    reward: float32, the env's reward summed over those steps.
+    terminated, truncated: bool, the episode ended on the last of them (a transition never spans
+        two episodes; the episode's last observation is then ``info["final_obs"]``).
+    ready: bool, the transition is complete: the world requests a new chunk now, or its episode
+        ended. Other rows are still running and hold their values so far.
+    """
+
+    start_step: torch.Tensor
+    steps: torch.Tensor
+    reward: torch.Tensor
+    terminated: torch.Tensor
+    truncated: torch.Tensor
+    ready: torch.Tensor
+
+    @classmethod
+    def zeros(cls, n: int) -> ChunkTransition:
+        long, flag = torch.zeros(n, dtype=torch.long), torch.zeros(n, dtype=torch.bool)
+        return cls(long, long.clone(), torch.zeros(n), flag, flag.clone(), flag.clone())
+
+    def clone(self) -> ChunkTransition:
+        return ChunkTransition(*(t.clone() for t in vars(self).values()))
+
+    def start(self, worlds: torch.Tensor, step: torch.Tensor) -> None:
+        """Open a new transition in ``worlds`` ((N,) bool), requested at control step ``step`` (N,)."""
+        self.start_step[worlds] = step[worlds]
+        for running in (self.steps, self.reward, self.terminated, self.truncated, self.ready):
+            running[worlds] = 0
+
+    def add_step(self, reward: torch.Tensor, terminated: torch.Tensor, truncated: torch.Tensor) -> None:
+        """Every world took one env step: (N,) each."""
+        self.steps += 1
+        self.reward += reward.float().cpu()
+        self.terminated |= terminated.cpu()
+        self.truncated |= truncated.cpu()
 
 
 class DelayModel:
@@ -102,7 +149,8 @@ class DelayedChunkEnv:
 
     ``reset`` and ``step`` return an observation batch and ``need`` (N,) bool: the worlds that
     request a chunk now. ``step`` takes the chunks for those worlds (other rows are ignored) and
-    advances the env until some world requests again.
+    advances the env until some world requests again. Each world's transition since its request
+    is ``info["transition"]`` (`ChunkTransition`).
     """
 
     def __init__(
@@ -133,6 +181,7 @@ class DelayedChunkEnv:
         self._flight_obs_step = torch.zeros(n, dtype=torch.long, device=env.device)  # (N,)
         self._arrival = np.zeros(n, dtype=np.int64)  # step at which the in-flight chunk arrives
         self._next_request = np.zeros(n, dtype=np.int64)
+        self._transition = ChunkTransition.zeros(n)  # each world's, since its latest request
 
     @property
     def obs_step(self) -> torch.Tensor:
@@ -147,6 +196,7 @@ class DelayedChunkEnv:
         self._next_request[:] = 0
         self._need[:] = True
         self._pending_delay = self.delay.sample(self.num_envs)
+        self._transition = ChunkTransition.zeros(self.num_envs)
         return self._augment(obs), torch.from_numpy(self._need.copy())
 
     def step(self, chunk: ActionChunk) -> tuple[dict, torch.Tensor, torch.Tensor, torch.Tensor, dict, torch.Tensor]:
@@ -155,8 +205,10 @@ class DelayedChunkEnv:
         chunk: (N, H, A) with ``obs_step`` the step each row was conditioned on; rows of worlds
         that did not request are ignored. Returns obs, reward (N,) summed over the steps taken,
         terminated (N,), truncated (N,), info, need (N,). ``info["steps"]`` (N,) counts the env
-        steps taken, ``info["success"]`` (N,) is True where an episode ended in success, and
-        ``info["delay_steps"]`` (N,) is the delay each submitted chunk got (-1 where none was).
+        steps taken, ``info["success"]`` (N,) is True where an episode ended in success,
+        ``info["delay_steps"]`` (N,) is the delay each submitted chunk got (-1 where none was), and
+        ``info["transition"]`` is each world's `ChunkTransition` since its own request (which may
+        predate this call), complete where it is ``ready``.
         """
         submitted = self._need.copy()
         step_now = self.executor.step.cpu().numpy()
@@ -171,6 +223,7 @@ class DelayedChunkEnv:
             submitted, step_now + np.maximum(self.execute_steps, self._pending_delay), self._next_request
         )
         delays = np.where(submitted, self._pending_delay, -1)
+        self._transition.start(torch.from_numpy(submitted), torch.from_numpy(step_now.astype(np.int64)))
 
         n = self.num_envs
         reward = torch.zeros(n)
@@ -195,6 +248,7 @@ class DelayedChunkEnv:
             steps += 1
             terminated |= term.cpu()
             truncated |= trunc.cpu()
+            self._transition.add_step(r, term, trunc)
             success |= info["success"].cpu()
             done = (term | trunc).cpu().numpy()
             if done.any():
@@ -203,7 +257,11 @@ class DelayedChunkEnv:
                 self._in_flight &= ~done
                 self._next_request[done] = 0
         self._pending_delay = np.where(self._need, self.delay.sample(n), 0)
-        info = {**info, "steps": steps, "success": success, "delay_steps": torch.from_numpy(delays)}
+        self._transition.ready = torch.from_numpy(self._need.copy())
+        info = {
+            **info, "steps": steps, "success": success, "delay_steps": torch.from_numpy(delays),
+            "transition": self._transition.clone(),
+        }  # fmt: skip
         return self._augment(self._obs), reward, terminated, truncated, info, torch.from_numpy(self._need.copy())
 
     def _deliver_arrived(self) -> None:

@@ -33,14 +33,21 @@ controller, ``[dx, dy, dz, droll, dpitch, dyaw, gripper]`` in [-1, 1]; gripper -
 Initial states follow LIBERO's protocol: the fixed initial states shipped with each task (50 per
 task). ``reset(seed)`` starts world k of the m worlds running a task at initial state
 ``(seed * m + k) mod 50`` and every autoreset moves it on by m, so from seed 0 the worlds of a task
-walk through states 0, 1, ..., 49 without repeats. Each episode starts with LeRobot's 10 no-op
-settling steps. Episodes are truncated at LeRobot's per-suite limits (``TASK_SUITE_MAX_STEPS``:
+walk through states 0, 1, ..., 49 without repeats. One seed per world picks the initial state
+itself: ``reset(seed=[s, ...], worlds=[w, ...])`` starts world w at state ``s mod 50``; no seed goes
+on to each world's next state; equal per-world seeds give equal starts. Each episode starts with
+LeRobot's 10 no-op settling steps. A world's saved state (``get_state``) includes the fixture
+poses its scene drew (see `LiberoWorld`), so a loaded world steps exactly as its source.
+
+``task_names`` are the config's tasks as task names (``libero_spatial/0`` ... ``libero_spatial/9``
+for a suite, so ``info["task_id"]`` is then the suite's task index; ``[libero_spatial/3]`` for one). Episodes are truncated at LeRobot's per-suite limits (``TASK_SUITE_MAX_STEPS``:
 280 spatial and object, 300 goal, 520 libero_10, 400 libero_90) unless
 ``EnvConfig.max_episode_steps`` is set.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -48,9 +55,11 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
-from sim.config import EnvConfig
+from sim.config import EnvConfig, env_features, is_batch_seed, per_world_seeds, world_indices
 from sim.libero_setup import MISSING_EXTRA, prepare_libero
+from sim.robosuite_env import ACTION_NAMES, STATE_NAMES, load_robosuite_state, save_robosuite_state
 from sim.subprocess_env import SubprocessBatchedEnv
+from vla_rl.types import Worlds
 
 # Our camera names are LeRobot's LIBERO feature names (its default camera_name_mapping, inverted).
 CAMERAS = {"image": "agentview_image", "image2": "robot0_eye_in_hand_image"}
@@ -105,13 +114,38 @@ def resolve_libero_task(name: str) -> LiberoTasks:
     return LiberoTasks(suite_name, ids, [suite.get_task(i).language for i in ids])
 
 
+class LiberoWorld(gym.Wrapper):
+    """One world: LeRobot's ``LiberoEnv``, whose state can be saved and loaded.
+
+    LIBERO's scenes are robosuite envs (`sim.robosuite_env.save_robosuite_state`) whose fixed
+    fixtures (cabinets, stoves) are placed at random each time a reset rebuilds the scene: their
+    poses in the model (``body_pos``, ``body_quat``) are part of a world's state.
+    """
+
+    def get_state(self) -> dict[str, Any]:
+        env = self._robosuite_env()
+        model = env.sim.model._model
+        return {"robosuite": save_robosuite_state(env), "body_pos": model.body_pos.copy(),
+                "body_quat": model.body_quat.copy()}  # fmt: skip
+
+    def set_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """Load a state from :meth:`get_state`; returns the raw observation it had."""
+        env = self._robosuite_env()
+        model = env.sim.model._model
+        model.body_pos[:], model.body_quat[:] = state["body_pos"], state["body_quat"]
+        return self.env._format_raw_obs(load_robosuite_state(env, state["robosuite"]))
+
+    def _robosuite_env(self):
+        return self.env._env.env  # LiberoEnv -> LIBERO's OffScreenRenderEnv -> its robosuite env
+
+
 def make_libero_world(
     suite_name: str, task_id: int, first_init_state: int, init_state_stride: int, cameras: list[str], image_size: int,
     episode_length: int,
 ) -> gym.Env:  # fmt: skip
     """One world: LeRobot's ``LiberoEnv`` (runs in a worker; the simulator starts at the first reset)."""
     libero = _lerobot_libero()
-    return libero.LiberoEnv(
+    world = libero.LiberoEnv(
         task_suite=_suite(suite_name),
         task_id=task_id,
         task_suite_name=suite_name,
@@ -126,6 +160,7 @@ def make_libero_world(
         control_freq=CONTROL_FREQ,
         control_mode="relative",
     )
+    return LiberoWorld(world)
 
 
 def lerobot_features(raw: dict[str, Any]) -> dict[str, Any]:
@@ -151,26 +186,39 @@ class LiberoBatchedEnv(SubprocessBatchedEnv):
             )
         n = config.num_envs
         self.suite = tasks.suite
-        self.task_ids = np.array([tasks.task_ids[i % len(tasks.task_ids)] for i in range(n)])  # (N,)
+        task_index = np.arange(n) % len(tasks.task_ids)  # (N,) each world's index into the config's tasks
+        self.suite_task_ids = np.array(tasks.task_ids)[task_index]  # (N,) LIBERO's task number in the suite
         # World i is the k-th of the m worlds running its task: it starts at init state k and strides by m.
-        self._rank = np.array([(self.task_ids[:i] == t).sum() for i, t in enumerate(self.task_ids)])
-        self._worlds_per_task = np.array([(self.task_ids == t).sum() for t in self.task_ids])
+        self._rank = np.array([(self.suite_task_ids[:i] == t).sum() for i, t in enumerate(self.suite_task_ids)])
+        self._worlds_per_task = np.array([(self.suite_task_ids == t).sum() for t in self.suite_task_ids])
         max_steps = config.max_episode_steps or _lerobot_libero().TASK_SUITE_MAX_STEPS[tasks.suite]
         make = partial(
             make_libero_world, tasks.suite, cameras=list(config.cameras), image_size=config.image_size,
             episode_length=max_steps,
         )  # fmt: skip
         worlds = [
-            partial(make, int(t), int(k), int(m)) for t, k, m in zip(self.task_ids, self._rank, self._worlds_per_task)
+            partial(make, int(t), int(k), int(m))
+            for t, k, m in zip(self.suite_task_ids, self._rank, self._worlds_per_task)
         ]
-        language = dict(zip(tasks.task_ids, tasks.instructions))
         super().__init__(
-            worlds, lerobot_features, [language[t] for t in self.task_ids], max_steps, config.cameras,
+            worlds, lerobot_features, [tasks.instructions[t] for t in task_index], max_steps, config.cameras,
             1.0 / CONTROL_FREQ,
+            features=env_features(config.cameras, config.image_size, STATE_NAMES, ACTION_NAMES),
+            task_names=[f"{tasks.suite}/{t}" for t in tasks.task_ids], task_ids=task_index.tolist(),
         )  # fmt: skip
 
-    def reset(self, seed: int | None = None) -> dict[str, Any]:
-        """Reset every world to LIBERO's fixed initial state ``(seed * m + k) mod 50`` (see the module doc)."""
-        first = (seed or 0) * self._worlds_per_task + self._rank
-        self._vector.set_attr("init_state_id", [int(s) for s in first])
-        return super().reset(seed)
+    def reset(self, seed: int | Sequence[int] | None = None, *, worlds: Worlds = None) -> dict[str, Any]:
+        """New episodes in ``worlds`` (all by default) from LIBERO's fixed initial states: state
+        ``(seed * m + k) mod 50`` for an int seed, the given state for per-world seeds, each world's
+        next one for no seed (see the module doc)."""
+        selected = world_indices(worlds, self.num_envs)
+        if seed is not None:
+            if is_batch_seed(seed):
+                first = int(seed) * self._worlds_per_task[selected] + self._rank[selected]
+            else:
+                first = per_world_seeds(seed, len(selected))
+            init_states = list(self._vector.get_attr("init_state_id"))
+            for w, s in zip(selected, first):
+                init_states[w] = int(s)
+            self._vector.set_attr("init_state_id", init_states)
+        return super().reset(seed, worlds=selected)

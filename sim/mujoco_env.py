@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import os
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any
@@ -22,13 +23,13 @@ import numpy as np
 import torch
 from mujoco import rollout
 
-from sim.config import EnvConfig
-from sim.ik import ik_targets, orientation_error
+# STATE_NAMES and ACTION_NAMES are also imported from here by modules that predate `sim.arm`.
+from sim.arm import ACTION_HIGH, ACTION_LOW, ACTION_NAMES, STATE_NAMES, arm_state, commanded_grip, hold_actions
+from sim.batched_success import HostWorlds
+from sim.config import EnvConfig, env_features, reseed, world_indices
+from sim.ik import ArmController
 from sim.render import Renderers
-from vla_rl.types import OBS_STATE, TASK, image_key
-
-ACTION_NAMES = ["ee_x", "ee_y", "ee_z", "grip"]
-STATE_NAMES = [f"joint{i}" for i in range(1, 8)] + ["gripper_width", "ee_x", "ee_y", "ee_z"]
+from vla_rl.types import OBS_STATE, TASK, Worlds, image_key
 
 
 def forward_positions(model: mujoco.MjModel, data: mujoco.MjData) -> None:
@@ -57,15 +58,15 @@ class MujocoBatchedEnv:
 
     Observations: ``observation.images.<camera>`` (N, 3, S, S) float in [0, 1], one per camera
     in ``config.cameras`` (none when it is empty: physics only); ``observation.state`` (N, 11) =
-    7 joint angles, gripper width, end-effector xyz; ``task``.
+    7 joint angles, gripper width, end-effector xyz; ``task``. One task: ``task_names`` is
+    ``[config.task]`` and every world's ``info["task_id"]`` is 0. Deterministic: a world reset
+    with a seed, or loaded from a saved state, then stepped, repeats itself bit for bit.
 
     After each step ``data[i]`` holds world i's state and its position-dependent quantities
     (:func:`forward_positions`); run ``mujoco.mj_forward`` on it for accelerations or forces.
     """
 
-    # End-effector workspace the action is clipped to (metres, world frame).
-    ACTION_LOW = np.array([0.25, -0.35, 0.0, 0.0])
-    ACTION_HIGH = np.array([0.80, 0.35, 0.40, 1.0])
+    ACTION_LOW, ACTION_HIGH = ACTION_LOW, ACTION_HIGH  # the arm's workspace (`sim.arm`)
     PIPELINE_BLOCKS = 4  # blocks of worlds per control step, so loading results overlaps physics
     MIN_BLOCK_WORLDS = 64  # smaller blocks cost more in thread hand-offs than they overlap
 
@@ -128,25 +129,55 @@ class MujocoBatchedEnv:
                 raise ValueError(f"camera {cam!r} is not in the {config.task!r} scene; it has 'front'")
 
         self._site = self.model.site("grasp").id
-        self._arm_range = self.model.jnt_range[:7].copy()
-        home = self.model.key("home")
-        self._home_q = home.qpos[:7].copy()
-        probe = mujoco.MjData(self.model)
-        mujoco.mj_resetDataKeyframe(self.model, probe, home.id)
-        mujoco.mj_forward(self.model, probe)
-        self._target_rot = probe.site_xmat[self._site].reshape(3, 3).copy()  # gripper down, fixed yaw
+        self._controller = ArmController.from_model(self.model)
 
+        self.features = env_features(config.cameras, config.image_size, STATE_NAMES, ACTION_NAMES)
+        self.task_names = [config.task]
+        self._task_id = torch.zeros(self.num_envs, dtype=torch.long)
         self.episode_step = np.zeros(self.num_envs, dtype=np.int64)
-        self._seeds: list[np.random.Generator] = []
+        # Each world's random stream of initial states (fresh until a reset seeds it).
+        self._seeds = [np.random.default_rng() for _ in range(self.num_envs)]
+        # A saved world: everything its integration reads (`mujoco.mjtState.mjSTATE_INTEGRATION`:
+        # physics, controls, mocap poses, the solver's warm start), so a loaded world steps as it did.
+        self._saved_spec = mujoco.mjtState.mjSTATE_INTEGRATION
 
     # -- public API --------------------------------------------------------------------------
 
-    def reset(self, seed: int | None = None) -> dict[str, Any]:
-        """Reset every world; world i draws its episodes from its own stream of ``seed``."""
-        children = np.random.SeedSequence(seed).spawn(self.num_envs)
-        self._seeds = [np.random.default_rng(s) for s in children]
-        for i in range(self.num_envs):
+    def reset(self, seed: int | Sequence[int] | None = None, *, worlds: Worlds = None) -> dict[str, Any]:
+        """New episodes in ``worlds`` (all by default); returns every world's observation.
+
+        World i draws its episodes from its own random stream: stream i of ``seed`` (an int), the
+        stream of its own seed (one int per world: equal seeds, equal episodes), or, with no seed,
+        the stream it already had (see `vla_rl.types.BatchedEnv`).
+        """
+        selected = world_indices(worlds, self.num_envs)
+        reseed(self._seeds, seed, selected)
+        for i in selected:
             self._reset_world(i)
+        return self._observe()
+
+    def get_state(self, worlds: Worlds = None) -> list[dict[str, Any]]:
+        """One snapshot per selected world: {"physics": MuJoCo's integration state, "episode_step"}."""
+        states = []
+        for i in world_indices(worlds, self.num_envs):
+            physics = np.empty(mujoco.mj_stateSize(self.model, self._saved_spec))
+            mujoco.mj_getState(self.model, self.data[i], physics, self._saved_spec)
+            states.append({"physics": physics, "episode_step": int(self.episode_step[i])})
+        return states
+
+    def set_state(self, states: Sequence[dict[str, Any]], worlds: Worlds = None) -> dict[str, Any]:
+        """Load ``states`` (from `get_state`) into ``worlds``, world ``worlds[j]`` gets ``states[j]``;
+        returns every world's observation."""
+        selected = world_indices(worlds, self.num_envs)
+        if len(states) != len(selected):
+            raise ValueError(f"{len(selected)} worlds need {len(selected)} states, got {len(states)}")
+        for i, state in zip(selected, states):
+            d = self.data[i]
+            mujoco.mj_setState(self.model, d, state["physics"], self._saved_spec)
+            mujoco.mj_forward(self.model, d)
+            self.episode_step[i] = state["episode_step"]
+            self._obs_qpos[i] = d.qpos[:9]
+            self._obs_ee[i] = d.site_xpos[self._site]
         return self._observe()
 
     def step(self, actions: torch.Tensor | np.ndarray):
@@ -154,14 +185,14 @@ class MujocoBatchedEnv:
 
         info: ``success``, ``diverged`` (a blown-up world, reset), ``invalid_actions`` (a row with
         NaN or inf, which holds the pose), ``clipped_actions`` (a finite row outside the workspace,
-        clipped to it), each (N,) bool, and ``final_obs``.
+        clipped to it), each (N,) bool, ``task_id`` (N,) long and ``final_obs``.
         """
         act = np.asarray(torch.as_tensor(actions, dtype=torch.float64).cpu(), dtype=np.float64)
         if act.shape != (self.num_envs, self.action_dim):
             raise ValueError(f"actions must have shape ({self.num_envs}, {self.action_dim}), got {act.shape}")
         invalid = ~np.isfinite(act).all(axis=1)
         if invalid.any():  # a non-finite action holds the end-effector pose instead of crashing the batch
-            act[invalid] = np.concatenate([self.ee_positions()[invalid], np.zeros((invalid.sum(), 1))], axis=1)
+            act[invalid] = hold_actions(torch.from_numpy(self.ee_positions()[invalid])).numpy()
         # Finite rows outside the workspace are clipped to it and counted, as the other backends do;
         # a held (invalid) row is counted as invalid only.
         clipped = ~invalid & ((act < self.ACTION_LOW) | (act > self.ACTION_HIGH)).any(axis=1)
@@ -189,6 +220,7 @@ class MujocoBatchedEnv:
             "diverged": torch.from_numpy(diverged),
             "invalid_actions": torch.from_numpy(invalid),
             "clipped_actions": torch.from_numpy(clipped),
+            "task_id": self._task_id.clone(),
             "final_obs": final_obs,
         }
         to_t = torch.from_numpy
@@ -206,8 +238,8 @@ class MujocoBatchedEnv:
 
         Sent when no action is queued (for instance while the first chunk is still being inferred).
         """
-        grip = np.array([1.0 - d.ctrl[7] / 0.04 for d in self.data])
-        return torch.from_numpy(np.concatenate([self.ee_positions(), grip[:, None]], axis=1)).float()
+        finger = torch.tensor([d.ctrl[7] for d in self.data], dtype=torch.float64)  # (N,) the left finger's target
+        return hold_actions(torch.from_numpy(self.ee_positions()), commanded_grip(finger)).float()
 
     def privileged_state(self) -> dict[str, np.ndarray]:
         """The task's privileged state of every world, for scripted experts: name -> (N, ...)."""
@@ -284,10 +316,8 @@ class MujocoBatchedEnv:
 
         q = init[:, self._qpos_in_state : self._qpos_in_state + 7]  # (B, 7)
         jac = np.concatenate([jacp[:, :, :7], jacr[:, :, :7]], axis=1)  # (B, 6, 7)
-        rot_err = orientation_error(site_rot.reshape(-1, 3, 3), self._target_rot)
         ctrl = self._ctrl[block]  # (B, nu)
-        ctrl[:, :7] = ik_targets(q, jac, act[block, :3] - site_pos, rot_err, self._home_q, self._arm_range)
-        ctrl[:, 7:9] = 0.04 * (1.0 - act[block, 3:4])  # finger opening per side
+        self._controller.servo_targets(act[block], q, jac, site_pos, site_rot, out=ctrl)
         control[:, :, : model.nu] = ctrl[:, None, :]
 
     def _rollout_block(self, block: slice) -> None:
@@ -313,13 +343,13 @@ class MujocoBatchedEnv:
         stored[block, k : k + nu] = self._ctrl[block]
         stored[block, k + nu :] = final[:, k:]
         self._obs_qpos[block] = final[:, self._qpos_in_state : self._qpos_in_state + 9]
-        ee, success = self._obs_ee, self._success
+        ee = self._obs_ee
         for i in range(block.start, block.stop):
             d = self.data[i]
             mujoco.mj_setState(model, d, stored[i], self._store_spec)
             self._forward_positions(model, d)
             ee[i] = d.site_xpos[site]
-            success[i] = task.is_success(model, d)
+        self._success[block] = task.success(model, HostWorlds(model, self.data[block]))
 
     def _observe(self) -> dict[str, Any]:
         n, size = self.num_envs, self.config.image_size
@@ -329,11 +359,7 @@ class MujocoBatchedEnv:
             for i, d in enumerate(self.data):
                 self._renderers.frame(d, cam, size, out=frames[i])
             obs[image_key(cam)] = torch.from_numpy(frames).permute(0, 3, 1, 2).float().div_(255.0)
-        qpos = self._obs_qpos
         state = np.empty((n, self.state_dim), dtype=np.float32)
-        state[:, :7] = qpos[:, :7]
-        state[:, 7] = qpos[:, 7] + qpos[:, 8]
-        state[:, 8:] = self._obs_ee
-        obs[OBS_STATE] = torch.from_numpy(state)
+        obs[OBS_STATE] = torch.from_numpy(arm_state(self._obs_qpos, self._obs_ee, out=state))
         obs[TASK] = [self.task.instruction] * n
         return obs

@@ -25,10 +25,17 @@ object placements are random, drawn from numpy's global RNG of the worker, seede
 Actions (N, 7): ``[dx, dy, dz, droll, dpitch, dyaw, gripper]`` in [-1, 1], OSC_POSE's delta
 end-effector command (as in LIBERO); gripper -1 opens, +1 closes. Success is robosuite's own
 ``_check_success()``; an episode ends on success or after :data:`MAX_EPISODE_STEPS`.
+
+``task_names`` is ``[config.task]`` (every ``info["task_id"]`` is 0). Seeds: world i of a
+``reset(seed)`` is seeded ``seed + i``; equal per-world seeds give equal placements. A saved
+world (:func:`save_robosuite_state`) holds MuJoCo's integration state and robosuite's own (step
+count, gripper command, observation samplers), so a loaded world observes and steps exactly as
+the one it was saved from.
 """
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 from functools import partial
 from typing import Any, ClassVar
@@ -37,7 +44,7 @@ import gymnasium as gym
 import numpy as np
 from gymnasium import spaces
 
-from sim.config import EnvConfig
+from sim.config import EnvConfig, env_features
 from sim.subprocess_env import SubprocessBatchedEnv
 
 PREFIX = "robosuite/"
@@ -49,7 +56,12 @@ TASKS = {  # robosuite environment name -> instruction
 MAX_EPISODE_STEPS = {"Lift": 300, "Stack": 500, "PickPlaceCan": 500}  # 15-25 s at 20 Hz: several times a demo
 CAMERAS = ("agentview", "robot0_eye_in_hand", "frontview", "birdview", "sideview")  # single-arm scenes' cameras
 CONTROL_FREQ = 20  # Hz
-STATE_DIM = 8
+SCENE_SEED = 0  # seed of the random object sizes robosuite draws when it builds a scene
+# observation.state and action of lerobot/libero's layout (the LIBERO backend's too)
+STATE_NAMES = ["eef_x", "eef_y", "eef_z", "eef_axis_angle_x", "eef_axis_angle_y", "eef_axis_angle_z",
+               "gripper_finger_left", "gripper_finger_right"]  # fmt: skip
+ACTION_NAMES = ["dx", "dy", "dz", "droll", "dpitch", "dyaw", "gripper"]
+STATE_DIM = len(STATE_NAMES)
 MISSING_EXTRA = 'robosuite is not installed; it comes with the libero extra: pip install -e ".[libero]"'
 
 
@@ -78,10 +90,21 @@ class RobosuiteWorld(gym.Env):
     def reset(self, *, seed: int | None = None, options: dict | None = None):
         super().reset(seed=seed)
         if self._env is None:
+            # robosuite draws some object sizes (Lift's cube: 2.0-2.2 cm) from numpy's global RNG when
+            # it builds the scene, once per world: a fixed seed gives every world and run the same scene.
+            np.random.seed(SCENE_SEED)
             self._env = self._make()
         if seed is not None:  # robosuite's placement samplers draw from numpy's global RNG
             np.random.seed(seed)
         return self._format(self._env.reset()), {"is_success": False}
+
+    def get_state(self) -> dict[str, Any]:
+        """This world's state (:func:`save_robosuite_state`); the worker's `SubprocessBatchedEnv` calls it."""
+        return save_robosuite_state(self._env)
+
+    def set_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """Load a state from :meth:`get_state`; returns the raw observation it had."""
+        return self._format(load_robosuite_state(self._env, state))
 
     def step(self, action: np.ndarray):
         raw, _, _, _ = self._env.step(action)
@@ -128,6 +151,63 @@ class RobosuiteWorld(gym.Env):
         return obs
 
 
+# What a robosuite observable keeps between samples: its clock, whether it sampled this period, its
+# sampling delay and the value it reports (observations come from these, not from the simulator).
+_OBSERVABLE_FIELDS = ("_time_since_last_sample", "_sampled", "_current_delay", "_current_observed_value")
+# What the OSC controller keeps across steps: the episode's first pose (its null-space target) and
+# the current goal.
+_CONTROLLER_FIELDS = ("initial_joint", "initial_ee_pos", "initial_ee_ori_mat", "goal_pos", "goal_ori", "relative_ori",
+                      "ori_ref")  # fmt: skip
+
+
+def save_robosuite_state(env) -> dict[str, Any]:
+    """Everything a robosuite env's observation and next steps depend on (robosuite or LIBERO).
+
+    MuJoCo's integration state (physics, controls, the solver's warm start), robosuite's step count
+    and clock, each arm controller's episode start pose and goal, each gripper's commanded opening
+    (the Panda gripper moves it by a rate limit), and the observables' samplers and values with
+    their cache.
+    """
+    import mujoco
+
+    model, data = env.sim.model._model, env.sim.data._data
+    physics = np.empty(mujoco.mj_stateSize(model, mujoco.mjtState.mjSTATE_INTEGRATION))
+    mujoco.mj_getState(model, data, physics, mujoco.mjtState.mjSTATE_INTEGRATION)
+    return {
+        "physics": physics,
+        "timestep": env.timestep,
+        "cur_time": env.cur_time,
+        "controllers": [
+            copy.deepcopy({f: getattr(robot.controller, f) for f in _CONTROLLER_FIELDS}) for robot in env.robots
+        ],
+        "grippers": [np.array(robot.gripper.current_action) for robot in env.robots],
+        "observables": {
+            name: copy.deepcopy({f: getattr(o, f) for f in _OBSERVABLE_FIELDS}) for name, o in env._observables.items()
+        },
+        "obs_cache": copy.deepcopy(env._obs_cache),
+    }
+
+
+def load_robosuite_state(env, state: dict[str, Any]) -> dict[str, Any]:
+    """Load a state from :func:`save_robosuite_state` into ``env``; returns its raw observations."""
+    import mujoco
+
+    model, data = env.sim.model._model, env.sim.data._data
+    mujoco.mj_setState(model, data, state["physics"], mujoco.mjtState.mjSTATE_INTEGRATION)
+    env.sim.forward()
+    env.timestep, env.cur_time = state["timestep"], state["cur_time"]
+    for robot, controller, grip in zip(env.robots, copy.deepcopy(state["controllers"]), state["grippers"]):
+        for name, value in controller.items():
+            setattr(robot.controller, name, value)
+        robot.controller.new_update = True  # the controller rereads the arm's pose at the next action
+        robot.gripper.current_action = grip.copy()
+    for name, fields in copy.deepcopy(state["observables"]).items():
+        for field_name, value in fields.items():
+            setattr(env._observables[name], field_name, value)
+    env._obs_cache = copy.deepcopy(state["obs_cache"])
+    return env._get_observations()
+
+
 def resolve_robosuite_task(name: str) -> str:
     """``robosuite/Lift`` -> ``Lift``; ValueError lists the valid names."""
     task = name.removeprefix(PREFIX)
@@ -161,4 +241,6 @@ class RobosuiteBatchedEnv(SubprocessBatchedEnv):
         super().__init__(
             [world] * config.num_envs, lerobot_features, [TASKS[task]] * config.num_envs,
             config.max_episode_steps or MAX_EPISODE_STEPS[task], config.cameras, 1.0 / CONTROL_FREQ,
+            features=env_features(config.cameras, config.image_size, STATE_NAMES, ACTION_NAMES),
+            task_names=[config.task], task_ids=[0] * config.num_envs,
         )  # fmt: skip

@@ -12,7 +12,10 @@ adds what the contract asks on top of Gymnasium:
   resets in the same step: the returned observation is the next episode's first, the last one is
   in ``info["final_obs"]``, ``info["success"]`` (N,) bool is the success of the step just taken;
 - observations are a dict of torch tensors under LeRobot's feature names plus ``task``, made by
-  the caller's ``process_obs`` from the raw batched observation.
+  the caller's ``process_obs`` from the raw batched observation;
+- a subset of worlds resets (Gymnasium's ``reset_mask``), each to its own seed, and a world's
+  state is saved and loaded: in its worker, through the world's own ``get_state()`` (picklable)
+  and ``set_state(state)`` (-> its raw observation), with the time limit's step count restored.
 
 Worlds report success in their step info as ``is_success`` (LeRobot's convention) and reset with
 ``{"is_success": False}``. Workers start by re-importing the main module, so a script that builds
@@ -30,14 +33,35 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from vla_rl.types import TASK, image_key
+from sim.config import is_batch_seed, per_world_seeds, world_indices
+from vla_rl.types import TASK, Worlds, image_key
 
 RawObs = dict[str, Any]  # a (nested) dict of numpy arrays with a leading batch dim
 ProcessObs = Callable[[RawObs], dict[str, torch.Tensor]]
 
 
-def _time_limited(make_world: Callable[[], gym.Env], max_episode_steps: int) -> gym.Env:
-    return gym.wrappers.TimeLimit(make_world(), max_episode_steps=max_episode_steps)
+class _World(gym.Wrapper):
+    """World ``index`` in its worker: time-limited, and able to save and load its state.
+
+    A reset whose options carry ``world_states`` {index: (state, episode step)} loads this world's
+    entry (its own ``set_state``) instead of starting a new episode.
+    """
+
+    def __init__(self, make_world: Callable[[], gym.Env], index: int, max_episode_steps: int):
+        super().__init__(gym.wrappers.TimeLimit(make_world(), max_episode_steps=max_episode_steps))
+        self.index = index
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None):
+        saved = (options or {}).get("world_states", {}).get(self.index)
+        if saved is None:
+            return self.env.reset(seed=seed)
+        state, episode_step = saved
+        raw = self.env.get_wrapper_attr("set_state")(state)
+        self.env._elapsed_steps = episode_step  # the time limit's count: truncation comes when it would have
+        return raw, {"is_success": False}
+
+    def get_world_state(self) -> Any:
+        return self.env.get_wrapper_attr("get_state")()
 
 
 def _copy_tree(batch: RawObs) -> RawObs:
@@ -65,6 +89,9 @@ class SubprocessBatchedEnv:
         max_episode_steps: steps after which an episode is truncated.
         cameras: the camera names of the ``observation.images.<camera>`` keys, for :meth:`render`.
         control_dt: seconds per step.
+        features: LeRobot's features of the observations and actions (`vla_rl.types.BatchedEnv`).
+        task_names: the env's task list; task_ids: (N,) each world's index into it. By default each
+            distinct instruction is a task.
     """
 
     def __init__(
@@ -75,6 +102,10 @@ class SubprocessBatchedEnv:
         max_episode_steps: int,
         cameras: Sequence[str],
         control_dt: float,
+        *,
+        features: dict[str, dict[str, Any]] | None = None,
+        task_names: Sequence[str] | None = None,
+        task_ids: Sequence[int] | None = None,
     ):
         if len(instructions) != len(make_worlds):
             raise ValueError(f"{len(make_worlds)} worlds need {len(make_worlds)} instructions, got {len(instructions)}")
@@ -84,9 +115,15 @@ class SubprocessBatchedEnv:
         self.cameras = list(cameras)
         self.control_dt = control_dt
         self.device = torch.device("cpu")
+        self.features = dict(features or {})
+        if task_names is None:
+            task_names = list(dict.fromkeys(self.instructions))
+            task_ids = [task_names.index(text) for text in self.instructions]
+        self.task_names = list(task_names)
+        self._task_id = torch.as_tensor(np.asarray(task_ids, dtype=np.int64))  # (N,)
         self._process_obs = process_obs
         self._vector = gym.vector.AsyncVectorEnv(
-            [partial(_time_limited, make, max_episode_steps) for make in make_worlds],
+            [partial(_World, make, i, max_episode_steps) for i, make in enumerate(make_worlds)],
             context="forkserver",
             shared_memory=True,
             autoreset_mode=gym.vector.AutoresetMode.SAME_STEP,
@@ -101,11 +138,45 @@ class SubprocessBatchedEnv:
 
     # -- public API --------------------------------------------------------------------------
 
-    def reset(self, seed: int | None = None) -> dict[str, Any]:
-        """Reset every world (world i gets seed ``seed + i``); returns the first observations."""
-        raw, _ = self._vector.reset(seed=seed)
-        self.episode_step[:] = 0
-        self._gripper[:] = -1.0
+    def reset(self, seed: int | Sequence[int] | None = None, *, worlds: Worlds = None) -> dict[str, Any]:
+        """New episodes in ``worlds`` (all by default); returns every world's observation.
+
+        World i's env is reset with seed ``seed + i`` (an int, Gymnasium's rule), its own seed (one
+        int per selected world) or none (it goes on from its own random state).
+        """
+        selected = world_indices(worlds, self.num_envs)
+        seeds: list[int | None] = [None] * self.num_envs
+        if not is_batch_seed(seed):
+            for w, s in zip(selected, per_world_seeds(seed, len(selected))):
+                seeds[w] = s
+        elif seed is not None:
+            for w in selected:
+                seeds[w] = int(seed) + int(w)
+        raw = self._reset_worlds(selected, seeds, {})
+        self.episode_step[selected] = 0
+        self._gripper[selected] = -1.0
+        return self._observe(raw)
+
+    def get_state(self, worlds: Worlds = None) -> list[dict[str, Any]]:
+        """One snapshot per selected world: {"world": the world's own state, "episode_step", "gripper"
+        (its last gripper command, what holding keeps)}."""
+        world_states = self._vector.call("get_world_state")  # every worker answers; we keep the selected
+        return [
+            {"world": world_states[w], "episode_step": int(self.episode_step[w]), "gripper": float(self._gripper[w])}
+            for w in world_indices(worlds, self.num_envs)
+        ]
+
+    def set_state(self, states: Sequence[dict[str, Any]], worlds: Worlds = None) -> dict[str, Any]:
+        """Load ``states`` (from `get_state`) into ``worlds``, world ``worlds[j]`` gets ``states[j]``;
+        returns every world's observation."""
+        selected = world_indices(worlds, self.num_envs)
+        if len(states) != len(selected):
+            raise ValueError(f"{len(selected)} worlds need {len(selected)} states, got {len(states)}")
+        saved = {int(w): (s["world"], s["episode_step"]) for w, s in zip(selected, states)}
+        raw = self._reset_worlds(selected, [None] * self.num_envs, {"world_states": saved})
+        for w, s in zip(selected, states):
+            self.episode_step[w] = s["episode_step"]
+            self._gripper[w] = s["gripper"]
         return self._observe(raw)
 
     def step(self, actions: torch.Tensor | np.ndarray):
@@ -141,6 +212,7 @@ class SubprocessBatchedEnv:
             "success": torch.from_numpy(success),
             "invalid_actions": torch.from_numpy(invalid),
             "clipped_actions": torch.from_numpy(clipped),
+            "task_id": self._task_id.clone(),
             "final_obs": final_obs,
         }
         reward = torch.from_numpy(success.astype(np.float32))
@@ -174,6 +246,16 @@ class SubprocessBatchedEnv:
         self.close()
 
     # -- internals ---------------------------------------------------------------------------
+
+    def _reset_worlds(self, selected: np.ndarray, seeds: list[int | None], options: dict) -> RawObs:
+        """Reset the ``selected`` worlds' envs with ``seeds`` (N,) and ``options``; the raw batch of
+        every world's current observation (the others' unchanged, from the shared memory)."""
+        if len(selected) == 0:
+            return _copy_tree(self._vector.observations)
+        mask = np.zeros(self.num_envs, dtype=bool)
+        mask[selected] = True
+        raw, _ = self._vector.reset(seed=seeds, options={**options, "reset_mask": mask})
+        return raw
 
     def _process(self, raw: RawObs) -> dict[str, Any]:
         obs: dict[str, Any] = dict(self._process_obs(raw))

@@ -16,19 +16,19 @@ experts' helpers ``ee_positions`` / ``privileged_state`` (numpy, like the cpu ba
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import mujoco
 import numpy as np
 import torch
 
-from sim.batched_success import SUCCESS_RULES, WorldTensors
-from sim.config import EnvConfig
-from sim.ik import ik_targets_torch, orientation_error_torch
-from sim.mujoco_env import STATE_NAMES, MujocoBatchedEnv
+from sim.arm import ACTION_HIGH, ACTION_LOW, ACTION_NAMES, STATE_NAMES, arm_state, commanded_grip, hold_actions
+from sim.batched_success import DeviceWorlds
+from sim.config import EnvConfig, env_features, reseed, world_indices
+from sim.ik import ArmController
 from sim.render import Renderers
-from vla_rl.types import OBS_STATE, TASK, image_key
+from vla_rl.types import OBS_STATE, TASK, Worlds, image_key
 
 try:
     import mujoco_warp as mjw
@@ -49,23 +49,19 @@ class WarpBatchedEnv:
     Observations: ``observation.state`` (N, 11) float32 on ``device`` = 7 joint angles, gripper
     width, end-effector (grasp site) xyz; ``observation.images.<camera>`` (N, 3, S, S) float in
     [0, 1] for each configured camera (rendered on the host); ``task``. Actions (N, 4): the
-    end-effector target ``[x, y, z, grip]`` of `MujocoBatchedEnv`.
+    end-effector target ``[x, y, z, grip]`` of `MujocoBatchedEnv`. Features, task list, seeds and
+    saved states as `MujocoBatchedEnv`'s. Deterministic on the CPU device; on a GPU, Warp's
+    contact kernels gather with atomics, so a loaded world may part from its original at float32
+    rounding once contacts appear.
     """
 
-    ACTION_LOW = MujocoBatchedEnv.ACTION_LOW  # the cpu backend's end-effector workspace
-    ACTION_HIGH = MujocoBatchedEnv.ACTION_HIGH
+    ACTION_LOW, ACTION_HIGH = ACTION_LOW, ACTION_HIGH  # the arm's workspace (`sim.arm`)
 
     def __init__(self, config: EnvConfig):
         from sim.tasks import get_task
 
         self.config = config
         self.task = get_task(config.task)
-        if config.task not in SUCCESS_RULES:
-            raise ValueError(
-                f"the warp backend has no device success rule for task {config.task!r}; "
-                f"supported tasks: {', '.join(sorted(SUCCESS_RULES))}"
-            )
-        self._success_rule = SUCCESS_RULES[config.task]
         self.num_envs = n = config.num_envs
         self.action_dim = 4
         self.state_dim = len(STATE_NAMES)
@@ -112,7 +108,7 @@ class WarpBatchedEnv:
         self._qpos, self._ctrl = self._state["qpos"], self._state["ctrl"]
         self._site_xpos, self._site_xmat = view(d.site_xpos), view(d.site_xmat)  # (N, nsite, 3) (N, nsite, 3, 3)
         self._jacp_t, self._jacr_t, self._jac_point_t = view(self._jacp), view(self._jacr), view(self._jac_point)
-        self._world = WorldTensors(
+        self._world = DeviceWorlds(
             qpos=self._qpos,
             xpos=view(d.xpos),
             xmat=view(d.xmat),
@@ -125,23 +121,52 @@ class WarpBatchedEnv:
 
         f64 = {"dtype": torch.float64, "device": self.device}
         self._low, self._high = torch.tensor(self.ACTION_LOW, **f64), torch.tensor(self.ACTION_HIGH, **f64)
-        self._arm_range = torch.tensor(self.model.jnt_range[:7], **f64)  # (7, 2)
-        home = self.model.key("home")
-        self._home_q = torch.tensor(home.qpos[:7], **f64)
-        mujoco.mj_resetDataKeyframe(self.model, self._host, home.id)
-        mujoco.mj_forward(self.model, self._host)
-        self._target_rot = torch.tensor(self._host.site_xmat[self._site].reshape(3, 3), **f64)  # gripper down
+        self._controller = ArmController.from_model(self.model).to_torch(self.device)
 
+        self.features = env_features(config.cameras, config.image_size, STATE_NAMES, ACTION_NAMES)
+        self.task_names = [config.task]
+        self._task_id = torch.zeros(n, dtype=torch.long, device=self.device)
         self.episode_step = torch.zeros(n, dtype=torch.long, device=self.device)
-        self._seeds: list[np.random.Generator] = []
+        # Each world's random stream of initial states (fresh until a reset seeds it).
+        self._seeds = [np.random.default_rng() for _ in range(n)]
+        # A saved world: what a reset writes plus what it zeroes (the solver's warm start, the time,
+        # actuator activations), so a loaded world steps as the one it was saved from.
+        self._saved_fields = {**self._state, "qacc_warmstart": view(d.qacc_warmstart), "time": view(d.time)}
+        if self.model.na:
+            self._saved_fields["act"] = view(d.act)
 
     # -- public API --------------------------------------------------------------------------
 
-    def reset(self, seed: int | None = None) -> dict[str, Any]:
-        """Reset every world; world i draws its episodes from its own stream of ``seed``."""
-        children = np.random.SeedSequence(seed).spawn(self.num_envs)
-        self._seeds = [np.random.default_rng(s) for s in children]
-        self._reset_worlds(np.arange(self.num_envs))
+    def reset(self, seed: int | Sequence[int] | None = None, *, worlds: Worlds = None) -> dict[str, Any]:
+        """New episodes in ``worlds`` (all by default), seeded as `MujocoBatchedEnv.reset`; returns
+        every world's observation."""
+        selected = world_indices(worlds, self.num_envs)
+        reseed(self._seeds, seed, selected)
+        if len(selected):
+            self._reset_worlds(selected)
+        return self._observe()
+
+    def get_state(self, worlds: Worlds = None) -> list[dict[str, Any]]:
+        """One snapshot per selected world: {"fields": MjData field name -> host array, "episode_step"}.
+        Host round-trip: one device-to-host copy per field."""
+        idx = torch.as_tensor(world_indices(worlds, self.num_envs), device=self.device)
+        fields = {name: t[idx].cpu().numpy() for name, t in self._saved_fields.items()}
+        steps = self.episode_step[idx].tolist()
+        return [{"fields": {name: v[k] for name, v in fields.items()}, "episode_step": s} for k, s in enumerate(steps)]
+
+    def set_state(self, states: Sequence[dict[str, Any]], worlds: Worlds = None) -> dict[str, Any]:
+        """Load ``states`` (from `get_state`) into ``worlds``, world ``worlds[j]`` gets ``states[j]``;
+        returns every world's observation."""
+        selected = world_indices(worlds, self.num_envs)
+        if len(states) != len(selected):
+            raise ValueError(f"{len(selected)} worlds need {len(selected)} states, got {len(states)}")
+        idx = torch.as_tensor(selected, device=self.device)
+        for name, target in self._saved_fields.items():
+            values = np.stack([state["fields"][name] for state in states])
+            target[idx] = torch.as_tensor(values, dtype=target.dtype).to(self.device)
+        self.episode_step[idx] = torch.as_tensor([state["episode_step"] for state in states], device=self.device)
+        with self._warp_scope():
+            mjw.forward(self._m, self._d)  # the other worlds' kinematics are recomputed unchanged
         return self._observe()
 
     def step(self, actions: torch.Tensor | np.ndarray):
@@ -151,8 +176,7 @@ class WarpBatchedEnv:
             raise ValueError(f"actions must have shape ({self.num_envs}, {self.action_dim}), got {tuple(act.shape)}")
         invalid = ~torch.isfinite(act).all(dim=1)
         # A non-finite action holds the current end-effector pose instead of crashing the batch.
-        hold = torch.cat([self._ee().double(), torch.zeros_like(act[:, :1])], dim=1)
-        act = torch.where(invalid[:, None], hold, act)
+        act = torch.where(invalid[:, None], hold_actions(self._ee().double()), act)
         # Finite rows outside the workspace are clipped to it and counted, as the other backends do.
         clipped = ~invalid & ((act < self._low) | (act > self._high)).any(dim=1)
         act = act.clamp(self._low, self._high)
@@ -182,6 +206,7 @@ class WarpBatchedEnv:
             "diverged": diverged,
             "invalid_actions": invalid,
             "clipped_actions": clipped,
+            "task_id": self._task_id.clone(),
             "final_obs": final_obs,
         }
         return obs, success.float(), terminated, truncated, info
@@ -192,8 +217,7 @@ class WarpBatchedEnv:
 
     def hold_actions(self) -> torch.Tensor:
         """(N, 4) actions on ``device`` that keep every arm where it is and its gripper as commanded."""
-        grip = 1.0 - self._ctrl[:, 7:8] / 0.04
-        return torch.cat([self._ee(), grip], dim=1).float()
+        return hold_actions(self._ee(), commanded_grip(self._ctrl[:, 7])).float()
 
     def privileged_state(self) -> dict[str, np.ndarray]:
         """The task's privileged state of every world, for scripted experts: name -> (N, ...).
@@ -269,7 +293,7 @@ class WarpBatchedEnv:
 
     def _success(self) -> torch.Tensor:
         """(N,) bool: the task's success rule on the device state."""
-        return self._success_rule(self.task, self.model, self._world)
+        return self.task.success(self.model, self._world)
 
     def _ik_control(self, action: torch.Tensor) -> torch.Tensor:
         """(N, 4) clipped float64 actions -> (N, nu) servo targets: one IK step per world (``sim.ik``).
@@ -281,21 +305,18 @@ class WarpBatchedEnv:
         with self._warp_scope():
             mjw.jac(self._m, self._d, self._jacp, self._jacr, self._jac_point, self._jac_body)
         jac = torch.cat([self._jacp_t[:, :, :7], self._jacr_t[:, :, :7]], dim=1).double()  # (N, 6, 7)
-        rot_err = orientation_error_torch(self._site_xmat[:, self._site].double(), self._target_rot)  # (N, 3)
+        site_xmat = self._site_xmat[:, self._site].reshape(-1, 9).double()  # (N, 9)
         q = self._qpos[:, :7].double()  # (N, 7)
-        pos_err = action[:, :3] - self._ee().double()  # (N, 3)
-        ctrl = torch.empty(self.num_envs, self.model.nu, dtype=torch.float64, device=self.device)
-        ctrl[:, :7] = ik_targets_torch(q, jac, pos_err, rot_err, self._home_q, self._arm_range)
-        ctrl[:, 7:9] = 0.04 * (1.0 - action[:, 3:4])  # finger opening per side
+        ctrl = self._ctrl.double()  # (N, nu) a copy; the arm's 9 servos are overwritten
+        self._controller.servo_targets(action, q, jac, self._ee().double(), site_xmat, out=ctrl)
         return ctrl
 
     def _observe(self) -> dict[str, Any]:
         obs: dict[str, Any] = {}
         if self.config.cameras:
             obs |= self._render_cameras()
-        qpos = self._qpos
-        gripper_width = qpos[:, 7:8] + qpos[:, 8:9]
-        obs[OBS_STATE] = torch.cat([qpos[:, :7], gripper_width, self._ee()], dim=1).float()  # (N, 11), a copy
+        state = torch.empty(self.num_envs, self.state_dim, dtype=torch.float32, device=self.device)
+        obs[OBS_STATE] = arm_state(self._qpos[:, :9], self._ee(), out=state)
         obs[TASK] = [self.task.instruction] * self.num_envs
         return obs
 

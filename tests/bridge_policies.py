@@ -18,12 +18,15 @@ class RampPolicy:
     """Chunk j (absolute): ee_x of the observed state + STEP * (j + 1), ee_y and ee_z as observed, grip 0.5.
 
     With ``delta=True`` every action is (STEP, 0, 0, 0). Raises when the instruction is RAISE_INSTRUCTION.
+    ``n_action_steps`` is told to the bridge only when given.
     """
 
-    def __init__(self, horizon: int = 8, delta: bool = False):
+    def __init__(self, horizon: int = 8, delta: bool = False, n_action_steps: int | None = None):
         self.config = SimpleNamespace(
             horizon=horizon, image_size=IMAGE_SIZE, state_dim=len(SIM_STATE_NAMES), action_dim=len(SIM_ACTION_NAMES)
         )
+        if n_action_steps is not None:
+            self.config.n_action_steps = n_action_steps
         self.delta = delta
 
     def predict_chunk(self, obs, obs_step=None) -> ActionChunk:
@@ -43,8 +46,8 @@ class RampPolicy:
         return ActionChunk(actions, obs_step if obs_step is not None else torch.zeros(1, dtype=torch.long))
 
 
-def ramp_policy(horizon: int = 8, delta: bool = False) -> RampPolicy:
-    return RampPolicy(horizon, delta)
+def ramp_policy(horizon: int = 8, delta: bool = False, n_action_steps: int | None = None) -> RampPolicy:
+    return RampPolicy(horizon, delta, n_action_steps)
 
 
 class BadChunkPolicy(RampPolicy):
@@ -76,20 +79,23 @@ def bad_chunk_policy() -> BadChunkPolicy:
 
 def random_diffusion_policy():
     """The project's DiffusionPolicy with random weights, sized for the sim robot (64x64 front camera)."""
-    from policies.diffusion import DiffusionConfig, DiffusionPolicy
+    from policies.diffusion import DiffusionConfig
+    from policies.diffusion.modeling_diffusion import DiffusionPolicy
+    from policies.tokenizer import word_vocabulary
 
     torch.manual_seed(0)
     config = DiffusionConfig(
         state_dim=len(SIM_STATE_NAMES), action_dim=len(SIM_ACTION_NAMES), cameras=["front"], horizon=8,
-        n_action_steps=4, hidden_dim=64, num_blocks=2, num_inference_steps=3, vocabulary=["<unk>", "lift"],
+        n_action_steps=4, hidden_dim=64, num_blocks=2, num_inference_steps=3, vocabulary=word_vocabulary(["lift"]),
     )  # fmt: skip
     return DiffusionPolicy(config).eval()
 
 
 def random_flow_vla_policy():
     """The project's DiffusionVLAPolicy (flow matching, so it takes RTC guidance), tiny, random weights."""
-    from policies.diffusion import DiffusionVLAConfig, DiffusionVLAPolicy
-    from policies.diffusion.condition_encoder import word_vocabulary
+    from policies.diffusion_vla import DiffusionVLAConfig
+    from policies.diffusion_vla.modeling_diffusion_vla import DiffusionVLAPolicy
+    from policies.tokenizer import word_vocabulary
 
     torch.manual_seed(0)
     config = DiffusionVLAConfig(

@@ -18,7 +18,7 @@ import torch
 from mujoco import rollout
 
 from sim.config import EnvConfig
-from sim.ik import MAX_EE_STEP, ik_targets, orientation_error
+from sim.ik import MAX_EE_STEP, ik_targets, orientation_error_map
 from sim.mujoco_env import MujocoBatchedEnv
 from vla_rl import bench
 from vla_rl.bench import BenchSimConfig, GymTaskEnv
@@ -238,7 +238,7 @@ def test_batched_ik_equals_the_per_world_formula():
     jac = rng.normal(0, 0.5, (n, 6, 7))
     pos_err = rng.normal(0, 0.05, (n, 3))  # about half of them beyond MAX_EE_STEP
     rots = np.linalg.qr(rng.normal(size=(n, 3, 3)))[0]
-    rot_err = orientation_error(rots, np.eye(3))
+    rot_err = rots.reshape(n, 9) @ orientation_error_map(np.eye(3))
     ranges = np.tile([[-2.5, 2.5]], (7, 1))
     out = ik_targets(q, jac, pos_err, rot_err, home, ranges)
     ref = np.stack([_ik_one_world(q[i], jac[i], pos_err[i], rot_err[i], home, ranges) for i in range(n)])

@@ -34,6 +34,7 @@ from trajectory_msgs.msg import JointTrajectory
 
 from robot_bridge.config import SIM_STATE_NAMES, CameraTopic, ServeConfig
 from robot_bridge.node import PolicyBridge
+from vla_rl.runtime import ChunkingConfig
 
 DOMAIN_ID = 41
 HZ = 50.0
@@ -111,10 +112,21 @@ def ros():
     rclpy.shutdown(context=context)
 
 
-def make_bridge(context, executor, load=None, parameters=(), on_tick=None, log_clock=time.monotonic, **overrides):
+def make_bridge(
+    context,
+    executor,
+    load=None,
+    parameters=(),
+    on_tick=None,
+    log_clock=time.monotonic,
+    merge="rtc",
+    execute_steps=4,
+    **overrides,
+):
     cfg = ServeConfig(
-        checkpoint="(test policy)", control_hz=HZ, inference="thread", inference_cpu=-1, execute_steps=4,
-        max_delay_steps=8, instruction="lift the cube", diagnostics_hz=10.0, load_retry_s=0.3, error_retry_s=0.1,
+        checkpoint="(test policy)", control_hz=HZ, inference="thread", inference_cpu=-1,
+        chunking=ChunkingConfig(execute_steps=execute_steps, merge=merge), max_delay_steps=8, instruction="lift the cube",
+        diagnostics_hz=10.0, load_retry_s=0.3, error_retry_s=0.1,
         cameras=[CameraTopic("front", "/camera/front/image_raw")],
     )  # fmt: skip
     cfg.safety.stale_after_s = 0.3
@@ -141,22 +153,22 @@ def spin_until(executor, predicate, timeout=TIMEOUT):
 
 def expect_hold_then_recover(executor, bridge, robot, inject, restore, cause_words):
     """Inject a fault: HOLDING with the cause named and constant commands; restore: RUNNING again."""
-    assert spin_until(executor, lambda: bridge.node_state == "RUNNING"), bridge.cause
+    assert spin_until(executor, lambda: bridge.hold.state == "RUNNING"), bridge.hold.cause
     inject()
-    assert spin_until(executor, lambda: bridge.node_state == "HOLDING"), bridge.node_state
+    assert spin_until(executor, lambda: bridge.hold.state == "HOLDING"), bridge.hold.state
     for word in cause_words:
-        assert word in bridge.cause, (word, bridge.cause)
+        assert word in bridge.hold.cause, (word, bridge.hold.cause)
     first = len(robot.commands)
     # Eight more commands: the first three may have left before the hold (still in transport).
     assert spin_until(executor, lambda: len(robot.commands) >= first + 8), "the node must keep commanding the hold"
     held = [c[1] for c in robot.commands[first + 3 : first + 8]]
     assert all(c == held[0] for c in held), "a hold repeats one command"
-    assert bridge.node_state == "HOLDING", bridge.node_state
+    assert bridge.hold.state == "HOLDING", bridge.hold.state
     assert spin_until(executor, lambda: any(all(w in d["message"] for w in cause_words) for d in robot.diagnostics)), (
         "diagnostics name the cause"
     )
     restore()
-    assert spin_until(executor, lambda: bridge.node_state == "RUNNING"), bridge.cause
+    assert spin_until(executor, lambda: bridge.hold.state == "RUNNING"), bridge.hold.cause
     resumed = len(robot.commands)
     assert spin_until(executor, lambda: len({c[1][0] for c in robot.commands[resumed:]}) > 1), (
         "after recovery the policy's commands flow again"
@@ -168,7 +180,7 @@ def test_streams_commands_chunks_and_diagnostics(ros):
     bridge, robot = make_bridge(context, executor)
     try:
         assert spin_until(executor, lambda: len(robot.chunks) >= 3)
-        assert bridge.node_state == "RUNNING"
+        assert bridge.hold.state == "RUNNING"
         _, positions, names = robot.commands[-1]
         assert names == ["ee_x", "ee_y", "ee_z", "grip"]
         assert positions[1:] == pytest.approx([EE[1], EE[2], 0.5])
@@ -254,11 +266,11 @@ def test_bad_joint_states_hold_and_recover(ros, kind, rejection, words):
 
         expect_hold_then_recover(executor, bridge, robot, inject, restore, words)
         # Counted under its own cause, and only there: the robot sent nothing else that was bad.
-        assert set(bridge.rejections) == {rejection} and bridge.rejections[rejection] > 0
-        assert bridge.counters["rejected_messages"] == bridge.rejections[rejection]
+        assert set(bridge.diagnostics.rejections) == {rejection} and bridge.diagnostics.rejections[rejection] > 0
+        assert bridge.diagnostics.counters["rejected_messages"] == bridge.diagnostics.rejections[rejection]
         assert spin_until(executor, lambda: f"rejected_{rejection}" in robot.diagnostics[-1])
         if kind == "old":
-            assert bridge.counters["out_of_order"] == bridge.rejections["out_of_order"]
+            assert bridge.diagnostics.counters["out_of_order"] == bridge.diagnostics.rejections["out_of_order"]
     finally:
         bridge.close()
 
@@ -275,16 +287,16 @@ def test_rejections_are_counted_per_cause_and_logged_once_a_second_per_cause(ros
     lines = []
     bridge.log_limiter.sink = lambda level, line: lines.append((level, line))
     try:
-        assert spin_until(executor, lambda: bridge.node_state == "RUNNING"), bridge.cause
-        assert bridge.rejections == {}
+        assert spin_until(executor, lambda: bridge.hold.state == "RUNNING"), bridge.hold.cause
+        assert bridge.diagnostics.rejections == {}
         first = len(ticks)
         far, nan = _bad_state("far"), _bad_state("nan")
         for _ in range(20):
-            bridge._on_joint_state(far(robot.joint_state()))
+            bridge.inputs.on_joint_state(far(robot.joint_state()))
         for _ in range(7):
-            bridge._on_joint_state(nan(robot.joint_state()))
-        assert bridge.rejections == {"out_of_bounds": 20, "not_finite": 7}
-        assert bridge.counters["rejected_messages"] == 27
+            bridge.inputs.on_joint_state(nan(robot.joint_state()))
+        assert bridge.diagnostics.rejections == {"out_of_bounds": 20, "not_finite": 7}
+        assert bridge.diagnostics.counters["rejected_messages"] == 27
         values = bridge.status_values()
         assert (values["rejected_out_of_bounds"], values["rejected_not_finite"]) == ("20", "7")
         rejected = [line for level, line in lines if line.startswith("rejected")]
@@ -297,10 +309,10 @@ def test_rejections_are_counted_per_cause_and_logged_once_a_second_per_cause(ros
         held = ticks[first:]
         assert len(held) == 27 and not any(t.from_policy for t in held)
         assert all(t.command.tolist() == held[0].command.tolist() for t in held)
-        assert bridge.node_state == "HOLDING" and "non-finite" in bridge.cause
+        assert bridge.hold.state == "HOLDING" and "non-finite" in bridge.hold.cause
         # One second later (on the limiter's clock) the cause may be logged again, with the count held back.
         now[0] += 1.0
-        bridge._on_joint_state(far(robot.joint_state()))
+        bridge.inputs.on_joint_state(far(robot.joint_state()))
         rejected = [line for _, line in lines if line.startswith("rejected")]
         assert len(rejected) == 3 and rejected[2].endswith("(19 more like it in the last 1.0 s)"), rejected[2]
     finally:
@@ -353,7 +365,7 @@ def test_stale_inputs_hold_and_the_watchdog_keeps_commanding(ros):
             executor, bridge, robot, lambda: robot.publishing.update(state=False),
             lambda: robot.publishing.update(state=True), ["stale", "joint_states"],
         )  # fmt: skip
-        assert bridge.counters["stale_events"] >= 2
+        assert bridge.diagnostics.counters["stale_events"] >= 2
     finally:
         bridge.close()
 
@@ -367,7 +379,7 @@ def test_policy_exception_holds_and_recovers(ros):
             lambda: robot.instruction_pub.publish(String(data="lift the cube")),
             ["policy raised RuntimeError", "injected policy failure"],
         )  # fmt: skip
-        assert bridge.counters["policy_errors"] >= 1
+        assert bridge.diagnostics.counters["policy_errors"] >= 1
     finally:
         bridge.close()
 
@@ -389,27 +401,29 @@ def test_missing_checkpoint_holds_then_recovers_once_one_is_written(ros, tmp_pat
         context, executor, load=load, on_tick=ticks.append, inference="process", resize_images=True
     )
     try:
-        assert spin_until(executor, lambda: bridge.node_state == "FAILED", timeout=SPAWN_TIMEOUT), bridge.cause
-        assert bridge.cause.startswith(f"checkpoint failed to load: FileNotFoundError: no checkpoint at {run_dir}")
-        assert "train one with `vla-rl train` or pass the right --checkpoint" in bridge.cause
+        assert spin_until(executor, lambda: bridge.hold.state == "FAILED", timeout=SPAWN_TIMEOUT), bridge.hold.cause
+        assert bridge.hold.cause.startswith(f"checkpoint failed to load: FileNotFoundError: no checkpoint at {run_dir}")
+        assert "train one with `vla-rl train` or pass the right --checkpoint" in bridge.hold.cause
         assert spin_until(executor, lambda: any("checkpoint failed to load" in d["message"] for d in robot.diagnostics))
         assert robot.diagnostics[-1]["state"] == "FAILED"
         # Holding at the measured position (no policy yet): ee as measured, grip from initial_command.
         assert spin_until(executor, lambda: len(robot.commands) > 3)
         assert robot.commands[-1][1] == pytest.approx([*EE, 0.0])
-        assert bridge.counters["load_failures"] >= 1 and bridge.counters["chunks"] == 0
+        assert bridge.diagnostics.counters["load_failures"] >= 1 and bridge.diagnostics.counters["chunks"] == 0
 
         saved = random_diffusion_policy()
         save_checkpoint(run_dir / "checkpoints", 1, saved, {"note": "written while serve held"})
-        assert spin_until(executor, lambda: bridge.counters["chunks"] >= 2, timeout=SPAWN_TIMEOUT), bridge.cause
-        assert bridge.node_state == "RUNNING" and bridge.cause is None
+        assert spin_until(executor, lambda: bridge.diagnostics.counters["chunks"] >= 2, timeout=SPAWN_TIMEOUT), (
+            bridge.hold.cause
+        )
+        assert bridge.hold.state == "RUNNING" and bridge.hold.cause is None
         # The policy that loaded is the one written: its config, as the worker reported it.
-        info = bridge.policy_info
+        info = bridge.scheduler.policy_info
         assert (info["horizon"], info["image_size"], info["state_dim"], info["action_dim"]) == (8, 64, 11, 4)
-        failures = bridge.counters["load_failures"]
+        failures = bridge.diagnostics.counters["load_failures"]
         assert spin_until(executor, lambda: sum(t.from_policy for t in ticks) >= 3), "the policy's commands flow"
         assert np.isfinite(robot.commands[-1][1]).all()
-        assert bridge.counters["load_failures"] == failures  # loaded: no more retries
+        assert bridge.diagnostics.counters["load_failures"] == failures  # loaded: no more retries
     finally:
         bridge.close()
 
@@ -422,7 +436,7 @@ def test_nan_and_misshapen_chunks_from_the_worker_hold_and_recover(ros):
     ticks = []
     bridge, robot = make_bridge(
         context, executor, load=bad_chunk_policy, inference="process",
-        on_tick=lambda record: ticks.append((record, bridge.cause)),
+        on_tick=lambda record: ticks.append((record, bridge.hold.cause)),
     )  # fmt: skip
     nan_cause = (
         "policy returned a chunk with 1 non-finite (NaN/inf) values of 32, the first at step 2, ee_y; "
@@ -436,12 +450,14 @@ def test_nan_and_misshapen_chunks_from_the_worker_hold_and_recover(ros):
         # Until the hold for the second bad chunk (it starts at the tick after the chunk came back) is over.
         assert spin_until(
             executor,
-            lambda: any(c == shape_cause for _, c in ticks) and bridge.node_state == "RUNNING",
+            lambda: any(c == shape_cause for _, c in ticks) and bridge.hold.state == "RUNNING",
             timeout=SPAWN_TIMEOUT,
-        ), (bridge.counters, bridge.cause)
-        assert bridge.counters["invalid_chunks"] == 2
-        assert bridge.counters["policy_errors"] == 0 and bridge.counters["rejected_messages"] == 0
-        assert bridge.worker.alive()
+        ), (bridge.diagnostics.counters, bridge.hold.cause)
+        assert bridge.diagnostics.counters["invalid_chunks"] == 2
+        assert (
+            bridge.diagnostics.counters["policy_errors"] == 0 and bridge.diagnostics.counters["rejected_messages"] == 0
+        )
+        assert bridge.scheduler.worker.alive()
         causes = [cause for record, cause in ticks if record.state == "HOLDING"]
         assert nan_cause in causes and shape_cause in causes
         # While held for a bad chunk, every command repeats the one before: nothing of the chunk went out.
@@ -453,7 +469,27 @@ def test_nan_and_misshapen_chunks_from_the_worker_hold_and_recover(ros):
         # The good chunks after the second bad one drive the robot again.
         resumed = len(ticks)
         assert spin_until(executor, lambda: sum(r.from_policy for r, _ in ticks[resumed:]) >= 3)
-        assert bridge.counters["invalid_chunks"] == 2
+        assert bridge.diagnostics.counters["invalid_chunks"] == 2
+    finally:
+        bridge.close()
+
+
+def test_execute_steps_zero_takes_the_policys_n_action_steps(ros):
+    """chunking.execute_steps=0: a request every n_action_steps (3) steps of the policy at the soonest (later
+    only while one is in flight); a policy that does not tell its n_action_steps fails, naming the flag."""
+    context, executor = ros
+    bridge, robot = make_bridge(context, executor, load=partial(ramp_policy, 8, False, 3), execute_steps=0)
+    try:
+        assert spin_until(executor, lambda: len(robot.chunks) >= 5), bridge.hold.cause
+        assert bridge.scheduler.execute_steps == 3
+        gaps = np.diff([c["obs_step"] for c in robot.chunks])
+        assert gaps.min() == 3 and (gaps >= 3).all(), gaps
+    finally:
+        bridge.close()
+    bridge, _ = make_bridge(context, executor, execute_steps=0)  # the ramp policy tells no n_action_steps
+    try:
+        assert spin_until(executor, lambda: bridge.hold.state == "FAILED"), bridge.hold.cause
+        assert "does not tell its n_action_steps; set --chunking.execute_steps" in bridge.hold.cause
     finally:
         bridge.close()
 
@@ -462,18 +498,18 @@ def test_estop_latches_until_released(ros):
     context, executor = ros
     bridge, robot = make_bridge(context, executor)
     try:
-        assert spin_until(executor, lambda: bridge.node_state == "RUNNING")
+        assert spin_until(executor, lambda: bridge.hold.state == "RUNNING")
         robot.estop_pub.publish(Bool(data=True))
-        assert spin_until(executor, lambda: bridge.node_state == "ESTOP")
+        assert spin_until(executor, lambda: bridge.hold.state == "ESTOP")
         first = len(robot.commands)
         # Good inputs and chunks keep coming: still held.
-        chunks = bridge.counters["chunks"]
+        chunks = bridge.diagnostics.counters["chunks"]
         assert spin_until(executor, lambda: len(robot.commands) >= first + 15)
         held = [c[1] for c in robot.commands[first + 3 : first + 15]]
-        assert all(c == held[0] for c in held) and bridge.node_state == "ESTOP"
-        assert bridge.counters["chunks"] == chunks  # no request while the e-stop holds
+        assert all(c == held[0] for c in held) and bridge.hold.state == "ESTOP"
+        assert bridge.diagnostics.counters["chunks"] == chunks  # no request while the e-stop holds
         robot.estop_pub.publish(Bool(data=False))
-        assert spin_until(executor, lambda: bridge.node_state == "RUNNING")
+        assert spin_until(executor, lambda: bridge.hold.state == "RUNNING")
     finally:
         bridge.close()
 
@@ -484,7 +520,7 @@ def test_dry_run_publishes_nothing_to_the_robot(ros):
     try:
         # Four chunks of four executed steps each: many commands would have been published by now.
         assert spin_until(executor, lambda: len(robot.chunks) >= 4)
-        assert bridge.counters["ticks"] > 8 and robot.commands == []
+        assert bridge.diagnostics.counters["ticks"] > 8 and robot.commands == []
         assert bridge.count_publishers("/command/joint_trajectory") == 0
         assert robot.chunks[-1]["dry_run"] is True
         assert any(d["state"] == "RUNNING" for d in robot.diagnostics)
@@ -510,11 +546,14 @@ def test_delta_actions_integrate_against_the_last_command(ros):
 
 def test_process_worker_and_ros_parameter_overrides(ros):
     context, executor = ros
-    params = [Parameter("merge", value="ensemble"), Parameter("safety.max_velocity", value=[0.01, 1.0, 1.0, 1.0])]
+    params = [
+        Parameter("chunking.merge", value="ensemble"),
+        Parameter("safety.max_velocity", value=[0.01, 1.0, 1.0, 1.0]),
+    ]
     bridge, robot = make_bridge(context, executor, parameters=params, inference="process")
     try:
-        assert bridge.config.merge == "ensemble" and bridge.config.safety.max_velocity[0] == 0.01
-        assert spin_until(executor, lambda: len(robot.chunks) >= 2, timeout=SPAWN_TIMEOUT), bridge.cause
+        assert bridge.config.chunking.merge == "ensemble" and bridge.config.safety.max_velocity[0] == 0.01
+        assert spin_until(executor, lambda: len(robot.chunks) >= 2, timeout=SPAWN_TIMEOUT), bridge.hold.cause
         assert robot.chunks[-1]["merge"] == "ensemble"
         xs = np.array([c[1][0] for c in robot.commands])
         # 0.01 m/s at 50 Hz: at most 0.2 mm per command although the policy ramps faster at first.
@@ -556,8 +595,8 @@ def test_serves_the_project_diffusion_policy_with_resized_images(ros):
     bridge, robot = make_bridge(context, executor, load=random_diffusion_policy, resize_images=True)
     try:
         # The robot's 16x16 images are resized to the policy's 64x64; chunks flow and commands are finite.
-        assert spin_until(executor, lambda: len(robot.chunks) >= 2, timeout=60), bridge.cause
-        assert bridge.policy_info["image_size"] == 64 and robot.chunks[-1]["horizon"] == 8
+        assert spin_until(executor, lambda: len(robot.chunks) >= 2, timeout=60), bridge.hold.cause
+        assert bridge.scheduler.policy_info["image_size"] == 64 and robot.chunks[-1]["horizon"] == 8
         assert np.isfinite(robot.commands[-1][1]).all()
     finally:
         bridge.close()
@@ -571,10 +610,10 @@ def test_serves_a_flow_vla_with_rtc_guidance_in_a_worker_process(ros):
     context, executor = ros
     bridge, robot = make_bridge(context, executor, load=random_flow_vla_policy, merge="rtc", inference="process")
     try:
-        assert spin_until(executor, lambda: len(robot.chunks) >= 4, timeout=SPAWN_TIMEOUT), bridge.cause
-        assert bridge.policy_info["supports_inpainting"] is True
+        assert spin_until(executor, lambda: len(robot.chunks) >= 4, timeout=SPAWN_TIMEOUT), bridge.hold.cause
+        assert bridge.scheduler.policy_info["supports_inpainting"] is True
         assert all(c["guided"] for c in robot.chunks[1:])
-        assert bridge.counters["policy_errors"] == 0 and bridge.node_state == "RUNNING"
+        assert bridge.diagnostics.counters["policy_errors"] == 0 and bridge.hold.state == "RUNNING"
         assert np.isfinite(robot.commands[-1][1]).all()
     finally:
         bridge.close()
@@ -586,8 +625,8 @@ def test_deadline_is_deadline_ms_not_a_fraction_of_the_period(ros):
     context, executor = ros
     bridge, _ = make_bridge(context, executor, deadline_ms=1e-6)
     try:
-        assert spin_until(executor, lambda: bridge.counters["ticks"] >= 10)
-        assert bridge.counters["missed_deadlines"] == bridge.counters["ticks"]
+        assert spin_until(executor, lambda: bridge.diagnostics.counters["ticks"] >= 10)
+        assert bridge.diagnostics.counters["missed_deadlines"] == bridge.diagnostics.counters["ticks"]
     finally:
         bridge.close()
 
@@ -597,7 +636,7 @@ def test_commands_arrive_at_the_control_rate(ros):
     context, executor = ros
     bridge, robot = make_bridge(context, executor)
     try:
-        assert spin_until(executor, lambda: bridge.node_state == "RUNNING"), bridge.cause
+        assert spin_until(executor, lambda: bridge.hold.state == "RUNNING"), bridge.hold.cause
         first = len(robot.commands)
         assert spin_until(executor, lambda: len(robot.commands) >= first + 40)
         times = [c[0] for c in robot.commands[first : first + 40]]
@@ -616,13 +655,13 @@ def test_state_entries_without_bounds_are_named_at_start(ros, capfd):
     capfd.readouterr()
     bridge, _ = make_bridge(context, executor, safety=safety)
     try:
-        assert bridge.unchecked_state == ["joint7", "ee_z"]
+        assert bridge.inputs.unchecked_state == ["joint7", "ee_z"]
         assert "state entries ['joint7', 'ee_z'] have no plausibility bounds" in capfd.readouterr().err
     finally:
         bridge.close()
     bridge, _ = make_bridge(context, executor)
     try:
-        assert bridge.unchecked_state == []  # the defaults cover every entry of the sim arm
+        assert bridge.inputs.unchecked_state == []  # the defaults cover every entry of the sim arm
         assert "plausibility bounds" not in capfd.readouterr().err
     finally:
         bridge.close()

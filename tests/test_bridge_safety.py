@@ -1,4 +1,4 @@
-"""SafetyFilter, message and chunk checks, the log limiter and the state bounds, with hand-computed numbers (no ROS)."""
+"""SafetyFilter, input and chunk checks, the log limiter and the state bounds, with hand-computed numbers (no ROS)."""
 
 import sys
 from pathlib import Path
@@ -8,17 +8,11 @@ import cv2
 import numpy as np
 import pytest
 
+from robot_bridge.codec import InputRejected, decode_image, joint_state_vector
 from robot_bridge.config import SIM_ACTION_NAMES, SIM_STATE_BOUNDS, SIM_STATE_NAMES, ServeConfig
 from robot_bridge.inference import chunk_problem
+from robot_bridge.inputs import check_bounds, fit_image
 from robot_bridge.log_limit import LogLimiter
-from robot_bridge.messages import (
-    InputRejected,
-    check_bounds,
-    compressed_to_rgb,
-    fit_image,
-    image_to_rgb,
-    joint_state_vector,
-)
 from robot_bridge.safety import SafetyFilter
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,8 +22,10 @@ def test_importing_the_bridge_core_needs_no_ros():
     import subprocess  # a fresh process: other tests in this session import rclpy
 
     code = (
-        "import sys, robot_bridge.safety, robot_bridge.config, robot_bridge.messages, robot_bridge.inference, "
-        "robot_bridge.log_limit; print('rclpy' in sys.modules)"
+        "import sys, robot_bridge.safety, robot_bridge.config, robot_bridge.codec, robot_bridge.topics, "
+        "robot_bridge.inputs, robot_bridge.hold, robot_bridge.chunk_scheduler, robot_bridge.diagnostics, "
+        "robot_bridge.inference, robot_bridge.log_limit, robot_bridge.sim_robot, robot_bridge.record, "
+        "robot_bridge.convert; print('rclpy' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
     assert out.stdout.strip() == "False", out.stderr
@@ -85,15 +81,19 @@ def test_rejects_bad_targets_and_limits():
         SafetyFilter(dt=0.1, action_dim=1, position_min=[1.0], position_max=[0.0])
 
 
+def _joints(names, positions):
+    return SimpleNamespace(name=names, position=positions)
+
+
 def test_joint_state_by_name():
-    v = joint_state_vector(["b", "a", "c"], [2.0, 1.0, 3.0], ["a", "c"])
+    v = joint_state_vector(_joints(["b", "a", "c"], [2.0, 1.0, 3.0]), ["a", "c"])
     assert v.tolist() == [1.0, 3.0]
     with pytest.raises(InputRejected, match=r"lacks \['d'\]"):
-        joint_state_vector(["a"], [1.0], ["a", "d"])
+        joint_state_vector(_joints(["a"], [1.0]), ["a", "d"])
     with pytest.raises(InputRejected, match="2 names but 1 positions"):
-        joint_state_vector(["a", "b"], [1.0], ["a"])
+        joint_state_vector(_joints(["a", "b"], [1.0]), ["a"])
     with pytest.raises(InputRejected, match=r"non-finite values for \['a'\]") as err:
-        joint_state_vector(["a"], [float("inf")], ["a"])
+        joint_state_vector(_joints(["a"], [float("inf")]), ["a"])
     assert err.value.kind == "not_finite"
 
 
@@ -185,24 +185,24 @@ def _image(encoding, pixels, pad=0):
 
 def test_image_encodings_become_rgb():
     rgb = np.arange(2 * 3 * 3, dtype=np.uint8).reshape(2, 3, 3)
-    assert (image_to_rgb(_image("rgb8", rgb, pad=2)) == rgb).all()  # row padding skipped
-    assert (image_to_rgb(_image("bgr8", rgb[:, :, ::-1].copy())) == rgb).all()
+    assert (decode_image(_image("rgb8", rgb, pad=2)) == rgb).all()  # row padding skipped
+    assert (decode_image(_image("bgr8", rgb[:, :, ::-1].copy())) == rgb).all()
     mono = np.array([[7, 9]], np.uint8)
-    assert image_to_rgb(_image("mono8", mono)).tolist() == [[[7, 7, 7], [9, 9, 9]]]
+    assert decode_image(_image("mono8", mono)).tolist() == [[[7, 7, 7], [9, 9, 9]]]
     with pytest.raises(InputRejected, match="expected height\\*step = 18"):
         bad = _image("rgb8", rgb)
         bad.data = bad.data[:-1]
-        image_to_rgb(bad)
+        decode_image(bad)
 
 
 def test_compressed_png_and_fit():
     rgb = np.zeros((4, 6, 3), np.uint8)
     rgb[..., 0] = 200  # red
     png = cv2.imencode(".png", rgb[:, :, ::-1])[1].tobytes()
-    out = compressed_to_rgb(SimpleNamespace(format="png", data=png))
+    out = decode_image(SimpleNamespace(format="png", data=png))
     assert (out == rgb).all()
     with pytest.raises(InputRejected, match="does not decode"):
-        compressed_to_rgb(SimpleNamespace(format="jpeg", data=b"not an image"))
+        decode_image(SimpleNamespace(format="jpeg", data=b"not an image"))
     with pytest.raises(InputRejected, match="4x6 but the policy expects 8x8"):
         fit_image(out, 8, resize=False)
     assert fit_image(out, 8, resize=True).shape == (8, 8, 3)

@@ -82,7 +82,7 @@ def test_eval_keeps_its_fifty_worlds_when_the_task_changes():
 
 
 def test_switching_a_policy_type_starts_from_that_types_defaults():
-    from policies.diffusion import DiffusionVLAConfig
+    from policies.diffusion_vla import DiffusionVLAConfig
 
     cfg = parse_config("train", ["--policy.type=diffusion_vla", "--policy.depth=3"])
     assert isinstance(cfg.policy, DiffusionVLAConfig)
@@ -121,7 +121,7 @@ def test_a_command_line_mapping_replaces_the_yaml_files_whole():
 
 
 def test_space_separated_values_switch_a_type_too():
-    from policies.diffusion import DiffusionVLAConfig
+    from policies.diffusion_vla import DiffusionVLAConfig
 
     cfg = parse_config("train", ["--policy.type", "diffusion_vla", "--policy.depth", "3"])
     assert isinstance(cfg.policy, DiffusionVLAConfig) and cfg.policy.depth == 3
@@ -150,7 +150,7 @@ CHOICES = [(name, key, allowed) for name, cmd in _commands() for key, allowed in
 
 def test_choice_fields_are_typed_as_literals():
     keys = {(name, key) for name, key, _ in CHOICES}
-    assert {("serve", "merge"), ("serve", "clock"), ("eval", "merge"), ("eval", "delay.kind"),
+    assert {("serve", "chunking.merge"), ("serve", "clock"), ("eval", "chunking.merge"), ("eval", "delay.kind"),
             ("eval", "env.backend"), ("train", "dataset.sampling"), ("record-ros", "compression")} <= keys  # fmt: skip
 
 
@@ -164,3 +164,24 @@ def test_a_value_outside_a_choice_is_rejected_by_the_parser_naming_the_choices(n
     for part in key.split("."):
         value = value[part]
     assert value == allowed[-1]  # a listed choice parses, to itself
+
+
+def test_eval_and_serve_embed_one_chunking_config_with_their_own_defaults():
+    from vla_rl.runtime import ChunkingConfig
+
+    evaluation, serving = parse_config("eval", []), parse_config("serve", [])
+    assert type(evaluation.chunking) is type(serving.chunking) is ChunkingConfig
+    assert evaluation.chunking == ChunkingConfig(execute_steps=0, merge="latest", ensemble_coeff=0.01)
+    assert serving.chunking == ChunkingConfig(execute_steps=0, merge="rtc", ensemble_coeff=0.01)
+    cfg = parse_config("serve", ["--config_path=configs/serve.yaml", "--chunking.ensemble_coeff=0.5"])
+    assert cfg.chunking == ChunkingConfig(execute_steps=8, merge="rtc", ensemble_coeff=0.5)  # the file's, then the flag
+
+
+@pytest.mark.parametrize(
+    "name, flag",
+    [("eval", "--n_action_steps=1"), ("eval", "--merge=ensemble"), ("eval", "--ensemble_coeff=0.1"),
+     ("serve", "--execute_steps=4"), ("serve", "--merge=latest")],
+)  # fmt: skip
+def test_the_chunking_flags_of_before_are_rejected_by_name(name, flag):
+    with pytest.raises(SystemExit, match=f"unrecognized arguments: {flag}"):
+        parse_config(name, [flag])

@@ -1,7 +1,8 @@
 """Exact timing of the inference-delay wrapper, pinned with hand-computed sequences.
 
 Chunk k (the k-th chunk a world receives) is [10k, 10k+1, ..., 10k+H-1]: action j is meant for
-step obs_step + j. The counting env records the action applied at every step; its hold action is -1.
+step obs_step + j. The counting env records the action applied at every step; its hold action is -1;
+its reward is the in-episode index of the step taken (0, 1, 2, ...).
 """
 
 import json
@@ -10,16 +11,17 @@ import numpy as np
 import pytest
 import torch
 
-from sim.delay import DelayConfig, DelayedChunkEnv, DelayModel, latencies_to_steps
+from sim.delay import ChunkTransition, DelayConfig, DelayedChunkEnv, DelayModel, latencies_to_steps
 from vla_rl.types import OBS_COMMITTED_ACTIONS, OBS_COMMITTED_MASK, OBS_DELAY_STEPS, ActionChunk
 
 
 class CountingEnv:
-    """A real BatchedEnv with 1-D actions that records what is applied; episodes last `length` steps."""
+    """A real BatchedEnv with 1-D actions that records what is applied; episodes last `length` steps
+    (one length, or one per world)."""
 
     def __init__(self, num_envs=1, length=1000):
         self.num_envs, self.action_dim, self.device = num_envs, 1, torch.device("cpu")
-        self.length = length
+        self.length = np.asarray(length)
         self.applied: list[list[float]] = [[] for _ in range(num_envs)]
         self.t = np.zeros(num_envs, dtype=np.int64)
 
@@ -36,11 +38,12 @@ class CountingEnv:
     def step(self, actions):
         for i in range(self.num_envs):
             self.applied[i].append(float(actions[i, 0]))
+        reward = torch.from_numpy(self.t.astype(np.float32))  # the index of the step just taken
         self.t += 1
         trunc = torch.from_numpy(self.t >= self.length)
         self.t[trunc.numpy()] = 0
         zeros = torch.zeros(self.num_envs, dtype=torch.bool)
-        return self._obs(), torch.zeros(self.num_envs), zeros, trunc, {"success": zeros.clone()}
+        return self._obs(), reward, zeros, trunc, {"success": zeros.clone()}
 
     def hold_actions(self):
         return torch.full((self.num_envs, 1), -1.0)
@@ -210,3 +213,61 @@ def test_per_world_schedules_across_episode_ends():
         in_episode = [t % 7 for t in range(len(env.applied[i]))]
         assert all(a == t for t, a in zip(in_episode, env.applied[i]) if a != -1)
         assert sum(a != -1 for a in env.applied[i]) > len(env.applied[i]) // 3
+
+
+def transition_rows(t: ChunkTransition) -> list[tuple]:
+    """Per world: (ready, start_step, steps, reward, truncated)."""
+    return list(zip(t.ready.tolist(), t.start_step.tolist(), t.steps.tolist(), t.reward.tolist(), t.truncated.tolist()))
+
+
+def test_chunk_transitions_sum_each_worlds_reward_since_its_own_request():
+    """d=1, s=2: a world requests at steps 0, 2, 4, ...; world 1's episodes last 3 steps, world 0's 100.
+
+    Rewards are the in-episode step index. World 1's second chunk (asked at step 2) ends with its
+    episode after one step (reward 2, truncated); it asks again at its step 0 while world 0 is at
+    step 3, so from then on the two worlds' requests fall in different calls.
+    """
+    env = CountingEnv(num_envs=2, length=[100, 3])
+    wrapper = DelayedChunkEnv(env, 4, 2, DelayModel(DelayConfig(kind="fixed", steps=1)))
+    wrapper.reset()
+    chunk = lambda: ActionChunk(torch.zeros(2, 4, 1), wrapper.obs_step)  # the actions do not matter
+
+    _, reward, _, trunc, info, need = wrapper.step(chunk())  # steps 0 and 1 for both
+    assert need.tolist() == [True, True] and reward.tolist() == [1.0, 1.0]
+    assert transition_rows(info["transition"]) == [(True, 0, 2, 1.0, False), (True, 0, 2, 1.0, False)]
+
+    _, reward, _, trunc, info, need = wrapper.step(chunk())  # step 2: world 1's episode ends
+    assert need.tolist() == [False, True] and trunc.tolist() == [False, True] and reward.tolist() == [2.0, 2.0]
+    assert transition_rows(info["transition"]) == [(False, 2, 1, 2.0, False), (True, 2, 1, 2.0, True)]
+
+    _, reward, _, trunc, info, need = wrapper.step(chunk())  # world 0 at step 3, world 1 at its step 0
+    assert need.tolist() == [True, False] and reward.tolist() == [3.0, 0.0]  # per call: this step only
+    assert transition_rows(info["transition"]) == [(True, 2, 2, 5.0, False), (False, 0, 1, 0.0, False)]
+
+    _, reward, _, trunc, info, need = wrapper.step(chunk())  # world 0 at step 4, world 1 at step 1
+    assert need.tolist() == [False, True] and reward.tolist() == [4.0, 1.0]
+    assert transition_rows(info["transition"]) == [(False, 4, 1, 4.0, False), (True, 0, 2, 1.0, False)]
+    assert not info["transition"].terminated.any()
+
+
+def test_chunk_transitions_do_not_change_the_per_call_results():
+    """The transitions ride along: applied actions and per-call sums are what they were without them."""
+    env = CountingEnv(num_envs=3, length=[7, 5, 9])
+    wrapper = DelayedChunkEnv(env, 6, 2, DelayModel(DelayConfig(kind="uniform", low=0, high=4, seed=3)))
+    wrapper.reset()
+    call_rewards, transition_rewards = np.zeros(3), np.zeros(3)
+    for _ in range(40):
+        steps = wrapper.obs_step
+        chunk = ActionChunk(torch.arange(6, dtype=torch.float32).repeat(3, 1)[..., None] + steps[:, None, None], steps)
+        _obs, reward, _, _, info, need = wrapper.step(chunk)
+        call_rewards += reward.numpy()
+        t = info["transition"]
+        assert torch.equal(t.ready, need)
+        transition_rewards += np.where(t.ready.numpy(), t.reward.numpy(), 0.0)
+    # Every reward lands in exactly one completed transition, save those of the transitions still running.
+    running = np.where(t.ready.numpy(), 0.0, t.reward.numpy())
+    np.testing.assert_array_equal(transition_rewards + running, call_rewards)
+    # The rewards are step indices: each world's total is the sum over its episodes' steps so far.
+    for i, length in enumerate([7, 5, 9]):
+        in_episode = [s % length for s in range(len(env.applied[i]))]
+        assert call_rewards[i] == sum(in_episode)

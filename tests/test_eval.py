@@ -5,6 +5,7 @@ import pytest
 
 from sim.config import EnvConfig
 from vla_rl.eval import EvalConfig, evaluate, wilson_interval
+from vla_rl.runtime import ChunkingConfig
 
 
 def test_wilson_interval_hand_values():
@@ -43,7 +44,7 @@ def test_eval_writes_results_and_is_reproducible(tiny_checkpoint, tmp_path):
 
 
 def test_eval_ensemble_mode_replans_every_step(tiny_checkpoint, tmp_path, monkeypatch):
-    from policies.diffusion import DiffusionPolicy
+    from policies.diffusion.modeling_diffusion import DiffusionPolicy
 
     calls = []
     real = DiffusionPolicy.predict_chunk
@@ -54,14 +55,19 @@ def test_eval_ensemble_mode_replans_every_step(tiny_checkpoint, tmp_path, monkey
     )
     out, _ = tiny_checkpoint
     result = evaluate(EvalConfig(
-        checkpoint=str(out), env=EnvConfig(num_envs=2, max_episode_steps=5), num_episodes=2, merge="ensemble",
-        n_action_steps=1, video_episodes=0, output_dir=str(tmp_path),
+        checkpoint=str(out), env=EnvConfig(num_envs=2, max_episode_steps=5), num_episodes=2,
+        chunking=ChunkingConfig(execute_steps=1, merge="ensemble"), video_episodes=0, output_dir=str(tmp_path),
     ))  # fmt: skip
-    assert result["merge"] == "ensemble" and result["n_action_steps"] == 1
+    assert result["merge"] == "ensemble" and result["execute_steps"] == 1
     assert calls == [[t, t] for t in range(5)]  # a new chunk at every one of the 5 steps
     assert not (tmp_path / "rollouts.mp4").exists()
-    with pytest.raises(ValueError, match="merge must be one of"):
-        evaluate(EvalConfig(checkpoint=str(out), env=EnvConfig(num_envs=1), merge="average", output_dir=str(tmp_path)))
+    with pytest.raises(ValueError, match="chunking.merge='average' is not one of"):
+        evaluate(EvalConfig(checkpoint=str(out), env=EnvConfig(num_envs=1), chunking=ChunkingConfig(merge="average"),
+                            output_dir=str(tmp_path)))  # fmt: skip
+    # The tiny policy's chunks are 16 steps long (policy.horizon): 17 cannot be executed from one.
+    with pytest.raises(ValueError, match="chunking.execute_steps=17 exceeds the chunk length 16"):
+        evaluate(EvalConfig(checkpoint=str(out), env=EnvConfig(num_envs=1), chunking=ChunkingConfig(execute_steps=17),
+                            output_dir=str(tmp_path)))  # fmt: skip
 
 
 def test_eval_rejects_mismatched_image_size(tiny_checkpoint, tmp_path):
@@ -71,8 +77,8 @@ def test_eval_rejects_mismatched_image_size(tiny_checkpoint, tmp_path):
 
 
 def test_eval_under_inference_delay(tiny_checkpoint, tmp_path, monkeypatch):
-    """Requests happen every max(n_action_steps, d) steps: 10 steps with s=2 ask 5 times at d=0, 4 at d=3."""
-    from policies.diffusion import DiffusionPolicy
+    """Requests happen every max(execute_steps, d) steps: 10 steps with s=2 ask 5 times at d=0, 4 at d=3."""
+    from policies.diffusion.modeling_diffusion import DiffusionPolicy
     from sim.delay import DelayConfig
 
     calls = []
@@ -87,7 +93,8 @@ def test_eval_under_inference_delay(tiny_checkpoint, tmp_path, monkeypatch):
         calls.clear()
         result = evaluate(EvalConfig(
             checkpoint=str(out), env=EnvConfig(num_envs=2, max_episode_steps=10), num_episodes=2, video_episodes=0,
-            n_action_steps=2, delay=DelayConfig(kind="fixed", steps=d), output_dir=str(tmp_path / str(d)),
+            chunking=ChunkingConfig(execute_steps=2), delay=DelayConfig(kind="fixed", steps=d),
+            output_dir=str(tmp_path / str(d)),
         ))  # fmt: skip
         assert result["delay"]["steps"] == d
         # No lift fits in 10 steps (the expert needs about 40), so both worlds run all 10 in lockstep.

@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from vla_rl import interrupt
-from vla_rl.checkpoint import load_policy, resolve_checkpoint
+from vla_rl.checkpoint import load_policy, resolve_checkpoint, resolve_policy_dir
 from vla_rl.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,9 +63,9 @@ def _signal_on_call(monkeypatch, owner, name, sig, when, after=True, match=lambd
 
 
 def _points():
-    import vla_rl.checkpoint as ckpt_module
+    import policies.pretrained as pretrained_module
     import vla_rl.train as train_module
-    from policies.diffusion.modeling import DiffusionPolicy
+    from policies.diffusion.modeling_diffusion import DiffusionPolicy
 
     def swaps_last(src, dst, *rest):
         return Path(dst).name == "last"
@@ -75,7 +75,7 @@ def _points():
         "start of a step (batch sampling)": (train_module, "random_shift", 4, False, lambda *a: True),
         "inside the forward pass": (DiffusionPolicy, "forward", 7, True, lambda *a: True),
         "inside the optimizer step": (torch.optim.AdamW, "step", 3, False, lambda *a: True),
-        "checkpoint: weights written, not yet renamed": (ckpt_module, "save_file", 1, True, lambda *a: True),
+        "checkpoint: weights written, not yet renamed": (pretrained_module, "save_file", 1, True, lambda *a: True),
         "checkpoint: training state being written": (torch, "save", 1, False, lambda *a: True),
         "checkpoint: `last` being swapped": (os, "replace", 1, False, swaps_last),
     }
@@ -97,8 +97,8 @@ def test_signal_at_any_point_exits_with_its_code_and_a_checkpoint_resume_complet
 
     ckpt = resolve_checkpoint(out)
     step = json.loads((ckpt / "metadata.json").read_text())["step"]
-    state = torch.load(ckpt / "training_state.pt", weights_only=False)
-    assert state["step"] == step and 0 < step < STEPS  # stopped early, at a step boundary
+    progress = torch.load(ckpt / "training_state" / "progress.pt", weights_only=False)
+    assert progress["step"] == step and 0 < step < STEPS  # stopped early, at a step boundary
     load_policy(out)  # intact and loadable
     assert not list((out / "checkpoints").glob(".tmp-*"))
 
@@ -108,8 +108,8 @@ def test_signal_at_any_point_exits_with_its_code_and_a_checkpoint_resume_complet
     assert got["steps"] == STEPS
     assert [s for s, _ in got["loss_curve"]] == [s for s, _ in ref["loss_curve"]]
     assert [v for _, v in got["loss_curve"]] == pytest.approx([v for _, v in ref["loss_curve"]], rel=1e-5)
-    wa = load_file(str(resolve_checkpoint(reference_run) / "model.safetensors"))
-    wb = load_file(str(resolve_checkpoint(out) / "model.safetensors"))
+    wa = load_file(str(resolve_policy_dir(reference_run) / "model.safetensors"))
+    wb = load_file(str(resolve_policy_dir(out) / "model.safetensors"))
     for k in wa:
         torch.testing.assert_close(wb[k], wa[k], rtol=1e-5, atol=1e-6)
 
@@ -140,9 +140,9 @@ def test_a_background_run_stops_cleanly_whatever_it_inherited(sig, inherited, ti
     assert proc.returncode == 128 + sig, err
     assert f"interrupted by {signal.Signals(sig).name}" in err and "Continue with --resume=true" in err
     ckpt = resolve_checkpoint(out)
-    state = torch.load(ckpt / "training_state.pt", weights_only=False)
-    assert state["step"] == json.loads((ckpt / "metadata.json").read_text())["step"] >= SAVE_EVERY
-    assert len(state["optimizer"]["state"]) > 0
+    progress = torch.load(ckpt / "training_state" / "progress.pt", weights_only=False)
+    assert progress["step"] == json.loads((ckpt / "metadata.json").read_text())["step"] >= SAVE_EVERY
+    assert len(torch.load(ckpt / "training_state" / "optimizer.bin", weights_only=False)["state"]) > 0
     load_policy(out)
 
 

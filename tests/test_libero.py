@@ -76,6 +76,8 @@ def test_actions_move_the_end_effector_and_bad_ones_are_held(env, first_obs):
         assert info["clipped_actions"].tolist() == [True, False]
     assert info["success"].tolist() == [False, False] and reward.tolist() == [0.0, 0.0]
     assert not (terminated | truncated).any()
+    # The env's tasks are the suite's, in its order: world i runs task i, libero_spatial/i.
+    assert env.task_names == [f"libero_spatial/{i}" for i in range(10)] and info["task_id"].tolist() == [0, 1]
     moved = obs[OBS_STATE][:, :3] - start[:, :3]
     assert moved[0, 0] > 0.01 and moved[0, 2] > 0.01 and abs(moved[0, 1]) < 0.005  # 3 steps: about 2 cm
     assert moved[1].abs().max() < 0.002  # NaN rows hold the arm still

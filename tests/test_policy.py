@@ -1,14 +1,15 @@
 import pytest
 import torch
 
-from policies.diffusion import DiffusionConfig, DiffusionPolicy
-from policies.diffusion.modeling import SpatialSoftmax, build_vocabulary
+from policies.diffusion import DiffusionConfig
+from policies.diffusion.modeling_diffusion import DiffusionPolicy, SpatialSoftmax
+from policies.tokenizer import word_vocabulary
 from vla_rl.types import ActionChunk, Policy
 
 
 def make_policy(**kw):
     cfg = DiffusionConfig(state_dim=3, action_dim=2, cameras=["front"], image_size=32, horizon=4, n_action_steps=2,
-                          vocabulary=build_vocabulary(["pick up the red cube"]), **kw)  # fmt: skip
+                          vocabulary=word_vocabulary(["pick up the red cube"]), **kw)  # fmt: skip
     return DiffusionPolicy(cfg)
 
 
@@ -105,6 +106,22 @@ def test_unknown_words_map_to_unk():
     policy = make_policy()
     emb_known = policy._encode_text(["pick up the red cube"], "cpu")
     emb_unknown = policy._encode_text(["zzz qqq"], "cpu")
-    unk = policy.word_embedding.weight[0]
+    unk = policy.word_embedding.weight[1]  # id 1 is <unk> in every vocabulary (policies.tokenizer)
     torch.testing.assert_close(emb_unknown[0], unk)
     assert not torch.allclose(emb_known[0], unk)
+    # A known instruction is the mean of its words' embeddings, padding excluded.
+    vocab = policy.config.vocabulary
+    ids = [vocab.index(w) for w in ["pick", "up", "the", "red", "cube"]]
+    torch.testing.assert_close(emb_known[0], policy.word_embedding.weight[ids].mean(0))
+
+
+def test_given_noise_makes_a_chunk_reproducible_and_a_wrong_shape_is_named():
+    policy = make_policy().eval()
+    batch, noise = obs(), torch.randn(2, 4, 2)
+    a = policy.predict_chunk(batch, noise=noise).actions
+    torch.manual_seed(123)  # the global RNG must not matter when the noise is given
+    b = policy.predict_chunk(batch, noise=noise.clone()).actions
+    torch.testing.assert_close(a, b)
+    assert not torch.allclose(a, policy.predict_chunk(batch, noise=torch.randn(2, 4, 2)).actions)
+    with pytest.raises(ValueError, match=r"noise must be \(B, horizon, action_dim\) = \(2, 4, 2\)"):
+        policy.predict_chunk(batch, noise=torch.randn(2, 5, 2))

@@ -3,8 +3,9 @@
 import pytest
 import torch
 
-from policies.diffusion import DiffusionVLAConfig, DiffusionVLAPolicy
-from policies.diffusion.condition_encoder import WordTokenizer, word_vocabulary
+from policies.diffusion_vla import DiffusionVLAConfig
+from policies.diffusion_vla.modeling_diffusion_vla import DiffusionVLAPolicy
+from policies.tokenizer import WordTokenizer, word_vocabulary
 from vla_rl.types import ActionChunk, Policy
 
 INSTRUCTIONS = ["pick up the red cube", "move the gripper to the green ball"]

@@ -41,6 +41,18 @@ def test_lerobot_reads_the_recorded_dataset(tiny_dataset):
     assert set(np.unique(action[:, 3].numpy())) <= {0.0, 1.0}
 
 
+def test_dataset_features_are_the_envs_named_features(tiny_dataset):
+    ds = LeRobotDataset("local/lift", root=tiny_dataset[0], video_backend="pyav")
+    features = ds.meta.features
+    assert features["observation.state"]["names"] == [f"joint{i}" for i in range(1, 8)] + [
+        "gripper_width", "ee_x", "ee_y", "ee_z",
+    ]  # fmt: skip
+    assert features["action"]["names"] == ["ee_x", "ee_y", "ee_z", "grip"]
+    assert features["observation.images.front"]["dtype"] == "image"
+    assert features["observation.images.front"]["names"] == ["height", "width", "channels"]
+    assert {"next.reward", "next.success"} <= set(features)
+
+
 def test_record_refuses_to_overwrite_and_leaves_no_temp(tiny_dataset):
     root, _ = tiny_dataset
     with pytest.raises(FileExistsError, match="--overwrite=true"):

@@ -119,7 +119,7 @@ def test_convert_gives_a_lerobot_dataset_of_what_was_published(recording, tmp_pa
 
 
 def test_convert_without_episode_status_splits_at_pauses_and_names_missing_topics(recording, tmp_path):
-    from vla_rl.ros_convert import ConvertConfig, convert
+    from robot_bridge.convert import ConvertConfig, convert
 
     mcap = recording[0]
     summary = convert(ConvertConfig(input=str(mcap), output_dir=str(tmp_path / "ds"), episode_topic="/absent",

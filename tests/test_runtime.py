@@ -1,11 +1,12 @@
-"""ActionChunkExecutor: merge rules, env masks, delay augmentation and input checks, with hand-computed numbers."""
+"""ActionChunkExecutor: merge rules, env masks, delay augmentation and input checks, with hand-computed numbers;
+ChunkingConfig: steps per chunk and its checks."""
 
 import math
 
 import pytest
 import torch
 
-from vla_rl.runtime import ActionChunkExecutor, rtc_blend_weights, rtc_weights
+from vla_rl.runtime import ActionChunkExecutor, ChunkingConfig, rtc_blend_weights, rtc_weights
 from vla_rl.types import OBS_COMMITTED_ACTIONS, OBS_COMMITTED_MASK, OBS_DELAY_STEPS, ActionChunk
 
 
@@ -348,3 +349,19 @@ def test_rows_outside_the_mask_may_hold_any_obs_step():
     emitted, valid = ex.next_action()
     assert emitted[:, 0].tolist() == [1.0, 0.0]
     assert valid.tolist() == [True, False]
+
+
+def test_the_chunking_settings_follow_the_policy_and_the_chunk_length():
+    assert ChunkingConfig().steps_per_chunk(policy_steps=8, horizon=16) == 8  # 0: the policy's n_action_steps
+    assert ChunkingConfig(execute_steps=3).steps_per_chunk(policy_steps=8, horizon=16) == 3
+    assert ChunkingConfig(execute_steps=16).steps_per_chunk(policy_steps=8, horizon=16) == 16
+    with pytest.raises(ValueError, match="chunking.execute_steps=17 exceeds the chunk length 16"):
+        ChunkingConfig(execute_steps=17).steps_per_chunk(policy_steps=8, horizon=16)
+    with pytest.raises(ValueError, match="the policy's n_action_steps=20 exceeds the chunk length 16"):
+        ChunkingConfig().steps_per_chunk(policy_steps=20, horizon=16)
+    with pytest.raises(ValueError, match="does not tell its n_action_steps; set --chunking.execute_steps"):
+        ChunkingConfig().steps_per_chunk(policy_steps=None, horizon=16)
+    with pytest.raises(ValueError, match="chunking.execute_steps must be >= 0"):
+        ChunkingConfig(execute_steps=-1).steps_per_chunk(policy_steps=8, horizon=16)
+    with pytest.raises(ValueError, match="chunking.ensemble_coeff must be finite"):
+        ChunkingConfig(ensemble_coeff=float("nan")).validate()

@@ -6,10 +6,11 @@ import numpy as np
 import pytest
 import torch
 
+from sim.batched_success import HostWorlds, is_success, touches_gripper
 from sim.config import EnvConfig
 from sim.mujoco_env import MujocoBatchedEnv
 from sim.tasks import EXPERTS, TASKS, get_task
-from sim.tasks.scene import place_mocap_body, touches_gripper
+from sim.tasks.scene import place_mocap_body
 from vla_rl.types import OBS_STATE, TASK
 
 
@@ -91,12 +92,12 @@ def test_success_check_on_hand_built_states(name):
     with MujocoBatchedEnv(EnvConfig(task=name, num_envs=8, image_size=16)) as env:
         env.reset(seed=0)
         task, model = env.task, env.model
-        assert not any(task.is_success(model, d) for d in env.data)  # no episode starts solved
+        assert not task.success(model, HostWorlds(model, env.data)).any()  # no episode starts solved
         data = env.data[0]
         for solved in (True, False):
             POSE_BUILDERS[name](task, model, data, solved)
             mujoco.mj_forward(model, data)
-            assert task.is_success(model, data) == solved, f"{name}: solved={solved}"
+            assert is_success(task, model, data) == solved, f"{name}: solved={solved}"
 
 
 @pytest.mark.parametrize("name", sorted(TASKS))
@@ -119,11 +120,11 @@ def test_finger_contact_means_not_released():
     with MujocoBatchedEnv(EnvConfig(task="stack", num_envs=1, image_size=16)) as env:
         env.reset(seed=0)
         model, data = env.model, env.data[0]
-        assert not touches_gripper(model, data, "cube")
+        assert not touches_gripper(model, HostWorlds(model, [data]), "cube")
         finger_geom = model.body("left_finger").geomadr[0]
         _move_free_body(model, data, "cube", data.geom_xpos[finger_geom] + [0.0, 0.02, 0.0])  # overlapping it
         mujoco.mj_forward(model, data)
-        assert touches_gripper(model, data, "cube")
+        assert touches_gripper(model, HostWorlds(model, [data]), "cube").tolist() == [True]
 
 
 def test_unknown_task_lists_every_valid_name():

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from vla_rl.checkpoint import resolve_checkpoint
+from vla_rl.checkpoint import resolve_checkpoint, resolve_policy_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -18,18 +18,23 @@ def test_checkpoint_contents(tiny_checkpoint, tiny_dataset):
     out, summary = tiny_checkpoint
     ckpt = resolve_checkpoint(out)
     assert ckpt.name == "step-00000060" and summary["steps"] == 60
-    assert {p.name for p in ckpt.iterdir()} == {
-        "model.safetensors", "config.json", "stats.json", "metadata.json", "training_state.pt"
+    # LeRobot's checkpoint layout: the policy as save_pretrained writes it, beside the training state.
+    assert {p.name for p in ckpt.iterdir()} == {"pretrained_model", "metadata.json", "training_state"}
+    assert {p.name for p in (ckpt / "pretrained_model").iterdir()} == {"model.safetensors", "config.json", "stats.json"}
+    # accelerate's save_state: raw weights, optimizer, the LR schedule and the EMA, the RNG; plus our progress.
+    assert {p.name for p in (ckpt / "training_state").iterdir()} == {
+        "model.safetensors", "optimizer.bin", "custom_checkpoint_0.pkl", "custom_checkpoint_1.pkl",
+        "random_states_0.pkl", "progress.pt",
     }  # fmt: skip
     meta = json.loads((ckpt / "metadata.json").read_text())
     assert meta["step"] == 60 and meta["dataset"] == str(tiny_dataset[0])
-    config = json.loads((ckpt / "config.json").read_text())
-    assert config["policy_type"] == "diffusion"
-    assert config["policy"]["state_dim"] == 11 and config["policy"]["action_dim"] == 4
-    assert "cube" in config["policy"]["vocabulary"]
+    config = json.loads((ckpt / "pretrained_model" / "config.json").read_text())
+    assert config["type"] == "vla_rl_diffusion"  # LeRobot's config.json: the type (as LeRobot names it) and fields
+    assert config["state_dim"] == 11 and config["action_dim"] == 4
+    assert "cube" in config["vocabulary"]
     # Normalization statistics come from the dataset's own stats.json.
     ds_stats = json.loads((tiny_dataset[0] / "meta" / "stats.json").read_text())
-    weights = load_file(str(ckpt / "model.safetensors"))
+    weights = load_file(str(ckpt / "pretrained_model" / "model.safetensors"))
     torch.testing.assert_close(
         weights["action_min"], torch.tensor(ds_stats["action"]["min"]).float()[:4], atol=1e-3, rtol=0
     )
@@ -59,17 +64,17 @@ def _train_cmd(dataset, out, steps, save_every):
 # The kill happens at that point of the run whatever the machine's load, so no timing is involved.
 KILL_WHILE_SAVING = """
 import os, signal, sys
-import vla_rl.checkpoint as ckpt
+import policies.pretrained as pretrained
 from vla_rl.cli import main
 
-kill_at, original = int(sys.argv[1]), ckpt.save_file
+kill_at, original = int(sys.argv[1]), pretrained.save_file
 
 def save_file(state, path, *args, **kwargs):
     original(state, path, *args, **kwargs)
     if f"step-{kill_at:08d}" in path:
         os.kill(os.getpid(), signal.SIGKILL)
 
-ckpt.save_file = save_file
+pretrained.save_file = save_file
 sys.exit(main(sys.argv[2:]))
 """
 
@@ -87,7 +92,7 @@ def test_killed_run_resumes_to_the_same_result(tiny_dataset, tmp_path):
     killed = subprocess.run([sys.executable, "-c", KILL_WHILE_SAVING, "30"] + _train_cmd(dataset, run, 40, 10)[3:],
                             env=env, capture_output=True, text=True, check=False)  # fmt: skip
     assert killed.returncode == -signal.SIGKILL, killed.stderr
-    assert list((run / "checkpoints").glob(".tmp-step-00000030-*"))  # the half-written checkpoint, never renamed
+    assert list((run / "checkpoints").glob(".tmp-step-00000030"))  # the half-written checkpoint, never renamed
     assert json.loads((resolve_checkpoint(run) / "metadata.json").read_text())["step"] == 20
 
     (run / "checkpoints" / ".last-12345").symlink_to("step-00000020")  # as a writer killed before its swap leaves
@@ -99,8 +104,8 @@ def test_killed_run_resumes_to_the_same_result(tiny_dataset, tmp_path):
     assert b["steps"] == 40
     assert [s for s, _ in b["loss_curve"]] == [5 * i for i in range(1, 9)]
     assert [loss for _, loss in b["loss_curve"]] == pytest.approx([loss for _, loss in a["loss_curve"]], rel=1e-5)
-    wa = load_file(str(resolve_checkpoint(ref) / "model.safetensors"))
-    wb = load_file(str(resolve_checkpoint(run) / "model.safetensors"))
+    wa = load_file(str(resolve_policy_dir(ref) / "model.safetensors"))
+    wb = load_file(str(resolve_policy_dir(run) / "model.safetensors"))
     for k in wa:
         torch.testing.assert_close(wb[k], wa[k], rtol=1e-5, atol=1e-6)
 
@@ -129,7 +134,8 @@ def test_resume_with_a_lower_lr_continues_the_schedule_from_the_new_peak(tiny_da
             return peak * step / warmup
         return peak * 0.5 * (1 + math.cos(math.pi * (step - warmup) / (total - warmup)))
 
-    state = torch.load(run / "checkpoints" / "step-00000015" / "training_state.pt", weights_only=False)
-    assert state["step"] == 15
+    state = run / "checkpoints" / "step-00000015" / "training_state"
+    assert torch.load(state / "progress.pt", weights_only=False)["step"] == 15
     # The LR after 15 scheduler steps is the new peak's (3.1e-5), not the old one's (3.1e-4).
-    assert state["optimizer"]["param_groups"][0]["lr"] == pytest.approx(cosine_with_warmup(15, 1e-4), rel=1e-9)
+    optimizer = torch.load(state / "optimizer.bin", weights_only=False)
+    assert optimizer["param_groups"][0]["lr"] == pytest.approx(cosine_with_warmup(15, 1e-4), rel=1e-9)

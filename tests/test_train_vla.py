@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from vla_rl.checkpoint import load_policy
 from vla_rl.data import FrameSampler
@@ -89,7 +90,7 @@ def test_l2_training_on_a_libero_format_multitask_dataset(libero_format_dataset,
 
 def tiny_vla_config(dataset_root, output_dir, **kw):
     """A TrainConfig for the tiny VLA of TINY_VLA, built in-process (for hooks into `train`)."""
-    from policies.diffusion import DiffusionVLAConfig
+    from policies.diffusion_vla import DiffusionVLAConfig
     from vla_rl.train import DatasetConfig, TrainConfig
 
     policy = DiffusionVLAConfig(dim=32, depth=1, heads=2, vision_width=32, vision_layers=1, text_width=32,
@@ -101,8 +102,8 @@ def tiny_vla_config(dataset_root, output_dir, **kw):
 def test_l2_copies_run_the_encoder_on_batch_over_k_frames_per_step(libero_format_dataset, tmp_path, monkeypatch):
     """In a real `train()` with l2_copies=4 and batch_size=8, every step encodes 2 frames and the DiT
     denoises 2 x 4 = 8 samples, each copy with its own timestep."""
-    from policies.diffusion.condition_encoder import ConditionEncoder
-    from policies.diffusion.dit import DiT
+    from policies.diffusion_vla.condition_encoder import ConditionEncoder
+    from policies.diffusion_vla.dit import DiT
     from vla_rl.train import train
 
     encoded, denoised = [], []
@@ -130,7 +131,7 @@ def test_l2_copies_run_the_encoder_on_batch_over_k_frames_per_step(libero_format
 def test_a_non_finite_loss_stops_training_and_keeps_the_last_good_checkpoint(
     libero_format_dataset, tmp_path, monkeypatch
 ):
-    from policies.diffusion import DiffusionVLAPolicy
+    from policies.diffusion_vla.modeling_diffusion_vla import DiffusionVLAPolicy
     from vla_rl.checkpoint import resolve_checkpoint
     from vla_rl.train import train
 
@@ -152,8 +153,9 @@ def test_a_non_finite_loss_stops_training_and_keeps_the_last_good_checkpoint(
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["last", "step-00000002", "step-00000004"]
     last = resolve_checkpoint(out)
     assert last.name == "step-00000004"
-    state = torch.load(last / "training_state.pt", weights_only=False)
-    assert state["step"] == 4 and all(torch.isfinite(v).all() for v in state["model"].values())
+    progress = torch.load(last / "training_state" / "progress.pt", weights_only=False)
+    weights = load_file(str(last / "training_state" / "model.safetensors"))
+    assert progress["step"] == 4 and all(torch.isfinite(v).all() for v in weights.values())
     # --resume=true, as the message says, continues from that checkpoint to the end.
     resumed = []
     monkeypatch.setattr(DiffusionVLAPolicy, "forward", lambda *a, **kw: resumed.append(1) or losses(*a, **kw))
@@ -182,7 +184,10 @@ def test_bad_batching_is_rejected_before_any_data_is_read(tmp_path):
     assert res.returncode == 2
     assert "l2_copies=4 does not divide batch_size=10" in res.stderr and "Traceback" not in res.stderr
     res = vla_cli("train", f"--dataset.root={tmp_path / 'nowhere'}", "--batch_size=8", "--l2_copies=4")
-    assert res.returncode == 2 and "needs --policy.type=diffusion_vla" in res.stderr
+    assert (
+        res.returncode == 2
+        and "needs a policy with Level-2 minibatching, such as --policy.type=diffusion_vla" in res.stderr
+    )
 
 
 def test_dataset_and_config_mismatches_name_the_fix(libero_format_dataset, tmp_path):

@@ -13,8 +13,9 @@ import torch
 from extras import extras_required
 
 from sim import make_env
+from sim.batched_success import HostWorlds, is_success, touches_gripper
 from sim.config import EnvConfig
-from sim.tasks import EXPERTS, TASKS, LiftExpert, LiftTask, get_task
+from sim.tasks import EXPERTS, TASKS, LiftExpert, get_task
 from vla_rl.types import OBS_STATE, TASK, BatchedEnv, image_key
 
 # Under CI (every extra installed) nothing skips: a broken MuJoCo Warp install fails these tests.
@@ -62,24 +63,27 @@ def test_same_trajectory_as_cpu_backend():
         assert successes >= 1  # the run reached the part of the episode that contact decides
 
 
-def test_torch_ik_matches_numpy_ik():
-    """The Warp backend's controller (torch, ``sim.ik``'s twins) is the cpu backend's, number for number."""
-    from sim.ik import ik_targets, ik_targets_torch, orientation_error, orientation_error_torch
+def test_controller_gives_the_same_targets_on_numpy_and_torch():
+    """The Warp backend runs ``sim.ik`` on torch tensors, the cpu backend on numpy arrays: the
+    same servo targets, number for number."""
+    from sim.ik import ArmController, orientation_error_map
 
     rng = np.random.default_rng(0)
     n = 6
-    rot = np.linalg.qr(rng.normal(size=(n, 3, 3)))[0]  # (N, 3, 3) rotations
+    site_xmat = np.linalg.qr(rng.normal(size=(n, 3, 3)))[0].reshape(n, 9)  # (N, 9) rotations, row-major
     target = np.linalg.qr(rng.normal(size=(3, 3)))[0]
     q, jac = rng.normal(size=(n, 7)), rng.normal(size=(n, 6, 7))
-    pos_err = rng.normal(scale=0.05, size=(n, 3))  # some within the 4 cm step, some beyond
-    home, ranges = rng.normal(size=7), np.stack([np.full(7, -1.0), np.full(7, 1.0)], axis=1)
-    rot_err = orientation_error(rot, target)
+    site_pos = rng.normal(scale=0.05, size=(n, 3))  # targets at 0: some within the 4 cm step, some beyond
+    action = np.concatenate([np.zeros((n, 3)), rng.uniform(size=(n, 1))], axis=1)
+    ranges = np.stack([np.full(7, -1.0), np.full(7, 1.0)], axis=1)
+    on_numpy = ArmController(rng.normal(size=7), ranges, orientation_error_map(target))
+    expected, got = np.zeros((n, 9)), torch.zeros(n, 9, dtype=torch.float64)
+    on_numpy.servo_targets(action, q, jac, site_pos, site_xmat, out=expected)
     t = torch.from_numpy
-    np.testing.assert_allclose(orientation_error_torch(t(rot), t(target)).numpy(), rot_err, atol=1e-12)
-    expected = ik_targets(q, jac, pos_err, rot_err, home, ranges)
-    got = ik_targets_torch(t(q), t(jac), t(pos_err), t(rot_err), t(home), t(ranges)).numpy()
-    np.testing.assert_allclose(got, expected, atol=1e-10)
-    assert (np.abs(expected) == 1.0).any() and (np.abs(expected) < 1.0).any()  # clipped and free entries
+    on_numpy.to_torch("cpu").servo_targets(t(action), t(q), t(jac), t(site_pos), t(site_xmat), out=got)
+    np.testing.assert_allclose(got.numpy(), expected, rtol=0, atol=1e-12)
+    arm = expected[:, :7]
+    assert (np.abs(arm) == 1.0).any() and (np.abs(arm) < 1.0).any()  # clipped and free entries
 
 
 @needs_warp
@@ -123,7 +127,8 @@ def success_states(task_name: str, num_envs: int = 4, steps: int = 150, every: i
     on each: (name -> (S, ...) arrays as `WarpBatchedEnv._upload` takes them, (S,) bool)."""
     with make_env(EnvConfig(task=task_name, num_envs=num_envs, cameras=[], max_episode_steps=10**6)) as env:
         oracle = get_task(task_name)
-        env.task.is_success = lambda model, data: False  # keep going past success, into the states after it
+        # keep going past success, into the states after it
+        env.task.success = lambda model, worlds: np.zeros(len(worlds.qpos), dtype=bool)
         expert = EXPERTS[task_name](num_envs)
         env.reset(seed=1)
         states, verdicts = {name: [] for name in ("qpos", "qvel", "ctrl", "mocap_pos", "mocap_quat")}, []
@@ -133,7 +138,7 @@ def success_states(task_name: str, num_envs: int = 4, steps: int = 150, every: i
                 for d in env.data:
                     for name, values in states.items():
                         values.append(getattr(d, name).copy())
-                    verdicts.append(oracle.is_success(env.model, d))
+                    verdicts.append(is_success(oracle, env.model, d))
     return {name: np.stack(values) for name, values in states.items()}, np.array(verdicts)
 
 
@@ -148,28 +153,62 @@ def test_device_success_rule_matches_the_task(task_name):
         np.testing.assert_array_equal(env._success().numpy(), verdicts)
 
 
-@needs_warp
-def test_device_contact_check_matches_the_host_one():
-    """`touches_gripper` on Warp's contact list agrees with the host one on MuJoCo's (the
-    pick_place and stack rules need it; along expert episodes it is true in about a third of
-    the states, though never the deciding clause)."""
-    import mujoco
+def _finger_touches_cube(model, data) -> bool:
+    """Whether MuJoCo's contact list of ``data`` pairs a geom of the cube with one of a finger."""
+    cube, fingers = model.body("cube").id, {model.body("left_finger").id, model.body("right_finger").id}
+    for geom1, geom2 in data.contact.geom:
+        bodies = {model.geom_bodyid[geom1], model.geom_bodyid[geom2]}
+        if cube in bodies and bodies & fingers:
+            return True
+    return False
 
-    from sim.batched_success import touches_gripper as touches_on_device
-    from sim.tasks.scene import touches_gripper
+
+@needs_warp
+def test_contact_check_reads_both_backends_contact_lists():
+    """`touches_gripper` on Warp's contact list and on the host's agrees with MuJoCo's contacts
+    read one by one (the pick_place and stack rules need it; along expert episodes it is true
+    in about a third of the states, though never the deciding clause)."""
+    import mujoco
 
     states, _ = success_states("pick_place")
     with make_env(EnvConfig(backend="warp", task="pick_place", num_envs=len(states["qpos"]), cameras=[])) as env:
         env._upload(np.arange(len(states["qpos"])), states)
-        got = touches_on_device(env.model, env._world, "cube").numpy()
-        data, expected = mujoco.MjData(env.model), []
-        for k in range(len(got)):
+        on_device = touches_gripper(env.model, env._world, "cube").numpy()
+        datas, expected = [], []
+        for k in range(len(on_device)):
+            data = mujoco.MjData(env.model)
             for name, values in states.items():
                 getattr(data, name)[:] = values[k]
             mujoco.mj_forward(env.model, data)
-            expected.append(touches_gripper(env.model, data, "cube"))
+            datas.append(data)
+            expected.append(_finger_touches_cube(env.model, data))
+        on_host = touches_gripper(env.model, HostWorlds(env.model, datas), "cube")
     assert 0 < sum(expected) < len(expected)
-    np.testing.assert_array_equal(got, expected)
+    np.testing.assert_array_equal(on_device, expected)
+    np.testing.assert_array_equal(on_host, expected)
+
+
+@needs_warp
+@pytest.mark.parametrize("task_name", sorted(TASKS))
+def test_both_backends_judge_hand_built_states_alike(task_name):
+    """A state built to be solved and one built to miss (`test_tasks.POSE_BUILDERS`: each 1 cm or
+    more from the task's threshold), judged by the rule each backend runs on its own copy of
+    them: the cpu backend on its MjData, the warp backend on its device arrays."""
+    import mujoco
+    from test_tasks import POSE_BUILDERS
+
+    config = {"task": task_name, "num_envs": 2, "cameras": []}
+    with make_env(EnvConfig(backend="cpu", **config)) as cpu, make_env(EnvConfig(backend="warp", **config)) as warp:
+        cpu.reset(seed=0)
+        for data, solved in zip(cpu.data, (True, False)):
+            POSE_BUILDERS[task_name](cpu.task, cpu.model, data, solved)
+            mujoco.mj_forward(cpu.model, data)
+        names = ("qpos", "qvel", "ctrl", "mocap_pos", "mocap_quat")
+        warp._upload(np.arange(2), {name: np.stack([getattr(d, name) for d in cpu.data]) for name in names})
+        on_cpu = cpu.task.success(cpu.model, HostWorlds(cpu.model, cpu.data))
+        on_warp = warp._success()
+    assert on_cpu.tolist() == [True, False]
+    assert on_warp.tolist() == [True, False]
 
 
 def test_unknown_backend_and_device_errors():
@@ -184,10 +223,3 @@ def test_missing_warp_names_the_gpu_extra(monkeypatch):
     monkeypatch.delitem(sys.modules, "sim.warp_env", raising=False)
     with pytest.raises(ImportError, match=r'pip install -e "\.\[gpu\]"'):
         make_env(EnvConfig(backend="warp"))
-
-
-@needs_warp
-def test_task_without_device_success_rule_is_refused(monkeypatch):
-    monkeypatch.setitem(TASKS, "lift_variant", LiftTask)
-    with pytest.raises(ValueError, match="supported tasks: lift, open_drawer, pick_place, push, reach, stack"):
-        make_env(EnvConfig(backend="warp", task="lift_variant"))

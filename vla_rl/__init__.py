@@ -4,4 +4,4 @@ This package stays light: importing ``vla_rl`` or ``vla_rl.types`` never pulls i
 trainers, simulators or ROS.
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

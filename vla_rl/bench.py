@@ -51,12 +51,15 @@ from typing import Any
 import gymnasium
 import mujoco
 import numpy as np
+import torch
 from mujoco import rollout
 from tqdm import tqdm
 
+from sim.arm import ACTION_HIGH, ACTION_LOW, EE_IN_STATE, STATE_NAMES, arm_state, hold_actions
+from sim.batched_success import is_success
 from sim.config import Backend
-from sim.ik import ik_targets, orientation_error
-from sim.mujoco_env import MujocoBatchedEnv, position_pass
+from sim.ik import ArmController
+from sim.mujoco_env import position_pass
 from sim.render import Renderers
 from sim.tasks import get_task
 
@@ -101,8 +104,7 @@ class GymTaskEnv(gymnasium.Env):
     """
 
     metadata = {"render_modes": []}  # noqa: RUF012 (gymnasium reads this class attribute)
-    ACTION_LOW = MujocoBatchedEnv.ACTION_LOW  # the same workspace
-    ACTION_HIGH = MujocoBatchedEnv.ACTION_HIGH
+    ACTION_LOW, ACTION_HIGH = ACTION_LOW, ACTION_HIGH  # the arm's workspace (`sim.arm`)
 
     def __init__(
         self,
@@ -120,17 +122,12 @@ class GymTaskEnv(gymnasium.Env):
         self.data = mujoco.MjData(self.model)
         self._renderers = Renderers(self.model)  # a renderer is made at first use, inside the worker process
         self._site = self.model.site("grasp").id
-        self._arm_range = self.model.jnt_range[:7].copy()
-        home = self.model.key("home")
-        self._home_q = home.qpos[:7].copy()
-        mujoco.mj_resetDataKeyframe(self.model, self.data, home.id)
-        mujoco.mj_forward(self.model, self.data)
-        self._target_rot = self.data.site_xmat[self._site].reshape(3, 3).copy()
+        self._controller = ArmController.from_model(self.model)
         self._forward_positions = position_pass(self.model)  # the pass MujocoBatchedEnv runs
         self._jacp = np.zeros((3, self.model.nv))
         self._jacr = np.zeros((3, self.model.nv))
         self._t = 0
-        state_space = gymnasium.spaces.Box(-np.inf, np.inf, (11,), np.float32)
+        state_space = gymnasium.spaces.Box(-np.inf, np.inf, (len(STATE_NAMES),), np.float32)  # sim.arm's layout
         if camera is None:
             self.observation_space = state_space
         else:
@@ -149,22 +146,20 @@ class GymTaskEnv(gymnasium.Env):
         d, m = self.data, self.model
         act = np.array(action, dtype=np.float64)
         if not np.isfinite(act).all():  # hold the pose, as MujocoBatchedEnv does
-            act = np.array([*d.site_xpos[self._site], 0.0])
+            act = hold_actions(torch.from_numpy(self.ee_position()[None]))[0].numpy()
         act = np.clip(act, self.ACTION_LOW, self.ACTION_HIGH)
         mujoco.mj_jacSite(m, d, self._jacp, self._jacr, self._site)
         jac = np.concatenate([self._jacp[:, :7], self._jacr[:, :7]])[None]  # (1, 6, 7)
-        rot_err = orientation_error(d.site_xmat[self._site].reshape(1, 3, 3), self._target_rot)
         q = d.qpos[None, :7].copy()
-        pos_err = act[None, :3] - d.site_xpos[self._site]  # (1, 3)
-        d.ctrl[:7] = ik_targets(q, jac, pos_err, rot_err, self._home_q, self._arm_range)[0]
-        d.ctrl[7:9] = 0.04 * (1.0 - act[3])
+        site_pos, site_xmat = d.site_xpos[None, self._site], d.site_xmat[None, self._site]  # (1, 3), (1, 9)
+        self._controller.servo_targets(act[None], q, jac, site_pos, site_xmat, out=d.ctrl[None])
         # mujoco.rollout starts every call (every control step) from zero warm-start accelerations;
         # doing the same here keeps this env's trajectories identical to the batched env's.
         d.qacc_warmstart[:] = 0.0
         mujoco.mj_step(m, d, nstep=self.substeps)
         self._forward_positions(m, d)
         self._t += 1
-        success = self.task.is_success(m, d)
+        success = is_success(self.task, m, d)
         terminated = success or not np.isfinite(d.qpos).all()
         truncated = self._t >= self.max_episode_steps and not terminated
         return self._observe(), float(success), terminated, truncated, {"success": success}
@@ -178,10 +173,7 @@ class GymTaskEnv(gymnasium.Env):
 
     def _observe(self):
         d = self.data
-        state = np.empty(11, dtype=np.float32)
-        state[:7] = d.qpos[:7]
-        state[7] = d.qpos[7] + d.qpos[8]
-        state[8:] = d.site_xpos[self._site]
+        state = arm_state(d.qpos[None, :9], d.site_xpos[None, self._site], out=np.empty((1, 11), np.float32))[0]
         if self.camera is None:
             return state
         return {"state": state, "image": self._renderers.frame(d, self.camera, self.image_size)}
@@ -267,7 +259,7 @@ def gym_async_rate(cfg: BenchSimConfig, n: int, render: bool) -> tuple[float, fl
     try:
         obs, _ = envs.reset(seed=cfg.seed)
         state = obs["state"] if render else obs
-        hold = np.concatenate([state[:, 8:11].astype(np.float64), np.zeros((n, 1))], axis=1)  # (N, 4)
+        hold = hold_actions(torch.from_numpy(state[:, EE_IN_STATE]).double()).numpy()  # (N, 4)
         for _ in range(cfg.warmup_steps):
             envs.step(hold)
         return _timed(f"gym_async N={n}{' render' if render else ''}", cfg, n, lambda: envs.step(hold))
@@ -277,8 +269,6 @@ def gym_async_rate(cfg: BenchSimConfig, n: int, render: bool) -> tuple[float, fl
 
 def backend_rate(cfg: BenchSimConfig, backend: str, n: int, render: bool) -> tuple[float, float]:
     """(env-steps/s, seconds) of ``env.step`` of one backend's batched env on N worlds."""
-    import torch
-
     from sim.config import EnvConfig
     from sim.factory import make_env
 
@@ -307,8 +297,6 @@ def backend_rate(cfg: BenchSimConfig, backend: str, n: int, render: bool) -> tup
 
 def bench_sim(cfg: BenchSimConfig) -> dict[str, Any]:
     """Measure every method at every N (see the module docstring); write and return the results."""
-    import torch
-
     from sim.factory import BACKENDS
 
     if not cfg.backends:

@@ -1,12 +1,17 @@
 """Checkpoint directories, written atomically.
 
-Layout of ``<output_dir>/checkpoints/step-<NNNNNNNN>/``:
+Layout of ``<output_dir>/checkpoints/step-<NNNNNNNN>/`` (LeRobot's: a ``pretrained_model`` beside
+the ``training_state``):
 
-- ``model.safetensors``: policy weights (EMA weights when EMA is on), normalization buffers included
-- ``config.json``: ``{"policy_type": ..., "policy": <policy config>}``
-- ``stats.json``: the normalization statistics, human readable
+- ``pretrained_model/``: the policy as ``PreTrainedPolicy.save_pretrained`` writes it, which is
+  what ``vla-rl eval`` and ``vla-rl serve`` load:
+  - ``config.json``: ``{"type": <policy type>, <config fields>}``
+  - ``model.safetensors``: weights (EMA weights when EMA is on), normalization buffers included
+  - ``stats.json``: the normalization statistics, human readable
 - ``metadata.json``: step, dataset, git revision, vla-rl version, time
-- ``training_state.pt``: optimizer, LR schedule, raw weights, RNG state and loss history (for --resume)
+- ``training_state/``: what ``--resume`` needs, written by accelerate's ``save_state`` (raw weights,
+  optimizer, registered objects such as the LR schedule and the EMA, every process's RNG) plus
+  ``progress.pt`` (step, loss curve, sampling generators; see ``vla_rl.train``)
 
 Each checkpoint is written into a hidden temporary directory and renamed into place, and
 ``checkpoints/last`` is a symlink swapped with an atomic rename, so a killed process never
@@ -20,14 +25,14 @@ import os
 import shutil
 import subprocess
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
 
 import vla_rl
+
+POLICY_DIR, TRAINING_STATE_DIR, METADATA_FILE = "pretrained_model", "training_state", "metadata.json"
 
 
 def git_revision() -> str | None:
@@ -45,37 +50,44 @@ def git_revision() -> str | None:
         return None
 
 
-def save_checkpoint(
-    checkpoints_dir: Path,
-    step: int,
-    policy: torch.nn.Module,
-    metadata: dict[str, Any],
-    training_state: dict[str, Any] | None = None,
-    keep_last: int = 2,
-) -> Path:
-    """Write ``step-<step>`` atomically, point ``last`` at it, and prune older checkpoints."""
+def temporary_checkpoint_dir(checkpoints_dir: Path, step: int) -> Path:
+    """Where step ``step``'s checkpoint is written before it is renamed into place. The name is the same
+    in every process, so the processes of a data-parallel run write into one directory."""
+    return checkpoints_dir / f".tmp-step-{step:08d}"
+
+
+def begin_checkpoint(checkpoints_dir: Path, step: int) -> Path:
+    """Create and return the temporary directory of step ``step``'s checkpoint (one writer per run,
+    the main process). Leftovers of a killed writer are removed first."""
     checkpoints_dir.mkdir(parents=True, exist_ok=True)
-    final = checkpoints_dir / f"step-{step:08d}"
-    tmp = checkpoints_dir / f".tmp-step-{step:08d}-{os.getpid()}"
-    for stale in checkpoints_dir.glob(".tmp-step-*"):  # left by a killed writer (one writer per run)
+    for stale in checkpoints_dir.glob(".tmp-step-*"):
         shutil.rmtree(stale, ignore_errors=True)
     for stale in checkpoints_dir.glob(".last-*"):  # a link a killed writer made but never swapped in
         stale.unlink(missing_ok=True)
+    tmp = temporary_checkpoint_dir(checkpoints_dir, step)
     tmp.mkdir()
-    state = {k: v.detach().cpu().contiguous() for k, v in policy.state_dict().items()}
-    save_file(state, str(tmp / "model.safetensors"))
-    (tmp / "config.json").write_text(
-        json.dumps({"policy_type": policy.policy_type, "policy": asdict(policy.config)}, indent=2)
-    )
+    return tmp
+
+
+def write_policy(checkpoint: Path, policy, metadata: dict[str, Any]) -> None:
+    """Write ``pretrained_model/`` (the policy as ``save_pretrained`` writes it, plus a readable
+    ``stats.json``) and ``metadata.json`` into a checkpoint directory."""
+    model_dir = checkpoint / POLICY_DIR
+    policy.save_pretrained(model_dir)
+    state = policy.state_dict()
     stats = {k: state[k].tolist() for k in state if k.startswith(("state_", "action_"))}
-    (tmp / "stats.json").write_text(json.dumps(stats, indent=2))
-    meta = {"step": step, "vla_rl_version": vla_rl.__version__, "git_revision": git_revision(), "time": time.time()}
-    (tmp / "metadata.json").write_text(json.dumps({**meta, **metadata}, indent=2))
-    if training_state is not None:
-        torch.save(training_state, tmp / "training_state.pt")
-    for f in tmp.iterdir():
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
+    (model_dir / "stats.json").write_text(json.dumps(stats, indent=2))
+    meta = {"step": None, "vla_rl_version": vla_rl.__version__, "git_revision": git_revision(), "time": time.time()}
+    (checkpoint / METADATA_FILE).write_text(json.dumps({**meta, **metadata}, indent=2))
+
+
+def commit_checkpoint(checkpoints_dir: Path, tmp: Path, step: int, keep_last: int = 2) -> Path:
+    """Rename the finished ``tmp`` to ``step-<step>``, point ``last`` at it, prune older checkpoints."""
+    final = checkpoints_dir / f"step-{step:08d}"
+    for f in tmp.rglob("*"):
+        if f.is_file():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
     if final.exists():
         shutil.rmtree(final)
     os.rename(tmp, final)
@@ -89,39 +101,44 @@ def save_checkpoint(
     return final
 
 
+def save_checkpoint(checkpoints_dir: Path, step: int, policy, metadata: dict[str, Any], keep_last: int = 2) -> Path:
+    """Write a checkpoint holding only the policy (no training state) atomically; returns its directory."""
+    tmp = begin_checkpoint(checkpoints_dir, step)
+    write_policy(tmp, policy, {"step": step, **metadata})
+    return commit_checkpoint(checkpoints_dir, tmp, step, keep_last)
+
+
 def resolve_checkpoint(path: str | Path) -> Path:
-    """Accept a checkpoint dir, a ``checkpoints`` dir or a training output dir; return the checkpoint dir."""
+    """Accept a checkpoint dir, a ``checkpoints`` dir or a training output dir; return the checkpoint dir
+    (the one holding ``pretrained_model/`` and ``metadata.json``)."""
     path = Path(path)
     for candidate in (path, path / "last", path / "checkpoints" / "last"):
-        if (candidate / "model.safetensors").is_file() and (candidate / "config.json").is_file():
+        if (candidate / POLICY_DIR / "config.json").is_file():
             return candidate.resolve()
     raise FileNotFoundError(
-        f"no checkpoint at {path} (expected model.safetensors and config.json there, or in "
+        f"no checkpoint at {path} (expected {POLICY_DIR}/config.json there, or in "
         f"{path}/checkpoints/last); train one with `vla-rl train` or pass the right --checkpoint"
     )
 
 
-def load_policy(path: str | Path, expected_type: str | None = None, device: str | torch.device = "cpu"):
-    """Build the policy stored at ``path`` and load its weights. Returns (policy, checkpoint_dir)."""
-    from policies import POLICY_TYPES
+def resolve_policy_dir(path: str | Path) -> Path:
+    """The directory holding ``config.json`` + ``model.safetensors``: ``path`` itself (a policy saved with
+    ``save_pretrained``) or the ``pretrained_model/`` of the checkpoint ``path`` leads to."""
+    path = Path(path)
+    if (path / "config.json").is_file() and (path / "model.safetensors").is_file():
+        return path.resolve()
+    return resolve_checkpoint(path) / POLICY_DIR
 
-    ckpt = resolve_checkpoint(path)
-    config = json.loads((ckpt / "config.json").read_text())
-    policy_type = config.get("policy_type")
-    if policy_type is None:
-        other = config.get("type", "unknown")
+
+def load_policy(path: str | Path, expected_type: str | None = None, device: str | torch.device = "cpu"):
+    """Build the policy stored at ``path`` and load its weights. Returns (policy, policy directory)."""
+    from policies import PreTrainedPolicy
+
+    model_dir = resolve_policy_dir(path)
+    policy = PreTrainedPolicy.from_pretrained(model_dir, device=device)
+    if expected_type is not None and policy.config.type != expected_type:
         raise ValueError(
-            f"{ckpt} is not a vla-rl checkpoint (config.json has no policy_type; it looks like a {other!r} "
-            f"policy from another tool); pass a directory written by `vla-rl train`"
+            f"checkpoint {model_dir} holds a {policy.config.type!r} policy, but {expected_type!r} was asked for; "
+            f"set policy.type={policy.config.type} or choose a {expected_type} checkpoint"
         )
-    if expected_type is not None and policy_type != expected_type:
-        raise ValueError(
-            f"checkpoint {ckpt} holds a {policy_type!r} policy, but {expected_type!r} was asked for; "
-            f"set policy.type={policy_type} or choose a {expected_type} checkpoint"
-        )
-    if policy_type not in POLICY_TYPES:
-        raise ValueError(f"checkpoint {ckpt} has unknown policy type {policy_type!r}; known: {sorted(POLICY_TYPES)}")
-    config_cls, policy_cls = POLICY_TYPES[policy_type]
-    policy = policy_cls(config_cls(**config["policy"]))
-    policy.load_state_dict(load_file(str(ckpt / "model.safetensors")))
-    return policy.to(device).eval(), ckpt
+    return policy, model_dir

@@ -104,7 +104,7 @@ def _run_bench_sim(cfg):
 def _run_sim_robot(cfg):
     import json
 
-    from vla_rl.sim_robot import run_sim_robot
+    from robot_bridge.sim_robot import run_sim_robot
 
     summary = run_sim_robot(cfg)
     print(json.dumps({k: v for k, v in summary.items() if k != "config"}, indent=2))
@@ -115,7 +115,7 @@ def _run_sim_robot(cfg):
 def _run_record_ros(cfg):
     import json
 
-    from vla_rl.ros_record import record_ros
+    from robot_bridge.record import record_ros
 
     summary = record_ros(cfg)
     print(json.dumps({k: v for k, v in summary.items() if k != "config"}, indent=2))
@@ -127,7 +127,7 @@ def _run_record_ros(cfg):
 def _run_convert(cfg):
     import json
 
-    from vla_rl.ros_convert import convert
+    from robot_bridge.convert import convert
 
     summary = convert(cfg)
     print(json.dumps({k: v for k, v in summary.items() if k != "config"}, indent=2))
@@ -147,15 +147,15 @@ COMMANDS: dict[str, Command] = {
     ),
     "sim-robot": Command(
         "a MuJoCo-simulated arm as a ROS 2 node (joint states, images, commands)",
-        "vla_rl.sim_robot:SimRobotConfig",
+        "robot_bridge.sim_robot:SimRobotConfig",
         _run_sim_robot,
     ),
     "record-ros": Command(
-        "record ROS 2 topics into an MCAP file", "vla_rl.ros_record:RecordRosConfig", _run_record_ros
+        "record ROS 2 topics into an MCAP file", "robot_bridge.record:RecordRosConfig", _run_record_ros
     ),
     "convert": Command(
         "convert an MCAP recording of the robot into a LeRobotDataset (v3)",
-        "vla_rl.ros_convert:ConvertConfig",
+        "robot_bridge.convert:ConvertConfig",
         _run_convert,
     ),
     "serve": Command(
@@ -199,7 +199,7 @@ examples:
   vla-rl record --num_episodes=200 --output_dir=outputs/lift_demos
   vla-rl train --dataset.root=outputs/lift_demos --output_dir=outputs/lift_policy --steps=8000
   vla-rl train --output_dir=outputs/lift_policy --resume=true
-  vla-rl eval --checkpoint=outputs/lift_policy --num_episodes=100 --merge=ensemble
+  vla-rl eval --checkpoint=outputs/lift_policy --num_episodes=100 --chunking.merge=ensemble
   vla-rl bench sim --num_envs=[1,16] --steps=50
 """
 

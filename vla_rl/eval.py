@@ -1,8 +1,9 @@
 """`vla-rl eval`: batched closed-loop rollouts of a checkpoint.
 
 Chunks from the policy are executed through `sim.delay.DelayedChunkEnv` and so through
-`vla_rl.runtime.ActionChunkExecutor`, the same object the robot bridge drives; ``--delay.*``
-evaluates under inference delay (none by default). Each world runs one episode per round; round r resets with
+`vla_rl.runtime.ActionChunkExecutor`, the same object the robot bridge drives; ``--chunking.*``
+sets the steps executed per chunk and the merge mode, ``--delay.*`` evaluates under inference
+delay (none by default). Each world runs one episode per round; round r resets with
 seed ``seed + r``, so the same seed always evaluates the same initial states.
 
 Writes ``eval.json`` (per-episode results, success rate with a 95% Wilson interval),
@@ -17,7 +18,6 @@ import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Literal
 
 import numpy as np
 import torch
@@ -28,6 +28,7 @@ from sim.delay import DelayConfig
 from vla_rl import interrupt
 from vla_rl.checkpoint import load_policy
 from vla_rl.files import temporary_beside, write_text_atomic
+from vla_rl.runtime import ChunkingConfig
 from vla_rl.types import TASK, ActionChunk
 
 
@@ -41,11 +42,8 @@ class EvalConfig:
     )  # simulated task; num_envs worlds per round (default here: 50)
     num_episodes: int = 50  # episodes in total
     seed: int = 1000  # seed of the evaluation initial states (kept apart from the recording seed)
-    n_action_steps: int = 0  # steps executed per chunk before replanning; 0 = the policy's own setting
-    merge: Literal["latest", "ensemble"] = (
-        "latest"  # how overlapping chunks merge: latest or ensemble (temporal ensembling)
-    )
-    ensemble_coeff: float = 0.01  # temporal-ensembling weight decay, w_i = exp(-coeff * i)
+    # steps executed per chunk (0 = the policy's n_action_steps), merge mode, ensemble weight
+    chunking: ChunkingConfig = field(default_factory=ChunkingConfig)
     delay: DelayConfig = field(default_factory=DelayConfig)  # inference delay in control steps (0 = none)
     video_episodes: int = 4  # episodes shown in rollouts.mp4 (0 = no video)
     video_size: int = 192  # pixels per episode tile in the video
@@ -71,7 +69,7 @@ def evaluate(cfg: EvalConfig) -> dict:
     policy, ckpt = load_policy(cfg.checkpoint, device=cfg.device)
     torch.manual_seed(cfg.seed)  # diffusion sampling noise: the same seed gives the same rollouts
     pcfg = policy.config
-    n_action_steps = cfg.n_action_steps or pcfg.n_action_steps
+    execute_steps = cfg.chunking.steps_per_chunk(pcfg.n_action_steps, pcfg.horizon)
     if cfg.env.image_size != pcfg.image_size or list(cfg.env.cameras) != list(pcfg.cameras):
         raise ValueError(
             f"the policy expects cameras {pcfg.cameras} at {pcfg.image_size}px but the env renders "
@@ -87,8 +85,8 @@ def evaluate(cfg: EvalConfig) -> dict:
         # Chunks run through the same delay model and ActionChunkExecutor as RL and the robot bridge;
         # with the default zero delay this is plain chunked execution.
         delayed = DelayedChunkEnv(
-            recorder, pcfg.horizon, n_action_steps, DelayModel(cfg.delay), merge=cfg.merge,  # type: ignore[arg-type]  (the executor validates it)
-            ensemble_coeff=cfg.ensemble_coeff,
+            recorder, pcfg.horizon, execute_steps, DelayModel(cfg.delay), merge=cfg.chunking.merge,
+            ensemble_coeff=cfg.chunking.ensemble_coeff,
         )  # fmt: skip
         bar = tqdm(total=cfg.num_episodes, desc="eval", unit="ep")
         # A stop signal ends the evaluation between env steps (vla_rl.interrupt); an incomplete
@@ -127,8 +125,8 @@ def evaluate(cfg: EvalConfig) -> dict:
         "mean_episode_length": float(np.mean(lengths)),
         "mean_success_length": float(np.mean([e["length"] for e in episodes if e["success"]] or [0])),
         "seed": cfg.seed,
-        "n_action_steps": n_action_steps,
-        "merge": cfg.merge,
+        "execute_steps": execute_steps,
+        "merge": cfg.chunking.merge,
         "delay": asdict(cfg.delay),
         "seconds": round(time.time() - start, 1),
         "per_episode": episodes,
@@ -210,6 +208,6 @@ def _summary_md(r: dict) -> str:
         f"- success: **{r['success_rate']:.1%}** ({r['successes']}/{r['episodes']}), 95% CI [{lo:.1%}, {hi:.1%}]\n"
         f"- mean episode length: {r['mean_episode_length']:.1f} steps "
         f"(successful: {r['mean_success_length']:.1f})\n"
-        f"- seed {r['seed']}, {r['n_action_steps']} action steps per chunk, merge `{r['merge']}`\n"
+        f"- seed {r['seed']}, {r['execute_steps']} steps executed per chunk, merge `{r['merge']}`\n"
         f"- time: {r['seconds']} s\n"
     )

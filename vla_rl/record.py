@@ -21,7 +21,7 @@ from sim.config import EnvConfig
 from vla_rl import interrupt
 from vla_rl.data import discard_dataset, quiet_datasets
 from vla_rl.files import replace_directory
-from vla_rl.types import ACTION, OBS_STATE, image_key
+from vla_rl.types import ACTION, OBS_STATE
 
 
 @dataclass
@@ -40,15 +40,8 @@ class RecordConfig:
 
 
 def dataset_features(env) -> dict:
-    from sim.mujoco_env import ACTION_NAMES, STATE_NAMES
-
-    size = env.config.image_size
-    feats = {
-        image_key(cam): {"dtype": "image", "shape": (size, size, 3), "names": ["height", "width", "channels"]}
-        for cam in env.config.cameras
-    }
-    feats[OBS_STATE] = {"dtype": "float32", "shape": (len(STATE_NAMES),), "names": STATE_NAMES}
-    feats[ACTION] = {"dtype": "float32", "shape": (len(ACTION_NAMES),), "names": ACTION_NAMES}
+    """The dataset's features: the env's own (`vla_rl.types.BatchedEnv.features`), then each frame's reward and success."""
+    feats = {key: dict(feature) for key, feature in env.features.items()}
     feats["next.reward"] = {"dtype": "float32", "shape": (1,), "names": None}
     feats["next.success"] = {"dtype": "bool", "shape": (1,), "names": None}
     return feats

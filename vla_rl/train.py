@@ -15,6 +15,7 @@ frames, fixed noise and timesteps) is tracked; ``--stop_at_val_loss`` ends train
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import math
@@ -29,12 +30,18 @@ from typing import Literal, get_args
 import torch
 from tqdm import tqdm
 
-from policies.config import PolicyConfig
-from policies.diffusion import DiffusionConfig
+from policies import DiffusionConfig, PolicyConfig
 from vla_rl import interrupt
-from vla_rl.checkpoint import resolve_checkpoint, save_checkpoint
+from vla_rl.checkpoint import (
+    TRAINING_STATE_DIR,
+    begin_checkpoint,
+    commit_checkpoint,
+    resolve_checkpoint,
+    temporary_checkpoint_dir,
+    write_policy,
+)
 from vla_rl.files import temporary_beside, write_text_atomic
-from vla_rl.types import OBS_IMAGES, OBS_STATE
+from vla_rl.types import OBS_IMAGES
 
 Sampling = Literal["task_balanced", "uniform"]
 
@@ -82,6 +89,50 @@ class TrainConfig:
     stop_at_val_loss: float = 0.0  # stop once the validation loss is at or below this; 0 = run all steps
 
 
+@dataclass
+class TrainingProgress:
+    """Where a run stands, beyond what accelerate's ``save_state`` keeps: saved as ``progress.pt`` in
+    the checkpoint's ``training_state/``.
+
+    generator: this process's sampling generator (batches, augmentation, diffusion noise); every
+    process's state is saved, so each resumes its own stream.
+    """
+
+    generator: torch.Generator
+    step: int = 0
+    history: list = field(default_factory=list)  # [[step, mean loss]] at each log step
+    loss_window: list = field(default_factory=list)  # losses since the last logged mean, so a resumed curve is the same
+    val_history: list = field(default_factory=list)  # [[step, training seconds, validation loss]]
+    train_seconds: float = 0.0  # time in training steps (validation excluded)
+
+    FILE = "progress.pt"
+
+    def gather_generators(self, accelerator) -> torch.Tensor:
+        """(processes, state bytes): every process's generator state (a collective call)."""
+        state = self.generator.get_state()[None]
+        if accelerator.num_processes == 1:
+            return state
+        return accelerator.gather(state.to(accelerator.device)).cpu()  # NCCL gathers device tensors only
+
+    def save(self, directory: Path, lr: float, generators: torch.Tensor) -> None:
+        """Write ``progress.pt``; ``lr`` is the schedule's peak, so a resumed run can say when it changes."""
+        torch.save(
+            {"step": self.step, "lr": lr, "history": self.history, "loss_window": self.loss_window,
+             "val_history": self.val_history, "train_seconds": self.train_seconds, "generators": generators},
+            directory / self.FILE,
+        )  # fmt: skip
+
+    def load(self, directory: Path, process_index: int) -> float:
+        """Restore from ``progress.pt``; returns the peak LR the saved run used."""
+        saved = torch.load(directory / self.FILE, weights_only=False)
+        if process_index >= len(saved["generators"]):
+            raise ValueError(f"the checkpoint was written by {len(saved['generators'])} processes; resume with as many")
+        self.generator.set_state(saved["generators"][process_index])
+        self.step, self.history, self.loss_window = saved["step"], saved["history"], saved["loss_window"]
+        self.val_history, self.train_seconds = saved["val_history"], saved["train_seconds"]
+        return saved["lr"]
+
+
 def random_shift(images: torch.Tensor, shift: int, generator: torch.Generator) -> torch.Tensor:
     """(B, C, S, S) -> same shape, each image translated by up to ``shift`` pixels (edge padding)."""
     if shift <= 0:
@@ -93,45 +144,15 @@ def random_shift(images: torch.Tensor, shift: int, generator: torch.Generator) -
 
 
 def build_policy(cfg: TrainConfig, demos, dataset):
-    """The policy of ``cfg.policy`` sized from the dataset, with its normalization statistics.
-
-    Raises ValueError naming the fix when the config and the dataset disagree.
-    """
-    from policies import POLICY_TYPES
+    """The policy of ``cfg.policy`` sized from the dataset's features and tasks, with its normalization
+    statistics (``PreTrainedPolicy.from_dataset``). Raises ValueError naming the fix when the config and
+    the dataset disagree."""
+    from policies import policy_class
 
     pcfg = copy.deepcopy(cfg.policy)
-    state_dim, action_dim = demos.state.shape[1], demos.action.shape[1]
-    for name, expected in (("state_dim", state_dim), ("action_dim", action_dim)):
-        if getattr(pcfg, name) not in (0, expected):
-            raise ValueError(
-                f"policy.{name}={getattr(pcfg, name)} but the dataset's "
-                f"{'observation.state' if name == 'state_dim' else 'action'} has {expected} dimensions; "
-                f"drop --policy.{name} (it is set from the dataset)"
-            )
-    pcfg.state_dim, pcfg.action_dim = state_dim, action_dim
-    pcfg.cameras = list(demos.cameras)
-    size = demos.images[demos.cameras[0]].shape[-1]
-    if pcfg.n_action_steps > pcfg.horizon:
-        raise ValueError(f"policy.n_action_steps={pcfg.n_action_steps} exceeds policy.horizon={pcfg.horizon}")
-    if isinstance(pcfg, DiffusionConfig):
-        from policies.diffusion.modeling import build_vocabulary
-
-        pcfg.vocabulary = build_vocabulary(demos.tasks)
-        if pcfg.image_size != size:
-            raise ValueError(
-                f"dataset images are {size}x{size} but policy.image_size={pcfg.image_size}; "
-                f"set --policy.image_size={size}"
-            )
-    else:
-        from policies.diffusion.condition_encoder import word_vocabulary
-
-        pcfg.vocabulary = word_vocabulary(demos.tasks)  # the VLA resizes camera images to its image_size
-    policy = POLICY_TYPES[pcfg.type][1](pcfg)
-    stats = dataset.meta.stats
-    policy.set_normalization(
-        stats[OBS_STATE]["mean"], stats[OBS_STATE]["std"], stats["action"]["min"], stats["action"]["max"]
+    return policy_class(pcfg.type).from_dataset(
+        pcfg, dataset.meta.features, dataset.meta.stats, demos.tasks, cameras=list(demos.cameras)
     )
-    return policy
 
 
 def check_batching(cfg: TrainConfig) -> int:
@@ -144,10 +165,14 @@ def check_batching(cfg: TrainConfig) -> int:
             f"l2_copies={k} does not divide batch_size={cfg.batch_size}; batch_size counts denoising samples "
             f"(frames x copies), so choose a batch_size that is a multiple of {k}"
         )
-    if k > 1 and cfg.policy.type != "diffusion_vla":
-        raise ValueError(
-            f"l2_copies={k} needs --policy.type=diffusion_vla (the {cfg.policy.type} policy has no copies)"
-        )
+    if k > 1:
+        from policies import policy_class
+
+        if not policy_class(cfg.policy.type).supports_copies:
+            raise ValueError(
+                f"l2_copies={k} needs a policy with Level-2 minibatching, such as --policy.type=diffusion_vla "
+                f"(the {cfg.policy.type} policy has no copies)"
+            )
     if cfg.dataset.sampling not in get_args(Sampling):  # a config built in code skips the parser's check
         raise ValueError(f"dataset.sampling must be one of {get_args(Sampling)}, got {cfg.dataset.sampling!r}")
     return cfg.batch_size // k
@@ -176,7 +201,7 @@ def validation_loss(policy, demos, frames: torch.Tensor, horizon: int, seed: int
     total, count = 0.0, 0
     for part in frames.split(64):
         batch = demos.batch(part, horizon)
-        batch = {k: v.to(policy.state_mean.device) if torch.is_tensor(v) else v for k, v in batch.items()}
+        batch = {k: v.to(policy.device) if torch.is_tensor(v) else v for k, v in batch.items()}
         total += policy(batch, generator).item() * len(part)
         count += len(part)
     policy.train(was_training)
@@ -186,6 +211,7 @@ def validation_loss(policy, demos, frames: torch.Tensor, horizon: int, seed: int
 def train(cfg: TrainConfig) -> dict:
     from accelerate import Accelerator
     from diffusers.optimization import get_scheduler
+    from diffusers.training_utils import EMAModel
 
     from vla_rl.data import ChunkedDemos, FrameSampler, open_dataset
 
@@ -207,79 +233,88 @@ def train(cfg: TrainConfig) -> dict:
     sampler = FrameSampler(train_frames, demos.task_index, balanced=cfg.dataset.sampling == "task_balanced")
     torch.manual_seed(cfg.seed)  # weight initialization; the same seed builds the same network
     policy = build_policy(cfg, demos, dataset)
-    ema = copy.deepcopy(policy).requires_grad_(False) if cfg.ema_decay > 0 else None
     # Frozen parameters (e.g. fixed encoder towers) need neither optimizer state nor an EMA copy.
-    trainable = [p.requires_grad for p in policy.parameters()]
-    optimizer = torch.optim.AdamW(
-        [p for p in policy.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=cfg.weight_decay
-    )
+    trainable = [p for p in policy.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
     scheduler = get_scheduler(
         cfg.lr_schedule, optimizer, num_warmup_steps=cfg.warmup_steps, num_training_steps=cfg.steps
     )
-    generator = torch.Generator().manual_seed(cfg.seed + accelerator.process_index)
-    step, history, window = 0, [], []  # window: losses since the last logged mean
-    val_history, train_seconds = [], 0.0  # [[step, training seconds, validation loss]]; seconds exclude validation
+    policy, optimizer = accelerator.prepare(policy, optimizer)
+    raw_policy = accelerator.unwrap_model(policy)
+    # diffusers' EMA of the trainable weights. min_decay = decay keeps the decay constant, as vla-rl's
+    # own EMA did: diffusers' default warm-up would change the weights a short run is evaluated with.
+    ema = EMAModel(trainable, decay=cfg.ema_decay, min_decay=cfg.ema_decay) if cfg.ema_decay > 0 else None
+    progress = TrainingProgress(generator=torch.Generator().manual_seed(cfg.seed + accelerator.process_index))
+    # accelerate's save_state / load_state keep the prepared model and optimizer, every process's
+    # RNG, and these registered objects; `progress` travels beside them (see TrainingProgress).
+    accelerator.register_for_checkpointing(scheduler, *([ema] if ema is not None else []))
 
     if cfg.resume:
         ckpt = resolve_checkpoint(ckpt_dir)
-        state = torch.load(ckpt / "training_state.pt", weights_only=False)
-        policy.load_state_dict(state["model"])
-        if ema is not None:
-            ema.load_state_dict(state["ema"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
+        accelerator.load_state(str(ckpt / TRAINING_STATE_DIR))
+        was = progress.load(ckpt / TRAINING_STATE_DIR, accelerator.process_index)
         # The schedule continues with this run's --lr as its peak: lowering --lr on resume is the fix
         # the non-finite-loss stop names, and the loaded states would otherwise keep the old one.
         scheduler.base_lrs = [cfg.lr] * len(optimizer.param_groups)
         for group, lr_at in zip(optimizer.param_groups, scheduler.lr_lambdas, strict=True):
             group["initial_lr"], group["lr"] = cfg.lr, cfg.lr * lr_at(scheduler.last_epoch)
         scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
-        was = state.get("lr", cfg.lr)
         if was != cfg.lr and accelerator.is_main_process:
             print(f"--lr={cfg.lr:g} (the checkpoint ran at {was:g}): the schedule continues from the new peak",
                   file=sys.stderr)  # fmt: skip
-        generator.set_state(state["generator"])
-        step, history, window = state["step"], state["history"], state.get("loss_window", [])
-        val_history, train_seconds = state.get("val_history", []), state.get("train_seconds", 0.0)
         if accelerator.is_main_process:
-            print(f"resumed from {ckpt} at step {step}", file=sys.stderr)
+            print(f"resumed from {ckpt} at step {progress.step}", file=sys.stderr)
+    generator, step = progress.generator, progress.step
 
-    policy, optimizer = accelerator.prepare(policy, optimizer)
-    raw_policy = accelerator.unwrap_model(policy)
     if trackers:
         accelerator.init_trackers("train", config=_flat(_config_dict(cfg)))
     out.mkdir(parents=True, exist_ok=True)
     write_text_atomic(out / "train_config.json", json.dumps(_config_dict(cfg), indent=2))
     saved_step = step if cfg.resume else None  # the step of the checkpoint on disk
 
+    @contextlib.contextmanager
+    def ema_weights():
+        """Inside, the policy holds the EMA weights (when EMA is on): what checkpoints and validation use."""
+        if ema is None:
+            yield
+            return
+        ema.store(trainable)
+        ema.copy_to(trainable)
+        try:
+            yield
+        finally:
+            ema.restore(trainable)
+
     def checkpoint(at_step: int) -> Path | None:
+        """Every process takes part (accelerate writes each one's RNG); the main one commits."""
         nonlocal saved_step
-        if not accelerator.is_main_process:
-            return None
         if at_step == saved_step:  # already on disk: rewriting would briefly remove it
             return resolve_checkpoint(ckpt_dir)
-        state = {
-            "model": raw_policy.state_dict(),
-            "ema": ema.state_dict() if ema is not None else None,
-            "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict(),
-            "generator": generator.get_state(),
-            "step": at_step,
-            "lr": cfg.lr,  # the schedule's peak, so a resumed run can say when it changes
-            "history": history,
-            "loss_window": window,  # losses since the last logged mean, so a resumed curve is the same
-            "val_history": val_history,
-            "train_seconds": train_seconds,
-        }
-        meta = {"dataset": str(cfg.dataset.root), "dataset_frames": len(demos), "train_config": _config_dict(cfg)}
-        path = save_checkpoint(ckpt_dir, at_step, ema if ema is not None else raw_policy, meta, state)
+        progress.step = at_step
+        generators = progress.gather_generators(accelerator)
+        if accelerator.is_main_process:
+            begin_checkpoint(ckpt_dir, at_step)
+        accelerator.wait_for_everyone()
+        tmp = temporary_checkpoint_dir(ckpt_dir, at_step)
+        accelerator.save_state(str(tmp / TRAINING_STATE_DIR))
+        path = None
+        if accelerator.is_main_process:
+            progress.save(tmp / TRAINING_STATE_DIR, lr=cfg.lr, generators=generators)
+            meta = {"step": at_step, "dataset": str(cfg.dataset.root), "dataset_frames": len(demos),
+                    "train_config": _config_dict(cfg)}  # fmt: skip
+            with ema_weights():
+                write_policy(tmp, raw_policy, meta)
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            path = commit_checkpoint(ckpt_dir, tmp, at_step)
         saved_step = at_step
         return path
 
     def validate() -> bool:
-        """Log the validation loss; True when it reached the stopping target."""
-        loss = validation_loss(ema if ema is not None else raw_policy, demos, val_frames, raw_policy.config.horizon)
-        val_history.append([step, round(train_seconds, 3), loss])
+        """Log the validation loss (EMA weights when EMA is on); True when it reached the stopping target."""
+        with ema_weights():
+            loss = validation_loss(raw_policy, demos, val_frames, raw_policy.config.horizon)
+        progress.val_history.append([step, round(progress.train_seconds, 3), loss])
         if trackers:
             accelerator.log({"val_loss": loss}, step=step)
         return cfg.stop_at_val_loss > 0 and loss <= cfg.stop_at_val_loss
@@ -309,23 +344,21 @@ def train(cfg: TrainConfig) -> dict:
                 optimizer.step()
                 scheduler.step()
                 if ema is not None:
-                    with torch.no_grad():
-                        for e, p, train_it in zip(ema.parameters(), raw_policy.parameters(), trainable):
-                            if train_it:
-                                e.lerp_(p, 1.0 - cfg.ema_decay)
+                    ema.step(trainable)
                 step += 1
-                train_seconds += time.perf_counter() - step_start
-                window.append(loss.item())
+                progress.step = step
+                progress.train_seconds += time.perf_counter() - step_start
+                progress.loss_window.append(loss.item())
                 bar.update(1)
                 if step % cfg.log_every == 0 or step == cfg.steps:
-                    mean = sum(window) / len(window)
-                    history.append([step, mean])
-                    window = []
+                    mean = sum(progress.loss_window) / len(progress.loss_window)
+                    progress.history.append([step, mean])
+                    progress.loss_window = []
                     bar.set_postfix(loss=f"{mean:.4f}", lr=f"{scheduler.get_last_lr()[0]:.1e}")
                     if trackers:
                         accelerator.log({"loss": mean, "lr": scheduler.get_last_lr()[0]}, step=step)
                 if len(val_frames) and (step % cfg.val_every == 0 or step == cfg.steps) and validate():
-                    bar.set_postfix(val_loss=f"{val_history[-1][2]:.4f}", stop="target reached")
+                    bar.set_postfix(val_loss=f"{progress.val_history[-1][2]:.4f}", stop="target reached")
                     break
                 if step % cfg.save_every == 0 and step < cfg.steps:
                     checkpoint(step)
@@ -352,17 +385,17 @@ def train(cfg: TrainConfig) -> dict:
         summary = {
             "checkpoint": str(final),
             "steps": step,
-            "final_loss": history[-1][1] if history else None,
-            "loss_curve": history,
-            "val_curve": val_history,  # [step, training seconds, validation loss]
-            "train_seconds": round(train_seconds, 2),
+            "final_loss": progress.history[-1][1] if progress.history else None,
+            "loss_curve": progress.history,
+            "val_curve": progress.val_history,  # [step, training seconds, validation loss]
+            "train_seconds": round(progress.train_seconds, 2),
             "seconds_this_run": round(time.time() - start, 1),
             "dataset_frames": len(demos),
             "dataset_episodes": dataset.num_episodes,
         }
         if accelerator.is_main_process:
             write_text_atomic(out / "train_summary.json", json.dumps(summary, indent=2))
-            _plot_loss(history, out / "loss.png")
+            _plot_loss(progress.history, out / "loss.png")
     return summary
 
 

@@ -16,6 +16,7 @@ Delay augmentation (built by :class:`vla_rl.runtime.ActionChunkExecutor`) adds:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -62,31 +63,108 @@ class ActionChunk:
         return self.actions.shape[1]
 
 
+class PolicyConfigView(Protocol):
+    """The config fields every caller of a policy may read (``policies.pretrained.PolicyConfig``)."""
+
+    type: str  # the registered policy type, e.g. "diffusion"
+    horizon: int  # H, actions per chunk
+    n_action_steps: int  # default steps executed per chunk
+    image_size: int
+    state_dim: int
+    action_dim: int
+    cameras: list[str]
+
+
 @runtime_checkable
 class Policy(Protocol):
-    """A policy maps an observation batch to a chunk of future actions."""
+    """A policy maps an observation batch to a chunk of future actions.
 
-    def predict_chunk(self, obs: Observation, obs_step: torch.Tensor | None = None) -> ActionChunk:
-        """obs: observation batch of size B; obs_step: (B,) step index (zeros when None)."""
+    ``policies.pretrained.PreTrainedPolicy`` implements it (construction from a dataset's features
+    and statistics, ``save_pretrained`` / ``from_pretrained`` in LeRobot's format); test doubles and
+    the bridge's benchmark policy implement only what they need.
+    """
+
+    config: PolicyConfigView
+    supports_inpainting: bool  # predict_chunk accepts ``inpaint`` (real-time chunking guidance)
+
+    @property
+    def device(self) -> torch.device: ...
+
+    def predict_chunk(
+        self,
+        obs: Observation,
+        obs_step: torch.Tensor | None = None,
+        *,
+        noise: torch.Tensor | None = None,
+        inpaint: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> ActionChunk:
+        """obs: batch of size B; obs_step: (B,) step index (zeros when None); noise: (B, H, A) sampler
+        start (drawn when None); inpaint: (target (B, H, A), weights (B, H)) guidance."""
         ...
+
+    def forward(self, batch: Observation, generator: torch.Generator | None = None, copies: int = 1) -> torch.Tensor:
+        """The imitation loss of a batch (observation keys + ``action`` (B, H, A) + ``action_is_pad`` (B, H))."""
+        ...
+
+    def sample_with_log_prob(self, obs: Observation, obs_step: torch.Tensor | None = None) -> tuple[Any, ...]:
+        """(ActionChunk, sampling chain, log-probability (B,)): RL fine-tuning."""
+        ...
+
+    def log_prob(self, obs: Observation, chain: Any) -> torch.Tensor:
+        """Log-probability (B,) of a given sampling chain: RL fine-tuning."""
+        ...
+
+
+WorldState = Any
+"""A snapshot of one world of a `BatchedEnv`: a picklable dict whose ``episode_step`` is the step of
+the world's episode (the time limit counts from it) and whose other entries, the simulator's state,
+are the backend's own. It can be loaded into any world of an env built from the same config."""
+
+Worlds = Any
+"""Which worlds an env call touches: indices (k,) (a sequence of ints, a long array or tensor), an
+(N,) bool mask, or None for all N."""
 
 
 @runtime_checkable
 class BatchedEnv(Protocol):
     """N worlds stepped as one batch, with autoreset.
 
-    ``step`` returns obs, reward (N,), terminated (N,), truncated (N,), info; ``info["success"]``
-    is an (N,) bool tensor. After a world terminates or truncates, the returned obs for that
-    world is already the first observation of its next episode; the final observation lives in
-    ``info["final_obs"]``.
+    ``step(actions (N, A))`` returns obs, reward (N,) float32, terminated (N,) bool, truncated (N,)
+    bool, info, all tensors on ``device``. ``info["success"]`` (N,) bool: the step just taken
+    succeeded; ``info["task_id"]`` (N,) long: each world's task, an index into ``task_names``
+    (the env's task list, each a task name its config can run alone, e.g. ``libero_spatial/3``).
+    After a world terminates or truncates, the returned obs for that world is already the first
+    observation of its next episode; the final observation lives in ``info["final_obs"]``.
+
+    ``features``: LeRobot's feature dict of what the env emits and takes, the one a LeRobotDataset
+    of it is created with: ``observation.images.<camera>`` {dtype "image", shape (H, W, 3), names
+    ["height", "width", "channels"]} per camera, ``observation.state`` {dtype "float32", shape
+    (S,), names: S names}, ``action`` {dtype "float32", shape (A,), names: A names}.
+
+    Resets and snapshots (for RL, whose groups of worlds start from one state):
+
+    - ``reset(seed, worlds=w)`` starts new episodes in the worlds ``w`` only and returns the whole
+      batch's observations (the other worlds' unchanged). ``seed`` is an int (world i draws what a
+      full ``reset(seed)`` would give it), one int per selected world (worlds given equal seeds
+      start from equal states), or None (each world draws its next episode, as an autoreset does).
+    - ``get_state(w)`` -> one `WorldState` per selected world; ``set_state(states, w)`` loads them
+      into the worlds ``w`` (world ``w[j]`` gets ``states[j]``) and returns the batch's
+      observations. A loaded world observes and, stepped with the same actions, evolves as the
+      world it was saved from did (exactly on the deterministic backends; see each backend).
     """
 
     num_envs: int
     action_dim: int
     device: torch.device
+    features: dict[str, dict[str, Any]]
+    task_names: list[str]
 
-    def reset(self, seed: int | None = None) -> Observation: ...
+    def reset(self, seed: int | Sequence[int] | None = None, *, worlds: Worlds = None) -> Observation: ...
 
     def step(
         self, actions: torch.Tensor
     ) -> tuple[Observation, torch.Tensor, torch.Tensor, torch.Tensor, dict[str, Any]]: ...
+
+    def get_state(self, worlds: Worlds = None) -> list[WorldState]: ...
+
+    def set_state(self, states: Sequence[WorldState], worlds: Worlds = None) -> Observation: ...

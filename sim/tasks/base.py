@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import mujoco
 import numpy as np
 
+from sim.batched_success import WorldArrays
+
 
 class Task(Protocol):
-    """A tabletop task: a scene, a reset distribution, privileged state and a success check."""
+    """A tabletop task: a scene, a reset distribution, privileged state and a success rule."""
 
     name: str
     instruction: str  # the language instruction every observation of the task carries
@@ -27,7 +29,9 @@ class Task(Protocol):
         """Simulator-only facts a scripted expert needs, name -> array (e.g. ``cube`` (3,))."""
         ...
 
-    def is_success(self, model: mujoco.MjModel, data: mujoco.MjData) -> bool: ...
+    def success(self, model: mujoco.MjModel, worlds: WorldArrays) -> Any:
+        """(N,) bool: the task's success rule, the one every backend runs (numpy or torch, as ``worlds``)."""
+        ...
 
 
 class Expert(Protocol):

@@ -7,10 +7,12 @@ Success is explicit: the cube's centre is at least ``lift_height`` above the tab
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import mujoco
 import numpy as np
 
+from sim.batched_success import WorldArrays
 from sim.tasks.base import step_toward
 from sim.tasks.scene import place_free_body, reset_arm_near_home, scene_path
 
@@ -40,8 +42,9 @@ class LiftTask:
         """``cube``: (3,) cube centre in the world frame."""
         return {"cube": data.body("cube").xpos.copy()}
 
-    def is_success(self, model: mujoco.MjModel, data: mujoco.MjData) -> bool:
-        return bool(data.body("cube").xpos[2] >= self.lift_height)
+    def success(self, model: mujoco.MjModel, worlds: WorldArrays) -> Any:
+        """(N,) bool: the cube's centre is at least ``lift_height`` above the table."""
+        return worlds.xpos[:, model.body("cube").id, 2] >= self.lift_height
 
 
 class LiftExpert:

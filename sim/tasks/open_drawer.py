@@ -8,10 +8,12 @@ joint is open at least ``open_distance``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import mujoco
 import numpy as np
 
+from sim.batched_success import WorldArrays
 from sim.tasks.base import step_toward
 from sim.tasks.scene import place_mocap_body, reset_arm_near_home, scene_path
 
@@ -48,8 +50,9 @@ class OpenDrawerTask:
             "pull_direction": data.body("cabinet").xmat.reshape(3, 3)[:, 0].copy(),
         }
 
-    def is_success(self, model: mujoco.MjModel, data: mujoco.MjData) -> bool:
-        return bool(data.qpos[model.joint("drawer").qposadr[0]] >= self.open_distance)
+    def success(self, model: mujoco.MjModel, worlds: WorldArrays) -> Any:
+        """(N,) bool: the drawer's slide joint is open at least ``open_distance``."""
+        return worlds.qpos[:, model.joint("drawer").qposadr[0]] >= self.open_distance
 
 
 class OpenDrawerExpert:

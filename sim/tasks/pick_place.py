@@ -10,19 +10,14 @@ explicit: the cube rests inside the bin's walls, low on its floor, and the finge
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import mujoco
 import numpy as np
 
+from sim.batched_success import WorldArrays, touches_gripper
 from sim.tasks.base import step_toward
-from sim.tasks.scene import (
-    place_free_body,
-    place_mocap_body,
-    reset_arm_near_home,
-    sample_xy_apart,
-    scene_path,
-    touches_gripper,
-)
+from sim.tasks.scene import place_free_body, place_mocap_body, reset_arm_near_home, sample_xy_apart, scene_path
 
 CUBE_HALF = 0.02  # metres, half the red cube's side (the scene files' cube geom)
 
@@ -61,13 +56,15 @@ class PickPlaceTask:
         release = [bin_pos[0], bin_pos[1], self.bin_floor_top + CUBE_HALF + self.release_clearance]
         return {"cube": data.body("cube").xpos.copy(), "place_target": np.array(release)}
 
-    def is_success(self, model: mujoco.MjModel, data: mujoco.MjData) -> bool:
-        # The bin only moves between episodes (mocap), so its frame is the world frame turned by yaw.
-        offset = data.body("cube").xpos - data.body("bin").xpos
-        local = data.body("bin").xmat.reshape(3, 3).T @ offset
-        inside = bool(np.all(np.abs(local[:2]) <= self.bin_inner_half - CUBE_HALF + 0.005))
-        resting = local[2] <= self.bin_floor_top + CUBE_HALF + 0.01
-        return inside and resting and not touches_gripper(model, data, "cube")
+    def success(self, model: mujoco.MjModel, worlds: WorldArrays) -> Any:
+        """(N,) bool: the cube's centre is inside the bin's walls (5 mm of play), at most 1 cm above
+        resting on its floor, and no finger touches the cube."""
+        bin_id = model.body("bin").id
+        offset = worlds.xpos[:, model.body("cube").id] - worlds.xpos[:, bin_id]  # (N, 3)
+        local = (worlds.xmat[:, bin_id] * offset[:, :, None]).sum(axis=1)  # R^T offset: in the bin's frame
+        inside = (abs(local[:, :2]) <= self.bin_inner_half - CUBE_HALF + 0.005).all(axis=1)
+        resting = local[:, 2] <= self.bin_floor_top + CUBE_HALF + 0.01
+        return inside & resting & ~touches_gripper(model, worlds, "cube")
 
 
 class PickPlaceExpert:

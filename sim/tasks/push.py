@@ -9,10 +9,12 @@ table plane.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import mujoco
 import numpy as np
 
+from sim.batched_success import WorldArrays, vector_norm
 from sim.tasks.base import step_toward
 from sim.tasks.scene import place_free_body, place_mocap_body, reset_arm_near_home, scene_path
 
@@ -51,9 +53,10 @@ class PushTask:
         """``cube``: (3,) cube centre; ``goal``: (3,) goal disc centre (on the table); world frame."""
         return {"cube": data.body("cube").xpos.copy(), "goal": data.body("goal").xpos.copy()}
 
-    def is_success(self, model: mujoco.MjModel, data: mujoco.MjData) -> bool:
-        gap = data.body("cube").xpos[:2] - data.body("goal").xpos[:2]
-        return bool(np.linalg.norm(gap) <= self.goal_radius)
+    def success(self, model: mujoco.MjModel, worlds: WorldArrays) -> Any:
+        """(N,) bool: the cube's centre is within ``goal_radius`` of the goal's, in the table plane."""
+        gap = worlds.xpos[:, model.body("cube").id, :2] - worlds.xpos[:, model.body("goal").id, :2]
+        return vector_norm(gap) <= self.goal_radius
 
 
 class PushExpert:

@@ -8,10 +8,12 @@ its height. Success is explicit: the grasp site is within ``success_distance`` o
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import mujoco
 import numpy as np
 
+from sim.batched_success import WorldArrays, vector_norm
 from sim.tasks.base import step_toward
 from sim.tasks.scene import place_mocap_body, reset_arm_near_home, scene_path
 
@@ -42,9 +44,10 @@ class ReachTask:
         """``target``: (3,) ball centre in the world frame."""
         return {"target": data.body("target").xpos.copy()}
 
-    def is_success(self, model: mujoco.MjModel, data: mujoco.MjData) -> bool:
-        gap = data.site("grasp").xpos - data.body("target").xpos
-        return bool(np.linalg.norm(gap) <= self.success_distance)
+    def success(self, model: mujoco.MjModel, worlds: WorldArrays) -> Any:
+        """(N,) bool: the grasp site is within ``success_distance`` of the ball's centre."""
+        gap = worlds.site_xpos[:, model.site("grasp").id] - worlds.xpos[:, model.body("target").id]
+        return vector_norm(gap) <= self.success_distance
 
 
 class ReachExpert:

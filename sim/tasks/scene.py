@@ -1,4 +1,4 @@
-"""Scene helpers the tasks share: scene files, the arm's reset, placing bodies, gripper contact.
+"""Scene helpers the tasks share: scene files, the arm's reset, placing bodies.
 
 Every scene includes ``sim/assets/panda_arm.xml``, so the arm's joints are ``qpos[:7]``, its
 fingers ``qpos[7:9]`` and its servos ``ctrl[:9]`` in all of them.
@@ -64,12 +64,3 @@ def sample_xy_apart(
         xy = np.array([rng.uniform(*x_range), rng.uniform(*y_range)])
         if np.linalg.norm(xy - avoid) >= min_distance:
             return xy
-
-
-def touches_gripper(model: mujoco.MjModel, data: mujoco.MjData, body: str) -> bool:
-    """Whether any geom of ``body`` is in contact with a finger (it is still held or pushed)."""
-    body1 = model.geom_bodyid[data.contact.geom1]  # (ncon,) the bodies on each side of each contact
-    body2 = model.geom_bodyid[data.contact.geom2]
-    target = model.body(body).id
-    fingers = [model.body("left_finger").id, model.body("right_finger").id]
-    return bool(np.any((body1 == target) & np.isin(body2, fingers) | (body2 == target) & np.isin(body1, fingers)))

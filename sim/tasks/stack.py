@@ -12,12 +12,14 @@ the blue cube.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import mujoco
 import numpy as np
 
+from sim.batched_success import WorldArrays, touches_gripper, vector_norm
 from sim.tasks.pick_place import CUBE_HALF
-from sim.tasks.scene import place_free_body, reset_arm_near_home, sample_xy_apart, scene_path, touches_gripper
+from sim.tasks.scene import place_free_body, reset_arm_near_home, sample_xy_apart, scene_path
 
 BASE_HALF = 0.025  # metres, half the blue cube's side (panda_stack.xml)
 
@@ -54,9 +56,11 @@ class StackTask:
         release = blue + [0.0, 0.0, BASE_HALF + CUBE_HALF + self.release_clearance]
         return {"cube": data.body("cube").xpos.copy(), "place_target": release}
 
-    def is_success(self, model: mujoco.MjModel, data: mujoco.MjData) -> bool:
-        red, blue = data.body("cube").xpos, data.body("base_cube").xpos
-        centred = np.linalg.norm(red[:2] - blue[:2]) <= self.xy_tolerance
-        on_top = abs(red[2] - blue[2] - (BASE_HALF + CUBE_HALF)) <= self.height_tolerance
-        base_on_table = abs(blue[2] - BASE_HALF) <= self.height_tolerance
-        return bool(centred and on_top and base_on_table) and not touches_gripper(model, data, "cube")
+    def success(self, model: mujoco.MjModel, worlds: WorldArrays) -> Any:
+        """(N,) bool: the red cube rests centred on the blue one's top face, the blue cube stands
+        on the table, and no finger touches the red cube."""
+        red, blue = worlds.xpos[:, model.body("cube").id], worlds.xpos[:, model.body("base_cube").id]
+        centred = vector_norm(red[:, :2] - blue[:, :2]) <= self.xy_tolerance
+        on_top = abs(red[:, 2] - blue[:, 2] - (BASE_HALF + CUBE_HALF)) <= self.height_tolerance
+        base_on_table = abs(blue[:, 2] - BASE_HALF) <= self.height_tolerance
+        return centred & on_top & base_on_table & ~touches_gripper(model, worlds, "cube")

@@ -19,27 +19,24 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from diffusers import DDIMScheduler, DDPMScheduler
-from torch import nn
 
-from policies.diffusion.condition_encoder import ConditionEncoder
-from policies.diffusion.configuration_vla import DiffusionVLAConfig
-from policies.diffusion.dit import DiT
-from policies.normalization import NormalizationMixin
+from policies.diffusion_vla.condition_encoder import ConditionEncoder
+from policies.diffusion_vla.configuration_diffusion_vla import DiffusionVLAConfig
+from policies.diffusion_vla.dit import DiT
 from policies.observation import check_observation
+from policies.pretrained import PreTrainedPolicy
 from vla_rl.types import ACTION, OBS_STATE, TASK, ActionChunk, image_key
 
 
-class DiffusionVLAPolicy(NormalizationMixin, nn.Module):
+class DiffusionVLAPolicy(PreTrainedPolicy):
     """Implements `vla_rl.types.Policy`: observation batch -> ActionChunk (B, horizon, action_dim)."""
 
-    policy_type = "diffusion_vla"
+    config_class = DiffusionVLAConfig
+    supports_copies = True
 
     def __init__(self, config: DiffusionVLAConfig):
-        super().__init__()
-        config.validate()
-        if config.state_dim < 1 or config.action_dim < 1 or not config.cameras:
-            raise ValueError("DiffusionVLAConfig needs state_dim, action_dim and cameras (they come from the dataset)")
-        self.config = cfg = config
+        super().__init__(config)
+        cfg = config
         self.encoder = ConditionEncoder(cfg)
         self.dit = DiT(cfg.action_dim, cfg.horizon, cfg.dim, cfg.depth, cfg.heads, cfg.mlp_ratio)
         self.register_normalization(cfg.state_dim, cfg.action_dim)
@@ -108,10 +105,13 @@ class DiffusionVLAPolicy(NormalizationMixin, nn.Module):
         self,
         obs: dict,
         obs_step: torch.Tensor | None = None,
+        *,
+        noise: torch.Tensor | None = None,
         inpaint: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> ActionChunk:
         """obs batch of size B -> ActionChunk (B, horizon, action_dim) in dataset units.
 
+        noise: (B, horizon, action_dim) sampler start in normalized units (drawn when None).
         inpaint: (target (B, H, A) in dataset units, weights (B, H) in [0, 1]), flow only. Sampling is
         guided so that the chunk's steps with weight 1 follow the target and the rest are free
         (real-time chunking, Black et al. 2025: pseudo-inverse guidance on the predicted clean chunk,
@@ -119,7 +119,7 @@ class DiffusionVLAPolicy(NormalizationMixin, nn.Module):
         """
         cond, cond_mask = self.encode_observation(obs)
         b, cfg = cond.shape[0], self.config
-        x = torch.randn(b, 1, cfg.horizon, cfg.action_dim, device=cond.device)  # one copy per condition
+        x = self._initial_noise(noise, b, cond.device)[:, None]  # (B, 1, H, A): one copy per condition
         if cfg.objective == "flow":
             x = self._sample_flow(x, cond, cond_mask, inpaint)
         else:

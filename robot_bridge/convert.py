@@ -8,8 +8,9 @@ pauses between commands. An episode's task is the latest ``/instruction`` before
 
 Features are named like our recorded datasets: ``observation.images.<camera>`` (H, W, 3) uint8,
 ``observation.state`` (S,) with the joint state's names, ``action`` (A,) with ``action_names``,
-and ``task``. The dataset is written into a temporary directory and renamed into place when
-complete, as `vla-rl record` does.
+and ``task``. Messages are decoded by `robot_bridge.codec`, as `vla-rl serve` decodes them, and
+commands are rejected as the robot rejects them. The dataset is written into a temporary
+directory and renamed into place when complete, as `vla-rl record` does.
 """
 
 from __future__ import annotations
@@ -26,16 +27,10 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from vla_rl.sim_robot import ARRAY_TOPIC, EPISODE_TOPIC, INSTRUCTION_TOPIC, JOINT_STATES_TOPIC, TRAJECTORY_TOPIC
+from robot_bridge.codec import InputRejected, command_action, decode_image, joint_state_vector, stamp_ns
+from robot_bridge.topics import COMMAND_ARRAY, EPISODE, INSTRUCTION, JOINT_STATES, JOINT_TRAJECTORY, camera_of
+from sim.arm import ACTION_NAMES
 from vla_rl.types import ACTION, OBS_STATE, image_key
-
-CAMERA_PREFIX, RAW_SUFFIX, COMPRESSED_SUFFIX = "/camera/", "/image_raw", "/image_raw/compressed"
-
-
-def _default_action_names() -> list[str]:
-    from sim.mujoco_env import ACTION_NAMES
-
-    return list(ACTION_NAMES)
 
 
 @dataclass
@@ -49,20 +44,15 @@ class ConvertConfig:
     fps: int = 20  # control rate the commands were sent at (the sim robot's: 20 Hz)
     robot_type: str = "panda"  # robot type stored in the dataset metadata
     # order of the action vector; trajectory joint_names are matched to it, array values are in it
-    action_names: list[str] = field(default_factory=_default_action_names)
-    cameras: list[str] = field(
-        default_factory=list
-    )  # cameras to convert; empty = every /camera/<name>/image_raw[/compressed] recorded
-    joint_states_topic: str = (
-        JOINT_STATES_TOPIC  # sensor_msgs/JointState: observation.state, in the first message's name order
-    )
-    command_topics: list[str] = field(
-        default_factory=lambda: [TRAJECTORY_TOPIC, ARRAY_TOPIC]
-    )  # JointTrajectory or Float64MultiArray
-    episode_topic: str = (
-        EPISODE_TOPIC  # episode status JSON of `vla-rl sim-robot`; without it, episodes split at pauses
-    )
-    instruction_topic: str = INSTRUCTION_TOPIC  # std_msgs/String task instructions
+    action_names: list[str] = field(default_factory=lambda: list(ACTION_NAMES))
+    # cameras to convert; empty = every /camera/<name>/image_raw[/compressed] recorded
+    cameras: list[str] = field(default_factory=list)
+    # sensor_msgs/JointState: observation.state, in the first message's name order
+    joint_states_topic: str = JOINT_STATES.name
+    # JointTrajectory or Float64MultiArray commands
+    command_topics: list[str] = field(default_factory=lambda: [JOINT_TRAJECTORY.name, COMMAND_ARRAY.name])
+    episode_topic: str = EPISODE.name  # episode status JSON of `vla-rl sim-robot`; without it, episodes split at pauses
+    instruction_topic: str = INSTRUCTION.name  # std_msgs/String task instructions
     task: str = ""  # instruction for episodes the recording has none before
     episode_gap_s: float = 1.0  # without episode status: a pause this long between commands starts a new episode
     max_input_age_s: float = 1.0  # commands whose latest joint state or image is older than this are dropped
@@ -100,31 +90,21 @@ def read_streams(path: Path) -> dict[str, Stream]:
     return streams
 
 
-def command_action(msg, action_names: list[str]) -> np.ndarray | None:
-    """(A,) float64 action of a JointTrajectory (first point, matched by name) or Float64MultiArray;
-    None for one the robot rejects too (missing or unknown names, wrong size, non-finite)."""
-    if hasattr(msg, "joint_names"):
-        if not msg.points or sorted(msg.joint_names) != sorted(action_names):
-            return None
-        positions = list(msg.points[0].positions)
-        if len(positions) != len(msg.joint_names):
-            return None
-        by_name = dict(zip(msg.joint_names, positions))
-        values = [by_name[n] for n in action_names]
-    else:
-        values = list(msg.data)
-    action = np.array(values, dtype=np.float64)
-    return action if action.shape == (len(action_names),) and np.isfinite(action).all() else None
-
-
 def _recorded_cameras(streams: dict[str, Stream]) -> dict[str, str]:
     """camera -> its topic, the raw image topic where recorded, else the compressed one."""
     cameras: dict[str, str] = {}
-    for topic in sorted(streams, key=lambda t: t.endswith(COMPRESSED_SUFFIX)):  # raw topics first
-        for suffix in (RAW_SUFFIX, COMPRESSED_SUFFIX):
-            if topic.startswith(CAMERA_PREFIX) and topic.endswith(suffix):
-                cameras.setdefault(topic[len(CAMERA_PREFIX) : -len(suffix)], topic)
+    named = [(camera_of(topic), topic) for topic in streams]
+    for (name, _), topic in sorted((c, t) for c, t in named if c is not None):  # raw (compressed False) first
+        cameras.setdefault(name, topic)
     return cameras
+
+
+def frame_row(images: dict[str, object], state: np.ndarray, action: np.ndarray, task: str) -> dict:
+    """One dataset row: each camera's Image or CompressedImage decoded by `robot_bridge.codec.decode_image`
+    (the decoder `vla-rl serve` uses, so training and deployment see the same pixels), state (S,), action (A,)."""
+    row: dict = {image_key(c): decode_image(m) for c, m in images.items()}
+    row.update({OBS_STATE: state, ACTION: action, "task": task})
+    return row
 
 
 def convert(cfg: ConvertConfig) -> dict:
@@ -133,7 +113,6 @@ def convert(cfg: ConvertConfig) -> dict:
 
     from vla_rl.data import discard_dataset, quiet_datasets, video_backend
     from vla_rl.files import replace_directory
-    from vla_rl.ros_msgs import image_array, stamp_ns
 
     src, out = Path(cfg.input), Path(cfg.output_dir)
     if not src.is_file():
@@ -178,8 +157,9 @@ def convert(cfg: ConvertConfig) -> dict:
     frames, dropped = [], Counter()
     previous_t, gap_episode = None, 0
     for t, msg in commands:
-        action = command_action(msg, cfg.action_names)
-        if action is None:
+        try:  # rejected as the robot rejects it: missing or unknown names, wrong size, non-finite
+            action = command_action(msg, cfg.action_names)
+        except InputRejected:
             dropped["invalid_command"] += 1
             continue
         state_msg = joints.latest(t, max_age)
@@ -187,9 +167,10 @@ def convert(cfg: ConvertConfig) -> dict:
         if state_msg is None or any(m is None for m in images.values()):
             dropped["no_recent_observation"] += 1
             continue
-        by_name = dict(zip(state_msg.name, state_msg.position))
-        if any(n not in by_name for n in state_names):
-            dropped["joint_state_missing_names"] += 1
+        try:
+            state = joint_state_vector(state_msg, state_names).astype(np.float32)
+        except InputRejected as err:
+            dropped[f"joint_state_{err.kind}"] += 1
             continue
         if episode_of_stamp:
             episode = episode_of_stamp.get(stamp_ns(state_msg.header.stamp))
@@ -200,7 +181,6 @@ def convert(cfg: ConvertConfig) -> dict:
             gap_episode += previous_t is not None and t - previous_t > cfg.episode_gap_s * 1e9
             episode = gap_episode
         previous_t = t
-        state = np.array([by_name[n] for n in state_names], dtype=np.float32)
         frames.append(
             {"t": t, "episode": episode, "state": state, "action": action.astype(np.float32), "images": images}
         )
@@ -218,7 +198,7 @@ def convert(cfg: ConvertConfig) -> dict:
     tmp = out.parent / f".{out.name}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     out.parent.mkdir(parents=True, exist_ok=True)
-    first_images = {c: image_array(m) for c, m in frames[0]["images"].items()}
+    first_images = {c: decode_image(m) for c, m in frames[0]["images"].items()}
     features = {image_key(c): {"dtype": "image", "shape": img.shape, "names": ["height", "width", "channels"]}
                 for c, img in first_images.items()}  # fmt: skip
     features[OBS_STATE] = {"dtype": "float32", "shape": (len(state_names),), "names": state_names}
@@ -236,9 +216,7 @@ def convert(cfg: ConvertConfig) -> dict:
                 if not task:
                     raise ValueError(f"no instruction on {cfg.instruction_topic} before an episode; pass --task='...'")
                 for frame in episode:
-                    row = {image_key(c): image_array(m) for c, m in frame["images"].items()}
-                    row.update({OBS_STATE: frame["state"], ACTION: frame["action"], "task": task})
-                    ds.add_frame(row)
+                    ds.add_frame(frame_row(frame["images"], frame["state"], frame["action"], task))
                     bar.update(1)
                 ds.save_episode()
                 tasks.append(task)

@@ -2,7 +2,8 @@
 
 - Vision: a 3-layer CNN per camera ending in spatial softmax (learned keypoints), which localizes
   objects precisely from few demonstrations.
-- Instruction: mean of learned word embeddings over a vocabulary taken from the dataset's tasks.
+- Instruction: mean of learned word embeddings over a vocabulary taken from the dataset's tasks
+  (``policies.tokenizer``).
 - Denoiser: residual MLP over the flattened chunk (H*A), FiLM-conditioned on the observation
   embedding and the diffusion timestep; epsilon prediction.
 - Noise: `diffusers` DDPMScheduler for training, DDIMScheduler for sampling.
@@ -14,27 +15,17 @@ the statistics are buffers, so they travel inside every checkpoint's weights.
 from __future__ import annotations
 
 import math
-import re
 
 import torch
 import torch.nn.functional as F
 from diffusers import DDIMScheduler, DDPMScheduler
 from torch import nn
 
-from policies.diffusion.configuration import DiffusionConfig
-from policies.normalization import NormalizationMixin
+from policies.diffusion.configuration_diffusion import DiffusionConfig
 from policies.observation import check_observation
+from policies.pretrained import PreTrainedPolicy
+from policies.tokenizer import PAD_WORD, UNKNOWN_WORD, WordTokenizer
 from vla_rl.types import ACTION, OBS_STATE, TASK, ActionChunk, image_key
-
-UNKNOWN_WORD = "<unk>"
-
-
-def tokenize(instruction: str) -> list[str]:
-    return re.findall(r"[a-z0-9]+", instruction.lower())
-
-
-def build_vocabulary(instructions: list[str]) -> list[str]:
-    return [UNKNOWN_WORD] + sorted({w for text in instructions for w in tokenize(text)})
 
 
 class SpatialSoftmax(nn.Module):
@@ -92,22 +83,20 @@ class FiLMBlock(nn.Module):
         return x + self.fc2(F.mish(self.fc1(F.mish(h))))
 
 
-class DiffusionPolicy(NormalizationMixin, nn.Module):
+class DiffusionPolicy(PreTrainedPolicy):
     """Implements `vla_rl.types.Policy`: observation batch -> ActionChunk of (B, horizon, action_dim)."""
 
-    policy_type = "diffusion"
+    config_class = DiffusionConfig
 
     def __init__(self, config: DiffusionConfig):
-        super().__init__()
-        if config.state_dim < 1 or config.action_dim < 1 or not config.cameras:
-            raise ValueError("DiffusionConfig needs state_dim, action_dim and cameras (they come from the dataset)")
-        self.config = config
+        super().__init__(config)
         cfg = config
         self.image_encoders = nn.ModuleDict(
             {cam: ImageEncoder(cfg.vision_channels, cfg.num_keypoints) for cam in cfg.cameras}
         )
-        self.word_index = {w: i for i, w in enumerate(cfg.vocabulary or [UNKNOWN_WORD])}
-        self.word_embedding = nn.EmbeddingBag(len(self.word_index), cfg.text_dim, mode="mean")
+        vocabulary = cfg.vocabulary or [PAD_WORD, UNKNOWN_WORD]
+        self.tokenize = WordTokenizer(vocabulary, cfg.max_text_tokens)
+        self.word_embedding = nn.Embedding(len(vocabulary), cfg.text_dim)
         obs_dim = len(cfg.cameras) * 2 * cfg.num_keypoints + cfg.state_dim + cfg.text_dim
         cond_dim = cfg.hidden_dim
         self.obs_proj = nn.Sequential(nn.Linear(obs_dim, cond_dim), nn.Mish(), nn.Linear(cond_dim, cond_dim))
@@ -130,12 +119,10 @@ class DiffusionPolicy(NormalizationMixin, nn.Module):
     # -- conditioning -------------------------------------------------------------------------
 
     def _encode_text(self, instructions: list[str], device) -> torch.Tensor:
-        ids, offsets = [], []
-        unk = self.word_index[UNKNOWN_WORD]
-        for text in instructions:
-            offsets.append(len(ids))
-            ids.extend(self.word_index.get(w, unk) for w in tokenize(text) or [UNKNOWN_WORD])
-        return self.word_embedding(torch.tensor(ids, device=device), torch.tensor(offsets, device=device))
+        """B instructions -> (B, text_dim): the mean embedding of each instruction's words."""
+        ids, attention = self.tokenize(instructions, device)  # (B, T), padding has attention 0
+        weights = attention.float()[..., None]
+        return (self.word_embedding(ids) * weights).sum(1) / weights.sum(1)
 
     def encode_observation(self, obs: dict) -> torch.Tensor:
         """Observation batch -> (B, hidden_dim) condition. Validates shapes and finiteness."""
@@ -173,12 +160,25 @@ class DiffusionPolicy(NormalizationMixin, nn.Module):
         return (err * valid).sum() / valid.sum().clamp_min(1)
 
     @torch.no_grad()
-    def predict_chunk(self, obs: dict, obs_step: torch.Tensor | None = None) -> ActionChunk:
-        """obs batch of size B -> ActionChunk (B, horizon, action_dim) in dataset units."""
+    def predict_chunk(
+        self,
+        obs: dict,
+        obs_step: torch.Tensor | None = None,
+        *,
+        noise: torch.Tensor | None = None,
+        inpaint: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> ActionChunk:
+        """obs batch of size B -> ActionChunk (B, horizon, action_dim) in dataset units (DDIM sampling).
+
+        noise: (B, horizon, action_dim) sampler start (see ``PreTrainedPolicy.predict_chunk``).
+        This policy has no inpainting guidance.
+        """
+        if inpaint is not None:
+            raise ValueError("the diffusion policy has no inpainting guidance; use a flow diffusion_vla policy")
         cond = self.encode_observation(obs)
         b = cond.shape[0]
         cfg = self.config
-        x = torch.randn(b, cfg.horizon, cfg.action_dim, device=cond.device)
+        x = self._initial_noise(noise, b, cond.device)
         self.sample_scheduler.set_timesteps(cfg.num_inference_steps)
         for t in self.sample_scheduler.timesteps:
             eps = self.denoise(x, t.expand(b).to(cond.device), cond)

@@ -14,41 +14,12 @@ words over the dataset's vocabulary.
 
 from __future__ import annotations
 
-import re
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from policies.diffusion.configuration_vla import DiffusionVLAConfig
-
-PAD_WORD, UNKNOWN_WORD = "<pad>", "<unk>"
-
-
-def word_vocabulary(instructions: list[str]) -> list[str]:
-    """The word-level vocabulary of a set of instructions; ids 0 and 1 are padding and unknown."""
-    return [PAD_WORD, UNKNOWN_WORD] + sorted({w for text in instructions for w in _words(text)})
-
-
-def _words(text: str) -> list[str]:
-    return re.findall(r"[a-z0-9]+", text.lower())
-
-
-class WordTokenizer:
-    """Instruction strings -> (input_ids (B, T) long, attention_mask (B, T) long), padded to max_tokens."""
-
-    def __init__(self, vocabulary: list[str], max_tokens: int):
-        if vocabulary[:2] != [PAD_WORD, UNKNOWN_WORD]:
-            raise ValueError("the vocabulary must start with <pad>, <unk>; build it with word_vocabulary()")
-        self.index = {w: i for i, w in enumerate(vocabulary)}
-        self.max_tokens = max_tokens
-
-    def __call__(self, instructions: list[str], device) -> tuple[torch.Tensor, torch.Tensor]:
-        ids = torch.zeros(len(instructions), self.max_tokens, dtype=torch.long)
-        for row, text in enumerate(instructions):
-            words = (_words(text) or [UNKNOWN_WORD])[: self.max_tokens]
-            ids[row, : len(words)] = torch.tensor([self.index.get(w, 1) for w in words])
-        return ids.to(device), (ids != 0).long().to(device)
+from policies.diffusion_vla.configuration_diffusion_vla import DiffusionVLAConfig
+from policies.tokenizer import PAD_WORD, UNKNOWN_WORD, WordTokenizer
 
 
 class ConditionEncoder(nn.Module):

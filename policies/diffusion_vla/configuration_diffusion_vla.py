@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal, get_args
 
-from policies.config import PolicyConfig
+from policies.pretrained import DenoisingPolicyConfig, PolicyConfig
 
 Objective = Literal["flow", "ddpm"]
 DdpmSampler = Literal["ddim", "ddpm"]
@@ -13,18 +13,15 @@ DdpmSampler = Literal["ddim", "ddpm"]
 
 @PolicyConfig.register_subclass("diffusion_vla")
 @dataclass
-class DiffusionVLAConfig(PolicyConfig):
+class DiffusionVLAConfig(DenoisingPolicyConfig):
     """Condition encoder (images, instruction, state -> tokens) + a diffusion transformer over the chunk.
 
     The encoders are `transformers` SigLIP vision and text towers, built from the sizes below with
     random weights, or loaded from ``pretrained_encoder`` (a local directory holding a SigLIP
-    checkpoint and its tokenizer) when one is given.
+    checkpoint and its tokenizer) when one is given. Camera images of another size than
+    ``image_size`` are resized to it by the encoder.
     """
 
-    horizon: int = 16  # action steps predicted per chunk (H)
-    n_action_steps: int = 8  # steps of each chunk executed before replanning
-    image_size: int = 64  # encoder input side, pixels; camera images of another size are resized to it
-    crop_shift: int = 4  # training augmentation: random image shift of up to this many pixels
     # -- condition encoder (ignored where pretrained_encoder gives the sizes) --
     pretrained_encoder: str = ""  # local SigLIP directory (config, weights, tokenizer); empty = random init
     patch_size: int = 8  # vision patch side, pixels
@@ -32,7 +29,6 @@ class DiffusionVLAConfig(PolicyConfig):
     vision_layers: int = 2  # vision tower depth
     text_width: int = 64  # text tower width
     text_layers: int = 1  # text tower depth
-    max_text_tokens: int = 16  # instruction tokens kept (longer instructions are cut)
     # Keep the vision and text towers fixed, as when fine-tuning on top of a pretrained encoder;
     # their projections into the DiT width still train. Frozen towers run without autograd.
     freeze_towers: bool = False
@@ -43,19 +39,12 @@ class DiffusionVLAConfig(PolicyConfig):
     mlp_ratio: float = 4.0  # MLP width / dim
     # -- objective --
     objective: Objective = "flow"  # flow (flow matching, Euler sampling) or ddpm (epsilon prediction)
-    num_inference_steps: int = 10  # Euler steps (flow) or scheduler steps (ddpm)
-    num_train_timesteps: int = 100  # ddpm noise levels
     ddpm_sampler: DdpmSampler = "ddim"  # ddpm only: ddim (deterministic, few steps) or ddpm
-    beta_schedule: str = "squaredcos_cap_v2"  # ddpm only: diffusers beta schedule
     rtc_max_guidance: float = 5.0  # flow only: clip of the real-time-chunking inpainting guidance weight
-    # Filled from the dataset when training starts; stored in every checkpoint.
-    state_dim: int = 0  # observation.state size (set from the dataset; a different value is an error)
-    action_dim: int = 0  # action size (set from the dataset; a different value is an error)
-    cameras: list[str] = field(default_factory=list)  # camera names (set from the dataset)
-    vocabulary: list[str] = field(default_factory=list)  # instruction words of the word-level tokenizer
 
     def validate(self) -> None:
         """Raise ValueError naming the fix for an inconsistent config."""
+        super().validate()
         if self.objective not in get_args(Objective):
             raise ValueError(f"policy.objective must be one of {get_args(Objective)}, got {self.objective!r}")
         if self.ddpm_sampler not in get_args(DdpmSampler):
@@ -67,5 +56,3 @@ class DiffusionVLAConfig(PolicyConfig):
             )
         if not self.pretrained_encoder and self.image_size % self.patch_size:
             raise ValueError(f"policy.image_size={self.image_size} must be a multiple of patch_size={self.patch_size}")
-        if not 1 <= self.n_action_steps <= self.horizon:
-            raise ValueError(f"policy.n_action_steps={self.n_action_steps} must be in [1, horizon={self.horizon}]")

@@ -5,8 +5,8 @@ IK and success are exactly the training task's, and seed s gives the episodes of
 reset with seed s. Each control step publishes one observation, all stamped alike:
 
 - ``/camera/<camera>/image_raw`` sensor_msgs/Image rgb8 (H, W, 3), one per camera of the env
-  config, and ``.../compressed`` (png) with ``compressed_images=true``;
-- ``/joint_states`` sensor_msgs/JointState: ``name`` = `sim.mujoco_env.STATE_NAMES`, ``position`` =
+  config, and ``.../compressed`` (png) with ``compressed_images=true``, encoded by `robot_bridge.codec`;
+- ``/joint_states`` sensor_msgs/JointState: ``name`` = the env's state names (`sim.arm.STATE_NAMES`), ``position`` =
   ``observation.state`` (11,), ``velocity`` = the rates of the same 11 quantities;
 - ``/sim_robot/episode`` std_msgs/String JSON ``{"episode", "step", "tick", "success", "done",
   "stamp_ns"}``: where the robot stands at ``stamp_ns``. That is the stamp of the observation
@@ -18,9 +18,10 @@ local, so late subscribers get it); ``/diagnostics`` reports commands received a
 whether the command is stale, and the real-time factor reached.
 
 Commands: ``/command/joint_trajectory`` trajectory_msgs/JointTrajectory whose ``joint_names`` are
-`sim.mujoco_env.ACTION_NAMES` in any order (the first point is the next step's action), or
+`sim.arm.ACTION_NAMES` in any order (the first point is the next step's action), or
 ``/command/array`` std_msgs/Float64MultiArray in ACTION_NAMES order. See :class:`CommandGate`
-for what is rejected and what the robot holds meanwhile.
+for what is rejected and what the robot holds meanwhile. Topic names and types are those of
+`robot_bridge.topics`, the table `serve`, `record-ros` and `convert` use too.
 """
 
 from __future__ import annotations
@@ -33,18 +34,10 @@ from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
+from robot_bridge import codec, topics
+from robot_bridge.codec import InputRejected
 from sim.config import EnvConfig
-
-JOINT_STATES_TOPIC = "/joint_states"
-INSTRUCTION_TOPIC = "/instruction"
-EPISODE_TOPIC = "/sim_robot/episode"
-DIAGNOSTICS_TOPIC = "/diagnostics"
-TRAJECTORY_TOPIC = "/command/joint_trajectory"
-ARRAY_TOPIC = "/command/array"
-
-
-def camera_topic(camera: str) -> str:
-    return f"/camera/{camera}/image_raw"
+from vla_rl.types import ACTION, OBS_STATE, image_key
 
 
 @dataclass
@@ -92,34 +85,26 @@ class CommandGate:
         self._arrived_ns = 0
         self._last_stamp_ns = 0
 
-    def offer_trajectory(
-        self, joint_names: list[str], positions: list[float] | None, stamp_ns: int, now_ns: int
-    ) -> str | None:
-        """A JointTrajectory's names and first point's positions (None: no point); the rejection reason or None."""
+    def offer(self, msg, now_ns: int) -> str | None:
+        """A JointTrajectory (its first point is the action; its header stamp is checked when set) or a
+        Float64MultiArray (in action order, unstamped); the rejection reason, or None when accepted."""
         self.received += 1
-        if positions is None:
-            return self._reject("no_points", "the trajectory has no points", now_ns)
-        if len(positions) != len(joint_names):
-            return self._reject(
-                "wrong_length", f"{len(positions)} positions for {len(joint_names)} joint names", now_ns
-            )
-        unknown = sorted(set(joint_names) - set(self.action_names))
-        missing = [n for n in self.action_names if n not in joint_names]
-        if unknown or missing or len(joint_names) != len(self.action_names):
-            return self._reject(
-                "wrong_names", f"joint_names {list(joint_names)} must be {self.action_names} in any order", now_ns
-            )
-        by_name = dict(zip(joint_names, positions))
-        return self._accept(np.array([by_name[n] for n in self.action_names], dtype=np.float64), stamp_ns, now_ns)
-
-    def offer_array(self, values: list[float], now_ns: int) -> str | None:
-        """A Float64MultiArray's data, in action order; the rejection reason or None."""
-        self.received += 1
-        if len(values) != len(self.action_names):
-            return self._reject(
-                "wrong_length", f"{len(values)} values, expected {len(self.action_names)} {self.action_names}", now_ns
-            )
-        return self._accept(np.array(values, dtype=np.float64), 0, now_ns)
+        try:
+            action = codec.command_action(msg, self.action_names)
+        except InputRejected as err:
+            return self._reject(err.kind, str(err), now_ns)
+        stamp_ns = codec.stamp_ns(msg.header.stamp) if hasattr(msg, "header") else 0
+        if stamp_ns:
+            if stamp_ns < self._last_stamp_ns:
+                lag_ms = (self._last_stamp_ns - stamp_ns) / 1e6
+                return self._reject("out_of_order", f"stamped {lag_ms:.1f} ms before the last accepted command", now_ns)
+            if now_ns - stamp_ns > self.timeout_ns:
+                return self._reject(
+                    "stale", f"stamped {(now_ns - stamp_ns) / 1e9:.2f} s ago (limit {self.timeout_ns / 1e9} s)", now_ns
+                )
+            self._last_stamp_ns = stamp_ns
+        self._action, self._arrived_ns = action, now_ns
+        return None
 
     def action(self, now_ns: int) -> np.ndarray | None:
         """(A,) the action for the next step, or None to hold position (no command yet, or stale)."""
@@ -138,21 +123,6 @@ class CommandGate:
         """Forget the last action (at an episode start: commands for the previous episode no longer apply)."""
         self._action = None
 
-    def _accept(self, action: np.ndarray, stamp_ns: int, now_ns: int) -> str | None:
-        if not np.isfinite(action).all():
-            return self._reject("not_finite", f"non-finite values {action.tolist()}", now_ns)
-        if stamp_ns:
-            if stamp_ns < self._last_stamp_ns:
-                lag_ms = (self._last_stamp_ns - stamp_ns) / 1e6
-                return self._reject("out_of_order", f"stamped {lag_ms:.1f} ms before the last accepted command", now_ns)
-            if now_ns - stamp_ns > self.timeout_ns:
-                return self._reject(
-                    "stale", f"stamped {(now_ns - stamp_ns) / 1e9:.2f} s ago (limit {self.timeout_ns / 1e9} s)", now_ns
-                )
-            self._last_stamp_ns = stamp_ns
-        self._action, self._arrived_ns = action, now_ns
-        return None
-
     def _reject(self, kind: str, reason: str, now_ns: int) -> str:
         self.rejected[kind] += 1
         self.last_rejection, self.last_rejected_ns = f"{kind}: {reason}", now_ns
@@ -163,37 +133,30 @@ class SimRobot:
     """The node: an env of one world, its publishers and command subscriptions, and the control loop."""
 
     def __init__(self, cfg: SimRobotConfig, node, env):
-        from diagnostic_msgs.msg import DiagnosticArray
         from rclpy.qos import DurabilityPolicy, QoSProfile
         from rclpy.task import Future
-        from sensor_msgs.msg import CompressedImage, Image, JointState
-        from std_msgs.msg import Float64MultiArray, String
-        from trajectory_msgs.msg import JointTrajectory
-
-        from sim.mujoco_env import ACTION_NAMES
 
         self.cfg, self.node, self.env = cfg, node, env
         self.log = node.get_logger()
-        self.gate = CommandGate(ACTION_NAMES, cfg.command_timeout_s)
+        # The names the robot speaks are the env's own (its LeRobot features), so a dataset recorded
+        # from this robot and one recorded in simulation name their dimensions alike.
+        self.state_names = list(env.features[OBS_STATE]["names"])
+        self.gate = CommandGate(list(env.features[ACTION]["names"]), cfg.command_timeout_s)
         sensor_qos = 10  # keep-last depth; reliable, so best-effort and reliable subscribers both match
         latched = QoSProfile(depth=1, durability=DurabilityPolicy.TRANSIENT_LOCAL)
-        self.joint_pub = node.create_publisher(JointState, JOINT_STATES_TOPIC, sensor_qos)
-        self.image_pubs = {
-            cam: node.create_publisher(Image, camera_topic(cam), sensor_qos) for cam in env.config.cameras
-        }
-        self.compressed_pubs = (
-            {
-                cam: node.create_publisher(CompressedImage, camera_topic(cam) + "/compressed", sensor_qos)
-                for cam in env.config.cameras
-            }
-            if cfg.compressed_images
-            else {}
-        )
-        self.episode_pub = node.create_publisher(String, EPISODE_TOPIC, sensor_qos)
-        self.instruction_pub = node.create_publisher(String, INSTRUCTION_TOPIC, latched)
-        self.diagnostics_pub = node.create_publisher(DiagnosticArray, DIAGNOSTICS_TOPIC, sensor_qos)
-        node.create_subscription(JointTrajectory, TRAJECTORY_TOPIC, self._on_trajectory, 10)
-        node.create_subscription(Float64MultiArray, ARRAY_TOPIC, self._on_array, 10)
+
+        def publisher(topic: topics.Topic, qos=sensor_qos):
+            return node.create_publisher(topic.message_class(), topic.name, qos)
+
+        self.joint_pub = publisher(topics.JOINT_STATES)
+        self.image_pubs = {cam: publisher(topics.camera(cam)) for cam in env.config.cameras}
+        compressed = env.config.cameras if cfg.compressed_images else []
+        self.compressed_pubs = {cam: publisher(topics.camera(cam, compressed=True)) for cam in compressed}
+        self.episode_pub = publisher(topics.EPISODE)
+        self.instruction_pub = publisher(topics.INSTRUCTION, latched)
+        self.diagnostics_pub = publisher(topics.DIAGNOSTICS)
+        for topic, callback in ((topics.JOINT_TRAJECTORY, self._on_trajectory), (topics.COMMAND_ARRAY, self._on_array)):
+            node.create_subscription(topic.message_class(), topic.name, callback, 10)
 
         self.finished = Future()  # done after max_episodes episodes
         self.episode, self.step, self.tick = 0, 0, 0
@@ -220,16 +183,10 @@ class SimRobot:
     # -- commands ---------------------------------------------------------------------------
 
     def _on_trajectory(self, msg) -> None:
-        from vla_rl.ros_msgs import stamp_ns
-
-        positions = list(msg.points[0].positions) if msg.points else None
-        reason = self.gate.offer_trajectory(
-            list(msg.joint_names), positions, stamp_ns(msg.header.stamp), self._now_ns()
-        )
-        self._after_command(TRAJECTORY_TOPIC, reason)
+        self._after_command(topics.JOINT_TRAJECTORY.name, self.gate.offer(msg, self._now_ns()))
 
     def _on_array(self, msg) -> None:
-        self._after_command(ARRAY_TOPIC, self.gate.offer_array(list(msg.data), self._now_ns()))
+        self._after_command(topics.COMMAND_ARRAY.name, self.gate.offer(msg, self._now_ns()))
 
     def _after_command(self, topic: str, reason: str | None) -> None:
         if reason is not None:
@@ -309,31 +266,20 @@ class SimRobot:
 
     def _next_stamp(self):
         """(builtin_interfaces/Time, ns) of now, strictly after the previous stamp, so each stamp names one state."""
-        from builtin_interfaces.msg import Time
-
         ns = max(self._now_ns(), self._last_stamp_ns + 1)
         self._last_stamp_ns = ns
-        return Time(sec=ns // 1_000_000_000, nanosec=ns % 1_000_000_000), ns
+        return codec.time_msg(ns), ns
 
     def _publish_observation(self) -> None:
         """Images, joint state and status of ``self.obs`` (mid-episode: not done, not successful), stamped alike."""
-        from sensor_msgs.msg import JointState
-
-        from sim.mujoco_env import STATE_NAMES
-        from vla_rl.ros_msgs import compressed_image_msg, float_array, image_msg
-        from vla_rl.types import OBS_STATE, image_key
-
         stamp, ns = self._next_stamp()
         for cam, pub in self.image_pubs.items():
             frame = self.obs[image_key(cam)][0].permute(1, 2, 0).mul(255).round().byte().numpy()  # (H, W, 3)
-            pub.publish(image_msg(frame, stamp, cam))
+            pub.publish(codec.image_msg(frame, stamp, cam))
             if cam in self.compressed_pubs:
-                self.compressed_pubs[cam].publish(compressed_image_msg(frame, stamp, cam))
-        joints = JointState(name=STATE_NAMES)
-        joints.header.stamp = stamp
-        joints.position = float_array(self.obs[OBS_STATE][0].numpy())
-        joints.velocity = float_array(self._state_rates())
-        self.joint_pub.publish(joints)
+                self.compressed_pubs[cam].publish(codec.compressed_image_msg(frame, stamp, cam))
+        state = self.obs[OBS_STATE][0].numpy()
+        self.joint_pub.publish(codec.joint_state_msg(self.state_names, state, self._state_rates(), stamp))
         self._publish_status(False, False, ns)
 
     def _state_rates(self) -> np.ndarray:

@@ -13,23 +13,31 @@ under the target name.
 
 from __future__ import annotations
 
+import os
+import re
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from vla_rl.sim_robot import (
-    ARRAY_TOPIC,
-    DIAGNOSTICS_TOPIC,
-    EPISODE_TOPIC,
-    INSTRUCTION_TOPIC,
-    JOINT_STATES_TOPIC,
-    TRAJECTORY_TOPIC,
-    camera_topic,
+from robot_bridge.topics import (
+    COMMAND_ARRAY,
+    DIAGNOSTICS,
+    EPISODE,
+    INSTRUCTION,
+    JOINT_STATES,
+    JOINT_TRAJECTORY,
+    camera,
+    message_class,
 )
 
-DEFAULT_TOPICS = [JOINT_STATES_TOPIC, camera_topic("front"), INSTRUCTION_TOPIC, EPISODE_TOPIC, TRAJECTORY_TOPIC,
-                  ARRAY_TOPIC, DIAGNOSTICS_TOPIC]  # fmt: skip
+# What the sim robot publishes and what serve (or a test client) commands it with.
+DEFAULT_TOPICS = [t.name for t in (JOINT_STATES, camera("front"), INSTRUCTION, EPISODE, JOINT_TRAJECTORY,
+                                   COMMAND_ARRAY, DIAGNOSTICS)]  # fmt: skip
+# A ROS type named inside a field type: "std_msgs/Header", "sequence<trajectory_msgs/JointTrajectoryPoint>".
+_NESTED_TYPE = re.compile(r"([A-Za-z0-9_]+)/([A-Za-z0-9_]+)")
+_MSG_SEPARATOR = "=" * 80
 
 
 @dataclass
@@ -68,8 +76,6 @@ class McapTopicRecorder:
     def _subscribe(self, topic: str, publishers: list) -> None:
         from mcap.well_known import MessageEncoding, SchemaEncoding
 
-        from vla_rl.ros_msgs import message_class, message_definition
-
         types = sorted({p.topic_type for p in publishers})
         type_name = types[0]
         if len(types) > 1:
@@ -101,6 +107,39 @@ class McapTopicRecorder:
             durability=DurabilityPolicy.TRANSIENT_LOCAL if latched else DurabilityPolicy.VOLATILE,
             reliability=ReliabilityPolicy.RELIABLE if reliable else ReliabilityPolicy.BEST_EFFORT,
         )
+
+
+def message_definition(type_name: str) -> str:
+    """The ``ros2msg`` schema text of a type: its ``.msg`` file, then each nested type's once.
+
+    This is the concatenated form rosbag2 writes into MCAP (dependencies after a line of ``=``
+    and ``MSG: package/Type``), so any MCAP reader can decode the recording on its own.
+    """
+    package, _, name = type_name.split("/")
+    parts, seen, queue = [_msg_file(package, name).read_text()], {(package, name)}, [type_name]
+    while queue:
+        cls = message_class(queue.pop(0))
+        for field_type in cls.get_fields_and_field_types().values():
+            for dep_pkg, dep_name in _NESTED_TYPE.findall(field_type):
+                if (dep_pkg, dep_name) not in seen:
+                    seen.add((dep_pkg, dep_name))
+                    queue.append(f"{dep_pkg}/msg/{dep_name}")
+                    text = _msg_file(dep_pkg, dep_name).read_text()
+                    parts.append(f"{_MSG_SEPARATOR}\nMSG: {dep_pkg}/{dep_name}\n{text}")
+    return "\n".join(parts)
+
+
+def _msg_file(package: str, name: str) -> Path:
+    """The ``share/<package>/msg/<name>.msg`` file, searched in AMENT_PREFIX_PATH then the Python prefix
+    (where the ROS 2 wheels put it)."""
+    prefixes = [p for p in os.environ.get("AMENT_PREFIX_PATH", "").split(os.pathsep) if p] + [sys.prefix]
+    for prefix in prefixes:
+        path = Path(prefix) / "share" / package / "msg" / f"{name}.msg"
+        if path.is_file():
+            return path
+    raise FileNotFoundError(
+        f"no definition {package}/msg/{name}.msg under {prefixes}; install the ROS 2 wheel ros-{package.replace('_', '-')}"
+    )
 
 
 def record_ros(cfg: RecordRosConfig) -> dict:

@@ -1,0 +1,78 @@
+"""LeRobot policies of vla-rl's models: a LeRobot ``PreTrainedPolicy`` around the vla-rl policy.
+
+The vla-rl model is ``self.model``; its weights keep their vla-rl names in ``model.safetensors``,
+so a directory is the same whichever of the two tools wrote it.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import fields
+
+import torch
+from lerobot.policies.pretrained import PreTrainedPolicy
+from safetensors.torch import load_file, save_file
+
+from lerobot_policy_vla_rl.configuration_vla_rl import VlaRlDiffusionConfig, VlaRlDiffusionVLAConfig
+from policies import PolicyConfig, policy_class
+
+
+class _VlaRlLeRobotPolicy:
+    """The LeRobot policy methods, shared by the classes below (LeRobot checks each subclass of its
+    ``PreTrainedPolicy`` for a ``config_class``, so this part is a mixin)."""
+
+    vla_rl_type: str  # the vla-rl policy type this class wraps
+
+    def __init__(self, config, **kwargs):
+        super().__init__(config)
+        own_config_cls = PolicyConfig.get_choice_class(self.vla_rl_type)
+        own_config = own_config_cls(**{f.name: getattr(config, f.name) for f in fields(own_config_cls)})
+        self.model = policy_class(self.vla_rl_type)(own_config)
+        self.reset()
+
+    @classmethod
+    def _load_as_safetensor(cls, model, model_file: str, map_location: str, strict: bool):
+        model.model.load_state_dict(load_file(model_file, device=str(map_location)), strict=True)
+        return model
+
+    def _save_pretrained(self, save_directory, state_dict=None) -> None:
+        self.config._save_pretrained(save_directory)
+        weights = state_dict if state_dict is not None else self.model.state_dict()
+        save_file(
+            {k: v.detach().cpu().contiguous() for k, v in weights.items()}, str(save_directory / "model.safetensors")
+        )
+
+    def get_optim_params(self):
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def reset(self) -> None:
+        self._queue: deque[torch.Tensor] = deque()
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict]:
+        loss = self.model(batch)
+        return loss, {"loss": loss.item()}
+
+    @torch.no_grad()
+    def predict_action_chunk(self, batch: dict[str, torch.Tensor], **kwargs) -> torch.Tensor:
+        """(B, horizon, action_dim) in dataset units; ``noise`` (B, horizon, action_dim) as in vla-rl."""
+        return self.model.predict_chunk(batch, noise=kwargs.get("noise")).actions
+
+    @torch.no_grad()
+    def select_action(self, batch: dict[str, torch.Tensor], **kwargs) -> torch.Tensor:
+        """The next (B, action_dim) action: a new chunk every ``n_action_steps`` calls."""
+        if not self._queue:
+            chunk = self.predict_action_chunk(batch, **kwargs)[:, : self.config.n_action_steps]
+            self._queue.extend(chunk.transpose(0, 1))
+        return self._queue.popleft()
+
+
+class VlaRlDiffusionPolicy(_VlaRlLeRobotPolicy, PreTrainedPolicy):
+    config_class = VlaRlDiffusionConfig
+    name = VlaRlDiffusionConfig.get_choice_name(VlaRlDiffusionConfig)
+    vla_rl_type = "diffusion"
+
+
+class VlaRlDiffusionVLAPolicy(_VlaRlLeRobotPolicy, PreTrainedPolicy):
+    config_class = VlaRlDiffusionVLAConfig
+    name = VlaRlDiffusionVLAConfig.get_choice_name(VlaRlDiffusionVLAConfig)
+    vla_rl_type = "diffusion_vla"

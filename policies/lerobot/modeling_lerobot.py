@@ -1,0 +1,71 @@
+"""A LeRobot policy behind vla-rl's policy contract: LeRobot's own preprocessor, model and
+postprocessor, run in that order on a vla-rl observation batch (the feature names are LeRobot's)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from policies.lerobot.configuration_lerobot import LeRobotConfig, load_lerobot_config
+from policies.observation import check_observation
+from policies.pretrained import PreTrainedPolicy
+from vla_rl.types import ActionChunk
+
+
+class LeRobotPolicy(PreTrainedPolicy):
+    """Implements `vla_rl.types.Policy` with a LeRobot ``PreTrainedPolicy`` and its processors."""
+
+    config_class = LeRobotConfig
+
+    def __init__(self, config: LeRobotConfig):
+        nn.Module.__init__(self)  # no vla-rl normalization buffers: LeRobot's processors normalize
+        config.validate()
+        config.require_dataset_fields()
+        self.config = config
+        from lerobot.policies.factory import get_policy_class, make_pre_post_processors
+
+        lerobot_config = load_lerobot_config(config.pretrained_path)
+        self.model = get_policy_class(lerobot_config.type).from_pretrained(
+            config.pretrained_path, config=lerobot_config
+        )
+        self.preprocessor, self.postprocessor = make_pre_post_processors(
+            lerobot_config, pretrained_path=config.pretrained_path
+        )
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def load_weights(self, directory: Path) -> None:
+        pass  # LeRobot's from_pretrained loaded them in __init__
+
+    def save_pretrained(self, directory: str | Path) -> None:
+        """Save as LeRobot does (its config, weights and processors), so LeRobot reads the copy."""
+        self.model.save_pretrained(directory)
+        self.preprocessor.save_pretrained(directory)
+        self.postprocessor.save_pretrained(directory)
+
+    @torch.no_grad()
+    def predict_chunk(self, obs, obs_step=None, *, noise=None, inpaint=None) -> ActionChunk:
+        """obs batch of size B -> ActionChunk (B, horizon, action_dim) in dataset units.
+
+        noise is passed to LeRobot's ``predict_action_chunk`` (its diffusion and flow policies take one);
+        LeRobot policies have no inpainting guidance here.
+        """
+        if inpaint is not None:
+            raise ValueError("inpainting guidance is not available for LeRobot policies in vla-rl")
+        check_observation(obs, self.config.state_dim, self.config.cameras, self.config.image_size)
+        batch = self.preprocessor(dict(obs))
+        actions = self.model.predict_action_chunk(batch, **({"noise": noise} if noise is not None else {}))
+        actions = self.postprocessor(actions).to(obs["observation.state"].device)
+        b = actions.shape[0]
+        if obs_step is None:
+            obs_step = torch.zeros(b, dtype=torch.long, device=actions.device)
+        return ActionChunk(actions=actions[:, : self.config.horizon], obs_step=obs_step)
+
+    def forward(self, batch, generator=None, copies=1) -> torch.Tensor:
+        """LeRobot's own training loss of the batch (its preprocessor normalizes it first)."""
+        loss, _ = self.model(self.preprocessor(dict(batch)))
+        return loss

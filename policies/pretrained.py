@@ -1,0 +1,296 @@
+"""The policy contract's base classes: the config every policy has, and the policy base class.
+
+Layout and format follow LeRobot's: one folder per policy type with ``configuration_<type>.py``
+(a ``<Name>Config`` registered under the type name) and ``modeling_<type>.py`` (the sibling
+``<Name>Policy``), so the class of a type is found by LeRobot's own naming convention
+(:func:`policy_class`). A saved policy is a directory with
+
+- ``config.json``: ``{"type": "vla_rl_<type>", <every config field>}``, as LeRobot writes
+  ``config.json``. The type is the name LeRobot knows the policy by: LeRobot has its own
+  ``diffusion``, so ours are namespaced (:func:`lerobot_type`). With the ``lerobot_policy_vla_rl``
+  plugin installed (``plugins/``), LeRobot's own ``from_pretrained`` loads the directory.
+- ``model.safetensors``: the weights, the normalization statistics included (they are buffers).
+
+A directory LeRobot wrote (any other ``type``) loads as the ``lerobot`` policy (``policies/lerobot``),
+which runs LeRobot's model and processors behind the same contract.
+
+Callers construct a policy in one of two ways: :meth:`PreTrainedPolicy.from_dataset` (training: the
+config is completed from a LeRobotDataset's features, tasks and statistics) or
+:meth:`PreTrainedPolicy.from_pretrained` (evaluation, serving, fine-tuning).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import draccus
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from policies.normalization import NormalizationMixin
+from policies.tokenizer import word_vocabulary
+from vla_rl.types import ACTION, OBS_STATE, ActionChunk, image_key
+
+CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
+
+
+@dataclass
+class PolicyConfig(draccus.ChoiceRegistry):
+    """Fields every policy has, so training, evaluation and deployment can drive any of them."""
+
+    horizon: int = 16  # action steps predicted per chunk (H)
+    # Steps of each chunk executed before the next one is requested: the default of eval and serve
+    # when their chunking.execute_steps is 0.
+    n_action_steps: int = 8
+    image_size: int = 64  # camera image side the policy is built for, pixels
+    crop_shift: int = 4  # training augmentation: random image shift of up to this many pixels
+    max_text_tokens: int = 16  # instruction tokens kept (longer instructions are cut)
+    # Filled from the dataset when training starts (see fit_to_dataset); stored in every checkpoint.
+    state_dim: int = 0  # observation.state size
+    action_dim: int = 0  # action size
+    cameras: list[str] = field(default_factory=list)  # camera names, in the order the policy reads them
+    vocabulary: list[str] = field(default_factory=list)  # instruction words of the word-level tokenizer
+
+    @classmethod
+    def default_choice_name(cls) -> str:
+        # `--policy.horizon=8` without `--policy.type` keeps meaning the small diffusion policy.
+        return "diffusion"
+
+    @property
+    def type(self) -> str:
+        return self.get_choice_name(type(self))
+
+    def validate(self) -> None:
+        """Raise ValueError naming the fix for an inconsistent config."""
+        if self.horizon < 1:
+            raise ValueError(f"policy.horizon must be >= 1, got {self.horizon}")
+        if not 1 <= self.n_action_steps <= self.horizon:
+            raise ValueError(f"policy.n_action_steps={self.n_action_steps} must be in [1, horizon={self.horizon}]")
+        if self.image_size < 1 or self.crop_shift < 0 or self.max_text_tokens < 1:
+            raise ValueError("policy.image_size and policy.max_text_tokens must be >= 1, policy.crop_shift >= 0")
+
+    def require_dataset_fields(self) -> None:
+        """Raise unless the dataset-derived fields are set (a policy cannot be built without them)."""
+        if self.state_dim < 1 or self.action_dim < 1 or not self.cameras:
+            raise ValueError(
+                f"{type(self).__name__} needs state_dim, action_dim and cameras; they come from the dataset "
+                f"(PreTrainedPolicy.from_dataset) or a checkpoint's config.json"
+            )
+
+    def fit_to_dataset(self, features: dict[str, dict], tasks: list[str], cameras: list[str] | None = None) -> None:
+        """Complete the dataset-derived fields from a LeRobotDataset's ``features`` and task strings.
+
+        features: LeRobot features (``{"observation.state": {"shape": (S,), ...}, "action": ...,
+        "observation.images.<cam>": {"shape": (H, W, C), ...}}``); cameras: the ones to use (None = all).
+        A state_dim or action_dim set by hand that disagrees with the dataset is an error.
+        """
+        dims = {"state_dim": features[OBS_STATE]["shape"][0], "action_dim": features[ACTION]["shape"][0]}
+        for name, expected in dims.items():
+            if getattr(self, name) not in (0, expected):
+                raise ValueError(
+                    f"policy.{name}={getattr(self, name)} but the dataset's "
+                    f"{'observation.state' if name == 'state_dim' else 'action'} has {expected} dimensions; "
+                    f"drop --policy.{name} (it is set from the dataset)"
+                )
+            setattr(self, name, int(expected))
+        available = [k.removeprefix(image_key("")) for k in features if k.startswith(image_key(""))]
+        self.cameras = list(cameras or available)
+        for cam in self.cameras:
+            if cam not in available:
+                raise ValueError(f"camera {cam!r} is not in the dataset (it has {available})")
+            height, width = features[image_key(cam)]["shape"][:2]
+            self.check_image_size(int(height), int(width))
+        self.vocabulary = word_vocabulary(tasks)
+
+    def check_image_size(self, height: int, width: int) -> None:
+        """Raise if this policy cannot read dataset images of this size (default: it resizes them)."""
+
+
+@dataclass
+class DenoisingPolicyConfig(PolicyConfig):
+    """Fields of the policies that sample a chunk by denoising (diffusion or flow)."""
+
+    num_train_timesteps: int = 100  # DDPM noise levels during training
+    num_inference_steps: int = 10  # sampler steps at inference (DDIM/DDPM steps, or Euler steps for flow)
+    beta_schedule: str = "squaredcos_cap_v2"  # diffusers beta schedule (DDPM/DDIM)
+
+    def validate(self) -> None:
+        super().validate()
+        if self.num_inference_steps < 1 or self.num_train_timesteps < 1:
+            raise ValueError("policy.num_inference_steps and policy.num_train_timesteps must be >= 1")
+
+
+def policy_class(type_name: str) -> type[PreTrainedPolicy]:
+    """The policy class of a registered type, by LeRobot's convention.
+
+    ``policies.diffusion.configuration_diffusion.DiffusionConfig`` -> ``policies.diffusion.
+    modeling_diffusion.DiffusionPolicy``. The modeling module is imported only here, so parsing a
+    config never pulls in a model's heavy dependencies.
+    """
+    known = sorted(PolicyConfig.get_known_choices())
+    if type_name not in known:
+        raise ValueError(f"unknown policy type {type_name!r}; known: {known}")
+    config_cls = PolicyConfig.get_choice_class(type_name)
+    module = importlib.import_module(config_cls.__module__.replace(".configuration_", ".modeling_"))
+    return getattr(module, config_cls.__name__.removesuffix("Config") + "Policy")
+
+
+LEROBOT_TYPE_PREFIX = "vla_rl_"
+
+
+def lerobot_type(type_name: str) -> str:
+    """The name a vla-rl policy type has in LeRobot's registry and in ``config.json``: ``vla_rl_<type>``."""
+    return LEROBOT_TYPE_PREFIX + type_name
+
+
+def config_from_dict(saved: dict[str, Any], source: str | Path) -> PolicyConfig:
+    """A policy config from the contents of a ``config.json``; the errors name what the file is instead."""
+    saved_type = saved.get("type")
+    if saved_type is None:
+        hint = " (written by vla-rl 0.1: retrain it with `vla-rl train`)" if "policy_type" in saved else ""
+        raise ValueError(f"{source} is not a vla-rl checkpoint: its config.json names no policy type{hint}")
+    known = sorted(PolicyConfig.get_known_choices())
+    type_name = saved_type.removeprefix(LEROBOT_TYPE_PREFIX)
+    if not saved_type.startswith(LEROBOT_TYPE_PREFIX):
+        # Not vla-rl's: a LeRobot policy (ACT, diffusion, pi0, ...) enters through the `lerobot` type.
+        return PolicyConfig.get_choice_class("lerobot").from_directory(source)
+    if type_name not in known:
+        raise ValueError(
+            f"{source} holds a {saved_type!r} policy, which this vla-rl does not know "
+            f"(it writes {[lerobot_type(k) for k in known]}); pass a directory written by `vla-rl train`"
+        )
+    config_cls = PolicyConfig.get_choice_class(type_name)
+    names = {f.name for f in fields(config_cls)}
+    unknown = sorted(set(saved) - names - {"type"} - LEROBOT_FIELDS)
+    if unknown:
+        raise ValueError(
+            f"{source}'s config.json has fields vla-rl's {type_name!r} policy does not have ({', '.join(unknown)}); "
+            f"it was written by another tool or another vla-rl version"
+        )
+    return config_cls(**{k: v for k, v in saved.items() if k in names})
+
+
+# Fields of LeRobot's PreTrainedConfig: LeRobot adds them when it saves a vla-rl policy; vla-rl ignores them.
+LEROBOT_FIELDS = {
+    "n_obs_steps", "input_features", "output_features", "device", "use_amp", "use_peft", "push_to_hub",
+    "repo_id", "private", "tags", "license", "pretrained_path", "pretrained_revision",
+}  # fmt: skip
+
+
+class PreTrainedPolicy(NormalizationMixin, nn.Module):
+    """The policy contract (``vla_rl.types.Policy``), with what every policy shares implemented once.
+
+    A subclass sets ``config_class`` and implements ``predict_chunk`` (sampling) and ``forward``
+    (the imitation loss); RL fine-tuning adds ``sample_with_log_prob`` and ``log_prob``.
+    """
+
+    config_class: type[PolicyConfig] = PolicyConfig
+    supports_inpainting = False  # whether predict_chunk accepts ``inpaint`` (real-time chunking guidance)
+    supports_copies = False  # whether forward() accepts copies > 1 (Level-2 minibatching)
+
+    def __init__(self, config: PolicyConfig):
+        super().__init__()
+        if not isinstance(config, self.config_class):
+            raise TypeError(f"{type(self).__name__} needs a {self.config_class.__name__}, got {type(config).__name__}")
+        config.validate()
+        config.require_dataset_fields()
+        self.config = config
+
+    @property
+    def policy_type(self) -> str:
+        return self.config.type
+
+    @property
+    def device(self) -> torch.device:
+        return self.state_mean.device  # a buffer every policy has (NormalizationMixin)
+
+    # -- construction --------------------------------------------------------------------------
+
+    @classmethod
+    def from_dataset(
+        cls, config: PolicyConfig, features: dict, stats: dict, tasks: list[str], cameras: list[str] | None = None
+    ) -> PreTrainedPolicy:
+        """A freshly initialized policy for a LeRobotDataset: its config completed from ``features`` and
+        ``tasks`` (see ``PolicyConfig.fit_to_dataset``), its normalization from the dataset ``stats``."""
+        config.fit_to_dataset(features, tasks, cameras)
+        policy = cls(config)
+        policy.set_normalization(
+            stats[OBS_STATE]["mean"], stats[OBS_STATE]["std"], stats[ACTION]["min"], stats[ACTION]["max"]
+        )
+        return policy
+
+    def save_pretrained(self, directory: str | Path) -> None:
+        """Write ``config.json`` and ``model.safetensors`` into ``directory`` (LeRobot's format)."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        state = self.state_dict()
+        save_file({k: v.detach().cpu().contiguous() for k, v in state.items()}, str(directory / WEIGHTS_FILE))
+        saved = {"type": lerobot_type(self.config.type), **asdict(self.config)}
+        (directory / CONFIG_FILE).write_text(json.dumps(saved, indent=2))
+
+    @classmethod
+    def from_pretrained(cls, directory: str | Path, device: str | torch.device = "cpu") -> PreTrainedPolicy:
+        """The policy saved in ``directory``, in eval mode on ``device``.
+
+        Called on the base class it builds whichever type ``config.json`` names; called on a subclass
+        it also checks the type.
+        """
+        directory = Path(directory)
+        config = config_from_dict(json.loads((directory / CONFIG_FILE).read_text()), directory)
+        policy_cls = policy_class(config.type)
+        if cls is not PreTrainedPolicy and policy_cls is not cls:
+            raise ValueError(f"{directory} holds a {config.type!r} policy, not a {cls.__name__}")
+        policy = policy_cls(config)
+        policy.load_weights(directory)
+        return policy.to(device).eval()
+
+    def load_weights(self, directory: Path) -> None:
+        """Load ``model.safetensors`` from a directory ``save_pretrained`` wrote."""
+        self.load_state_dict(load_file(str(directory / WEIGHTS_FILE)))
+
+    # -- the contract ---------------------------------------------------------------------------
+
+    def predict_chunk(
+        self,
+        obs: dict,
+        obs_step: torch.Tensor | None = None,
+        *,
+        noise: torch.Tensor | None = None,
+        inpaint: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> ActionChunk:
+        """Observation batch of size B -> ActionChunk (B, horizon, action_dim) in dataset units.
+
+        obs_step: (B,) control step of the observation (zeros when None). noise: (B, horizon,
+        action_dim) initial noise of the sampler in normalized units (drawn when None), so a chunk can be
+        reproduced. inpaint: (target (B, H, A) in dataset units, weights (B, H) in [0, 1]): guide the
+        chunk toward the target where the weight is 1, for policies with ``supports_inpainting``.
+        """
+        raise NotImplementedError
+
+    def forward(self, batch: dict, generator: torch.Generator | None = None, copies: int = 1) -> torch.Tensor:
+        """The imitation loss (a scalar) of a training batch: observation keys of B frames + ``action``
+        (B, H, A) + ``action_is_pad`` (B, H). copies: noised copies per frame, for policies that support
+        Level-2 minibatching (``supports_copies``)."""
+        raise NotImplementedError
+
+    def sample_with_log_prob(self, obs: dict, obs_step: torch.Tensor | None = None):
+        """Sample a chunk and return (ActionChunk, the sampling chain, its log-probability (B,)): RL fine-tuning."""
+        raise NotImplementedError(f"{type(self).__name__} has no log-probabilities yet; they come with RL fine-tuning")
+
+    def log_prob(self, obs: dict, chain: Any) -> torch.Tensor:
+        """Log-probability (B,) of a given sampling chain under the current weights: RL fine-tuning."""
+        raise NotImplementedError(f"{type(self).__name__} has no log-probabilities yet; they come with RL fine-tuning")
+
+    def _initial_noise(self, noise: torch.Tensor | None, batch: int, device: torch.device) -> torch.Tensor:
+        """(B, H, A) sampler start: the given noise, checked, or a fresh standard normal draw."""
+        shape = (batch, self.config.horizon, self.config.action_dim)
+        if noise is None:
+            return torch.randn(shape, device=device)
+        if tuple(noise.shape) != shape:
+            raise ValueError(f"noise must be (B, horizon, action_dim) = {shape}, got {tuple(noise.shape)}")
+        return noise.to(device=device, dtype=torch.float32)

@@ -1,0 +1,260 @@
+"""Scheduling through the runtime: ask the inference worker for chunks and merge them into the executor.
+
+After each control tick (off the latency path) the node calls :meth:`ChunkScheduler.prepare_next_action`:
+merge any chunk that came back, ask for the next one when due (every ``chunking.execute_steps`` steps, one
+request in flight at a time, as in `sim.delay`), and take the next step's action from
+`vla_rl.runtime.ActionChunkExecutor`, the object the sim delay wrapper drives too. So a chunk
+takes effect from the step after the tick that found it, which is also the lag its delay
+augmentation announced. Entering a hold discards the queued plan and any chunk still in flight.
+No ROS import here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from robot_bridge.config import ServeConfig
+from robot_bridge.diagnostics import BridgeDiagnostics
+from robot_bridge.inference import InferenceRequest, InferenceResult, InferenceWorker, WorkerStatus, chunk_problem
+from robot_bridge.inputs import JOINT_STATES, BridgeInputs
+from robot_bridge.log_limit import LogLimiter
+from vla_rl.runtime import ActionChunkExecutor
+from vla_rl.types import ActionChunk, Policy
+
+
+@dataclass
+class InFlightRequest:
+    """The one chunk request the worker is computing, and what its result is checked and reported against."""
+
+    request_id: int
+    sent: float  # monotonic time it was submitted
+    epoch: int  # hold epoch it was made in; a result from an older epoch planned before a hold: dropped
+    delay_steps: int  # the delay d announced to the policy (the lag of the chunk merged before it)
+    obs_stamp: float  # header stamp of the joint state it was conditioned on, seconds
+    obs_arrival: float  # monotonic arrival of that joint state
+    guided: bool  # it carries RTC guidance toward the queued actions
+    instruction: str
+
+
+class ChunkScheduler:
+    """The inference worker, the in-flight request, and the `ActionChunkExecutor` its chunks merge into.
+
+    ``publish_chunk`` receives each merged chunk's metadata; ``logger`` has rclpy's ``info``/``error``.
+    """
+
+    def __init__(
+        self,
+        config: ServeConfig,
+        load_policy: Callable[[], Policy],
+        inputs: BridgeInputs,
+        diagnostics: BridgeDiagnostics,
+        log_limiter: LogLimiter,
+        logger,
+        publish_chunk: Callable[[dict[str, Any]], None],
+    ) -> None:
+        self.config, self.inputs, self.diagnostics = config, inputs, diagnostics
+        self.log_limiter, self.logger, self.publish_chunk = log_limiter, logger, publish_chunk
+        self.executor: ActionChunkExecutor | None = None  # built once the policy tells its horizon
+        self.policy_info: dict[str, Any] = {}
+        self.execute_steps = 0  # steps per chunk, chunking.execute_steps or the policy's, once it is loaded
+        self.worker_state = "loading"  # loading, ready or failed
+        self.worker_error: str | None = None
+        self.policy_error: str | None = None  # the last chunk request raised or returned an unusable chunk
+        self.policy_error_kind = ""  # policy_raised or invalid_chunk
+        self._retry_at = 0.0
+        self.in_flight: InFlightRequest | None = None
+        self._request_id = 0
+        self._next_request_step = 0
+        self.delay_steps = 0  # for the next request: the lag of the last merged chunk, in steps, as in training
+        self._epoch = 0  # bumped by every hold
+        self._holding = False
+        self._merged = False  # a chunk was merged since the last action was prepared
+        self.seam_obs_arrival = 0.0  # arrival of the joint state the newest merged chunk was conditioned on
+        # The action prepared for the next tick: (A,) or None (nothing queued), its executor step,
+        # and whether it is the first from a newly merged chunk.
+        self.next_target: np.ndarray | None = None
+        self.next_step = -1
+        self.next_is_seam = False
+        cfg = config
+        self.worker = InferenceWorker(
+            load_policy, mode=cfg.inference, cpu=cfg.inference_cpu, num_threads=cfg.inference_threads,
+            nice=cfg.inference_nice, load_retry_s=cfg.load_retry_s,
+        )  # fmt: skip
+
+    def worker_problem(self) -> tuple[str, str] | None:
+        """(key, text) while the policy is loading, failed to load or its worker died; else None."""
+        if self.worker_state != "ready":
+            return f"worker {self.worker_state}", self.worker_error or "loading the policy"
+        if not self.worker.alive():
+            self.worker_state, self.worker_error = "failed", "the inference worker died; restart the node"
+            self.logger.error(self.worker_error)
+            return "worker died", self.worker_error
+        return None
+
+    def policy_problem(self) -> tuple[str, str] | None:
+        """(key, text) after the policy raised or returned an unusable chunk, until its next good chunk."""
+        return None if self.policy_error is None else (f"policy {self.policy_error_kind}", self.policy_error)
+
+    def queue_depth(self) -> int:
+        return int(self.executor.queue_length()[0]) if self.executor is not None else 0
+
+    def prepare_next_action(self, cause: str | None, now: float) -> None:
+        """Merge returned chunks, request the next one when due, and take the next step's action.
+
+        cause: why this tick held (None: it did not).
+        """
+        self._poll(now)
+        ex = self.executor
+        self.next_target, self.next_step, self.next_is_seam = None, -1, False
+        if ex is None:
+            return
+        if cause is not None and not self._holding:
+            ex.discard_queue()
+            self._epoch += 1
+        self._holding = cause is not None
+        self._maybe_request(cause, now)
+        self.next_step = int(ex.step[0])
+        action, valid = ex.next_action()  # also while holding: the step counter keeps time
+        if bool(valid[0]) and not self._holding:
+            self.next_target = action[0].numpy()
+            self.next_is_seam = self._merged
+            self._merged = False
+
+    def close(self) -> None:
+        self.worker.close()
+
+    # -- results ---------------------------------------------------------------------------------
+
+    def _poll(self, now: float) -> None:
+        for message in self.worker.poll():
+            if isinstance(message, WorkerStatus):
+                self._on_worker_status(message)
+            elif self.in_flight is not None and message.request_id == self.in_flight.request_id:
+                request, self.in_flight = self.in_flight, None
+                self._on_result(message, request, now)
+
+    def _on_worker_status(self, status: WorkerStatus) -> None:
+        if status.state == "failed":
+            self.diagnostics.count("load_failures")
+            self.worker_state, self.worker_error = "failed", status.error
+            self.logger.error(f"{status.error}; retrying in {self.config.load_retry_s:g} s")
+        elif status.state == "loading":
+            self.worker_state = "loading" if self.worker_state != "failed" else "failed"
+        elif status.state == "ready":
+            self.policy_info = status.info
+            self.inputs.policy_image_size = status.info.get("image_size")
+            problem = self._check_policy(status.info)
+            if problem:
+                self.worker_state, self.worker_error = "failed", problem
+                self.logger.error(problem)
+                return
+            cfg = self.config
+            self.executor = ActionChunkExecutor(
+                1, len(cfg.action_names), cfg.horizon or status.info["horizon"], merge=cfg.chunking.merge,
+                ensemble_coeff=cfg.chunking.ensemble_coeff, max_delay=cfg.max_delay_steps,
+            )  # fmt: skip
+            self.worker_state, self.worker_error = "ready", None
+            self.logger.info(f"policy ready: {status.info}")
+
+    def _check_policy(self, info: dict[str, Any]) -> str | None:
+        """A one-line config error when the loaded policy does not fit the config, else None.
+
+        Sets ``execute_steps`` when the policy fits.
+        """
+        cfg = self.config
+        if info.get("state_dim") not in (None, len(cfg.state_names)):
+            return f"the policy expects {info['state_dim']} state values but state_names lists {len(cfg.state_names)}"
+        if info.get("action_dim") not in (None, len(cfg.action_names)):
+            return f"the policy outputs {info['action_dim']} action dims but action_names lists {len(cfg.action_names)}"
+        horizon = cfg.horizon or info.get("horizon")
+        if not horizon:
+            return "the policy does not tell its chunk length; set horizon in the serve config"
+        try:
+            self.execute_steps = cfg.chunking.steps_per_chunk(info.get("n_action_steps"), horizon)
+        except ValueError as err:
+            return str(err)
+        return None
+
+    def _on_result(self, result: InferenceResult, request: InFlightRequest, now: float) -> None:
+        latency = now - request.sent
+        ex = self.executor
+        if result.error is not None:
+            self._policy_failed(result.error, "policy_raised", now)
+            return
+        actions = result.actions
+        problem = chunk_problem(actions, ex.horizon, self.config.action_names)
+        if problem is not None:  # never merged: a NaN or misshapen plan must not reach the safety filter
+            self._policy_failed(problem, "invalid_chunk", now)
+            return
+        if request.epoch != self._epoch:
+            self.diagnostics.count("dropped_chunks")  # planned before a hold: stale by definition
+            return
+        # Steps that ran between the observation and this merge: the chunk's delay, in the steps
+        # the delay augmentation counts (the sim's d). The next request announces it.
+        lag = int(ex.step[0]) - result.obs_step
+        ex.add_chunk(ActionChunk(torch.from_numpy(actions), torch.tensor([result.obs_step])))
+        self._merged = True
+        self.seam_obs_arrival = request.obs_arrival
+        self.policy_error = None
+        self.diagnostics.count("chunks")
+        self.diagnostics.latencies_ms.append(latency * 1e3)
+        if lag > self.config.max_delay_steps:
+            self.diagnostics.count("delay_clamped")
+        self.delay_steps = min(lag, self.config.max_delay_steps)
+        self.publish_chunk({
+            "chunk_id": result.request_id, "obs_stamp": request.obs_stamp, "obs_step": result.obs_step,
+            "merged_at_step": int(ex.step[0]), "lag_steps": lag, "inference_latency_ms": round(latency * 1e3, 3),
+            "compute_ms": round(result.compute_s * 1e3, 3), "delay_steps": request.delay_steps,
+            "horizon": int(actions.shape[1]), "merge": self.config.chunking.merge, "guided": request.guided,
+            "instruction": request.instruction, "dry_run": self.config.dry_run,
+        })  # fmt: skip
+
+    def _policy_failed(self, error: str, kind: str, now: float) -> None:
+        """Hold on a policy that raised (kind policy_raised) or returned an unusable chunk (invalid_chunk);
+        ask again after ``error_retry_s``."""
+        self.diagnostics.count("policy_errors" if kind == "policy_raised" else "invalid_chunks")
+        self._retry_at = now + self.config.error_retry_s
+        retry = f"; holding, asking again in {self.config.error_retry_s:g} s"
+        self.log_limiter(f"policy {kind}", "error", error + retry)
+        self.policy_error, self.policy_error_kind = error, kind
+        self.diagnostics.last_error = error
+
+    # -- requests --------------------------------------------------------------------------------
+
+    def _maybe_request(self, cause: str | None, now: float) -> None:
+        """Ask for the next chunk when one is due and the inputs are good (never blocks).
+
+        A hold for a policy error still asks (after ``error_retry_s``): only a good chunk clears it.
+        """
+        ex = self.executor
+        if ex is None or self.worker.busy or self.in_flight is not None:
+            return
+        if cause is not None and cause != self.policy_error:
+            return
+        step = int(ex.step[0])
+        if step < self._next_request_step or (self.policy_error is not None and now < self._retry_at):
+            return
+        observation = self.inputs.observation()
+        if observation is None:
+            return
+        delay = torch.tensor([self.delay_steps])
+        observation.update({k: v.numpy() for k, v in ex.delay_augmentation(delay).items()})
+        guidance = None
+        if self.config.chunking.merge == "rtc" and self.policy_info.get("supports_inpainting"):
+            # The previous plan reaches index queue_length, so s = H - queue_length steps of it ran.
+            s = min(max(ex.horizon - int(ex.queue_length()[0]), 1), ex.horizon)
+            target, weights = ex.rtc_guidance(delay, s)
+            guidance = (target.numpy(), weights.numpy())
+        self._request_id += 1
+        self.worker.submit(InferenceRequest(self._request_id, observation, step, guidance))
+        self.in_flight = InFlightRequest(
+            self._request_id, sent=now, epoch=self._epoch, delay_steps=self.delay_steps,
+            obs_stamp=self.inputs.stamp.get(JOINT_STATES, 0.0), obs_arrival=self.inputs.arrival[JOINT_STATES],
+            guided=guidance is not None, instruction=self.inputs.instruction,
+        )  # fmt: skip
+        self._next_request_step = step + self.execute_steps

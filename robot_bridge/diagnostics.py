@@ -1,0 +1,68 @@
+"""The serve node's record of what happened: counters, rejections per cause, latencies, the last error.
+
+Every part of the node (inputs, hold, chunk scheduler) counts into one `BridgeDiagnostics`; the
+node publishes :meth:`BridgeDiagnostics.message` on /diagnostics and returns its values as the
+final summary. No ROS import at module level.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+# The node's states; the DiagnosticStatus level (OK, WARN, ERROR) each is reported with.
+STATE_LEVELS = {"RUNNING": "OK", "LOADING": "WARN", "HOLDING": "WARN", "ESTOP": "WARN", "FAILED": "ERROR"}
+COUNTERS = ("ticks", "missed_deadlines", "rejected_messages", "out_of_order", "stale_events", "chunks",
+            "dropped_chunks", "policy_errors", "invalid_chunks", "load_failures", "delay_clamped")  # fmt: skip
+
+
+class BridgeDiagnostics:
+    """Counts and latencies of one serve node."""
+
+    def __init__(self) -> None:
+        self.counters = dict.fromkeys(COUNTERS, 0)
+        self.rejections: dict[str, int] = {}  # kind of rejected input (InputRejected.kind) -> messages
+        self.last_error = ""
+        self.latencies_ms: list[float] = []  # request -> result, per merged chunk
+        self.obs_to_command_ms: list[float] = []  # joint state arrival -> first command of its chunk
+        # Whether the control process got real-time scheduling and locked memory ("granted", or why
+        # not); `serve` fills it in, and it is reported with the other values.
+        self.scheduling: dict[str, str] = {}
+
+    def count(self, name: str, n: int = 1) -> None:
+        self.counters[name] += n
+
+    def rejected(self, kind: str) -> None:
+        """One input message rejected for ``kind``."""
+        self.counters["rejected_messages"] += 1
+        self.rejections[kind] = self.rejections.get(kind, 0) + 1
+
+    def values(self, state: str, cause: str | None, live: dict[str, str]) -> dict[str, str]:
+        """The node's state and cause, the latency summary, ``live`` (queue depth, ...), every count
+        and the scheduling, as text."""
+        lat = self.latencies_ms[-100:]
+        values = {
+            "state": state,
+            "cause": cause or "",
+            "inference_latency_ms": f"{lat[-1]:.2f}" if lat else "",
+            "inference_latency_p50_ms": f"{np.percentile(lat, 50):.2f}" if lat else "",
+            **live,
+            "last_error": self.last_error,
+        }
+        values.update({k: str(v) for k, v in self.counters.items()})
+        values.update({f"rejected_{kind}": str(n) for kind, n in sorted(self.rejections.items())})
+        values.update(self.scheduling)
+        return values
+
+    @staticmethod
+    def message(state: str, cause: str | None, values: dict[str, str], hardware_id: str, stamp):
+        """diagnostic_msgs/DiagnosticArray of one status: the node's state, its cause, and ``values``."""
+        from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
+
+        status = DiagnosticStatus(
+            level=getattr(DiagnosticStatus, STATE_LEVELS[state]), name="vla_rl serve", hardware_id=hardware_id,
+            message=state + (f": {cause}" if cause else ""),
+            values=[KeyValue(key=k, value=v) for k, v in values.items()],
+        )  # fmt: skip
+        msg = DiagnosticArray(status=[status])
+        msg.header.stamp = stamp
+        return msg

@@ -1,0 +1,203 @@
+"""The serve node's inputs: joint states, camera images and the instruction, checked as they arrive.
+
+Each message is decoded by `robot_bridge.codec` (the decoder `vla-rl convert` uses for training
+data) and checked: shape, encoding, finiteness, a header stamp not older than the source's last,
+and for joint states the plausibility bounds of ``safety.state_bounds``. A rejected message leaves
+a fault on its source (the hold names it) until that source's next good message. No ROS import
+at module level: :meth:`BridgeInputs.subscribe` takes the node.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from robot_bridge import topics
+from robot_bridge.codec import InputRejected, decode_image, joint_state_vector, stamp_seconds
+from robot_bridge.config import CameraTopic, ServeConfig
+from robot_bridge.diagnostics import BridgeDiagnostics
+from robot_bridge.log_limit import LogLimiter
+from vla_rl.types import OBS_STATE, TASK
+
+JOINT_STATES = "joint_states"  # the joint states' source name; a camera's is "camera <name>"
+
+
+def check_bounds(vector: np.ndarray, names: list[str], low: np.ndarray, high: np.ndarray, margin: float) -> None:
+    """Reject a state vector (S,) with an entry outside [low - margin, high + margin] (per entry, (S,) each).
+
+    A value no robot of the configured kind can reach is a sensor fault (a 1e6 rad joint angle, a
+    unit mix-up): it must not reach the policy, whose output clamp alone would hide it.
+    """
+    outside = (vector < low - margin) | (vector > high + margin)
+    if not outside.any():
+        return
+    bad = [f"{names[i]}={vector[i]:g} outside [{low[i]:g}, {high[i]:g}]" for i in np.flatnonzero(outside)]
+    more = f" (and {len(bad) - 3} more)" if len(bad) > 3 else ""
+    raise InputRejected(
+        f"joint_states out of bounds: {', '.join(bad[:3])}{more}, margin {margin:g}; a sensor fault, or widen "
+        f"safety.state_bounds in the serve YAML (or safety.state_margin) if the robot really is there",
+        "out_of_bounds",
+    )
+
+
+def fit_image(rgb: np.ndarray, size: int, resize: bool) -> np.ndarray:
+    """(H, W, 3) uint8 -> (size, size, 3) uint8: unchanged, resized when allowed, else rejected."""
+    if rgb.shape[:2] == (size, size):
+        return rgb
+    if not resize:
+        raise InputRejected(
+            f"image is {rgb.shape[0]}x{rgb.shape[1]} but the policy expects {size}x{size}; "
+            f"publish that size or set resize_images=true",
+            "image_size",
+        )
+    import cv2
+
+    return cv2.resize(rgb, (size, size), interpolation=cv2.INTER_AREA)
+
+
+class BridgeInputs:
+    """The newest accepted joint state, image per camera and instruction, with their arrival times and stamps.
+
+    ``on_joint_state`` (optional) is called with the arrival time (monotonic) of every joint state,
+    accepted or not: with ``clock=joint_states`` each one is a control tick.
+    """
+
+    def __init__(
+        self,
+        config: ServeConfig,
+        diagnostics: BridgeDiagnostics,
+        log_limiter: LogLimiter,
+        log_info: Callable[[str], None],
+        on_joint_state: Callable[[float], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.diagnostics = diagnostics
+        self.log_limiter = log_limiter
+        self.log_info = log_info
+        self.on_joint_state_arrival = on_joint_state
+        self.state: np.ndarray | None = None  # (S,) in state_names order
+        self.state_stamp = None  # builtin_interfaces/Time of that joint state, echoed exactly in the commands
+        self.arrival: dict[str, float] = {}  # source -> monotonic arrival of its newest accepted message
+        self.stamp: dict[str, float] = {}  # source -> header stamp of that message, seconds
+        self.images: dict[str, np.ndarray] = {}  # camera -> (H, W, 3) uint8
+        self.faults: dict[str, tuple[str, str]] = {}  # source -> (kind, why) its last message was rejected
+        self.instruction = config.instruction
+        self.policy_image_size: int | None = None  # the loaded policy's, once it is known
+        # Plausibility bounds of the state entries, in state_names order; +-inf where none is configured.
+        bounds = config.safety.state_bounds
+        self.state_low = np.array([bounds[n][0] if n in bounds else -np.inf for n in config.state_names])
+        self.state_high = np.array([bounds[n][1] if n in bounds else np.inf for n in config.state_names])
+        # A robot whose joint names differ from the sim arm's gets no check from the defaults: the node says so.
+        self.unchecked_state = [n for n in config.state_names if n not in bounds]
+
+    @property
+    def image_size(self) -> int | None:
+        """Side of the square images the policy takes: the config's, else the loaded policy's (None until known)."""
+        return self.config.image_size or self.policy_image_size
+
+    def subscribe(self, node, sensor_qos, command_qos) -> None:
+        """Subscribe ``node`` to the joint states, every camera and the instruction."""
+        cfg = self.config
+        node.create_subscription(
+            topics.JOINT_STATES.message_class(), cfg.topics.joint_states, self.on_joint_state, sensor_qos
+        )
+        for cam in cfg.cameras:
+            image_type = topics.camera(cam.name, cam.compressed).message_class()
+            node.create_subscription(image_type, cam.topic, lambda msg, c=cam: self.on_image(c, msg), sensor_qos)
+        node.create_subscription(
+            topics.INSTRUCTION.message_class(), cfg.topics.instruction, self.on_instruction, command_qos
+        )
+
+    # -- callbacks -------------------------------------------------------------------------------
+
+    def on_joint_state(self, msg) -> None:
+        # The callback's start stands for the arrival: rclpy's EventsExecutor cannot pass MessageInfo
+        # (the DDS receive time), and dispatches within tens of microseconds of it.
+        arrival = time.monotonic()
+        cfg = self.config
+        try:
+            vector = joint_state_vector(msg, cfg.state_names)
+            check_bounds(vector, cfg.state_names, self.state_low, self.state_high, cfg.safety.state_margin)
+            self._accept(JOINT_STATES, stamp_seconds(msg.header.stamp), arrival)
+            self.state = vector
+            self.state_stamp = msg.header.stamp
+        except InputRejected as err:
+            self.reject(JOINT_STATES, err)
+        if self.on_joint_state_arrival is not None:
+            self.on_joint_state_arrival(arrival)
+
+    def on_image(self, camera: CameraTopic, msg) -> None:
+        arrival = time.monotonic()
+        source = f"camera {camera.name}"
+        try:
+            rgb = decode_image(msg)
+            if self.image_size:
+                rgb = fit_image(rgb, self.image_size, self.config.resize_images)
+            self._accept(source, stamp_seconds(msg.header.stamp), arrival)
+            self.images[camera.name] = rgb
+        except InputRejected as err:
+            self.reject(source, err)
+
+    def on_instruction(self, msg) -> None:
+        if msg.data != self.instruction:
+            self.log_info(f"instruction: {msg.data!r} (from the next chunk on)")
+        self.instruction = msg.data
+
+    # -- checks ----------------------------------------------------------------------------------
+
+    def _accept(self, source: str, stamp: float, arrival: float) -> None:
+        """Check the header stamp is not older than the last accepted one from source; record it."""
+        last = self.stamp.get(source)
+        if last is not None and stamp < last:
+            self.diagnostics.count("out_of_order")
+            raise InputRejected(
+                f"out-of-order stamp {stamp:.6f} s, older than the last accepted {last:.6f} s", "out_of_order"
+            )
+        self.stamp[source] = stamp
+        self.arrival[source] = arrival
+        self.faults.pop(source, None)
+
+    def reject(self, source: str, err: InputRejected) -> None:
+        """Count and log a rejected message; its source is faulty until its next good message."""
+        self.diagnostics.rejected(err.kind)
+        reason = f"{source}: {err}"
+        # One line per source and cause per second: the details (a value, a stamp) change with
+        # every message of a persisting fault, the cause does not.
+        self.log_limiter(f"rejected {source} {err.kind}", "warning", f"rejected {reason} [{err.kind}]; holding")
+        self.faults[source] = (err.kind, reason)
+        self.diagnostics.last_error = reason
+
+    def fault(self) -> tuple[str, str] | None:
+        """(key, text) naming every source whose last message was rejected, or None."""
+        if not self.faults:
+            return None
+        key = "rejected " + ", ".join(f"{source} {kind}" for source, (kind, _) in sorted(self.faults.items()))
+        return key, "rejected input: " + "; ".join(reason for _, reason in self.faults.values())
+
+    def stale(self, now: float) -> list[str]:
+        """The sources with no accepted message in the last ``safety.stale_after_s`` seconds."""
+        limit = self.config.safety.stale_after_s
+        sources = [JOINT_STATES] + [f"camera {c.name}" for c in self.config.cameras]
+        return [s for s in sources if now - self.arrival.get(s, -math.inf) > limit]
+
+    def observation(self) -> dict[str, Any] | None:
+        """The policy's numpy batch of one: state (1, S) float32, instruction, images (1, H, W, 3) uint8.
+
+        None (the camera rejected) when an image that arrived before the policy told its size does not fit it.
+        """
+        observation: dict[str, Any] = {OBS_STATE: self.state[None].astype(np.float32), TASK: [self.instruction]}
+        size = self.image_size
+        for cam in self.config.cameras:
+            rgb = self.images[cam.name]
+            if size:
+                try:
+                    rgb = fit_image(rgb, size, self.config.resize_images)
+                except InputRejected as err:
+                    self.reject(f"camera {cam.name}", err)
+                    return None
+            observation[cam.feature] = rgb[None]
+        return observation

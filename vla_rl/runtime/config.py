@@ -1,0 +1,52 @@
+"""How chunks execute: the one chunking config, embedded as ``chunking`` in the eval and serve configs
+(``--chunking.execute_steps``, ``--chunking.merge``, ``--chunking.ensemble_coeff``)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import get_args
+
+from vla_rl.runtime.executor import MergeMode
+
+
+@dataclass
+class ChunkingConfig:
+    """Steps executed per chunk and how overlapping chunks merge (see `ActionChunkExecutor`).
+
+    The inference delay is not set here: eval draws it from ``delay``, and serve measures it.
+    With ``merge=rtc`` a flow policy is also guided toward the queued actions (serve); its
+    guidance clip is the policy's ``rtc_max_guidance``.
+    """
+
+    # Steps of each chunk executed before the next request (more while an inference is still
+    # running); 0 = the policy's own n_action_steps.
+    execute_steps: int = 0
+    merge: MergeMode = "latest"  # latest, ensemble (ACT temporal ensembling) or rtc (real-time chunking)
+    ensemble_coeff: float = 0.01  # ensemble: weight exp(-c * i) of the i-th prediction of a step, i = 0 the oldest
+
+    def validate(self) -> None:
+        """Raise ValueError naming the field (as ``--chunking.<name>``) for a value no run could use."""
+        allowed = get_args(MergeMode)
+        if self.merge not in allowed:
+            raise ValueError(
+                f"chunking.merge={self.merge!r} is not one of {allowed}; set --chunking.merge={allowed[0]}"
+            )
+        if self.execute_steps < 0:
+            raise ValueError(
+                f"chunking.execute_steps must be >= 0 (0: the policy's n_action_steps), got {self.execute_steps}"
+            )
+        if not math.isfinite(self.ensemble_coeff):
+            raise ValueError(f"chunking.ensemble_coeff must be finite, got {self.ensemble_coeff}")
+
+    def steps_per_chunk(self, policy_steps: int | None, horizon: int) -> int:
+        """``execute_steps``, or the policy's ``n_action_steps`` (``policy_steps``) when it is 0, checked against
+        the chunk length ``horizon``: a chunk cannot run for more steps than it has."""
+        self.validate()
+        steps = self.execute_steps or policy_steps
+        if not steps:
+            raise ValueError("the policy does not tell its n_action_steps; set --chunking.execute_steps")
+        if steps > horizon:
+            source = "chunking.execute_steps" if self.execute_steps else "the policy's n_action_steps"
+            raise ValueError(f"{source}={steps} exceeds the chunk length {horizon}; lower --chunking.execute_steps")
+        return steps
