@@ -9,7 +9,9 @@ Layout and format follow LeRobot's: one folder per policy type with ``configurat
   ``config.json``. The type is the name LeRobot knows the policy by: LeRobot has its own
   ``diffusion``, so ours are namespaced (:func:`lerobot_type`). With the ``lerobot_policy_vla_rl``
   plugin installed (``plugins/``), LeRobot's own ``from_pretrained`` loads the directory.
-- ``model.safetensors``: the weights, the normalization statistics included (they are buffers).
+- ``model.safetensors``: the weights, the normalization statistics included (they are buffers);
+- ``policy_preprocessor.json`` / ``policy_postprocessor.json``: LeRobot's processors, which only
+  batch and move tensors (:func:`lerobot_processors`).
 
 A directory LeRobot wrote (any other ``type``) loads as the ``lerobot`` policy (``policies/lerobot``),
 which runs LeRobot's model and processors behind the same contract.
@@ -103,7 +105,9 @@ class PolicyConfig(draccus.ChoiceRegistry):
         for cam in self.cameras:
             if cam not in available:
                 raise ValueError(f"camera {cam!r} is not in the dataset (it has {available})")
-            height, width = features[image_key(cam)]["shape"][:2]
+            feature = features[image_key(cam)]
+            names = list(feature.get("names") or ["height", "width", "channels"])
+            height, width = (feature["shape"][names.index(axis)] for axis in ("height", "width"))
             self.check_image_size(int(height), int(width))
         self.vocabulary = word_vocabulary(tasks)
 
@@ -148,6 +152,23 @@ def lerobot_type(type_name: str) -> str:
     return LEROBOT_TYPE_PREFIX + type_name
 
 
+def lerobot_processors(device: str = "cpu"):
+    """LeRobot's (preprocessor, postprocessor) of a vla-rl policy: batch the input and move it to
+    ``device``; return the actions on the CPU. No normalization: the model normalizes with the
+    statistics it was trained with (they are among its weights)."""
+    from lerobot.processor import AddBatchDimensionProcessorStep, DeviceProcessorStep, RenameObservationsProcessorStep
+    from lerobot.processor.factory import make_policy_processor_pipelines
+
+    return make_policy_processor_pipelines(
+        input_steps=[
+            RenameObservationsProcessorStep(rename_map={}),
+            AddBatchDimensionProcessorStep(),
+            DeviceProcessorStep(device=device),
+        ],
+        output_steps=[DeviceProcessorStep(device="cpu")],
+    )
+
+
 def config_from_dict(saved: dict[str, Any], source: str | Path) -> PolicyConfig:
     """A policy config from the contents of a ``config.json``; the errors name what the file is instead."""
     saved_type = saved.get("type")
@@ -175,7 +196,8 @@ def config_from_dict(saved: dict[str, Any], source: str | Path) -> PolicyConfig:
     return config_cls(**{k: v for k, v in saved.items() if k in names})
 
 
-# Fields of LeRobot's PreTrainedConfig: LeRobot adds them when it saves a vla-rl policy; vla-rl ignores them.
+# Fields of LeRobot's PreTrainedConfig (0.6): LeRobot adds them when it saves a vla-rl policy; vla-rl
+# ignores them. tests/test_lerobot_interop.py checks the list against the installed LeRobot.
 LEROBOT_FIELDS = {
     "n_obs_steps", "input_features", "output_features", "device", "use_amp", "use_peft", "push_to_hub",
     "repo_id", "private", "tags", "license", "pretrained_path", "pretrained_revision",
@@ -200,10 +222,6 @@ class PreTrainedPolicy(NormalizationMixin, nn.Module):
         config.validate()
         config.require_dataset_fields()
         self.config = config
-
-    @property
-    def policy_type(self) -> str:
-        return self.config.type
 
     @property
     def device(self) -> torch.device:
@@ -232,6 +250,8 @@ class PreTrainedPolicy(NormalizationMixin, nn.Module):
         save_file({k: v.detach().cpu().contiguous() for k, v in state.items()}, str(directory / WEIGHTS_FILE))
         saved = {"type": lerobot_type(self.config.type), **asdict(self.config)}
         (directory / CONFIG_FILE).write_text(json.dumps(saved, indent=2))
+        for pipeline in lerobot_processors():  # LeRobot's scripts load these beside the model
+            pipeline.save_pretrained(directory)
 
     @classmethod
     def from_pretrained(cls, directory: str | Path, device: str | torch.device = "cpu") -> PreTrainedPolicy:

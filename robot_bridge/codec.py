@@ -57,7 +57,8 @@ def duration_msg(seconds: float):
     """Seconds -> builtin_interfaces/Duration."""
     from builtin_interfaces.msg import Duration
 
-    return Duration(sec=int(seconds), nanosec=round((seconds % 1.0) * 1e9))
+    nanoseconds = round(seconds * 1e9)  # one rounding, so a fraction just under 1 carries into sec
+    return Duration(sec=nanoseconds // 1_000_000_000, nanosec=nanoseconds % 1_000_000_000)
 
 
 # -- images --------------------------------------------------------------------------------------

@@ -57,7 +57,8 @@ def ik_targets(q: Any, jac: Any, pos_err: Any, rot_err: Any, home_q: Any, ranges
     norm = (pos_err * pos_err).sum(axis=1, keepdims=True) ** 0.5  # (N, 1)
     jac_t = jac.swapaxes(1, 2)  # (N, 7, 6)
     damped = jac @ jac_t  # (N, 6, 6)
-    damped.reshape(-1, 36)[:, ::7] += DAMPING  # every 7th entry of a flattened 6x6 is on its diagonal
+    eye = np.eye(6) if isinstance(damped, np.ndarray) else torch.eye(6, dtype=damped.dtype, device=damped.device)
+    damped = damped + DAMPING * eye  # A = J J^T + DAMPING I
     # Pull the redundant DoF toward home so the elbow does not drift over long episodes.
     pull = NULLSPACE_GAIN * (home_q - q)  # (N, 7)
     rhs = -(jac @ pull[:, :, None])  # (N, 6, 1): e - J v, e added row block by row block

@@ -40,7 +40,9 @@ LeRobot's 10 no-op settling steps. A world's saved state (``get_state``) include
 poses its scene drew (see `LiberoWorld`), so a loaded world steps exactly as its source.
 
 ``task_names`` are the config's tasks as task names (``libero_spatial/0`` ... ``libero_spatial/9``
-for a suite, so ``info["task_id"]`` is then the suite's task index; ``[libero_spatial/3]`` for one). Episodes are truncated at LeRobot's per-suite limits (``TASK_SUITE_MAX_STEPS``:
+for a suite, so ``info["task_id"]`` is then the suite's task index; ``[libero_spatial/3]`` for one).
+
+Episodes are truncated at LeRobot's per-suite limits (``TASK_SUITE_MAX_STEPS``:
 280 spatial and object, 300 goal, 520 libero_10, 400 libero_90) unless
 ``EnvConfig.max_episode_steps`` is set.
 """

@@ -23,7 +23,6 @@ import numpy as np
 import torch
 from mujoco import rollout
 
-# STATE_NAMES and ACTION_NAMES are also imported from here by modules that predate `sim.arm`.
 from sim.arm import ACTION_HIGH, ACTION_LOW, ACTION_NAMES, STATE_NAMES, arm_state, commanded_grip, hold_actions
 from sim.batched_success import HostWorlds
 from sim.config import EnvConfig, env_features, reseed, world_indices

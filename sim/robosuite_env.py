@@ -92,8 +92,11 @@ class RobosuiteWorld(gym.Env):
         if self._env is None:
             # robosuite draws some object sizes (Lift's cube: 2.0-2.2 cm) from numpy's global RNG when
             # it builds the scene, once per world: a fixed seed gives every world and run the same scene.
+            # The RNG is put back after, so unseeded episodes still differ from world to world.
+            outside = np.random.get_state()
             np.random.seed(SCENE_SEED)
             self._env = self._make()
+            np.random.set_state(outside)
         if seed is not None:  # robosuite's placement samplers draw from numpy's global RNG
             np.random.seed(seed)
         return self._format(self._env.reset()), {"is_success": False}

@@ -159,12 +159,14 @@ class SubprocessBatchedEnv:
 
     def get_state(self, worlds: Worlds = None) -> list[dict[str, Any]]:
         """One snapshot per selected world: {"world": the world's own state, "episode_step", "gripper"
-        (its last gripper command, what holding keeps)}."""
+        (its last gripper command, what holding keeps), "task_id" (a state loads only into a world of
+        the same task)}."""
         world_states = self._vector.call("get_world_state")  # every worker answers; we keep the selected
         return [
-            {"world": world_states[w], "episode_step": int(self.episode_step[w]), "gripper": float(self._gripper[w])}
+            {"world": world_states[w], "episode_step": int(self.episode_step[w]), "gripper": float(self._gripper[w]),
+             "task_id": int(self._task_id[w])}
             for w in world_indices(worlds, self.num_envs)
-        ]
+        ]  # fmt: skip
 
     def set_state(self, states: Sequence[dict[str, Any]], worlds: Worlds = None) -> dict[str, Any]:
         """Load ``states`` (from `get_state`) into ``worlds``, world ``worlds[j]`` gets ``states[j]``;
@@ -172,6 +174,12 @@ class SubprocessBatchedEnv:
         selected = world_indices(worlds, self.num_envs)
         if len(states) != len(selected):
             raise ValueError(f"{len(selected)} worlds need {len(selected)} states, got {len(states)}")
+        wrong = [(int(w), s["task_id"]) for w, s in zip(selected, states) if s["task_id"] != self._task_id[w]]
+        if wrong:
+            raise ValueError(
+                f"a state loads only into a world of its own task: (world, state's task_id) {wrong} do not match "
+                f"the worlds' task_id {[int(self._task_id[w]) for w, _ in wrong]}"
+            )
         saved = {int(w): (s["world"], s["episode_step"]) for w, s in zip(selected, states)}
         raw = self._reset_worlds(selected, [None] * self.num_envs, {"world_states": saved})
         for w, s in zip(selected, states):

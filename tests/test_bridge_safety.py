@@ -115,7 +115,8 @@ def test_default_state_bounds_are_the_sim_pandas():
     """Read independently from the MJCF model and the env: joint ranges, two finger slides, the workspace."""
     import mujoco
 
-    from sim.mujoco_env import STATE_NAMES, MujocoBatchedEnv
+    from sim.arm import STATE_NAMES
+    from sim.mujoco_env import MujocoBatchedEnv
 
     assert SIM_STATE_NAMES == STATE_NAMES and list(SIM_STATE_BOUNDS) == STATE_NAMES
     model = mujoco.MjModel.from_xml_path(str(ROOT / "sim/assets/panda_lift.xml"))

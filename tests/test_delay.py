@@ -16,8 +16,8 @@ from vla_rl.types import OBS_COMMITTED_ACTIONS, OBS_COMMITTED_MASK, OBS_DELAY_ST
 
 
 class CountingEnv:
-    """A real BatchedEnv with 1-D actions that records what is applied; episodes last `length` steps
-    (one length, or one per world)."""
+    """A minimal env with 1-D actions that records what is applied, with the reset/step part of the
+    BatchedEnv contract the delay shell uses; episodes last `length` steps (one length, or one per world)."""
 
     def __init__(self, num_envs=1, length=1000):
         self.num_envs, self.action_dim, self.device = num_envs, 1, torch.device("cpu")

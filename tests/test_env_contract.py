@@ -156,8 +156,23 @@ def test_a_subset_reset_leaves_the_other_worlds_alone(case):
     # The others are where they were, observations and full state alike.
     assert_same_rows(rows(obs, others), rows(obs_before, others))
     assert_same_states(env.get_state(others), states_before)
-    # A bool mask selects the same way (no world: nothing changes).
+    # A bool mask selects the same way: no world changes nothing; the last world alone resets it alone.
     assert_same_rows(tensors(env.reset(worlds=torch.zeros(n, dtype=torch.bool))), tensors(obs))
+    moved, _, _, _, _ = env.step(case.move())
+    last = torch.zeros(n, dtype=torch.bool)
+    last[n - 1] = True
+    masked = env.reset(seed=0, worlds=last)
+    assert_same_rows(rows(masked, [n - 1]), rows(case.first, [n - 1]))
+    assert_same_rows(rows(masked, others), rows(moved, others))
+
+
+def test_worlds_reset_without_a_seed_start_different_episodes(case):
+    """Each world draws its own next episode (what an autoreset does): no two start alike."""
+    env, n = case.env, case.env.num_envs
+    images = env.reset()[image_key(case.spec.cameras[0])]  # the objects' placements show in the images
+    for i in range(n):
+        for j in range(i + 1, n):
+            assert not torch.equal(images[i], images[j]), (i, j)
 
 
 def test_equal_seeds_give_equal_starts(case):

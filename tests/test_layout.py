@@ -59,13 +59,9 @@ def test_vla_rl_never_imports_the_ros_package_but_in_the_cli():
             assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
 
 
-def test_the_rule_catches_a_crossing():
+def test_the_rule_catches_a_crossing(tmp_path):
     """The checker itself: a policy module importing the simulator is flagged."""
     assert not _allowed("sim.mujoco_env", RULES["policies"]) and _allowed("policies.tokenizer", RULES["policies"])
-    tree = "import torch\nfrom sim.arm import STATE_NAMES\ndef f():\n    import robot_bridge.codec\n"
-    path = ROOT / "tests" / "__layout_probe__.py"
-    path.write_text(tree)
-    try:
-        assert _project_imports(path) == ["sim.arm", "robot_bridge.codec"]
-    finally:
-        path.unlink()
+    probe = tmp_path / "probe.py"
+    probe.write_text("import torch\nfrom sim.arm import STATE_NAMES\ndef f():\n    import robot_bridge.codec\n")
+    assert _project_imports(probe) == ["sim.arm", "robot_bridge.codec"]

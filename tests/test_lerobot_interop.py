@@ -47,6 +47,14 @@ def test_lerobot_loads_a_vla_rl_checkpoint_and_predicts_the_same_chunks(tiny_che
     expected = ours.predict_chunk(obs, noise=noise).actions
     torch.testing.assert_close(theirs.predict_action_chunk(obs, noise=noise), expected, rtol=0, atol=0)
 
+    # LeRobot's scripts load the processors saved beside the model: they batch and move, nothing else.
+    from lerobot.policies.factory import make_pre_post_processors
+
+    pre, post = make_pre_post_processors(config, pretrained_path=str(model_dir))
+    single = {k: v[0] for k, v in obs.items()}  # one unbatched frame, as a LeRobot env gives it
+    got = post(theirs.predict_action_chunk(pre(single), noise=noise[:1]))
+    torch.testing.assert_close(got, expected[:1], rtol=0, atol=0)
+
     # select_action serves the first n_action_steps actions of one chunk, then asks for a new one.
     theirs.reset()
     torch.manual_seed(7)
@@ -113,3 +121,13 @@ def test_a_lerobot_policy_runs_behind_the_vla_rl_contract_and_in_eval(tmp_path):
     result = evaluate(EvalConfig(checkpoint=str(lerobot_dir), env=EnvConfig(num_envs=2, max_episode_steps=8),
                                  num_episodes=2, video_episodes=0, output_dir=str(tmp_path / "eval")))  # fmt: skip
     assert result["episodes"] == 2 and all(1 <= e["length"] <= 8 for e in result["per_episode"])
+
+
+def test_the_lerobot_fields_vla_rl_ignores_are_the_installed_lerobots():
+    from dataclasses import fields
+
+    from lerobot.configs.policies import PreTrainedConfig
+
+    from policies.pretrained import LEROBOT_FIELDS
+
+    assert {f.name for f in fields(PreTrainedConfig)} == LEROBOT_FIELDS

@@ -89,7 +89,7 @@ def test_recording_is_a_complete_mcap_with_ros2_schemas(recording):
 def test_convert_gives_a_lerobot_dataset_of_what_was_published(recording, tmp_path):
     from lerobot.datasets.lerobot_dataset import LeRobotDataset
 
-    from sim.mujoco_env import ACTION_NAMES, STATE_NAMES
+    from sim.arm import ACTION_NAMES, STATE_NAMES
     from vla_rl.cli import main
 
     mcap, _, sent, observed, instruction = recording

@@ -26,8 +26,9 @@ def client():
 def test_lock_step_robot_matches_the_batched_env_and_the_replayed_expert_succeeds(client, tmp_path):
     """Same seed, same actions: every published JointState equals observation.state of a batched env of
     one world, and the expert's episode, sent as commands, succeeds on the robot at the same step."""
+    from sim.arm import ACTION_NAMES
     from sim.config import EnvConfig
-    from sim.mujoco_env import ACTION_NAMES, MujocoBatchedEnv
+    from sim.mujoco_env import MujocoBatchedEnv
     from sim.tasks import EXPERTS
 
     seed = 3

@@ -69,3 +69,12 @@ def test_bad_actions_are_held_or_clipped_and_counted(env):
     # non-finite rows hold: no move, the gripper as last commanded; the out-of-range row is clipped
     assert obs[OBS_STATE].tolist() == [[0.5, 1.0], [0.5, -1.0], [-0.5, -1.0]]
     assert env.hold_actions().tolist() == [[0.0, 1.0], [0.0, -1.0], [0.0, -1.0]]
+
+
+def test_a_state_loads_only_into_a_world_of_its_task(env):
+    """Worlds 0, 1, 2 run tasks a, b, c: a state of task 0 is refused by world 1, before any worker is asked."""
+    state = {"world": None, "episode_step": 0, "gripper": 0.0, "task_id": 0}
+    with pytest.raises(
+        ValueError, match=r"\(world, state's task_id\) \[\(1, 0\)\] do not match the worlds' task_id \[1\]"
+    ):
+        env.set_state([state], worlds=[1])

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from vla_rl.checkpoint import resolve_checkpoint, resolve_policy_dir
+from vla_rl.checkpoint import load_policy, resolve_checkpoint, resolve_policy_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -20,7 +20,9 @@ def test_checkpoint_contents(tiny_checkpoint, tiny_dataset):
     assert ckpt.name == "step-00000060" and summary["steps"] == 60
     # LeRobot's checkpoint layout: the policy as save_pretrained writes it, beside the training state.
     assert {p.name for p in ckpt.iterdir()} == {"pretrained_model", "metadata.json", "training_state"}
-    assert {p.name for p in (ckpt / "pretrained_model").iterdir()} == {"model.safetensors", "config.json", "stats.json"}
+    assert {p.name for p in (ckpt / "pretrained_model").iterdir()} == {
+        "model.safetensors", "config.json", "stats.json", "policy_preprocessor.json", "policy_postprocessor.json"
+    }  # fmt: skip
     # accelerate's save_state: raw weights, optimizer, the LR schedule and the EMA, the RNG; plus our progress.
     assert {p.name for p in (ckpt / "training_state").iterdir()} == {
         "model.safetensors", "optimizer.bin", "custom_checkpoint_0.pkl", "custom_checkpoint_1.pkl",
@@ -39,6 +41,15 @@ def test_checkpoint_contents(tiny_checkpoint, tiny_dataset):
         weights["action_min"], torch.tensor(ds_stats["action"]["min"]).float()[:4], atol=1e-3, rtol=0
     )
     torch.testing.assert_close(weights["state_mean"], torch.tensor(ds_stats["observation.state"]["mean"]).float())
+    # The policy is saved with the EMA's weights (diffusers' EMAModel, accelerate's second registered
+    # object, after the LR schedule), not with the raw ones training continues from.
+    ema = torch.load(ckpt / "training_state" / "custom_checkpoint_1.pkl", weights_only=False)
+    raw = load_file(str(ckpt / "training_state" / "model.safetensors"))
+    names = [name for name, _ in load_policy(out)[0].named_parameters()]  # all trainable, in EMA order
+    assert len(names) == len(ema["shadow_params"]) and ema["decay"] == 0.995
+    for name, shadow in zip(names, ema["shadow_params"], strict=True):
+        torch.testing.assert_close(weights[name], shadow, rtol=0, atol=0)
+    assert sum(not torch.equal(weights[n], raw[n]) for n in names) > len(names) // 2
     # Only the last two checkpoints are kept; no temporary directories remain.
     names = sorted(p.name for p in (out / "checkpoints").iterdir())
     assert names == ["last", "step-00000040", "step-00000060"]

@@ -76,7 +76,7 @@ def test_l2_training_on_a_libero_format_multitask_dataset(libero_format_dataset,
     assert saved["policy"]["type"] == "diffusion_vla" and saved["l2_copies"] == 4
     policy, _ = load_policy(out)
     cfg = policy.config
-    assert policy.policy_type == "diffusion_vla"
+    assert policy.config.type == "diffusion_vla"
     assert cfg.cameras == ["image", "image2"] and cfg.state_dim == 8 and cfg.action_dim == 7
     assert {"bowl", "drawer", "wine"} <= set(cfg.vocabulary)
     obs = {

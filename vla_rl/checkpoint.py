@@ -5,7 +5,7 @@ the ``training_state``):
 
 - ``pretrained_model/``: the policy as ``PreTrainedPolicy.save_pretrained`` writes it, which is
   what ``vla-rl eval`` and ``vla-rl serve`` load:
-  - ``config.json``: ``{"type": <policy type>, <config fields>}``
+  - ``config.json``: ``{"type": "vla_rl_<policy type>", <config fields>}``
   - ``model.safetensors``: weights (EMA weights when EMA is on), normalization buffers included
   - ``stats.json``: the normalization statistics, human readable
 - ``metadata.json``: step, dataset, git revision, vla-rl version, time

@@ -241,8 +241,9 @@ def train(cfg: TrainConfig) -> dict:
     )
     policy, optimizer = accelerator.prepare(policy, optimizer)
     raw_policy = accelerator.unwrap_model(policy)
-    # diffusers' EMA of the trainable weights. min_decay = decay keeps the decay constant, as vla-rl's
-    # own EMA did: diffusers' default warm-up would change the weights a short run is evaluated with.
+    # diffusers' EMA of the trainable weights. min_decay = decay keeps the decay constant after the
+    # first step (diffusers' default warm-up would average over far fewer steps early on); at the
+    # first step the EMA takes the weights as they are.
     ema = EMAModel(trainable, decay=cfg.ema_decay, min_decay=cfg.ema_decay) if cfg.ema_decay > 0 else None
     progress = TrainingProgress(generator=torch.Generator().manual_seed(cfg.seed + accelerator.process_index))
     # accelerate's save_state / load_state keep the prepared model and optimizer, every process's
@@ -253,6 +254,12 @@ def train(cfg: TrainConfig) -> dict:
         ckpt = resolve_checkpoint(ckpt_dir)
         accelerator.load_state(str(ckpt / TRAINING_STATE_DIR))
         was = progress.load(ckpt / TRAINING_STATE_DIR, accelerator.process_index)
+        if ema is not None:
+            ema.to(accelerator.device)  # accelerate loads registered objects onto the CPU
+            if ema.decay != cfg.ema_decay and accelerator.is_main_process:
+                print(f"--ema_decay={cfg.ema_decay:g} (the checkpoint ran at {ema.decay:g}): the EMA continues "
+                      f"with the new decay", file=sys.stderr)  # fmt: skip
+            ema.decay = ema.min_decay = cfg.ema_decay
         # The schedule continues with this run's --lr as its peak: lowering --lr on resume is the fix
         # the non-finite-loss stop names, and the loaded states would otherwise keep the old one.
         scheduler.base_lrs = [cfg.lr] * len(optimizer.param_groups)
@@ -320,7 +327,6 @@ def train(cfg: TrainConfig) -> dict:
         return cfg.stop_at_val_loss > 0 and loss <= cfg.stop_at_val_loss
 
     device = accelerator.device
-    copies = {"copies": cfg.l2_copies} if cfg.l2_copies > 1 else {}
     start = time.time()
     bar = tqdm(total=cfg.steps, initial=step, desc="train", unit="step", disable=not accelerator.is_main_process)
     # SIGINT and SIGTERM are only noted during a step or a checkpoint write: the loop stops at the
@@ -335,7 +341,9 @@ def train(cfg: TrainConfig) -> dict:
                     batch[key] = random_shift(batch[key], raw_policy.config.crop_shift, generator)
                 batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
                 policy.train()
-                loss = policy(batch, generator, **copies)  # forward() is the training loss, so DDP syncs gradients
+                loss = policy(
+                    batch, generator, copies=cfg.l2_copies
+                )  # forward() is the training loss, so DDP syncs gradients
                 if not math.isfinite(loss.item()):
                     raise FloatingPointError(f"loss became {loss.item()} at step {step}; lower --lr and --resume=true")
                 optimizer.zero_grad(set_to_none=True)

@@ -144,8 +144,13 @@ class DiffusionPolicy(PreTrainedPolicy):
             x = block(x, c)
         return self.output_proj(x).reshape(noisy.shape)
 
-    def forward(self, batch: dict, generator: torch.Generator | None = None) -> torch.Tensor:
-        """batch: observation keys + ``action`` (B, H, A) + ``action_is_pad`` (B, H) -> scalar loss."""
+    def forward(self, batch: dict, generator: torch.Generator | None = None, copies: int = 1) -> torch.Tensor:
+        """batch: observation keys + ``action`` (B, H, A) + ``action_is_pad`` (B, H) -> scalar loss.
+
+        copies must be 1: this policy has no Level-2 minibatching (``supports_copies`` is False).
+        """
+        if copies != 1:
+            raise ValueError(f"the diffusion policy trains one copy per frame, got copies={copies}")
         actions = batch[ACTION]
         if not torch.isfinite(actions).all():
             raise ValueError("the training batch has NaN or inf actions; check the dataset")

@@ -36,6 +36,11 @@ class LeRobotConfig(PolicyConfig):
         sides = {tuple(lerobot_config.input_features[k].shape[-2:]) for k in visual}
         if len(sides) != 1 or len(next(iter(sides))) != 2 or len(set(next(iter(sides)))) != 1:
             raise ValueError(f"the LeRobot policy in {directory} must take square images of one size, got {sides}")
+        if lerobot_config.n_obs_steps != 1:
+            raise ValueError(
+                f"the LeRobot {lerobot_config.type} policy in {directory} reads {lerobot_config.n_obs_steps} "
+                f"observation frames; vla-rl's observation batch holds one (n_obs_steps=1 policies: ACT, pi0, SmolVLA, ...)"
+            )
         horizon = len(lerobot_config.action_delta_indices)
         return cls(
             pretrained_path=str(Path(directory).resolve()),

@@ -3,10 +3,10 @@ postprocessor, run in that order on a vla-rl observation batch (the feature name
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from policies.lerobot.configuration_lerobot import LeRobotConfig, load_lerobot_config
 from policies.observation import check_observation
@@ -20,10 +20,7 @@ class LeRobotPolicy(PreTrainedPolicy):
     config_class = LeRobotConfig
 
     def __init__(self, config: LeRobotConfig):
-        nn.Module.__init__(self)  # no vla-rl normalization buffers: LeRobot's processors normalize
-        config.validate()
-        config.require_dataset_fields()
-        self.config = config
+        super().__init__(config)  # no vla-rl normalization buffers: LeRobot's processors normalize
         from lerobot.policies.factory import get_policy_class, make_pre_post_processors
 
         lerobot_config = load_lerobot_config(config.pretrained_path)
@@ -32,6 +29,10 @@ class LeRobotPolicy(PreTrainedPolicy):
         )
         self.preprocessor, self.postprocessor = make_pre_post_processors(
             lerobot_config, pretrained_path=config.pretrained_path
+        )
+        # LeRobot's diffusion and flow policies take the sampler's start; ACT has none.
+        self._takes_noise = "noise" in inspect.signature(self.model.predict_action_chunk).parameters or any(
+            p.kind is p.VAR_KEYWORD for p in inspect.signature(self.model.predict_action_chunk).parameters.values()
         )
 
     @property
@@ -56,10 +57,19 @@ class LeRobotPolicy(PreTrainedPolicy):
         """
         if inpaint is not None:
             raise ValueError("inpainting guidance is not available for LeRobot policies in vla-rl")
+        if noise is not None and not self._takes_noise:
+            raise ValueError(f"the LeRobot {self.config.lerobot_type} policy samples without an initial noise")
         check_observation(obs, self.config.state_dim, self.config.cameras, self.config.image_size)
         batch = self.preprocessor(dict(obs))
+        # The saved preprocessor moves tensors to the device it was saved with; the model may be elsewhere.
+        batch = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in batch.items()}
         actions = self.model.predict_action_chunk(batch, **({"noise": noise} if noise is not None else {}))
         actions = self.postprocessor(actions).to(obs["observation.state"].device)
+        if actions.shape[1] < self.config.horizon:
+            raise ValueError(
+                f"the LeRobot {self.config.lerobot_type} policy returned {actions.shape[1]} actions per chunk, "
+                f"fewer than the {self.config.horizon} its config announces"
+            )
         b = actions.shape[0]
         if obs_step is None:
             obs_step = torch.zeros(b, dtype=torch.long, device=actions.device)
@@ -67,5 +77,6 @@ class LeRobotPolicy(PreTrainedPolicy):
 
     def forward(self, batch, generator=None, copies=1) -> torch.Tensor:
         """LeRobot's own training loss of the batch (its preprocessor normalizes it first)."""
-        loss, _ = self.model(self.preprocessor(dict(batch)))
+        batch = self.preprocessor(dict(batch))
+        loss, _ = self.model({k: v.to(self.device) if torch.is_tensor(v) else v for k, v in batch.items()})
         return loss

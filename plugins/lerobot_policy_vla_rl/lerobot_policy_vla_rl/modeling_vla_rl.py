@@ -32,6 +32,8 @@ class _VlaRlLeRobotPolicy:
 
     @classmethod
     def _load_as_safetensor(cls, model, model_file: str, map_location: str, strict: bool):
+        # Always strict, whatever LeRobot's default (False): a vla-rl policy is only usable with all its
+        # weights and normalization statistics, so a missing or extra key is an error, not a warning.
         model.model.load_state_dict(load_file(model_file, device=str(map_location)), strict=True)
         return model
 

@@ -1,34 +1,15 @@
-"""LeRobot processors of vla-rl's policies: batch and move to the device; no normalization, which
-the vla-rl model does itself with the statistics it was trained with."""
+"""LeRobot processors of vla-rl's policies (found by LeRobot's naming convention): batch and move to
+the device; no normalization, which the vla-rl model does itself (``policies.pretrained.lerobot_processors``,
+the same pipelines every vla-rl checkpoint is saved with)."""
 
 from __future__ import annotations
 
-from typing import Any
-
-import torch
-from lerobot.processor import (
-    AddBatchDimensionProcessorStep,
-    DeviceProcessorStep,
-    PolicyAction,
-    PolicyProcessorPipeline,
-    RenameObservationsProcessorStep,
-)
-from lerobot.processor.factory import make_policy_processor_pipelines
+from policies.pretrained import lerobot_processors
 
 
-def _pipelines(config, dataset_stats: dict[str, dict[str, torch.Tensor]] | None = None) -> tuple[
-    PolicyProcessorPipeline[dict[str, Any], dict[str, Any]], PolicyProcessorPipeline[PolicyAction, PolicyAction]
-]:  # fmt: skip
+def make_vla_rl_diffusion_pre_post_processors(config, dataset_stats=None):
     del dataset_stats  # the statistics are inside the model's weights
-    return make_policy_processor_pipelines(
-        input_steps=[
-            RenameObservationsProcessorStep(rename_map={}),
-            AddBatchDimensionProcessorStep(),
-            DeviceProcessorStep(device=config.device),
-        ],
-        output_steps=[DeviceProcessorStep(device="cpu")],
-    )
+    return lerobot_processors(config.device)
 
 
-make_vla_rl_diffusion_pre_post_processors = _pipelines
-make_vla_rl_diffusion_vla_pre_post_processors = _pipelines
+make_vla_rl_diffusion_vla_pre_post_processors = make_vla_rl_diffusion_pre_post_processors
