@@ -118,7 +118,8 @@ class Policy(Protocol):
 WorldState = Any
 """A snapshot of one world of a `BatchedEnv`: a picklable dict whose ``episode_step`` is the step of
 the world's episode (the time limit counts from it) and whose other entries, the simulator's state,
-are the backend's own. It can be loaded into any world of an env built from the same config."""
+are the backend's own. It can be loaded into any world of the same task in an env built from the
+same config (a LIBERO suite runs several tasks; its states carry their ``task_id`` and are checked)."""
 
 Worlds = Any
 """Which worlds an env call touches: indices (k,) (a sequence of ints, a long array or tensor), an
