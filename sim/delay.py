@@ -28,6 +28,7 @@ per-world sums and marks the complete ones.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -35,8 +36,9 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from sim.config import world_indices
 from vla_rl.runtime import ActionChunkExecutor, MergeMode
-from vla_rl.types import ActionChunk, BatchedEnv
+from vla_rl.types import ActionChunk, BatchedEnv, Worlds, WorldState
 
 
 @dataclass
@@ -188,15 +190,31 @@ class DelayedChunkEnv:
         """(N,) long: the step of the current observation, to condition chunks on."""
         return self.executor.step.clone()
 
-    def reset(self, seed: int | None = None) -> tuple[dict[str, Any], torch.Tensor]:
-        """-> obs with delay augmentation, need (N,) bool (every world requests at step 0)."""
-        obs = self.env.reset(seed=seed)
-        self.executor.reset()
-        self._in_flight[:] = False
-        self._next_request[:] = 0
-        self._need[:] = True
-        self._pending_delay = self.delay.sample(self.num_envs)
-        self._transition = ChunkTransition.zeros(self.num_envs)
+    def reset(self, seed: int | Sequence[int] | None = None, *, worlds: Worlds = None) -> tuple[dict, torch.Tensor]:
+        """Start new episodes in ``worlds`` (all when None; ``seed`` as in `BatchedEnv.reset`).
+
+        Returns obs with delay augmentation and need (N,) bool: the restarted worlds request at once;
+        the others keep their queues, in-flight chunks and transitions.
+        """
+        return self._restart(self.env.reset(seed=seed, worlds=worlds), worlds)
+
+    def set_state(self, states: Sequence[WorldState], worlds: Worlds = None) -> tuple[dict, torch.Tensor]:
+        """Load saved world states (`BatchedEnv.set_state`) into ``worlds``, which then start afresh
+        here: an empty queue, no chunk in flight, a new transition, a request at once (GRPO's group
+        of worlds starting from one state). Returns obs with delay augmentation and need (N,)."""
+        return self._restart(self.env.set_state(states, worlds=worlds), worlds)
+
+    def _restart(self, obs: dict[str, Any], worlds: Worlds) -> tuple[dict, torch.Tensor]:
+        """Forget the selected worlds' chunks (they belong to the episode they left) and open a request."""
+        selected = np.zeros(self.num_envs, dtype=bool)
+        selected[world_indices(worlds, self.num_envs)] = True
+        mask = torch.from_numpy(selected)
+        self.executor.reset(mask.to(self.executor.device))
+        self._in_flight[selected] = False
+        self._next_request[selected] = 0
+        self._need[selected] = True
+        self._pending_delay[selected] = self.delay.sample(int(selected.sum()))
+        self._transition.start(mask, torch.zeros(self.num_envs, dtype=torch.long))
         return self._augment(obs), torch.from_numpy(self._need.copy())
 
     def step(self, chunk: ActionChunk) -> tuple[dict, torch.Tensor, torch.Tensor, torch.Tensor, dict, torch.Tensor]:

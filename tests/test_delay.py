@@ -31,8 +31,17 @@ class CountingEnv:
             "task": ["count"] * self.num_envs,
         }
 
-    def reset(self, seed=None):
-        self.t[:] = 0
+    def reset(self, seed=None, *, worlds=None):
+        self.t[slice(None) if worlds is None else worlds] = 0
+        return self._obs()
+
+    def get_state(self, worlds=None):
+        return [{"t": int(self.t[w]), "episode_step": int(self.t[w])} for w in range(self.num_envs)
+                if worlds is None or w in worlds]  # fmt: skip
+
+    def set_state(self, states, worlds=None):
+        for w, state in zip(range(self.num_envs) if worlds is None else worlds, states, strict=True):
+            self.t[w] = state["t"]
         return self._obs()
 
     def step(self, actions):
@@ -271,3 +280,29 @@ def test_chunk_transitions_do_not_change_the_per_call_results():
     for i, length in enumerate([7, 5, 9]):
         in_episode = [s % length for s in range(len(env.applied[i]))]
         assert call_rewards[i] == sum(in_episode)
+
+
+@pytest.mark.parametrize("how", ["reset", "set_state"])
+def test_a_world_restarted_alone_forgets_its_chunks_and_opens_a_new_transition(how):
+    """d = 1, two steps per chunk, chunk k = [10k + j]. Both worlds run chunk 0 ([-1 held, 1]) and request
+    at step 2; then world 1 alone restarts (a reset to t = 0, or world 0's state loaded: t = 2). World 0
+    goes on from its queue (2, then chunk 1's 11); world 1's queue and step count are gone, so it holds
+    (-1) until chunk 1, conditioned on its step 0, arrives (11). Rewards are the env's t of each step taken."""
+    env = CountingEnv(num_envs=2)
+    wrapper = DelayedChunkEnv(env, 4, 2, DelayModel(DelayConfig(kind="fixed", steps=1)))
+    wrapper.reset(seed=0)
+    chunk = lambda k: ActionChunk((10 * k + torch.arange(4.0)).reshape(1, 4, 1).repeat(2, 1, 1), wrapper.obs_step)
+    _, _, _, _, _, need = wrapper.step(chunk(0))
+    assert need.tolist() == [True, True] and wrapper.obs_step.tolist() == [2, 2]
+    if how == "reset":
+        _, need = wrapper.reset(worlds=[1])
+        t1 = 0
+    else:
+        _, need = wrapper.set_state(env.get_state([0]), worlds=[1])
+        t1 = 2
+    assert need.tolist() == [True, True] and wrapper.obs_step.tolist() == [2, 0] and env.t.tolist() == [2, t1]
+    info = wrapper.step(chunk(1))[4]
+    assert env.applied == [[-1, 1, 2, 11], [-1, 1, -1, 11]]
+    transition = info["transition"]
+    assert transition.start_step.tolist() == [2, 0] and transition.steps.tolist() == [2, 2]
+    assert transition.reward.tolist() == [2 + 3, t1 + t1 + 1] and transition.ready.tolist() == [True, True]
