@@ -172,9 +172,11 @@ class FrameRecorder:
     def __getattr__(self, name):
         return getattr(self.env, name)
 
-    def reset(self, seed=None):
-        obs = self.env.reset(seed=seed)
-        self._ended[:] = False
+    def reset(self, seed=None, *, worlds=None):
+        from sim.config import world_indices
+
+        obs = self.env.reset(seed=seed, worlds=worlds)
+        self._ended[world_indices(worlds, self.env.num_envs)] = False
         self._record()
         return obs
 
