@@ -306,6 +306,13 @@ class PreTrainedPolicy(NormalizationMixin, nn.Module):
         """Log-probability (B,) of a given sampling chain under the current weights: RL fine-tuning."""
         raise NotImplementedError(f"{type(self).__name__} has no log-probabilities yet; they come with RL fine-tuning")
 
+    @staticmethod
+    def _chunk(actions: torch.Tensor, obs_step: torch.Tensor | None) -> ActionChunk:
+        """(B, H, A) actions -> ActionChunk conditioned on ``obs_step`` (B,), zeros when None."""
+        if obs_step is None:
+            obs_step = torch.zeros(actions.shape[0], dtype=torch.long, device=actions.device)
+        return ActionChunk(actions=actions, obs_step=obs_step)
+
     def _initial_noise(self, noise: torch.Tensor | None, batch: int, device: torch.device) -> torch.Tensor:
         """(B, H, A) sampler start: the given noise, checked, or a fresh standard normal draw."""
         shape = (batch, self.config.horizon, self.config.action_dim)

@@ -89,11 +89,11 @@ class ChunkTransition:
             running[worlds] = 0
 
     def add_step(self, reward: torch.Tensor, terminated: torch.Tensor, truncated: torch.Tensor) -> None:
-        """Every world took one env step: (N,) each."""
+        """Every world took one env step: (N,) each, float32 and bool, on the CPU."""
         self.steps += 1
-        self.reward += reward.float().cpu()
-        self.terminated |= terminated.cpu()
-        self.truncated |= truncated.cpu()
+        self.reward += reward
+        self.terminated |= terminated
+        self.truncated |= truncated
 
 
 class DelayModel:
@@ -262,13 +262,14 @@ class DelayedChunkEnv:
                 actions = torch.where(valid[:, None], actions, torch.as_tensor(hold(), dtype=actions.dtype))
             obs, r, term, trunc, info = self.env.step(actions)
             self._obs = obs
-            reward += r.float().cpu()
+            r, term, trunc = r.float().cpu(), term.cpu(), trunc.cpu()  # one host copy each per step
+            reward += r
             steps += 1
-            terminated |= term.cpu()
-            truncated |= trunc.cpu()
+            terminated |= term
+            truncated |= trunc
             self._transition.add_step(r, term, trunc)
             success |= info["success"].cpu()
-            done = (term | trunc).cpu().numpy()
+            done = (term | trunc).numpy()
             if done.any():
                 # The world starts a new episode: its queue and in-flight chunk belong to the old one.
                 self.executor.reset(torch.from_numpy(done).to(self.executor.device))

@@ -21,6 +21,7 @@ from sim.arm import finger_targets
 
 MAX_EE_STEP = 0.04  # metres the IK target may lead the end effector by, per control step
 DAMPING = 1e-4  # lambda^2 of the damped least squares (J J^T + lambda^2 I)
+_DAMPING_NUMPY = DAMPING * np.eye(6)  # made once: the cpu backend calls ik_targets every control step
 NULLSPACE_GAIN = 0.1  # fraction of (home - q) pulled in through the nullspace each step
 
 
@@ -57,8 +58,10 @@ def ik_targets(q: Any, jac: Any, pos_err: Any, rot_err: Any, home_q: Any, ranges
     norm = (pos_err * pos_err).sum(axis=1, keepdims=True) ** 0.5  # (N, 1)
     jac_t = jac.swapaxes(1, 2)  # (N, 7, 6)
     damped = jac @ jac_t  # (N, 6, 6)
-    eye = np.eye(6) if isinstance(damped, np.ndarray) else torch.eye(6, dtype=damped.dtype, device=damped.device)
-    damped = damped + DAMPING * eye  # A = J J^T + DAMPING I
+    if isinstance(damped, np.ndarray):
+        damped = damped + _DAMPING_NUMPY  # A = J J^T + DAMPING I
+    else:
+        damped = damped + DAMPING * torch.eye(6, dtype=damped.dtype, device=damped.device)
     # Pull the redundant DoF toward home so the elbow does not drift over long episodes.
     pull = NULLSPACE_GAIN * (home_q - q)  # (N, 7)
     rhs = -(jac @ pull[:, :, None])  # (N, 6, 1): e - J v, e added row block by row block

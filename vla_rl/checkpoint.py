@@ -77,7 +77,7 @@ def write_policy(checkpoint: Path, policy, metadata: dict[str, Any]) -> None:
     state = policy.state_dict()
     stats = {k: state[k].tolist() for k in state if k.startswith(("state_", "action_"))}
     (model_dir / "stats.json").write_text(json.dumps(stats, indent=2))
-    meta = {"step": None, "vla_rl_version": vla_rl.__version__, "git_revision": git_revision(), "time": time.time()}
+    meta = {"vla_rl_version": vla_rl.__version__, "git_revision": git_revision(), "time": time.time()}
     (checkpoint / METADATA_FILE).write_text(json.dumps({**meta, **metadata}, indent=2))
 
 

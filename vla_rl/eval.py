@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from sim.config import EnvConfig
+from sim.config import EnvConfig, world_indices
 from sim.delay import DelayConfig
 from vla_rl import interrupt
 from vla_rl.checkpoint import load_policy
@@ -173,8 +173,6 @@ class FrameRecorder:
         return getattr(self.env, name)
 
     def reset(self, seed=None, *, worlds=None):
-        from sim.config import world_indices
-
         obs = self.env.reset(seed=seed, worlds=worlds)
         self._ended[world_indices(worlds, self.env.num_envs)] = False
         self._record()

@@ -354,7 +354,6 @@ def train(cfg: TrainConfig) -> dict:
                 if ema is not None:
                     ema.step(trainable)
                 step += 1
-                progress.step = step
                 progress.train_seconds += time.perf_counter() - step_start
                 progress.loss_window.append(loss.item())
                 bar.update(1)

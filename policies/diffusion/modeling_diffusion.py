@@ -188,7 +188,4 @@ class DiffusionPolicy(PreTrainedPolicy):
         for t in self.sample_scheduler.timesteps:
             eps = self.denoise(x, t.expand(b).to(cond.device), cond)
             x = self.sample_scheduler.step(eps, t, x).prev_sample
-        actions = self.unnormalize_action(x.clamp(-1, 1))
-        if obs_step is None:
-            obs_step = torch.zeros(b, dtype=torch.long, device=cond.device)
-        return ActionChunk(actions=actions, obs_step=obs_step)
+        return self._chunk(self.unnormalize_action(x.clamp(-1, 1)), obs_step)

@@ -129,10 +129,7 @@ class DiffusionVLAPolicy(PreTrainedPolicy):
             for t in self.sample_scheduler.timesteps:
                 eps = self.dit(x, t.float().expand(b, 1).to(cond.device), cond, cond_mask)
                 x = self.sample_scheduler.step(eps, t, x).prev_sample
-        actions = self.unnormalize_action(x[:, 0].clamp(-1, 1))
-        if obs_step is None:
-            obs_step = torch.zeros(b, dtype=torch.long, device=cond.device)
-        return ActionChunk(actions=actions, obs_step=obs_step)
+        return self._chunk(self.unnormalize_action(x[:, 0].clamp(-1, 1)), obs_step)
 
     def _sample_flow(self, x, cond, cond_mask, inpaint):
         """Euler integration from t = 1 (noise) to t = 0 (actions); x (B, 1, H, A)."""

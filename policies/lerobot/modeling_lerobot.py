@@ -31,9 +31,8 @@ class LeRobotPolicy(PreTrainedPolicy):
             lerobot_config, pretrained_path=config.pretrained_path
         )
         # LeRobot's diffusion and flow policies take the sampler's start; ACT has none.
-        self._takes_noise = "noise" in inspect.signature(self.model.predict_action_chunk).parameters or any(
-            p.kind is p.VAR_KEYWORD for p in inspect.signature(self.model.predict_action_chunk).parameters.values()
-        )
+        parameters = inspect.signature(self.model.predict_action_chunk).parameters
+        self._takes_noise = "noise" in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values())
 
     @property
     def device(self) -> torch.device:
@@ -70,10 +69,7 @@ class LeRobotPolicy(PreTrainedPolicy):
                 f"the LeRobot {self.config.lerobot_type} policy returned {actions.shape[1]} actions per chunk, "
                 f"fewer than the {self.config.horizon} its config announces"
             )
-        b = actions.shape[0]
-        if obs_step is None:
-            obs_step = torch.zeros(b, dtype=torch.long, device=actions.device)
-        return ActionChunk(actions=actions[:, : self.config.horizon], obs_step=obs_step)
+        return self._chunk(actions[:, : self.config.horizon], obs_step)
 
     def forward(self, batch, generator=None, copies=1) -> torch.Tensor:
         """LeRobot's own training loss of the batch (its preprocessor normalizes it first)."""
