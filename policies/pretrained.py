@@ -36,7 +36,7 @@ from torch import nn
 
 from policies.normalization import NormalizationMixin
 from policies.tokenizer import word_vocabulary
-from vla_rl.types import ACTION, OBS_STATE, ActionChunk, image_key
+from vla_rl.types import ACTION, OBS_COMMITTED_ACTIONS, OBS_COMMITTED_MASK, OBS_STATE, ActionChunk, image_key
 
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
 
@@ -52,6 +52,10 @@ class PolicyConfig(draccus.ChoiceRegistry):
     image_size: int = 64  # camera image side the policy is built for, pixels
     crop_shift: int = 4  # training augmentation: random image shift of up to this many pixels
     max_text_tokens: int = 16  # instruction tokens kept (longer instructions are cut)
+    # The largest inference delay (control steps) the policy was trained with: it reads the delay
+    # augmentation's committed actions up to this many chunk steps (training-time RTC). 0 = it does
+    # not read the augmentation; `vla-rl train --delay.*` sets it.
+    max_delay_steps: int = 0
     # Filled from the dataset when training starts (see fit_to_dataset); stored in every checkpoint.
     state_dim: int = 0  # observation.state size
     action_dim: int = 0  # action size
@@ -75,6 +79,11 @@ class PolicyConfig(draccus.ChoiceRegistry):
             raise ValueError(f"policy.n_action_steps={self.n_action_steps} must be in [1, horizon={self.horizon}]")
         if self.image_size < 1 or self.crop_shift < 0 or self.max_text_tokens < 1:
             raise ValueError("policy.image_size and policy.max_text_tokens must be >= 1, policy.crop_shift >= 0")
+        if not 0 <= self.max_delay_steps < self.horizon:
+            raise ValueError(
+                f"policy.max_delay_steps={self.max_delay_steps} must be in [0, horizon={self.horizon}): a chunk "
+                f"needs at least one step after the delay; lower the delay or raise --policy.horizon"
+            )
 
     def require_dataset_fields(self) -> None:
         """Raise unless the dataset-derived fields are set (a policy cannot be built without them)."""
@@ -305,6 +314,47 @@ class PreTrainedPolicy(NormalizationMixin, nn.Module):
     def log_prob(self, obs: dict, chain: Any) -> torch.Tensor:
         """Log-probability (B,) of a given sampling chain under the current weights: RL fine-tuning."""
         raise NotImplementedError(f"{type(self).__name__} has no log-probabilities yet; they come with RL fine-tuning")
+
+    def committed_actions(self, obs: dict) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The delay augmentation as this policy reads it (training-time RTC), or None when it reads none.
+
+        Returns (committed (B, horizon, A) in dataset units, known (B, horizon) bool): chunk step j is
+        known where ``observation.committed_mask[:, j]`` is True; its action is already executing and
+        the chunk must keep it. None when ``config.max_delay_steps`` is 0 (the keys are ignored) or
+        the observation has no augmentation (nothing is known). A mask wider than max_delay_steps is
+        accepted when it is False past it; True there is a delay the policy was not trained for.
+        """
+        limit = self.config.max_delay_steps
+        if limit == 0 or OBS_COMMITTED_MASK not in obs:
+            return None
+        if OBS_COMMITTED_ACTIONS not in obs:
+            raise ValueError(
+                f"{OBS_COMMITTED_MASK} comes without {OBS_COMMITTED_ACTIONS}; pass both (the delay augmentation)"
+            )
+        committed, mask = obs[OBS_COMMITTED_ACTIONS], obs[OBS_COMMITTED_MASK]
+        if mask.ndim != 2 or tuple(committed.shape) != (*mask.shape, self.config.action_dim):
+            raise ValueError(
+                f"{OBS_COMMITTED_ACTIONS} must be (B, D, {self.config.action_dim}) and {OBS_COMMITTED_MASK} (B, D), "
+                f"got {tuple(committed.shape)} and {tuple(mask.shape)}"
+            )
+        b, rows = mask.shape
+        mask = mask.to(self.device, torch.bool)
+        beyond = mask[:, limit:].any(0).nonzero()
+        if len(beyond):
+            step = int(beyond[-1]) + limit
+            raise ValueError(
+                f"{OBS_COMMITTED_MASK} commits chunk step {step} but this policy was trained for delays up to "
+                f"max_delay_steps={limit}; keep the delay at or below {limit} or retrain with --delay.high={step + 1}"
+            )
+        rows = min(rows, limit)
+        known = torch.zeros(b, self.config.horizon, dtype=torch.bool, device=self.device)
+        known[:, :rows] = mask[:, :rows]
+        actions = torch.zeros(b, self.config.horizon, self.config.action_dim, device=self.device)
+        # Rows outside the mask are padding (zeros by convention, but anything): never read them.
+        actions[:, :rows] = torch.where(known[:, :rows, None], committed[:, :rows].to(actions), 0.0)
+        if not torch.isfinite(actions).all():
+            raise ValueError(f"{OBS_COMMITTED_ACTIONS} holds NaN or inf where {OBS_COMMITTED_MASK} is True")
+        return actions, known
 
     @staticmethod
     def _chunk(actions: torch.Tensor, obs_step: torch.Tensor | None) -> ActionChunk:

@@ -1,12 +1,15 @@
-"""Scheduling through the runtime: ask the inference worker for chunks and merge them into the executor.
+"""The robot's shell around the latency model: ask the inference worker for chunks and merge them.
 
-After each control tick (off the latency path) the node calls :meth:`ChunkScheduler.prepare_next_action`:
-merge any chunk that came back, ask for the next one when due (every ``chunking.execute_steps`` steps, one
-request in flight at a time, as in `sim.delay`), and take the next step's action from
-`vla_rl.runtime.ActionChunkExecutor`, the object the sim delay wrapper drives too. So a chunk
-takes effect from the step after the tick that found it, which is also the lag its delay
-augmentation announced. Entering a hold discards the queued plan and any chunk still in flight.
-No ROS import here.
+After each control tick (off the latency path) the node calls :meth:`ChunkScheduler.prepare_next_action`,
+which runs the steps of `vla_rl.runtime.ChunkSchedule` in the order the simulation's delay shell
+(`sim.delay.DelayedChunkEnv`) runs them: merge any chunk that came back, ask for the next one when
+due (every ``chunking.execute_steps`` steps, one request in flight at a time), and take the next
+step's action from `vla_rl.runtime.ActionChunkExecutor`. A request announces the measured delay
+estimate (the largest lag of the last ``delay_estimate_window`` chunks) and carries its delay
+augmentation and, with the ``rtc`` merge and a flow policy, RTC guidance. A chunk takes effect from
+the step after the tick that found it. Entering a hold discards the queued plan and any chunk still
+in flight. Every measured inference latency is written to ``latency_log`` (JSON lines, with the
+control period), which ``--delay.kind=histogram`` replays in simulation. No ROS import here.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from robot_bridge.diagnostics import BridgeDiagnostics
 from robot_bridge.inference import InferenceRequest, InferenceResult, InferenceWorker, WorkerStatus, chunk_problem
 from robot_bridge.inputs import JOINT_STATES, BridgeInputs
 from robot_bridge.log_limit import LogLimiter
-from vla_rl.runtime import ActionChunkExecutor
+from vla_rl.runtime import ActionChunkExecutor, ChunkSchedule, LatencyLog
 from vla_rl.types import ActionChunk, Policy
 
 
@@ -34,7 +37,7 @@ class InFlightRequest:
     request_id: int
     sent: float  # monotonic time it was submitted
     epoch: int  # hold epoch it was made in; a result from an older epoch planned before a hold: dropped
-    delay_steps: int  # the delay d announced to the policy (the lag of the chunk merged before it)
+    delay_steps: int  # the delay d announced to the policy (the measured estimate)
     obs_stamp: float  # header stamp of the joint state it was conditioned on, seconds
     obs_arrival: float  # monotonic arrival of that joint state
     guided: bool  # it carries RTC guidance toward the queued actions
@@ -60,6 +63,9 @@ class ChunkScheduler:
         self.config, self.inputs, self.diagnostics = config, inputs, diagnostics
         self.log_limiter, self.logger, self.publish_chunk = log_limiter, logger, publish_chunk
         self.executor: ActionChunkExecutor | None = None  # built once the policy tells its horizon
+        self.schedule: ChunkSchedule | None = None  # drives the executor; built with it
+        self.max_delay_steps = 0  # D_max of the delay augmentation: the policy's max_delay_steps
+        self.latency_log = LatencyLog(config.latency_log, 1.0 / config.control_hz) if config.latency_log else None
         self.policy_info: dict[str, Any] = {}
         self.execute_steps = 0  # steps per chunk, chunking.execute_steps or the policy's, once it is loaded
         self.worker_state = "loading"  # loading, ready or failed
@@ -69,8 +75,6 @@ class ChunkScheduler:
         self._retry_at = 0.0
         self.in_flight: InFlightRequest | None = None
         self._request_id = 0
-        self._next_request_step = 0
-        self.delay_steps = 0  # for the next request: the lag of the last merged chunk, in steps, as in training
         self._epoch = 0  # bumped by every hold
         self._holding = False
         self._merged = False  # a chunk was merged since the last action was prepared
@@ -125,8 +129,15 @@ class ChunkScheduler:
             self.next_is_seam = self._merged
             self._merged = False
 
+    @property
+    def delay_steps(self) -> int:
+        """The delay the next request announces: the measured estimate, in control steps."""
+        return int(self.schedule.estimated_delay()[0]) if self.schedule is not None else 0
+
     def close(self) -> None:
         self.worker.close()
+        if self.latency_log is not None:
+            self.latency_log.close()
 
     # -- results ---------------------------------------------------------------------------------
 
@@ -154,10 +165,14 @@ class ChunkScheduler:
                 self.logger.error(problem)
                 return
             cfg = self.config
+            self.max_delay_steps = int(status.info.get("max_delay_steps") or 0)
             self.executor = ActionChunkExecutor(
                 1, len(cfg.action_names), cfg.horizon or status.info["horizon"], merge=cfg.chunking.merge,
-                ensemble_coeff=cfg.chunking.ensemble_coeff, max_delay=cfg.max_delay_steps,
+                ensemble_coeff=cfg.chunking.ensemble_coeff, max_delay=self.max_delay_steps,
             )  # fmt: skip
+            self.schedule = ChunkSchedule(
+                self.executor, self.execute_steps, estimate="measured", window=cfg.delay_estimate_window
+            )
             self.worker_state, self.worker_error = "ready", None
             self.logger.info(f"policy ready: {status.info}")
 
@@ -178,34 +193,46 @@ class ChunkScheduler:
             self.execute_steps = cfg.chunking.steps_per_chunk(info.get("n_action_steps"), horizon)
         except ValueError as err:
             return str(err)
+        trained = int(info.get("max_delay_steps") or 0)
+        if trained and cfg.max_delay_steps > trained:
+            return (
+                f"this robot's delays reach max_delay_steps={cfg.max_delay_steps} control steps but the policy was "
+                f"trained for delays up to {trained}; retrain with --delay.high={cfg.max_delay_steps} or serve faster"
+            )
         return None
 
     def _on_result(self, result: InferenceResult, request: InFlightRequest, now: float) -> None:
-        latency = now - request.sent
-        ex = self.executor
+        # From the submission to the worker's answer: the inference's own latency, not rounded to the
+        # tick that found it (the simulation rounds it up to steps when it replays the log).
+        latency = result.finished - request.sent
+        ex, everyone = self.executor, torch.ones(1, dtype=torch.bool)
         if result.error is not None:
+            self.schedule.abandon(everyone)
             self._policy_failed(result.error, "policy_raised", now)
             return
         actions = result.actions
         problem = chunk_problem(actions, ex.horizon, self.config.action_names)
         if problem is not None:  # never merged: a NaN or misshapen plan must not reach the safety filter
+            self.schedule.abandon(everyone)
             self._policy_failed(problem, "invalid_chunk", now)
             return
+        if self.latency_log is not None:
+            self.latency_log.write(latency, request_id=result.request_id, lag_steps=int(ex.step[0]) - result.obs_step)
         if request.epoch != self._epoch:
+            self.schedule.abandon(everyone)
             self.diagnostics.count("dropped_chunks")  # planned before a hold: stale by definition
             return
         # Steps that ran between the observation and this merge: the chunk's delay, in the steps
-        # the delay augmentation counts (the sim's d). The next request announces it.
+        # the delay augmentation counts (the sim's d); it feeds the measured delay estimate.
         lag = int(ex.step[0]) - result.obs_step
-        ex.add_chunk(ActionChunk(torch.from_numpy(actions), torch.tensor([result.obs_step])))
+        self.schedule.receive(ActionChunk(torch.from_numpy(actions), torch.tensor([result.obs_step])), everyone)
         self._merged = True
         self.seam_obs_arrival = request.obs_arrival
         self.policy_error = None
         self.diagnostics.count("chunks")
         self.diagnostics.latencies_ms.append(latency * 1e3)
-        if lag > self.config.max_delay_steps:
-            self.diagnostics.count("delay_clamped")
-        self.delay_steps = min(lag, self.config.max_delay_steps)
+        if self.max_delay_steps and lag > self.max_delay_steps:
+            self.diagnostics.count("delay_clamped")  # the policy is told its largest trained delay instead
         self.publish_chunk({
             "chunk_id": result.request_id, "obs_stamp": request.obs_stamp, "obs_step": result.obs_step,
             "merged_at_step": int(ex.step[0]), "lag_steps": lag, "inference_latency_ms": round(latency * 1e3, 3),
@@ -231,30 +258,27 @@ class ChunkScheduler:
 
         A hold for a policy error still asks (after ``error_retry_s``): only a good chunk clears it.
         """
-        ex = self.executor
+        ex, schedule = self.executor, self.schedule
         if ex is None or self.worker.busy or self.in_flight is not None:
             return
         if cause is not None and cause != self.policy_error:
             return
-        step = int(ex.step[0])
-        if step < self._next_request_step or (self.policy_error is not None and now < self._retry_at):
+        if not bool(schedule.due()[0]) or (self.policy_error is not None and now < self._retry_at):
             return
         observation = self.inputs.observation()
         if observation is None:
             return
-        delay = torch.tensor([self.delay_steps])
-        observation.update({k: v.numpy() for k, v in ex.delay_augmentation(delay).items()})
+        step = int(ex.step[0])
+        everyone = torch.ones(1, dtype=torch.bool)
+        request = schedule.request(everyone)
+        observation.update({k: v.numpy() for k, v in request.augmentation.items()})
         guidance = None
-        if self.config.chunking.merge == "rtc" and self.policy_info.get("supports_inpainting"):
-            # The previous plan reaches index queue_length, so s = H - queue_length steps of it ran.
-            s = min(max(ex.horizon - int(ex.queue_length()[0]), 1), ex.horizon)
-            target, weights = ex.rtc_guidance(delay, s)
-            guidance = (target.numpy(), weights.numpy())
+        if request.guidance is not None and self.policy_info.get("supports_inpainting"):
+            guidance = tuple(g.numpy() for g in request.guidance)
         self._request_id += 1
         self.worker.submit(InferenceRequest(self._request_id, observation, step, guidance))
         self.in_flight = InFlightRequest(
-            self._request_id, sent=now, epoch=self._epoch, delay_steps=self.delay_steps,
+            self._request_id, sent=now, epoch=self._epoch, delay_steps=int(request.delay_steps[0]),
             obs_stamp=self.inputs.stamp.get(JOINT_STATES, 0.0), obs_arrival=self.inputs.arrival[JOINT_STATES],
             guided=guidance is not None, instruction=self.inputs.instruction,
         )  # fmt: skip
-        self._next_request_step = step + self.execute_steps

@@ -108,7 +108,14 @@ class ServeConfig:
     horizon: int = 0  # chunk length H; 0 = the policy's config.horizon
     # steps executed per chunk (0 = the policy's n_action_steps), merge mode (default here: rtc), ensemble weight
     chunking: ChunkingConfig = field(default_factory=lambda: ChunkingConfig(merge="rtc"))
-    max_delay_steps: int = 0  # D_max of the delay augmentation; must match what the policy was trained with
+    # The largest inference delay expected on this robot, in control steps: a policy trained with the delay
+    # augmentation for less (its max_delay_steps) is refused at load. 0 = not checked. Longer measured
+    # delays are announced as the policy's largest and counted (delay_clamped).
+    max_delay_steps: int = 0
+    delay_estimate_window: int = 4  # the delay announced = the largest lag of the last this-many chunks
+    # Every measured inference latency, as JSON lines with the control period (rewritten at start;
+    # "" = none): replay it in simulation with --delay.kind=histogram --delay.latencies_file=<this file>.
+    latency_log: str = "outputs/serve/latencies.jsonl"
     inference: InferenceMode = "process"  # process (own core, no GIL sharing) or thread
     inference_cpu: int = 1  # core the inference is pinned to; -1 = no pinning
     control_cpu: int = 0  # core the control loop is pinned to; -1 = no pinning
@@ -152,6 +159,8 @@ class ServeConfig:
         self.chunking.validate()
         if self.max_delay_steps < 0 or self.horizon < 0 or self.image_size < 0:
             raise ValueError("max_delay_steps, horizon and image_size must be >= 0")
+        if self.delay_estimate_window < 1:
+            raise ValueError(f"delay_estimate_window must be >= 1, got {self.delay_estimate_window}")
         if not self.state_names or not self.action_names:
             raise ValueError(
                 "state_names and action_names must not be empty; list the JointState names and action dims"

@@ -45,6 +45,7 @@ class InferenceResult:
     compute_s: float  # time inside the worker, observation conversion included
     actions: np.ndarray | None = None  # (1, H, A) float32, None when the policy raised
     error: str | None = None
+    finished: float = 0.0  # time.monotonic() when the worker sent it (one clock across processes on Linux)
 
 
 @dataclass
@@ -104,6 +105,7 @@ def policy_info(policy: Policy) -> dict[str, Any]:
         "state_dim": getattr(config, "state_dim", None),
         "action_dim": getattr(config, "action_dim", None),
         "supports_inpainting": bool(getattr(policy, "supports_inpainting", False)),
+        "max_delay_steps": getattr(config, "max_delay_steps", 0),  # D_max of the delay augmentation it trained with
     }
 
 
@@ -154,11 +156,16 @@ def serve_requests(
                 else:
                     chunk = policy.predict_chunk(batch, obs_step)
                 actions = chunk.actions.detach().to("cpu", torch.float32).numpy()
-            conn.send(InferenceResult(request.request_id, request.obs_step, time.perf_counter() - start, actions))
+            compute_s = time.perf_counter() - start
+            conn.send(
+                InferenceResult(request.request_id, request.obs_step, compute_s, actions, finished=time.monotonic())
+            )
         except Exception as err:  # noqa: BLE001 (a policy that raises: report, keep serving)
             last = traceback.extract_tb(err.__traceback__)[-1]
             message = f"policy raised {type(err).__name__}: {err} ({os.path.basename(last.filename)}:{last.lineno})"
-            conn.send(InferenceResult(request.request_id, request.obs_step, time.perf_counter() - start, error=message))
+            conn.send(InferenceResult(
+                request.request_id, request.obs_step, time.perf_counter() - start, error=message, finished=time.monotonic()
+            ))  # fmt: skip
 
 
 class InferenceWorker:

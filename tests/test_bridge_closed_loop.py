@@ -33,8 +33,9 @@ def lift_checkpoint(tmp_path_factory):
 @pytest.mark.slow
 def test_serve_drives_the_sim_robot_to_success(lift_checkpoint, tmp_path):
     robot = start_command(["sim-robot", "--env.task=lift", "--seed=100"], DOMAIN_ID, tmp_path, "robot")
-    bridge = start_command(["serve", "--config_path=configs/serve.yaml", f"--checkpoint={lift_checkpoint}"],
-                           DOMAIN_ID, tmp_path, "serve")  # fmt: skip
+    latency_log = tmp_path / "latencies.jsonl"
+    bridge = start_command(["serve", "--config_path=configs/serve.yaml", f"--checkpoint={lift_checkpoint}",
+                            f"--latency_log={latency_log}"], DOMAIN_ID, tmp_path, "serve")  # fmt: skip
     client = RobotClient(DOMAIN_ID)
     try:
         client.wait_for_robot()
@@ -62,4 +63,18 @@ def test_serve_drives_the_sim_robot_to_success(lift_checkpoint, tmp_path):
     assert set(rejected) <= {"stale"} and rejected.get("stale", 0) <= 1, summary
     assert summary["commands_received"] >= 60, summary  # 3 s of commands at 20 Hz; a success may come early
     assert summary["successes"] >= 1
+
+    # Measure on the robot, replay in simulation: the served run's latency log drives an evaluation.
+    from sim.config import EnvConfig
+    from vla_rl.eval import EvalConfig, evaluate
+    from vla_rl.runtime import DelayConfig, latencies_to_steps, load_latencies
+
+    measured = latencies_to_steps(load_latencies(latency_log, 0.05), 0.05)  # serve.yaml runs at 20 Hz
+    assert len(measured) >= 5 and measured.min() >= 1
+    result = evaluate(EvalConfig(
+        checkpoint=str(lift_checkpoint), env=EnvConfig(num_envs=10), num_episodes=10, video_episodes=0,
+        delay=DelayConfig(kind="histogram", latencies_file=str(latency_log)), output_dir=str(tmp_path / "eval"),
+    ))  # fmt: skip
+    assert {int(d) for d in result["delay_histogram"]} <= set(measured.tolist())
+    assert result["delay_max_steps"] == measured.max()
     assert 0.8 <= summary["realtime_factor"] <= 1.05, summary  # a loaded machine may fall behind a little

@@ -2,6 +2,7 @@ import json
 
 import imageio.v2 as imageio
 import pytest
+import torch
 
 from sim.config import EnvConfig
 from vla_rl.eval import EvalConfig, evaluate, wilson_interval
@@ -79,7 +80,7 @@ def test_eval_rejects_mismatched_image_size(tiny_checkpoint, tmp_path):
 def test_eval_under_inference_delay(tiny_checkpoint, tmp_path, monkeypatch):
     """Requests happen every max(execute_steps, d) steps: 10 steps with s=2 ask 5 times at d=0, 4 at d=3."""
     from policies.diffusion.modeling_diffusion import DiffusionPolicy
-    from sim.delay import DelayConfig
+    from vla_rl.runtime import DelayConfig
 
     calls = []
     real = DiffusionPolicy.predict_chunk
@@ -100,3 +101,56 @@ def test_eval_under_inference_delay(tiny_checkpoint, tmp_path, monkeypatch):
         # No lift fits in 10 steps (the expert needs about 40), so both worlds run all 10 in lockstep.
         assert [e["length"] for e in result["per_episode"]] == [10, 10]
         assert calls == [[t, t] for t in expected]
+
+
+def test_eval_rtc_merge_guides_an_inpainting_policy_toward_the_queued_actions(tiny_checkpoint, tmp_path, monkeypatch):
+    """d = 1, two steps per chunk, H = 16. The first request has nothing queued (all weights 0). Chunk 0
+    arrives at step 1 and runs its index 1; at step 2 the second request's target row j is chunk 0's
+    index 2 + j (j < 14, what is queued), with weight 1 on the committed row j = 0 and 0 past row 13."""
+    from policies.diffusion.modeling_diffusion import DiffusionPolicy
+    from vla_rl.runtime import DelayConfig
+
+    calls = []
+    real = DiffusionPolicy.predict_chunk
+
+    def spy(self, obs, obs_step=None, *, inpaint=None):
+        chunk = real(self, obs, obs_step)
+        calls.append((inpaint, chunk.actions.clone()))
+        return chunk
+
+    monkeypatch.setattr(DiffusionPolicy, "predict_chunk", spy)
+    monkeypatch.setattr(DiffusionPolicy, "supports_inpainting", True)
+    out, _ = tiny_checkpoint
+    result = evaluate(EvalConfig(
+        checkpoint=str(out), env=EnvConfig(num_envs=2, max_episode_steps=6), num_episodes=2, video_episodes=0,
+        chunking=ChunkingConfig(execute_steps=2, merge="rtc"), delay=DelayConfig(kind="fixed", steps=1),
+        output_dir=str(tmp_path),
+    ))  # fmt: skip
+    assert result["rtc_guidance"] is True
+    (first, _), (second, _) = calls[0], calls[1]
+    chunk0 = calls[0][1]
+    assert first[1].shape == (2, 16) and (first[1] == 0).all()
+    target, weights = second
+    assert torch.allclose(target[:, :14], chunk0[:, 2:16]) and (target[:, 14:] == 0).all()
+    assert (weights[:, 0] == 1).all() and (weights[:, 14:] == 0).all()
+    assert ((weights[:, 1:14] > 0) & (weights[:, 1:14] < 1)).all()
+
+
+def test_eval_refuses_delays_before_any_rollout(tiny_checkpoint, tmp_path, monkeypatch):
+    from vla_rl.runtime import DelayConfig
+
+    out, _ = tiny_checkpoint
+    cfg = EvalConfig(checkpoint=str(out), env=EnvConfig(num_envs=1), output_dir=str(tmp_path / "whole"))
+    cfg.delay = DelayConfig(kind="fixed", steps=16)  # the chunk holds 16 steps
+    with pytest.raises(ValueError, match="chunk holds 16"):
+        evaluate(cfg)
+    # A policy trained with the augmentation for delays up to 3 refuses 4.
+    from vla_rl.checkpoint import load_policy
+
+    policy, _ = load_policy(str(out))
+    policy.config.max_delay_steps = 3
+    monkeypatch.setattr("vla_rl.eval.load_policy", lambda *a, **k: (policy, out))
+    cfg.delay = DelayConfig(kind="uniform", low=0, high=4)
+    with pytest.raises(ValueError, match="trained for delays up to 3; .*--delay.high=4"):
+        evaluate(cfg)
+    assert not (tmp_path / "whole").exists()  # nothing written

@@ -92,7 +92,7 @@ def test_images_outside_zero_one_are_rejected_naming_the_fix():
 
 def test_padding_is_excluded_from_the_loss(monkeypatch):
     policy = make_policy()
-    monkeypatch.setattr(policy, "denoise", lambda noisy, t, cond: torch.zeros_like(noisy))
+    monkeypatch.setattr(policy, "denoise", lambda noisy, t, cond, known=None: torch.zeros_like(noisy))
     batch = {**obs(), "action": torch.zeros(2, 4, 2), "action_is_pad": torch.zeros(2, 4, dtype=bool)}
     batch["action_is_pad"][0, 2:] = True  # episode 0 ends after two steps
     loss = policy(batch, torch.Generator().manual_seed(0))

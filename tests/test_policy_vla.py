@@ -93,6 +93,28 @@ def test_a_b_by_k_pass_equals_b_times_k_single_sample_passes():
     assert (together[0] - together[1]).abs().max() > 1e-2
 
 
+def test_per_token_timesteps_agree_with_per_copy_ones_and_stay_within_their_copy():
+    """The DiT's (B, K, H) timesteps (training-time RTC: known tokens are clean): equal timesteps over a
+    copy's tokens give the (B, K) result, and one token's own timestep reaches its copy only."""
+    policy = randomize(make_policy())
+    b, k = 2, 3
+    noisy = torch.randn(b, k, 6, 2)
+    t = torch.rand(b, k)
+    with torch.no_grad():
+        cond, mask = policy.encode_observation(batch(b=b))
+        per_copy = policy.dit(noisy, t, cond, mask)
+        per_token = policy.dit(noisy, t[..., None].expand(b, k, 6), cond, mask)
+        torch.testing.assert_close(per_token, per_copy, rtol=1e-5, atol=1e-5)
+        moved = t[..., None].repeat(1, 1, 6)
+        moved[1, 2, 0] = 0.0  # the first token of condition 1's copy 2 is clean
+        perturbed = policy.dit(noisy, moved, cond, mask)
+    others = torch.ones(b, k, dtype=torch.bool)
+    others[1, 2] = False
+    torch.testing.assert_close(perturbed[others], per_token[others], rtol=0, atol=1e-6)
+    # Self-attention carries the change to the copy's other tokens too.
+    assert ((perturbed[1, 2] - per_token[1, 2]).abs().amax(-1) > 1e-4).all()
+
+
 def test_the_encoder_runs_once_per_condition_not_per_copy():
     policy = randomize(make_policy()).train()  # AdaLN-Zero gates at 0 would block the condition's gradient
     seen = []

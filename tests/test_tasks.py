@@ -1,15 +1,19 @@
 """Every tabletop task: seeded random resets, a success check that tells solved from unsolved
 states built by hand, and a scripted expert that solves it."""
 
+import importlib.util
+
 import mujoco
 import numpy as np
 import pytest
 import torch
+from extras import extras_required
 
 from sim.batched_success import HostWorlds, is_success, touches_gripper
 from sim.config import EnvConfig
+from sim.factory import make_env
 from sim.mujoco_env import MujocoBatchedEnv
-from sim.tasks import EXPERTS, TASKS, get_task
+from sim.tasks import EXPERTS, TASKS, TrackExpert, get_task
 from sim.tasks.scene import place_mocap_body
 from vla_rl.types import OBS_STATE, TASK
 
@@ -49,6 +53,13 @@ def _open_drawer(task, model, data, solved):
     data.qpos[model.joint("drawer").qposadr[0]] = task.open_distance + (0.01 if solved else -0.02)
 
 
+def _track(task, model, data, solved):
+    # the ball's slide joints hold its centre's world coordinates: 2 cm or 4 cm above the grasp site
+    ball = data.site("grasp").xpos + [0.0, 0.0, 0.02 if solved else 0.04]
+    for joint, coordinate in zip(("target_x", "target_y", "target_z"), ball):
+        data.qpos[model.joint(joint).qposadr[0]] = coordinate
+
+
 # name -> f(task, model, data, solved): move the task's object into a solved pose, or a near miss.
 POSE_BUILDERS = {
     "lift": _lift,
@@ -57,13 +68,14 @@ POSE_BUILDERS = {
     "pick_place": _pick_place,
     "stack": _stack,
     "open_drawer": _open_drawer,
+    "track": _track,
 }
 
 
-def test_suite_has_six_tasks_with_distinct_instructions():
+def test_suite_has_seven_tasks_with_distinct_instructions():
     assert set(TASKS) == set(POSE_BUILDERS) == set(EXPERTS)
     instructions = [get_task(name).instruction for name in TASKS]
-    assert len(set(instructions)) == len(TASKS) == 6
+    assert len(set(instructions)) == len(TASKS) == 7
 
 
 @pytest.mark.parametrize("name", sorted(TASKS))
@@ -128,5 +140,65 @@ def test_finger_contact_means_not_released():
 
 
 def test_unknown_task_lists_every_valid_name():
-    with pytest.raises(ValueError, match="valid tasks: lift, open_drawer, pick_place, push, reach, stack"):
+    with pytest.raises(ValueError, match="valid tasks: lift, open_drawer, pick_place, push, reach, stack, track"):
         get_task("fold_laundry")
+
+
+# -- track: the ball drifts on its own ------------------------------------------------------------
+
+TRACK_BACKENDS = [
+    "cpu",
+    pytest.param(
+        "warp",
+        marks=pytest.mark.skipif(
+            not extras_required() and importlib.util.find_spec("mujoco_warp") is None,
+            reason='MuJoCo Warp is not installed (pip install -e ".[gpu]")',
+        ),
+    ),
+]
+# Ball position after 30 control steps: exact in the cpu backend's float64 (measured 2e-15 m); the
+# warp backend integrates in float32, 750 physics steps of about 0.1 m/s * 0.002 s added to a
+# coordinate near 0.5 m (measured 2.5e-6 m).
+TRACK_TOLERANCE = {"cpu": 1e-9, "warp": 2e-5}  # metres
+
+
+@pytest.mark.parametrize("backend", TRACK_BACKENDS)
+def test_track_ball_drifts_at_its_drawn_velocity_whatever_the_arm_does(backend):
+    """start + velocity * time after k control steps of 25 physics steps of 0.002 s, with the
+    gripper chasing the ball and closing on it (success switched off, so the episode goes on):
+    nothing the arm does changes the ball's motion."""
+    n, k = 3, 30
+    config = EnvConfig(backend=backend, task="track", num_envs=n, cameras=[], max_episode_steps=1000)
+    with make_env(config) as env:
+        # never solved (the same on numpy and torch), so the gripper reaches the ball and stays on it
+        env.task.success = lambda model, worlds: worlds.qpos[:, 0] != worlds.qpos[:, 0]
+        env.reset(seed=5)
+        start = env.privileged_state()
+        expert, gaps = TrackExpert(n), []
+        for _ in range(k):
+            actions = expert.act(env.ee_positions(), env.privileged_state())
+            actions[:, 3] = 1.0  # closed: the fingers would squeeze a ball they could touch
+            _, _, terminated, truncated, _ = env.step(torch.from_numpy(actions))
+            assert not (terminated | truncated).any()
+            now = env.privileged_state()
+            gaps.append(np.linalg.norm(env.ee_positions() - now["target"], axis=1))
+    velocity = start["target_vel"]
+    assert (velocity[:, [0, 2]] == 0).all() and ((0.08 <= velocity[:, 1]) & (velocity[:, 1] <= 0.12)).all()
+    expected = start["target"] + velocity * k * 25 * 0.002
+    np.testing.assert_allclose(now["target"], expected, rtol=0, atol=TRACK_TOLERANCE[backend])
+    np.testing.assert_allclose(now["target_vel"], velocity, rtol=0, atol=TRACK_TOLERANCE[backend])
+    assert (np.min(gaps, axis=0) < 0.01).all()  # the gripper did pass through every ball
+
+
+def test_track_same_seed_same_ball_start_and_speed():
+    def first_balls(seed):
+        with MujocoBatchedEnv(EnvConfig(task="track", num_envs=4, cameras=[])) as env:
+            env.reset(seed=seed)
+            return env.privileged_state()
+
+    first, again, other = first_balls(8), first_balls(8), first_balls(9)
+    np.testing.assert_array_equal(again["target"], first["target"])
+    np.testing.assert_array_equal(again["target_vel"], first["target_vel"])
+    assert np.abs(other["target"] - first["target"]).max() > 0.01
+    assert np.abs(other["target_vel"][:, 1] - first["target_vel"][:, 1]).max() > 0.001
+    assert len(set(first["target_vel"][:, 1])) == 4  # each world draws its own speed

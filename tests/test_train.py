@@ -33,6 +33,7 @@ def test_checkpoint_contents(tiny_checkpoint, tiny_dataset):
     config = json.loads((ckpt / "pretrained_model" / "config.json").read_text())
     assert config["type"] == "vla_rl_diffusion"  # LeRobot's config.json: the type (as LeRobot names it) and fields
     assert config["state_dim"] == 11 and config["action_dim"] == 4
+    assert config["max_delay_steps"] == 0  # the default delay (fixed, 0 steps): no delay augmentation
     assert "cube" in config["vocabulary"]
     # Normalization statistics come from the dataset's own stats.json.
     ds_stats = json.loads((tiny_dataset[0] / "meta" / "stats.json").read_text())

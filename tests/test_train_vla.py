@@ -113,9 +113,9 @@ def test_l2_copies_run_the_encoder_on_batch_over_k_frames_per_step(libero_format
         encoded.append([state.shape[0], len(instructions), *(img.shape[0] for img in images)])
         return encode(self, images, state, instructions)
 
-    def dit_hook(self, noisy, t, cond, cond_mask):
+    def dit_hook(self, noisy, t, cond, cond_mask, known=None):
         denoised.append((tuple(noisy.shape), t.detach().clone(), cond.shape[0]))
-        return denoise(self, noisy, t, cond, cond_mask)
+        return denoise(self, noisy, t, cond, cond_mask, known)
 
     monkeypatch.setattr(ConditionEncoder, "forward", encoder_hook)
     monkeypatch.setattr(DiT, "forward", dit_hook)

@@ -95,6 +95,12 @@ def _run_quickstart(cfg):
     quickstart(cfg)
 
 
+def _run_bench_delay(cfg):
+    from vla_rl.bench_delay import bench_delay, format_summary
+
+    print(format_summary(bench_delay(cfg)))
+
+
 def _run_bench_sim(cfg):
     from vla_rl.bench import bench_sim, format_summary
 
@@ -164,7 +170,7 @@ COMMANDS: dict[str, Command] = {
         _run_serve,
     ),
     "bench": Command(
-        "performance benchmarks; `bench sim`: env-steps/s vs mujoco.rollout and gymnasium",
+        "benchmarks: `bench sim` (env-steps/s), `bench bridge` (ROS 2 latency), `bench delay` (success under delay)",
         "",
         None,
         {
@@ -177,6 +183,11 @@ COMMANDS: dict[str, Command] = {
                 "ROS 2 bridge: deadline misses, jitter and added latency vs raw rclpy ping-pong",
                 "robot_bridge.bench:BenchBridgeConfig",
                 _run_bench_bridge,
+            ),
+            "delay": Command(
+                "success under inference delay: a policy trained with the delay augmentation vs a plain one",
+                "vla_rl.bench_delay:BenchDelayConfig",
+                _run_bench_delay,
             ),
         },
     ),

@@ -1,9 +1,12 @@
 """`vla-rl eval`: batched closed-loop rollouts of a checkpoint.
 
-Chunks from the policy are executed through `sim.delay.DelayedChunkEnv` and so through
-`vla_rl.runtime.ActionChunkExecutor`, the same object the robot bridge drives; ``--chunking.*``
-sets the steps executed per chunk and the merge mode, ``--delay.*`` evaluates under inference
-delay (none by default). Each world runs one episode per round; round r resets with
+Chunks from the policy are executed through `sim.delay.DelayedChunkEnv` and so through the
+latency model of `vla_rl.runtime` (request schedule, delay estimate, augmentation, chunk queue), the
+one the robot bridge drives; ``--chunking.*`` sets the steps executed per chunk and the merge mode
+(``rtc`` also guides a flow policy toward the queued actions, as ``vla-rl serve`` does),
+``--delay.*`` evaluates under inference delay (none by default), drawn or replayed from latencies a
+served robot measured (``--delay.kind=histogram --delay.latencies_file=...``), announced to the
+policy by the oracle or by the robot's own estimate (``--delay.estimate=measured``). Each world runs one episode per round; round r resets with
 seed ``seed + r``, so the same seed always evaluates the same initial states.
 
 Writes ``eval.json`` (per-episode results, success rate with a 95% Wilson interval),
@@ -24,11 +27,10 @@ import torch
 from tqdm import tqdm
 
 from sim.config import EnvConfig, world_indices
-from sim.delay import DelayConfig
 from vla_rl import interrupt
 from vla_rl.checkpoint import load_policy
 from vla_rl.files import temporary_beside, write_text_atomic
-from vla_rl.runtime import ChunkingConfig
+from vla_rl.runtime import ChunkingConfig, DelayConfig, DelayModel
 from vla_rl.types import TASK, ActionChunk
 
 
@@ -63,7 +65,7 @@ def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, flo
 
 
 def evaluate(cfg: EvalConfig) -> dict:
-    from sim.delay import DelayedChunkEnv, DelayModel
+    from sim.delay import DelayedChunkEnv
     from sim.factory import make_env
 
     policy, ckpt = load_policy(cfg.checkpoint, device=cfg.device)
@@ -75,19 +77,24 @@ def evaluate(cfg: EvalConfig) -> dict:
             f"the policy expects cameras {pcfg.cameras} at {pcfg.image_size}px but the env renders "
             f"{cfg.env.cameras} at {cfg.env.image_size}px; set --env.image_size={pcfg.image_size}"
         )
+    trained_delay = getattr(pcfg, "max_delay_steps", 0)
     out = Path(cfg.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
     episodes: list[dict] = []
+    delays_seen: dict[int, int] = {}  # delay in control steps -> chunks that got it
     start = time.time()
     with make_env(cfg.env) as env:
+        delay = DelayModel(cfg.delay, control_dt=env.control_dt)
+        delay.check_fits(pcfg.horizon, trained_delay)  # before any rollout, and before any output
+        out.mkdir(parents=True, exist_ok=True)
         n = env.num_envs
         recorder = FrameRecorder(env, min(cfg.video_episodes, n, cfg.num_episodes), cfg.video_size)
-        # Chunks run through the same delay model and ActionChunkExecutor as RL and the robot bridge;
-        # with the default zero delay this is plain chunked execution.
+        # Chunks run through the same latency model as RL and the robot bridge; with the default
+        # zero delay this is plain chunked execution.
         delayed = DelayedChunkEnv(
-            recorder, pcfg.horizon, execute_steps, DelayModel(cfg.delay), merge=cfg.chunking.merge,
-            ensemble_coeff=cfg.chunking.ensemble_coeff,
+            recorder, pcfg.horizon, execute_steps, delay, merge=cfg.chunking.merge,
+            ensemble_coeff=cfg.chunking.ensemble_coeff, max_delay=trained_delay,
         )  # fmt: skip
+        guided = cfg.chunking.merge == "rtc" and policy.supports_inpainting
         bar = tqdm(total=cfg.num_episodes, desc="eval", unit="ep")
         # A stop signal ends the evaluation between env steps (vla_rl.interrupt); an incomplete
         # evaluation writes no results, so eval.json always describes num_episodes episodes.
@@ -100,10 +107,12 @@ def evaluate(cfg: EvalConfig) -> dict:
                 length = np.zeros(n, dtype=np.int64)
                 while not finished.all():
                     obs, _, terminated, truncated, info, need = delayed.step(
-                        _predict(policy, obs, need, delayed.obs_step)
+                        _predict(policy, obs, need, delayed.obs_step, delayed.guidance if guided else None)
                     )
-                    length += np.where(finished, 0, info["steps"].numpy())
-                    done = (terminated | truncated).numpy() & ~finished
+                    length += np.where(finished, 0, info["steps"].cpu().numpy())
+                    for d in info["delay_steps"][info["delay_steps"] >= 0].tolist():
+                        delays_seen[d] = delays_seen.get(d, 0) + 1
+                    done = (terminated | truncated).cpu().numpy() & ~finished
                     for i in np.flatnonzero(done):
                         episodes.append({"round": r, "world": int(i), "seed": cfg.seed + r,
                                          "success": bool(info["success"][i]), "length": int(length[i])})  # fmt: skip
@@ -127,7 +136,10 @@ def evaluate(cfg: EvalConfig) -> dict:
         "seed": cfg.seed,
         "execute_steps": execute_steps,
         "merge": cfg.chunking.merge,
+        "rtc_guidance": guided,
         "delay": asdict(cfg.delay),
+        "delay_max_steps": delay.max_steps,
+        "delay_histogram": {str(d): delays_seen[d] for d in sorted(delays_seen)},  # chunks per delay (steps)
         "seconds": round(time.time() - start, 1),
         "per_episode": episodes,
         "config": asdict(cfg),
@@ -142,15 +154,24 @@ def evaluate(cfg: EvalConfig) -> dict:
     return result
 
 
-def _predict(policy, obs: dict, need: torch.Tensor, obs_step: torch.Tensor) -> ActionChunk:
-    """Run the policy on the requesting worlds only; other rows of the (N, H, A) chunk stay zero."""
-    rows = torch.nonzero(need).flatten()
+def _predict(
+    policy, obs: dict, need: torch.Tensor, obs_step: torch.Tensor, guidance: tuple[torch.Tensor, torch.Tensor] | None
+) -> ActionChunk:
+    """Run the policy on the requesting worlds only; other rows of the (N, H, A) chunk stay zero.
+
+    guidance: RTC's (target (N, H, A), weights (N, H)) for a flow policy, or None.
+    """
+    rows = torch.nonzero(need.cpu()).flatten()
     sub = {
-        k: [v[i] for i in rows.tolist()] if k == TASK else v[rows]
+        k: [v[i] for i in rows.tolist()] if k == TASK else v[rows.to(v.device)]
         for k, v in obs.items()
         if k == TASK or torch.is_tensor(v)
     }
-    chunk = policy.predict_chunk(sub, obs_step[rows])
+    if guidance is not None:
+        inpaint = tuple(g[rows.to(g.device)] for g in guidance)
+        chunk = policy.predict_chunk(sub, obs_step[rows.to(obs_step.device)], inpaint=inpaint)
+    else:
+        chunk = policy.predict_chunk(sub, obs_step[rows.to(obs_step.device)])
     actions = torch.zeros(len(need), *chunk.actions.shape[1:], dtype=chunk.actions.dtype)
     actions[rows] = chunk.actions.cpu()
     return ActionChunk(actions, obs_step)

@@ -11,6 +11,12 @@ so a step still has batch_size denoising samples but runs the encoder K times le
 
 With ``--val_episodes=N`` the last N episodes are held out and a validation denoising loss (fixed
 frames, fixed noise and timesteps) is tracked; ``--stop_at_val_loss`` ends training once it is reached.
+
+Training-time RTC (``--delay.kind=uniform --delay.high=8``, or fixed / histogram): every frame gets an
+inference delay d drawn from the delay model and the delay augmentation of its demonstration, the
+chunk's first d actions as committed actions (``committed_prefix``); the policy is built with
+``max_delay_steps`` = the model's largest delay and learns to continue a committed prefix. The
+default delay (fixed, 0 steps) adds nothing.
 """
 
 from __future__ import annotations
@@ -41,7 +47,8 @@ from vla_rl.checkpoint import (
     write_policy,
 )
 from vla_rl.files import temporary_beside, write_text_atomic
-from vla_rl.types import OBS_IMAGES
+from vla_rl.runtime import DelayConfig, DelayModel, committed_prefix
+from vla_rl.types import ACTION, OBS_IMAGES
 
 Sampling = Literal["task_balanced", "uniform"]
 
@@ -87,6 +94,10 @@ class TrainConfig:
     val_every: int = 250  # validation period in steps
     val_frames: int = 256  # held-out frames in the validation loss (evenly spaced)
     stop_at_val_loss: float = 0.0  # stop once the validation loss is at or below this; 0 = run all steps
+    # Inference delays simulated in training (training-time RTC): each frame's chunk comes with its
+    # first d demonstrated actions as committed actions. Sets policy.max_delay_steps to the largest d;
+    # the default (fixed, 0 steps) trains without the delay augmentation. delay.seed seeds the draws.
+    delay: DelayConfig = field(default_factory=DelayConfig)
 
 
 @dataclass
@@ -95,10 +106,12 @@ class TrainingProgress:
     the checkpoint's ``training_state/``.
 
     generator: this process's sampling generator (batches, augmentation, diffusion noise); every
-    process's state is saved, so each resumes its own stream.
+    process's state is saved, so each resumes its own stream. delay_generator: the delay model's
+    generator (the delays of the delay augmentation) when training with one; saved and resumed the same way.
     """
 
     generator: torch.Generator
+    delay_generator: torch.Generator | None = None
     step: int = 0
     history: list = field(default_factory=list)  # [[step, mean loss]] at each log step
     loss_window: list = field(default_factory=list)  # losses since the last logged mean, so a resumed curve is the same
@@ -107,18 +120,23 @@ class TrainingProgress:
 
     FILE = "progress.pt"
 
-    def gather_generators(self, accelerator) -> torch.Tensor:
-        """(processes, state bytes): every process's generator state (a collective call)."""
-        state = self.generator.get_state()[None]
+    def gather_generators(self, accelerator) -> dict[str, torch.Tensor]:
+        """Every process's generator states by ``progress.pt`` key, each (processes, state bytes): ``generators``,
+        and ``delay_generators`` when there is a delay generator (a collective call)."""
+        states = {"generators": self.generator.get_state()[None]}
+        if self.delay_generator is not None:
+            states["delay_generators"] = self.delay_generator.get_state()[None]
         if accelerator.num_processes == 1:
-            return state
-        return accelerator.gather(state.to(accelerator.device)).cpu()  # NCCL gathers device tensors only
+            return states
+        # NCCL gathers device tensors only.
+        return {key: accelerator.gather(state.to(accelerator.device)).cpu() for key, state in states.items()}
 
-    def save(self, directory: Path, lr: float, generators: torch.Tensor) -> None:
-        """Write ``progress.pt``; ``lr`` is the schedule's peak, so a resumed run can say when it changes."""
+    def save(self, directory: Path, lr: float, generators: dict[str, torch.Tensor]) -> None:
+        """Write ``progress.pt``; ``lr`` is the schedule's peak, so a resumed run can say when it changes.
+        generators: what ``gather_generators`` returned."""
         torch.save(
             {"step": self.step, "lr": lr, "history": self.history, "loss_window": self.loss_window,
-             "val_history": self.val_history, "train_seconds": self.train_seconds, "generators": generators},
+             "val_history": self.val_history, "train_seconds": self.train_seconds, **generators},
             directory / self.FILE,
         )  # fmt: skip
 
@@ -128,6 +146,12 @@ class TrainingProgress:
         if process_index >= len(saved["generators"]):
             raise ValueError(f"the checkpoint was written by {len(saved['generators'])} processes; resume with as many")
         self.generator.set_state(saved["generators"][process_index])
+        if self.delay_generator is not None:
+            if "delay_generators" not in saved:
+                raise ValueError(
+                    f"{directory.parent} was trained without a delay augmentation; resume it without --delay.*"
+                )
+            self.delay_generator.set_state(saved["delay_generators"][process_index])
         self.step, self.history, self.loss_window = saved["step"], saved["history"], saved["loss_window"]
         self.val_history, self.train_seconds = saved["val_history"], saved["train_seconds"]
         return saved["lr"]
@@ -143,13 +167,35 @@ def random_shift(images: torch.Tensor, shift: int, generator: torch.Generator) -
     return torch.stack([padded[i, :, dy[i] : dy[i] + s, dx[i] : dx[i] + s] for i in range(b)])
 
 
-def build_policy(cfg: TrainConfig, demos, dataset):
+def check_delay(cfg: TrainConfig) -> DelayModel:
+    """The delay model of ``cfg.delay``, checked against the policy before anything is loaded.
+
+    A delay of a whole chunk or more leaves nothing to predict; a ``--policy.max_delay_steps`` set
+    by hand must be the delay model's largest delay (it is set from ``--delay``).
+    """
+    delay = DelayModel(cfg.delay)
+    delay.check_fits(cfg.policy.horizon, None)
+    if cfg.policy.max_delay_steps not in (0, delay.max_steps):
+        raise ValueError(
+            f"policy.max_delay_steps={cfg.policy.max_delay_steps} but the delay model reaches {delay.max_steps} "
+            f"steps; drop --policy.max_delay_steps (it is set from --delay)"
+        )
+    return delay
+
+
+def with_delay_augmentation(batch: dict, delays: torch.Tensor, max_delay: int) -> dict:
+    """A training batch with the delay augmentation of per-frame ``delays`` (B,) added (``committed_prefix``)."""
+    return {**batch, **committed_prefix(batch[ACTION], batch["action_is_pad"], delays, max_delay)}
+
+
+def build_policy(cfg: TrainConfig, demos, dataset, max_delay_steps: int = 0):
     """The policy of ``cfg.policy`` sized from the dataset's features and tasks, with its normalization
-    statistics (``PreTrainedPolicy.from_dataset``). Raises ValueError naming the fix when the config and
-    the dataset disagree."""
+    statistics (``PreTrainedPolicy.from_dataset``), reading the delay augmentation up to
+    ``max_delay_steps``. Raises ValueError naming the fix when the config and the dataset disagree."""
     from policies import policy_class
 
     pcfg = copy.deepcopy(cfg.policy)
+    pcfg.max_delay_steps = max_delay_steps
     return policy_class(pcfg.type).from_dataset(
         pcfg, dataset.meta.features, dataset.meta.stats, demos.tasks, cameras=list(demos.cameras)
     )
@@ -193,14 +239,22 @@ def split_episodes(demos, val_episodes: int, val_frames: int) -> tuple[torch.Ten
 
 
 @torch.no_grad()
-def validation_loss(policy, demos, frames: torch.Tensor, horizon: int, seed: int = 1234) -> float:
-    """Denoising loss on fixed frames with fixed noise and timesteps (one copy each), batched by 64."""
+def validation_loss(
+    policy, demos, frames: torch.Tensor, horizon: int, seed: int = 1234, delays: torch.Tensor | None = None
+) -> float:
+    """Denoising loss on fixed frames with fixed noise and timesteps (one copy each), batched by 64.
+
+    delays: (len(frames),) fixed delays of the frames' delay augmentation (None: without it).
+    """
     generator = torch.Generator().manual_seed(seed)
     was_training = policy.training
     policy.eval()
     total, count = 0.0, 0
-    for part in frames.split(64):
+    parts = frames.split(64)
+    for part, part_delays in zip(parts, delays.split(64) if delays is not None else [None] * len(parts), strict=True):
         batch = demos.batch(part, horizon)
+        if part_delays is not None:
+            batch = with_delay_augmentation(batch, part_delays, policy.config.max_delay_steps)
         batch = {k: v.to(policy.device) if torch.is_tensor(v) else v for k, v in batch.items()}
         total += policy(batch, generator).item() * len(part)
         count += len(part)
@@ -216,6 +270,8 @@ def train(cfg: TrainConfig) -> dict:
     from vla_rl.data import ChunkedDemos, FrameSampler, open_dataset
 
     frames_per_step = check_batching(cfg)
+    delay = check_delay(cfg)
+    max_delay = delay.max_steps
     torch.set_num_threads(cfg.num_threads or os.cpu_count() or 1)
     out = Path(cfg.output_dir)
     ckpt_dir = out / "checkpoints"
@@ -232,7 +288,7 @@ def train(cfg: TrainConfig) -> dict:
     train_frames, val_frames = split_episodes(demos, cfg.val_episodes, cfg.val_frames)
     sampler = FrameSampler(train_frames, demos.task_index, balanced=cfg.dataset.sampling == "task_balanced")
     torch.manual_seed(cfg.seed)  # weight initialization; the same seed builds the same network
-    policy = build_policy(cfg, demos, dataset)
+    policy = build_policy(cfg, demos, dataset, max_delay)
     # Frozen parameters (e.g. fixed encoder towers) need neither optimizer state nor an EMA copy.
     trainable = [p for p in policy.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -245,7 +301,14 @@ def train(cfg: TrainConfig) -> dict:
     # first step (diffusers' default warm-up would average over far fewer steps early on); at the
     # first step the EMA takes the weights as they are.
     ema = EMAModel(trainable, decay=cfg.ema_decay, min_decay=cfg.ema_decay) if cfg.ema_decay > 0 else None
-    progress = TrainingProgress(generator=torch.Generator().manual_seed(cfg.seed + accelerator.process_index))
+    # Each process draws its own delays, as it draws its own frames; the stream resumes with `progress`.
+    delay.generator.manual_seed(cfg.delay.seed + accelerator.process_index)
+    progress = TrainingProgress(
+        generator=torch.Generator().manual_seed(cfg.seed + accelerator.process_index),
+        delay_generator=delay.generator if max_delay else None,
+    )
+    # Validation frames get fixed delays of the same model, drawn from a stream of their own.
+    val_delays = DelayModel(cfg.delay).sample(len(val_frames)) if max_delay else None
     # accelerate's save_state / load_state keep the prepared model and optimizer, every process's
     # RNG, and these registered objects; `progress` travels beside them (see TrainingProgress).
     accelerator.register_for_checkpointing(scheduler, *([ema] if ema is not None else []))
@@ -320,7 +383,7 @@ def train(cfg: TrainConfig) -> dict:
     def validate() -> bool:
         """Log the validation loss (EMA weights when EMA is on); True when it reached the stopping target."""
         with ema_weights():
-            loss = validation_loss(raw_policy, demos, val_frames, raw_policy.config.horizon)
+            loss = validation_loss(raw_policy, demos, val_frames, raw_policy.config.horizon, delays=val_delays)
         progress.val_history.append([step, round(progress.train_seconds, 3), loss])
         if trackers:
             accelerator.log({"val_loss": loss}, step=step)
@@ -339,6 +402,8 @@ def train(cfg: TrainConfig) -> dict:
                 batch = demos.batch(idx, raw_policy.config.horizon)
                 for key in [k for k in batch if k.startswith(OBS_IMAGES)]:
                     batch[key] = random_shift(batch[key], raw_policy.config.crop_shift, generator)
+                if max_delay:
+                    batch = with_delay_augmentation(batch, delay.sample(frames_per_step), max_delay)
                 batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
                 policy.train()
                 loss = policy(

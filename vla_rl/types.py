@@ -73,6 +73,7 @@ class PolicyConfigView(Protocol):
     state_dim: int
     action_dim: int
     cameras: list[str]
+    max_delay_steps: int  # the largest delay it trained with the delay augmentation for; 0 = it ignores it
 
 
 @runtime_checkable
@@ -157,6 +158,7 @@ class BatchedEnv(Protocol):
     num_envs: int
     action_dim: int
     device: torch.device
+    control_dt: float  # seconds per control step: inference latencies become steps with it
     features: dict[str, dict[str, Any]]
     task_names: list[str]
 

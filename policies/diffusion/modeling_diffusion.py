@@ -8,6 +8,14 @@
   embedding and the diffusion timestep; epsilon prediction.
 - Noise: `diffusers` DDPMScheduler for training, DDIMScheduler for sampling.
 
+Delay augmentation (training-time RTC, Black et al. 2025), only when ``config.max_delay_steps`` > 0:
+the chunk steps in ``observation.committed_mask`` are known, already executing actions. The denoiser
+reads a known indicator per chunk step beside the chunk (its input is H * (A + 1) wide), and the
+known steps of its input always hold their clean action, never noise, at every noise level. Training
+takes the loss on the unknown, non-padded steps only; sampling writes the clean committed actions
+into the known steps before every DDIM step, and the returned chunk starts with them exactly. With
+max_delay_steps = 0 the augmentation is ignored and the network is the one without it.
+
 Actions are normalized to [-1, 1] with the dataset min/max, states to zero mean and unit variance;
 the statistics are buffers, so they travel inside every checkpoint's weights.
 """
@@ -102,7 +110,11 @@ class DiffusionPolicy(PreTrainedPolicy):
         self.obs_proj = nn.Sequential(nn.Linear(obs_dim, cond_dim), nn.Mish(), nn.Linear(cond_dim, cond_dim))
         self.time_proj = nn.Sequential(nn.Linear(cond_dim, cond_dim), nn.Mish(), nn.Linear(cond_dim, cond_dim))
         flat = cfg.horizon * cfg.action_dim
-        self.input_proj = nn.Linear(flat, cfg.hidden_dim)
+        # A policy that reads the delay augmentation sees one known flag per chunk step beside the actions;
+        # without it the input is the chunk alone, as in checkpoints written before the augmentation.
+        self.reads_known = cfg.max_delay_steps > 0
+        flags = cfg.horizon if self.reads_known else 0
+        self.input_proj = nn.Linear(flat + flags, cfg.hidden_dim)
         self.blocks = nn.ModuleList([FiLMBlock(cfg.hidden_dim, cond_dim) for _ in range(cfg.num_blocks)])
         self.output_proj = nn.Sequential(nn.LayerNorm(cfg.hidden_dim), nn.Linear(cfg.hidden_dim, flat))
 
@@ -135,11 +147,21 @@ class DiffusionPolicy(PreTrainedPolicy):
 
     # -- training and inference ---------------------------------------------------------------
 
-    def denoise(self, noisy: torch.Tensor, t: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
-        """noisy (B, H, A), t (B,), cond (B, D) -> predicted noise (B, H, A)."""
+    def denoise(
+        self, noisy: torch.Tensor, t: torch.Tensor, cond: torch.Tensor, known: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """noisy (B, H, A), t (B,), cond (B, D) -> predicted noise (B, H, A).
+
+        known: (B, H) bool, the chunk steps that hold clean committed actions (None: none); read only
+        when the policy has max_delay_steps > 0.
+        """
         b = noisy.shape[0]
         c = cond + self.time_proj(timestep_embedding(t, cond.shape[-1]))
-        x = self.input_proj(noisy.reshape(b, -1))
+        chunk = noisy
+        if self.reads_known:
+            flags = torch.zeros(noisy.shape[:2], device=noisy.device) if known is None else known.to(noisy)
+            chunk = torch.cat([noisy, flags[..., None]], -1)  # (B, H, A + 1)
+        x = self.input_proj(chunk.reshape(b, -1))
         for block in self.blocks:
             x = block(x, c)
         return self.output_proj(x).reshape(noisy.shape)
@@ -147,7 +169,9 @@ class DiffusionPolicy(PreTrainedPolicy):
     def forward(self, batch: dict, generator: torch.Generator | None = None, copies: int = 1) -> torch.Tensor:
         """batch: observation keys + ``action`` (B, H, A) + ``action_is_pad`` (B, H) -> scalar loss.
 
-        copies must be 1: this policy has no Level-2 minibatching (``supports_copies`` is False).
+        With max_delay_steps > 0 and the delay augmentation in the batch, the committed steps enter
+        clean and are left out of the loss (see the module docstring). copies must be 1: this policy
+        has no Level-2 minibatching (``supports_copies`` is False).
         """
         if copies != 1:
             raise ValueError(f"the diffusion policy trains one copy per frame, got copies={copies}")
@@ -160,8 +184,14 @@ class DiffusionPolicy(PreTrainedPolicy):
         noise = torch.randn(target.shape, generator=generator, device=target.device)
         t = torch.randint(0, self.config.num_train_timesteps, (b,), generator=generator, device=target.device)
         noisy = self.train_scheduler.add_noise(target, noise, t)
-        err = F.mse_loss(self.denoise(noisy, t, cond), noise, reduction="none").mean(-1)  # (B, H)
         valid = ~batch["action_is_pad"]
+        known = None
+        prefix = self.committed_actions(batch)
+        if prefix is not None:
+            committed, known = prefix
+            noisy = torch.where(known[..., None], self.normalize_action(committed), noisy)
+            valid = valid & ~known  # the committed steps are given, not predicted
+        err = F.mse_loss(self.denoise(noisy, t, cond, known), noise, reduction="none").mean(-1)  # (B, H)
         return (err * valid).sum() / valid.sum().clamp_min(1)
 
     @torch.no_grad()
@@ -176,7 +206,8 @@ class DiffusionPolicy(PreTrainedPolicy):
         """obs batch of size B -> ActionChunk (B, horizon, action_dim) in dataset units (DDIM sampling).
 
         noise: (B, horizon, action_dim) sampler start (see ``PreTrainedPolicy.predict_chunk``).
-        This policy has no inpainting guidance.
+        With max_delay_steps > 0, the committed actions of the delay augmentation are kept: the
+        chunk's known steps equal them exactly. This policy has no inpainting guidance.
         """
         if inpaint is not None:
             raise ValueError("the diffusion policy has no inpainting guidance; use a flow diffusion_vla policy")
@@ -184,8 +215,15 @@ class DiffusionPolicy(PreTrainedPolicy):
         b = cond.shape[0]
         cfg = self.config
         x = self._initial_noise(noise, b, cond.device)
+        prefix = self.committed_actions(obs)
+        committed, known = prefix if prefix is not None else (None, None)
         self.sample_scheduler.set_timesteps(cfg.num_inference_steps)
         for t in self.sample_scheduler.timesteps:
-            eps = self.denoise(x, t.expand(b).to(cond.device), cond)
+            if known is not None:  # as in training: the known steps are clean at every noise level
+                x = torch.where(known[..., None], self.normalize_action(committed), x)
+            eps = self.denoise(x, t.expand(b).to(cond.device), cond, known)
             x = self.sample_scheduler.step(eps, t, x).prev_sample
-        return self._chunk(self.unnormalize_action(x.clamp(-1, 1)), obs_step)
+        actions = self.unnormalize_action(x.clamp(-1, 1))
+        if known is not None:  # exactly the committed actions, not their normalization round trip
+            actions = torch.where(known[..., None], committed, actions)
+        return self._chunk(actions, obs_step)

@@ -10,6 +10,16 @@ Objectives (``config.objective``):
   velocity noise - action; sampling integrates from t = 1 to 0 with Euler steps. Flow sampling
   can inpaint toward a previous chunk (real-time chunking guidance), see ``predict_chunk``.
 
+Delay augmentation (training-time RTC, Black et al. 2025), only when ``config.max_delay_steps`` > 0:
+the chunk steps in ``observation.committed_mask`` are known, already executing actions. Their tokens
+enter the DiT clean, with the clean end of the schedule as their own timestep (flow t = 0, ddpm step
+0; every other token has the copy's timestep) and a learned known-token embedding added. Training
+takes the loss on the unknown, non-padded tokens only, and every Level-2 copy of a condition shares
+its known prefix. Sampling writes the clean committed actions into the known tokens before every
+denoising or Euler step, and the returned chunk starts with them exactly. Inpainting guidance (flow)
+still applies on top, to the unknown tokens. With max_delay_steps = 0 the augmentation is ignored
+and the network is the one without it.
+
 Actions are normalized to [-1, 1] with the dataset min/max and states to zero mean, unit variance;
 the statistics are buffers, so they travel inside every checkpoint's weights.
 """
@@ -38,7 +48,10 @@ class DiffusionVLAPolicy(PreTrainedPolicy):
         super().__init__(config)
         cfg = config
         self.encoder = ConditionEncoder(cfg)
-        self.dit = DiT(cfg.action_dim, cfg.horizon, cfg.dim, cfg.depth, cfg.heads, cfg.mlp_ratio)
+        self.dit = DiT(
+            cfg.action_dim, cfg.horizon, cfg.dim, cfg.depth, cfg.heads, cfg.mlp_ratio,
+            known_tokens=cfg.max_delay_steps > 0,
+        )  # fmt: skip
         self.register_normalization(cfg.state_dim, cfg.action_dim)
         sched = {
             "num_train_timesteps": cfg.num_train_timesteps,
@@ -69,7 +82,9 @@ class DiffusionVLAPolicy(PreTrainedPolicy):
         """Denoising loss with Level-2 minibatching; the scalar mean over all B*K samples.
 
         batch: observation keys of B conditions + ``action`` (B, H, A) + ``action_is_pad`` (B, H).
-        copies: K noised copies of each condition's chunk, each with its own noise and timestep.
+        copies: K noised copies of each condition's chunk, each with its own noise and timestep. With
+        max_delay_steps > 0 and the delay augmentation in the batch, the committed steps enter clean
+        in every copy and are left out of the loss (see the module docstring).
         """
         actions = batch[ACTION]
         cfg = self.config
@@ -86,17 +101,35 @@ class DiffusionVLAPolicy(PreTrainedPolicy):
             tt = t[..., None, None]
             noisy = tt * noise + (1 - tt) * target
             regress = noise - target
-            prediction = self.dit(noisy, t, cond, cond_mask)
         else:
-            steps = torch.randint(0, cfg.num_train_timesteps, (b, copies), generator=generator, device=target.device)
+            t = torch.randint(0, cfg.num_train_timesteps, (b, copies), generator=generator, device=target.device)
             # diffusers expects one timestep per leading index, so flatten (B, K) for the call.
-            noisy = self.train_scheduler.add_noise(target.flatten(0, 1), noise.flatten(0, 1), steps.flatten())
+            noisy = self.train_scheduler.add_noise(target.flatten(0, 1), noise.flatten(0, 1), t.flatten())
             noisy = noisy.unflatten(0, (b, copies))
             regress = noise
-            prediction = self.dit(noisy, steps.float(), cond, cond_mask)
+        t, valid, known = t.float(), ~batch["action_is_pad"], None  # valid (B, H)
+        prefix = self.committed_actions(batch)
+        if prefix is not None:
+            committed, known = prefix
+            valid = valid & ~known  # the committed steps are given, not predicted
+            noisy, t, known = self._insert_known(noisy, t, self.normalize_action(committed), known)
+        prediction = self.dit(noisy, t, cond, cond_mask, known)
         err = F.mse_loss(prediction, regress, reduction="none").mean(-1)  # (B, K, H)
-        valid = (~batch["action_is_pad"])[:, None].expand_as(err)
+        valid = valid[:, None].expand_as(err)
         return (err * valid).sum() / valid.sum().clamp_min(1)
+
+    @staticmethod
+    def _insert_known(x: torch.Tensor, t: torch.Tensor, clean: torch.Tensor, known: torch.Tensor):
+        """Make the known tokens clean: (x (B, K, H, A), per-token t (B, K, H), known (B, K, H)).
+
+        x: (B, K, H, A) noised chunks; t: (B, K) float timesteps; clean: (B, H, A) normalized
+        committed actions; known: (B, H) bool, shared by the K copies of a condition. The clean end
+        of the schedule is 0 for both objectives (flow t = 0, ddpm step 0).
+        """
+        known = known[:, None].expand(-1, x.shape[1], -1)  # (B, K, H)
+        x = torch.where(known[..., None], clean[:, None], x)
+        t = torch.where(known, 0.0, t[..., None].expand_as(known))
+        return x, t, known
 
     # -- inference ----------------------------------------------------------------------------
 
@@ -116,44 +149,64 @@ class DiffusionVLAPolicy(PreTrainedPolicy):
         guided so that the chunk's steps with weight 1 follow the target and the rest are free
         (real-time chunking, Black et al. 2025: pseudo-inverse guidance on the predicted clean chunk,
         with the guidance weight clipped at ``rtc_max_guidance``).
+        With max_delay_steps > 0, the committed actions of the delay augmentation are kept: the
+        chunk's known steps equal them exactly (training-time RTC; see the module docstring).
         """
         cond, cond_mask = self.encode_observation(obs)
         b, cfg = cond.shape[0], self.config
         x = self._initial_noise(noise, b, cond.device)[:, None]  # (B, 1, H, A): one copy per condition
+        prefix = self.committed_actions(obs)
+        clean = None if prefix is None else (self.normalize_action(prefix[0]), prefix[1])
         if cfg.objective == "flow":
-            x = self._sample_flow(x, cond, cond_mask, inpaint)
+            x = self._sample_flow(x, cond, cond_mask, inpaint, clean)
         else:
             if inpaint is not None:
                 raise ValueError("inpainting guidance needs policy.objective=flow")
             self.sample_scheduler.set_timesteps(cfg.num_inference_steps)
             for t in self.sample_scheduler.timesteps:
-                eps = self.dit(x, t.float().expand(b, 1).to(cond.device), cond, cond_mask)
+                x, tt, known = self._timesteps(x, float(t), clean)
+                eps = self.dit(x, tt, cond, cond_mask, known)
                 x = self.sample_scheduler.step(eps, t, x).prev_sample
-        return self._chunk(self.unnormalize_action(x[:, 0].clamp(-1, 1)), obs_step)
+        actions = self.unnormalize_action(x[:, 0].clamp(-1, 1))
+        if prefix is not None:  # exactly the committed actions, not their normalization round trip
+            actions = torch.where(prefix[1][..., None], prefix[0], actions)
+        return self._chunk(actions, obs_step)
 
-    def _sample_flow(self, x, cond, cond_mask, inpaint):
-        """Euler integration from t = 1 (noise) to t = 0 (actions); x (B, 1, H, A)."""
+    def _timesteps(self, x: torch.Tensor, t: float, clean: tuple[torch.Tensor, torch.Tensor] | None):
+        """The DiT's input at sampler time t: (x (B, 1, H, A), timesteps, known (B, 1, H) or None).
+
+        Without known steps the timesteps are one per chunk, (B, 1); with them (clean: normalized
+        committed actions (B, H, A) and known (B, H)) the known steps of x are overwritten with their
+        clean actions and get the clean timestep, as in training: (B, 1, H) timesteps.
+        """
+        tt = torch.full(x.shape[:2], t, device=x.device)
+        if clean is None:
+            return x, tt, None
+        return self._insert_known(x, tt, *clean)
+
+    def _sample_flow(self, x, cond, cond_mask, inpaint, clean):
+        """Euler integration from t = 1 (noise) to t = 0 (actions); x (B, 1, H, A); clean: see ``_timesteps``."""
         n = self.config.num_inference_steps
-        b = x.shape[0]
         if inpaint is not None:
             target = self.normalize_action(inpaint[0].to(x))[:, None]  # (B, 1, H, A)
             weights = inpaint[1].to(x)[:, None, :, None]  # (B, 1, H, 1)
         for i in range(n):
             t = 1.0 - i / n
-            tt = torch.full((b, 1), t, device=x.device)
+            x, tt, known = self._timesteps(x, t, clean)
             if inpaint is None:
-                v = self.dit(x, tt, cond, cond_mask)
+                v = self.dit(x, tt, cond, cond_mask, known)
             else:
-                v = self._guided_velocity(x, tt, t, cond, cond_mask, target, weights)
+                v = self._guided_velocity(x, tt, t, cond, cond_mask, known, target, weights)
             x = x - v / n
         return x
 
-    def _guided_velocity(self, x, tt, t, cond, cond_mask, target, weights):
+    def _guided_velocity(self, x, tt, t, cond, cond_mask, known, target, weights):
         """Velocity corrected so the predicted clean chunk moves toward ``target`` where weights > 0."""
         with torch.enable_grad():
             x = x.detach().requires_grad_(True)
-            v = self.dit(x, tt, cond, cond_mask)
-            clean = x - t * v  # the chunk this velocity leads to at t = 0
+            v = self.dit(x, tt, cond, cond_mask, known)
+            # The chunk this velocity leads to at t = 0; a known token is already there (its time is 0).
+            clean = x - (tt[..., None] if tt.ndim == 3 else t) * v
             error = (target - clean) * weights
             (grad,) = torch.autograd.grad(clean, x, error)  # J^T error
         # Guidance weight of pseudo-inverse guidance, in our t = 1 noise convention (RTC eq. 5).

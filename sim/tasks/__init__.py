@@ -11,6 +11,7 @@ from sim.tasks.pick_place import PickPlaceExpert, PickPlaceTask
 from sim.tasks.push import PushExpert, PushTask
 from sim.tasks.reach import ReachExpert, ReachTask
 from sim.tasks.stack import StackTask
+from sim.tasks.track import TrackExpert, TrackTask
 
 TASKS: dict[str, type[Task]] = {
     "lift": LiftTask,
@@ -19,6 +20,7 @@ TASKS: dict[str, type[Task]] = {
     "pick_place": PickPlaceTask,
     "stack": StackTask,
     "open_drawer": OpenDrawerTask,
+    "track": TrackTask,
 }
 EXPERTS: dict[str, type[Expert]] = {
     "lift": LiftExpert,
@@ -27,6 +29,7 @@ EXPERTS: dict[str, type[Expert]] = {
     "pick_place": PickPlaceExpert,
     "stack": PickPlaceExpert,  # the same carry-and-release script; the place target is on the blue cube
     "open_drawer": OpenDrawerExpert,
+    "track": TrackExpert,
 }
 
 

@@ -1,6 +1,33 @@
-"""Action runtime: how action chunks become per-step actions, and the one config of how (``ChunkingConfig``)."""
+"""The latency model and action runtime: how long inference takes (``delay``), when chunks are requested
+and what a request is told (``schedule``), and how chunks become per-step actions (``executor``), with the
+one config of how (``ChunkingConfig``). Simulation, evaluation, training and the robot all use these."""
 
 from vla_rl.runtime.config import ChunkingConfig
+from vla_rl.runtime.delay import (
+    DelayConfig,
+    DelayModel,
+    LatencyLog,
+    augmentation,
+    committed_prefix,
+    latencies_to_steps,
+    load_latencies,
+)
 from vla_rl.runtime.executor import ActionChunkExecutor, MergeMode, rtc_blend_weights, rtc_weights
+from vla_rl.runtime.schedule import ChunkRequest, ChunkSchedule
 
-__all__ = ["ActionChunkExecutor", "ChunkingConfig", "MergeMode", "rtc_blend_weights", "rtc_weights"]
+__all__ = [
+    "ActionChunkExecutor",
+    "ChunkRequest",
+    "ChunkSchedule",
+    "ChunkingConfig",
+    "DelayConfig",
+    "DelayModel",
+    "LatencyLog",
+    "MergeMode",
+    "augmentation",
+    "committed_prefix",
+    "latencies_to_steps",
+    "load_latencies",
+    "rtc_blend_weights",
+    "rtc_weights",
+]

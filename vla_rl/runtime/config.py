@@ -15,8 +15,8 @@ class ChunkingConfig:
     """Steps executed per chunk and how overlapping chunks merge (see `ActionChunkExecutor`).
 
     The inference delay is not set here: eval draws it from ``delay``, and serve measures it.
-    With ``merge=rtc`` a flow policy is also guided toward the queued actions (serve); its
-    guidance clip is the policy's ``rtc_max_guidance``.
+    With ``merge=rtc`` a flow policy is also guided toward the queued actions (eval and serve);
+    its guidance clip is the policy's ``rtc_max_guidance``.
     """
 
     # Steps of each chunk executed before the next request (more while an inference is still

@@ -20,7 +20,8 @@ from typing import Literal, get_args
 
 import torch
 
-from vla_rl.types import OBS_COMMITTED_ACTIONS, OBS_COMMITTED_MASK, OBS_DELAY_STEPS, ActionChunk
+from vla_rl.runtime.delay import augmentation
+from vla_rl.types import ActionChunk
 
 MergeMode = Literal["latest", "ensemble", "rtc"]
 
@@ -120,12 +121,14 @@ class ActionChunkExecutor:
         """(B,) long: number of consecutive queued steps starting at ``step``."""
         return (self._count > 0).long().cumprod(dim=1).sum(dim=1)
 
-    def add_chunk(self, chunk: ActionChunk, env_mask: torch.Tensor | None = None) -> None:
+    def add_chunk(self, chunk: ActionChunk, env_mask: torch.Tensor | None = None, validate: bool = True) -> None:
         """Merge a chunk into the queue of the envs selected by ``env_mask`` (B,) bool (all when None).
 
         ``chunk.actions`` (B, H, A) with H <= horizon; ``chunk.actions[b, j]`` is for absolute step
         ``chunk.obs_step[b] + j``. Actions for steps already emitted (a chunk that arrives late
-        because inference took time) are dropped.
+        because inference took time) are dropped. ``validate=False`` skips the value checks (finite
+        actions, obs_step not ahead), which read the device, for a caller that checked the chunk when
+        it was made (the simulation's delay shell, every control step).
         """
         mask = self._env_mask(env_mask)
         actions = chunk.actions.to(device=self.device, dtype=torch.float32)
@@ -138,12 +141,12 @@ class ActionChunkExecutor:
             )
         if not 1 <= H <= self.horizon:
             raise ValueError(f"chunk horizon H must be in [1, {self.horizon}], got {H}")
-        if not torch.isfinite(actions).all():
+        if validate and not torch.isfinite(actions).all():
             raise ValueError("chunk actions contain NaN or inf")
         # (B,) steps already emitted since the chunk's observation; rows outside the mask are not
         # merged, and their obs_step may be anything (stale, or from an old episode).
         lag = torch.where(mask, self.step - obs_step, 0)
-        if (lag < 0).any():
+        if validate and (lag < 0).any():
             # A chunk conditioned on a step not yet reached means the caller mixed up step counters
             # (e.g. a chunk from before a reset); its actions would land outside the window.
             raise ValueError(f"chunk obs_step {obs_step.tolist()} is ahead of executor step {self.step.tolist()}")
@@ -187,20 +190,23 @@ class ActionChunkExecutor:
         """
         self._clear_queue(self._env_mask(env_mask))
 
-    def rtc_guidance(self, delay_steps: torch.Tensor, execute_steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def rtc_guidance(
+        self, delay_steps: torch.Tensor, execute_steps: int | torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """What a flow policy inpaints toward when it is asked for a chunk now (RTC guidance).
 
-        delay_steps: (B,) long, the expected inference delay d; execute_steps: s, the steps each
-        chunk executes before the next request. Returns target (B, horizon, A), the queued actions
-        aligned to the chunk a request made now produces (index i is step ``step + i``; zeros where
-        nothing is queued), and weights (B, horizon): :func:`rtc_weights`, zero where nothing is queued.
+        delay_steps: (B,) long, the expected inference delay d; execute_steps: s (an int, or (B,)
+        long), the steps of the previous chunk that ran before this request. Returns target (B,
+        horizon, A), the queued actions aligned to the chunk a request made now produces (index i is
+        step ``step + i``; zeros where nothing is queued), and weights (B, horizon): :func:`rtc_weights`,
+        zero where nothing is queued.
         """
         delay_steps = delay_steps.to(self.device)
         if delay_steps.shape != (self.num_envs,) or delay_steps.is_floating_point() or (delay_steps < 0).any():
             raise ValueError(f"delay_steps must be (num_envs={self.num_envs},) integers >= 0, got {delay_steps}")
-        if not 1 <= execute_steps <= self.horizon:
+        s = torch.as_tensor(execute_steps, device=self.device).expand(self.num_envs)
+        if not isinstance(execute_steps, torch.Tensor) and not 1 <= execute_steps <= self.horizon:
             raise ValueError(f"execute_steps must be in [1, horizon={self.horizon}], got {execute_steps}")
-        s = torch.full_like(delay_steps, execute_steps)
         queued = self._count > 0  # (B, horizon)
         weights = rtc_weights(self.horizon, delay_steps, s) * queued
         return self._queued_actions(), weights
@@ -223,25 +229,9 @@ class ActionChunkExecutor:
         - ``OBS_COMMITTED_MASK``: (B, max_delay) bool, True for the real rows above
         - ``OBS_DELAY_STEPS``: (B,) long, ``delay_steps``
         """
-        delay_steps = delay_steps.to(self.device)
-        if delay_steps.shape != (self.num_envs,) or delay_steps.is_floating_point():
-            raise ValueError(
-                f"delay_steps must be an integer tensor of shape ({self.num_envs},), "
-                f"got {delay_steps.dtype} {tuple(delay_steps.shape)}"
-            )
-        delay_steps = delay_steps.long()
-        if ((delay_steps < 0) | (delay_steps > self.max_delay)).any():
-            raise ValueError(f"delay_steps must be in [0, max_delay={self.max_delay}], got {delay_steps.tolist()}")
-
-        # Steps past the window are never queued, so a max_delay above horizon only adds padding.
-        n = min(self.max_delay, self.horizon)
-        B, D, A = self.num_envs, self.max_delay, self.action_dim
-        rows = torch.arange(n, device=self.device)
-        mask = torch.zeros(B, D, dtype=torch.bool, device=self.device)
-        mask[:, :n] = (rows[None, :] < delay_steps[:, None]) & (self._count[:, :n] > 0)
-        committed = torch.zeros(B, D, A, device=self.device)
-        committed[:, :n] = torch.where(mask[:, :n, None], self._queued_actions()[:, :n], 0.0)
-        return {OBS_COMMITTED_ACTIONS: committed, OBS_COMMITTED_MASK: mask, OBS_DELAY_STEPS: delay_steps}
+        if delay_steps.shape != (self.num_envs,):
+            raise ValueError(f"delay_steps must have shape ({self.num_envs},), got {tuple(delay_steps.shape)}")
+        return augmentation(self._queued_actions(), self._count > 0, delay_steps, self.max_delay)
 
     def _accumulate(self, new: torch.Tensor, covered: torch.Tensor) -> None:
         """Add predictions new (B, horizon, A) to the slots where covered (B, horizon) is True.
@@ -274,9 +264,10 @@ class ActionChunkExecutor:
 
     def _clear_queue(self, mask: torch.Tensor) -> None:
         """Empty the whole window of the envs selected by mask (B,) bool."""
-        self._sum[mask] = 0.0
-        self._weight[mask] = 0.0
-        self._count[mask] = 0
+        # torch.where, not masked assignment: a boolean index would read the mask on the host.
+        self._sum = torch.where(mask[:, None, None], 0.0, self._sum)
+        self._weight = torch.where(mask[:, None], 0.0, self._weight)
+        self._count = torch.where(mask[:, None], 0, self._count)
 
     def _env_mask(self, env_mask: torch.Tensor | None) -> torch.Tensor:
         """Validate env_mask (B,) bool; None selects every env."""

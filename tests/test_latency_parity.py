@@ -1,0 +1,259 @@
+"""One timeline of request latencies through both shells of the latency model: simulation's
+`sim.delay.DelayedChunkEnv` and the robot node's `robot_bridge.chunk_scheduler.ChunkScheduler`
+(driven by a clock the test controls, with the real inference worker in thread mode). Step by step,
+the emitted actions, the announced delays, the delay augmentation and the RTC guidance must be equal.
+
+The policy is a probe: chunk index j of a request conditioned on step t is
+``[t + j, sum of committed actions' first column, number of committed rows, announced delay]``, and
+it records everything it was given. So the emitted actions themselves carry what each request saw.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from robot_bridge.chunk_scheduler import ChunkScheduler
+from robot_bridge.config import SIM_ACTION_NAMES, SIM_STATE_NAMES, CameraTopic, ServeConfig
+from robot_bridge.diagnostics import BridgeDiagnostics
+from robot_bridge.inference import InferenceResult, WorkerStatus
+from robot_bridge.inputs import JOINT_STATES, BridgeInputs
+from robot_bridge.log_limit import LogLimiter
+from sim.delay import DelayedChunkEnv
+from vla_rl.runtime import ChunkingConfig, DelayConfig
+from vla_rl.types import OBS_COMMITTED_ACTIONS, OBS_COMMITTED_MASK, OBS_DELAY_STEPS, ActionChunk
+
+DT = 0.05  # control period, seconds
+H, S, D_MAX, WINDOW = 8, 3, 4, 2  # chunk length, steps per chunk, policy's max_delay_steps, estimate window
+STEPS = 60
+# Delay of each request in control steps (>= 1: a robot's answer is found at the earliest by the next tick).
+TIMELINE = [2, 1, 3, 4, 1, 2, 4, 3, 1, 1, 2, 4, 2, 3, 1, 4, 2, 2, 3, 1, 4, 4, 1, 3]
+HOLD = -1.0
+
+
+class ProbePolicy:
+    """See the module docstring. ``seen`` lists (obs_step, delay, committed (D, A), mask (D,), guidance)."""
+
+    supports_inpainting = True
+
+    def __init__(self):
+        self.config = SimpleNamespace(
+            horizon=H, n_action_steps=S, image_size=None, state_dim=len(SIM_STATE_NAMES),
+            action_dim=len(SIM_ACTION_NAMES), max_delay_steps=D_MAX,
+        )  # fmt: skip
+        self.seen: list[tuple] = []
+
+    def predict_chunk(self, obs, obs_step=None, *, inpaint=None) -> ActionChunk:
+        committed = torch.as_tensor(obs[OBS_COMMITTED_ACTIONS])[0].float()
+        mask = torch.as_tensor(obs[OBS_COMMITTED_MASK])[0].bool()
+        delay = int(torch.as_tensor(obs[OBS_DELAY_STEPS])[0])
+        t = int(obs_step[0])
+        guidance = None if inpaint is None else tuple(g[0].float().clone() for g in inpaint)
+        self.seen.append((t, delay, committed.clone(), mask.clone(), guidance))
+        actions = torch.zeros(1, H, 4)
+        actions[0, :, 0] = t + torch.arange(H, dtype=torch.float32)
+        actions[0, :, 1] = committed[:, 0].sum()
+        actions[0, :, 2] = float(mask.sum())
+        actions[0, :, 3] = delay
+        return ActionChunk(actions, obs_step)
+
+
+class RecordingEnv:
+    """One world of the sim arm's action size that never ends; records every action applied."""
+
+    num_envs, action_dim, device = 1, len(SIM_ACTION_NAMES), torch.device("cpu")
+
+    def __init__(self):
+        self.applied: list[list[float]] = []
+
+    def _obs(self):
+        return {"observation.state": torch.zeros(1, len(SIM_STATE_NAMES)), "task": ["probe"]}
+
+    def reset(self, seed=None, *, worlds=None):
+        return self._obs()
+
+    def step(self, actions):
+        self.applied.append(actions[0].tolist())
+        no = torch.zeros(1, dtype=torch.bool)
+        return self._obs(), torch.zeros(1), no, no.clone(), {"success": no.clone()}
+
+    def hold_actions(self):
+        return torch.full((1, self.action_dim), HOLD)
+
+
+class TimelineDelays:
+    """The delay source of the simulation shell, replaying TIMELINE request by request."""
+
+    def __init__(self):
+        self.config = DelayConfig(estimate="measured", estimate_window=WINDOW)
+        self.max_steps = max(TIMELINE)
+        self._next = iter(TIMELINE)
+
+    def sample(self, n: int) -> torch.Tensor:
+        return torch.tensor([next(self._next) for _ in range(n)])
+
+
+class Clock:
+    now = 0.0
+
+
+class TimelineWorker:
+    """The scheduler's real inference worker, with answers released on the test's clock: request k's
+    result comes back (and is stamped finished) at its submission time + (TIMELINE[k] - 0.5) * DT."""
+
+    def __init__(self, worker, clock: Clock):
+        self.worker, self.clock = worker, clock
+        self.latencies = iter((d - 0.5) * DT for d in TIMELINE)
+        self.held: list[InferenceResult] = []
+        self.statuses: list[WorkerStatus] = []
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.held)
+
+    def submit(self, request) -> None:
+        sent, latency = self.clock.now, next(self.latencies)
+        self.worker.submit(request)
+        while True:  # the real worker computes the chunk now; the clock decides when it is seen
+            for message in self.worker.poll():
+                if isinstance(message, InferenceResult):
+                    message.finished = sent + latency
+                    self.held.append(message)
+                    return
+                self.statuses.append(message)
+            threading.Event().wait(0.001)
+
+    def poll(self):
+        statuses, self.statuses = self.statuses + self.worker.poll(), []
+        due = [r for r in self.held if r.finished <= self.clock.now]
+        self.held = [r for r in self.held if r.finished > self.clock.now]
+        return statuses + due
+
+    def alive(self) -> bool:
+        return self.worker.alive()
+
+    def close(self) -> None:
+        self.worker.close()
+
+
+def run_sim(merge: str) -> tuple[list, ProbePolicy]:
+    policy, env = ProbePolicy(), RecordingEnv()
+    shell = DelayedChunkEnv(env, H, S, TimelineDelays(), merge=merge, ensemble_coeff=0.5, max_delay=D_MAX)
+    obs, need = shell.reset(seed=0)
+    while len(env.applied) < STEPS:
+        assert need.tolist() == [True]
+        obs_step = shell.obs_step
+        chunk = policy.predict_chunk(obs, obs_step, inpaint=shell.guidance)
+        obs, *_, need = shell.step(chunk)
+    emitted = [None if a[0] == HOLD else a for a in env.applied[:STEPS]]
+    return emitted, policy
+
+
+def run_bridge(merge: str, latency_log: str) -> tuple[list, ProbePolicy, list[dict]]:
+    policy = ProbePolicy()
+    config = ServeConfig(
+        checkpoint="(probe)", inference="thread", inference_cpu=-1, control_hz=1 / DT, latency_log=latency_log,
+        chunking=ChunkingConfig(execute_steps=S, merge=merge, ensemble_coeff=0.5), delay_estimate_window=WINDOW,
+        cameras=[CameraTopic("front", "/camera/front/image_raw")],
+    )  # fmt: skip
+    logger = SimpleNamespace(info=lambda *_: None, error=lambda *_: None, warning=lambda *_: None)
+    diagnostics = BridgeDiagnostics()
+    limiter = LogLimiter(lambda level, line: None)
+    inputs = BridgeInputs(config, diagnostics, limiter, logger.info)
+    inputs.state = np.zeros(len(SIM_STATE_NAMES))
+    inputs.images["front"] = np.zeros((8, 8, 3), dtype=np.uint8)
+    inputs.arrival[JOINT_STATES], inputs.stamp[JOINT_STATES] = 0.0, 0.0
+    chunks: list[dict] = []
+    scheduler = ChunkScheduler(config, lambda: policy, inputs, diagnostics, limiter, logger, chunks.append)
+    clock = Clock()
+    scheduler.worker = TimelineWorker(scheduler.worker, clock)
+    try:
+        for _ in range(500):  # wait for the worker to load the policy
+            scheduler.prepare_next_action(None, clock.now)
+            if scheduler.executor is not None:
+                break
+            threading.Event().wait(0.01)
+        assert scheduler.executor is not None, scheduler.worker_error
+        emitted = []
+        for tick in range(STEPS):  # tick k prepares the action of step k (published at the next tick)
+            clock.now = tick * DT
+            if tick:
+                scheduler.prepare_next_action(None, clock.now)
+            assert scheduler.next_step == tick
+            emitted.append(None if scheduler.next_target is None else scheduler.next_target.tolist())
+    finally:
+        scheduler.close()
+    return emitted, policy, chunks
+
+
+@pytest.mark.parametrize("merge", ["latest", "ensemble", "rtc"])
+def test_simulation_and_robot_do_the_same_on_one_timeline(merge, tmp_path):
+    sim_emitted, sim_policy = run_sim(merge)
+    log = tmp_path / "latencies.jsonl"
+    robot_emitted, robot_policy, chunks = run_bridge(merge, str(log))
+
+    assert len(sim_policy.seen) >= 15  # the timeline really ran
+    n = min(len(sim_policy.seen), len(robot_policy.seen))
+    assert n >= len(sim_policy.seen) - 1  # the robot may have one request still in flight at the end
+    for k, (sim, robot) in enumerate(zip(sim_policy.seen[:n], robot_policy.seen[:n], strict=True)):
+        assert sim[:2] == robot[:2], f"request {k}: (obs_step, announced delay)"
+        assert torch.equal(sim[2], robot[2]) and torch.equal(sim[3], robot[3]), f"request {k}: augmentation"
+        if merge == "rtc":
+            assert sim[4] is not None and robot[4] is not None
+            assert torch.allclose(sim[4][0], robot[4][0]) and torch.allclose(sim[4][1], robot[4][1])
+        else:
+            assert sim[4] is None and robot[4] is None
+    assert sim_emitted == robot_emitted
+
+    # Worked by hand from TIMELINE, S = 3, WINDOW = 2: request 0 at step 0 arrives at step 2 (lag 2);
+    # request 1 goes out at step 3 (due, and nothing in flight) announcing 2, arrives at 4 (lag 1);
+    # request 2 at step 6 announces max(2, 1) = 2; arrives at 9 (lag 3); request 3 at step 9 announces 3.
+    assert [(t, d) for t, d, *_ in sim_policy.seen[:4]] == [(0, 0), (3, 2), (6, 2), (9, 3)]
+    assert sim_emitted[:2] == [None, None] and sim_emitted[2][0] == 2.0  # step 2 runs chunk 0's index 2
+
+    # The robot wrote every latency it measured, with its control period: one line per answered request.
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert len(records) == len(chunks) >= 15
+    assert all(r["control_dt"] == pytest.approx(DT) for r in records)
+    expected = [(d - 0.5) * DT for d in TIMELINE[: len(records)]]
+    assert [r["latency_s"] for r in records] == pytest.approx(expected, abs=1e-6)
+    assert [r["lag_steps"] for r in records] == TIMELINE[: len(records)]
+
+
+def test_a_served_robots_latency_log_replays_in_evaluation(tiny_checkpoint, tmp_path):
+    """The node's latency log (measured at the sim's 20 Hz) drives `vla-rl eval --delay.kind=histogram`:
+    every chunk of the evaluation gets a delay the robot measured, rounded up to whole steps."""
+    from sim.config import EnvConfig
+    from vla_rl.eval import EvalConfig, evaluate
+
+    log = tmp_path / "latencies.jsonl"
+    run_bridge("latest", str(log))
+    result = evaluate(EvalConfig(
+        checkpoint=str(tiny_checkpoint[0]), env=EnvConfig(num_envs=4, max_episode_steps=40), num_episodes=4,
+        video_episodes=0, chunking=ChunkingConfig(execute_steps=2), output_dir=str(tmp_path / "eval"),
+        delay=DelayConfig(kind="histogram", latencies_file=str(log)),
+    ))  # fmt: skip
+    measured = {json.loads(line)["lag_steps"] for line in log.read_text().splitlines()}
+    assert measured == {1, 2, 3, 4} and result["delay_max_steps"] == 4
+    replayed = {int(d): n for d, n in result["delay_histogram"].items()}
+    assert set(replayed) == measured and sum(replayed.values()) >= 40
+
+
+def test_serve_refuses_a_policy_trained_for_shorter_delays_than_the_robot_has():
+    info = {"horizon": H, "n_action_steps": S, "state_dim": len(SIM_STATE_NAMES), "action_dim": 4, "max_delay_steps": 4}
+    check = ChunkScheduler._check_policy  # the load-time check, on a bare holder of the config
+    robot = SimpleNamespace(config=ServeConfig(max_delay_steps=6))
+    assert check(robot, info) == (
+        "this robot's delays reach max_delay_steps=6 control steps but the policy was trained for delays up to 4; "
+        "retrain with --delay.high=6 or serve faster"
+    )
+    robot.config.max_delay_steps = 4
+    assert check(robot, info) is None
+    # A policy that does not read the augmentation serves under any delay.
+    robot.config.max_delay_steps = 6
+    assert check(robot, {**info, "max_delay_steps": 0}) is None

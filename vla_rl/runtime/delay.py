@@ -1,0 +1,213 @@
+"""How long inference takes, in control steps: the delay model, measured latency files, and the
+delay augmentation built from a demonstration.
+
+The one definition of each, read by training (`vla_rl.train`), evaluation (`sim.delay`) and the
+robot (`robot_bridge`):
+
+- `DelayConfig` / `DelayModel`: delays drawn fixed, uniform over [low, high], or replayed from
+  latencies measured on a robot (``vla-rl serve`` writes them, see `LatencyLog`).
+- A latency file is JSON lines, one measured inference per line:
+  ``{"latency_s": 0.083, "control_dt": 0.05, ...}``. Seconds become control steps rounded up: a
+  chunk that arrives partway through a control period is first usable at the next step.
+- `committed_prefix`: the delay augmentation for a training sample, the actions a demonstration
+  would already be executing while its chunk is computed (the robot's and the simulation's come
+  from the queue, `ActionChunkExecutor.delay_augmentation`; all three share `augmentation`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import torch
+
+from vla_rl.types import OBS_COMMITTED_ACTIONS, OBS_COMMITTED_MASK, OBS_DELAY_STEPS
+
+DelayKind = Literal["fixed", "uniform", "histogram"]
+DelayEstimate = Literal["oracle", "measured"]
+
+
+@dataclass
+class DelayConfig:
+    """How long inference takes, in control steps, and what the policy is told about it."""
+
+    kind: DelayKind = "fixed"  # fixed, uniform or histogram
+    steps: int = 0  # fixed: the delay d
+    low: int = 0  # uniform: smallest d
+    high: int = 0  # uniform: largest d
+    latencies_file: str = ""  # histogram: JSON lines of measured latencies, as `vla-rl serve` writes them
+    # histogram: the control period the latencies are turned into steps with; the file must have been
+    # measured at it. 0 = the env's own control period (eval), 0.05 s where there is no env (train).
+    control_dt: float = 0.0
+    # What a request announces as its delay (observation.delay_steps, RTC guidance): oracle = the delay it
+    # will get (simulation only), measured = the robot's estimate, the largest lag of the last
+    # estimate_window merged chunks (what `vla-rl serve` announces).
+    estimate: DelayEstimate = "oracle"
+    estimate_window: int = 4
+    seed: int = 0  # seed of the delay draws
+
+
+DEFAULT_CONTROL_DT = 0.05
+
+
+class DelayModel:
+    """Draws inference delays in control steps. ``max_steps`` bounds every draw."""
+
+    def __init__(self, config: DelayConfig, control_dt: float = DEFAULT_CONTROL_DT):
+        self.config = config
+        self.generator = torch.Generator().manual_seed(config.seed)
+        if config.estimate not in ("oracle", "measured"):
+            raise ValueError(f"delay.estimate must be oracle or measured, got {config.estimate!r}")
+        if config.estimate_window < 1:
+            raise ValueError(f"delay.estimate_window must be >= 1, got {config.estimate_window}")
+        if config.kind == "fixed":
+            if config.steps < 0:
+                raise ValueError(f"delay.steps must be >= 0, got {config.steps}")
+            self.max_steps = config.steps
+        elif config.kind == "uniform":
+            if not 0 <= config.low <= config.high:
+                raise ValueError(f"uniform delay needs 0 <= delay.low <= delay.high, got {config.low}, {config.high}")
+            self.max_steps = config.high
+        elif config.kind == "histogram":
+            dt = config.control_dt or control_dt
+            self.latency_steps = torch.from_numpy(latencies_to_steps(load_latencies(config.latencies_file, dt), dt))
+            self.max_steps = int(self.latency_steps.max())
+        else:
+            raise ValueError(f"unknown delay kind {config.kind!r}; set --delay.kind to fixed, uniform or histogram")
+
+    def sample(self, n: int) -> torch.Tensor:
+        """(n,) long delays in control steps, on the CPU."""
+        cfg = self.config
+        if cfg.kind == "fixed":
+            return torch.full((n,), cfg.steps, dtype=torch.long)
+        if cfg.kind == "uniform":
+            return torch.randint(cfg.low, cfg.high + 1, (n,), generator=self.generator)
+        pick = torch.randint(0, len(self.latency_steps), (n,), generator=self.generator)
+        return self.latency_steps[pick]
+
+    def check_fits(self, horizon: int, max_delay_steps: int | None) -> None:
+        """Refuse, before any rollout, a delay no chunk survives or the policy was not trained for.
+
+        horizon: the chunk length; max_delay_steps: the largest delay the policy trained with (its
+        ``max_delay_steps``; 0 or None: it does not read the delay augmentation, so any delay runs).
+        """
+        if self.max_steps >= horizon:
+            raise ValueError(
+                f"the delay model reaches {self.max_steps} control steps but a chunk holds {horizon}: every "
+                f"chunk would arrive stale; lower the delay or train a policy with a longer --policy.horizon"
+            )
+        if max_delay_steps and self.max_steps > max_delay_steps:
+            raise ValueError(
+                f"the delay model reaches {self.max_steps} control steps but the policy was trained for delays up "
+                f"to {max_delay_steps}; lower the delay or retrain with --delay.high={self.max_steps}"
+            )
+
+
+def load_latencies(path: str | Path, control_dt: float) -> np.ndarray:
+    """A latency file (JSON lines with ``latency_s`` and ``control_dt``) -> (M,) float64 latencies in seconds.
+
+    Every line must have been measured at ``control_dt``: a latency says nothing about steps of
+    another rate's controller.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"latency file {path} not found; `vla-rl serve` writes one (latency_log), or use --delay.kind=fixed"
+        )
+    values, periods = [], set()
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            values.append(float(record["latency_s"]))
+            periods.add(float(record["control_dt"]))
+        except (ValueError, KeyError, TypeError) as err:
+            raise ValueError(
+                f"{path}:{number} is not a latency record {{'latency_s': .., 'control_dt': ..}} ({err})"
+            ) from err
+    latencies = np.asarray(values, dtype=np.float64)
+    if latencies.size == 0:
+        raise ValueError(f"{path} holds no latencies; record some with `vla-rl serve` first")
+    if not np.isfinite(latencies).all() or (latencies < 0).any():
+        raise ValueError(f"{path} holds latencies that are negative or not finite; it must list finite latencies >= 0")
+    other = sorted(p for p in periods if not math.isclose(p, control_dt, rel_tol=1e-6))
+    if other:
+        raise ValueError(
+            f"{path} was measured at a control period of {other[0]:g} s but {control_dt:g} s was asked for; "
+            f"serve at --control_hz={1 / control_dt:g} or set --delay.control_dt={other[0]:g}"
+        )
+    return latencies
+
+
+def latencies_to_steps(latencies_s: np.ndarray, control_dt: float) -> np.ndarray:
+    """(M,) seconds -> (M,) int64 control steps, rounded up."""
+    if control_dt <= 0:
+        raise ValueError(f"control_dt must be > 0, got {control_dt}")
+    # The small tolerance keeps exact multiples (0.1 s at 0.05 s) from rounding up by float error.
+    return np.ceil(latencies_s / control_dt - 1e-9).astype(np.int64)
+
+
+class LatencyLog:
+    """Writes measured inference latencies to a latency file (started afresh), one JSON line each,
+    flushed at once so a killed run keeps every line it measured. Extra fields ride along for people."""
+
+    def __init__(self, path: str | Path, control_dt: float):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.control_dt = control_dt
+        self._file = self.path.open("w")
+
+    def write(self, latency_s: float, **extra: float | str) -> None:
+        record = {"latency_s": round(latency_s, 6), "control_dt": self.control_dt, **extra}
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def augmentation(
+    ahead: torch.Tensor, available: torch.Tensor, delay_steps: torch.Tensor, max_delay: int
+) -> dict[str, torch.Tensor]:
+    """The delay augmentation of a request whose chunk starts ``delay_steps`` steps from now.
+
+    ahead: (B, n, A) the actions for the next n steps, index j = step now + j; available: (B, n)
+    bool, where ``ahead`` holds a real action; delay_steps: (B,) long in [0, max_delay]. Returns
+
+    - ``OBS_COMMITTED_ACTIONS``: (B, max_delay, A) float, row j = ``ahead[:, j]`` where the mask holds, else 0
+    - ``OBS_COMMITTED_MASK``: (B, max_delay) bool, j < delay_steps and ``available``
+    - ``OBS_DELAY_STEPS``: (B,) long, ``delay_steps``
+    """
+    if delay_steps.ndim != 1 or delay_steps.is_floating_point():
+        raise ValueError(
+            f"delay_steps must be a (B,) integer tensor, got {delay_steps.dtype} {tuple(delay_steps.shape)}"
+        )
+    delay_steps = delay_steps.to(ahead.device).long()
+    if ((delay_steps < 0) | (delay_steps > max_delay)).any():
+        raise ValueError(f"delay_steps must be in [0, max_delay={max_delay}], got {delay_steps.tolist()}")
+    B, _, A = ahead.shape
+    n = min(max_delay, ahead.shape[1])  # steps past what is known are never committed: padding only
+    rows = torch.arange(n, device=ahead.device)
+    mask = torch.zeros(B, max_delay, dtype=torch.bool, device=ahead.device)
+    mask[:, :n] = (rows[None, :] < delay_steps[:, None]) & available[:, :n]
+    committed = torch.zeros(B, max_delay, A, dtype=ahead.dtype, device=ahead.device)
+    committed[:, :n] = torch.where(mask[:, :n, None], ahead[:, :n], 0.0)
+    return {OBS_COMMITTED_ACTIONS: committed, OBS_COMMITTED_MASK: mask, OBS_DELAY_STEPS: delay_steps}
+
+
+def committed_prefix(
+    actions: torch.Tensor, action_is_pad: torch.Tensor, delay_steps: torch.Tensor, max_delay: int
+) -> dict[str, torch.Tensor]:
+    """The delay augmentation of a training sample: its demonstration chunk's first d actions.
+
+    A chunk requested at step t with delay d starts at t + d; until then the robot executes what the
+    previous chunk committed. In a demonstration, what runs at t + j is the demonstrated action at
+    t + j, so the committed prefix is ``actions[:, :d]``. actions (B, H, A) in dataset units,
+    action_is_pad (B, H) bool (padding past the episode end is never committed), delay_steps (B,).
+    """
+    return augmentation(actions, ~action_is_pad, delay_steps, max_delay)
