@@ -344,7 +344,7 @@ class PreTrainedPolicy(NormalizationMixin, nn.Module):
             step = int(beyond[-1]) + limit
             raise ValueError(
                 f"{OBS_COMMITTED_MASK} commits chunk step {step} but this policy was trained for delays up to "
-                f"max_delay_steps={limit}; keep the delay at or below {limit} or retrain with --delay.high={step + 1}"
+                f"max_delay_steps={limit}; keep the delay at or below {limit} or retrain with --delay.kind=uniform --delay.high={step + 1}"
             )
         rows = min(rows, limit)
         known = torch.zeros(b, self.config.horizon, dtype=torch.bool, device=self.device)

@@ -197,7 +197,7 @@ class ChunkScheduler:
         if trained and cfg.max_delay_steps > trained:
             return (
                 f"this robot's delays reach max_delay_steps={cfg.max_delay_steps} control steps but the policy was "
-                f"trained for delays up to {trained}; retrain with --delay.high={cfg.max_delay_steps} or serve faster"
+                f"trained for delays up to {trained}; retrain with --delay.kind=uniform --delay.high={cfg.max_delay_steps} or serve faster"
             )
         return None
 

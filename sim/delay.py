@@ -19,8 +19,9 @@ Timing, per world (all worlds step together, each on its own schedule):
 - an episode that ends restarts the world in the schedule: its queue and in-flight chunk belong to
   the old episode, and it requests at once.
 
-The state lives on the env's device and is updated with masks: the only host read per control step
-is whether any world requests now, which decides when ``step`` returns.
+The state lives on the env's device, updated with masks, and delays are drawn there: the only host
+read per control step is whether any world requests now, which decides when ``step`` returns. A
+``step`` call reads it once more, to refuse a submitted chunk with NaN or inf.
 
 For RL, each world's chunk is one transition: from its request to its next request, or to the end
 of its episode. Worlds run on their own schedules, so a call to ``step`` may end some worlds'
@@ -164,7 +165,7 @@ class DelayedChunkEnv:
     def _open_requests(self, obs: dict[str, Any], worlds: torch.Tensor) -> dict[str, Any]:
         """Draw the delay of each request opening in ``worlds`` and announce it; obs with augmentation."""
         self._need = self._need | worlds
-        drawn = self.delay.sample(self.num_envs).to(self.device)
+        drawn = self.delay.sample(self.num_envs, self.device)
         self._true_delay = torch.where(worlds, drawn, self._true_delay)
         request = self.schedule.request(worlds, true_delay=self._true_delay)
         self.guidance = request.guidance
@@ -184,7 +185,7 @@ class DelayedChunkEnv:
         """
         dev, submitted = self.device, self._need
         actions = chunk.actions.to(device=dev, dtype=torch.float32)
-        if not torch.isfinite(actions[submitted]).all():
+        if not (torch.isfinite(actions) | ~submitted[:, None, None]).all():
             raise ValueError("chunk actions contain NaN or inf")
         if self._flight_actions is None or self._flight_actions.shape != actions.shape:
             self._flight_actions = torch.zeros_like(actions)

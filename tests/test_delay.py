@@ -166,10 +166,10 @@ def write_latencies(path, latencies, control_dt=0.05):
 def test_latency_histogram_rounds_up_to_control_steps(tmp_path):
     assert latencies_to_steps(np.array([0.04, 0.05, 0.051, 0.12, 0.0]), 0.05).tolist() == [1, 1, 2, 3, 0]
     path = write_latencies(tmp_path / "latencies.jsonl", [0.04, 0.12])
-    model = DelayModel(DelayConfig(kind="histogram", latencies_file=path, control_dt=0.05, seed=0))
+    model = DelayModel(DelayConfig(kind="histogram", latencies_file=path, seed=0), control_dt=0.05)
     assert model.max_steps == 3
     assert set(model.sample(200).tolist()) == {1, 3}
-    # control_dt 0 takes the env's period; 0.04 s and 0.12 s at 0.04 s are 1 and 3 steps too.
+    # Measured and used at 25 Hz: 0.04 s and 0.12 s are 1 and 3 steps of 0.04 s.
     path = write_latencies(tmp_path / "at_25hz.jsonl", [0.04, 0.12], control_dt=0.04)
     assert DelayModel(DelayConfig(kind="histogram", latencies_file=path), control_dt=0.04).max_steps == 3
 
@@ -180,24 +180,32 @@ def test_bad_delay_configs_are_named(tmp_path):
     with pytest.raises(ValueError, match="low <= delay.high"):
         DelayModel(DelayConfig(kind="uniform", low=3, high=1))
     with pytest.raises(FileNotFoundError, match="latency file"):
-        DelayModel(DelayConfig(kind="histogram", latencies_file=str(tmp_path / "missing.jsonl")))
+        DelayModel(DelayConfig(kind="histogram", latencies_file=str(tmp_path / "missing.jsonl")), control_dt=0.05)
     cases = {
         "empty": ("", "holds no latencies"),
         "negative": ('{"latency_s": 0.1, "control_dt": 0.05}\n{"latency_s": -1, "control_dt": 0.05}\n', "negative"),
         "nan": ('{"latency_s": NaN, "control_dt": 0.05}\n', "not finite"),
-        "period": ('{"latency_s": 0.1, "control_dt": 0.01}\n', "control period of 0.01 s but 0.05 s"),
+        "period": (
+            '{"latency_s": 0.1, "control_dt": 0.01}\n',
+            "control period of 0.01 s but the delays are counted in steps of 0.05 s; .*--control_hz=20",
+        ),
         "not_a_record": ("[0.1, 0.2]\n", "not a latency record"),
     }
     for name, (text, words) in cases.items():
         (tmp_path / name).write_text(text)
         with pytest.raises(ValueError, match=words):
-            DelayModel(DelayConfig(kind="histogram", latencies_file=str(tmp_path / name), control_dt=0.05))
+            DelayModel(DelayConfig(kind="histogram", latencies_file=str(tmp_path / name)), control_dt=0.05)
+    # A field of another kind would be silently ignored: refused, naming the kind it belongs to.
+    with pytest.raises(ValueError, match="delay.high does not apply to --delay.kind=fixed; set --delay.kind=uniform"):
+        DelayModel(DelayConfig(high=8))
+    with pytest.raises(ValueError, match="delay.steps does not apply to --delay.kind=uniform; set --delay.kind=fixed"):
+        DelayModel(DelayConfig(kind="uniform", steps=2, high=4))
 
 
 def test_delays_a_policy_cannot_take_are_refused():
     with pytest.raises(ValueError, match="chunk holds 8"):
         DelayModel(DelayConfig(kind="fixed", steps=8)).check_fits(horizon=8, max_delay_steps=0)
-    with pytest.raises(ValueError, match="trained for delays up to 4; .* --delay.high=6"):
+    with pytest.raises(ValueError, match="trained for delays up to 4; .* --delay.kind=uniform --delay.high=6"):
         DelayModel(DelayConfig(kind="uniform", high=6)).check_fits(horizon=16, max_delay_steps=4)
     # A policy that does not read the augmentation (0) runs under any delay shorter than its chunk.
     DelayModel(DelayConfig(kind="fixed", steps=7)).check_fits(horizon=8, max_delay_steps=0)

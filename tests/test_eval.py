@@ -151,6 +151,6 @@ def test_eval_refuses_delays_before_any_rollout(tiny_checkpoint, tmp_path, monke
     policy.config.max_delay_steps = 3
     monkeypatch.setattr("vla_rl.eval.load_policy", lambda *a, **k: (policy, out))
     cfg.delay = DelayConfig(kind="uniform", low=0, high=4)
-    with pytest.raises(ValueError, match="trained for delays up to 3; .*--delay.high=4"):
+    with pytest.raises(ValueError, match="trained for delays up to 3; .*--delay.kind=uniform --delay.high=4"):
         evaluate(cfg)
     assert not (tmp_path / "whole").exists()  # nothing written

@@ -94,8 +94,8 @@ class TimelineDelays:
         self.max_steps = max(TIMELINE)
         self._next = iter(TIMELINE)
 
-    def sample(self, n: int) -> torch.Tensor:
-        return torch.tensor([next(self._next) for _ in range(n)])
+    def sample(self, n: int, device=None) -> torch.Tensor:
+        return torch.tensor([next(self._next) for _ in range(n)], device=device)
 
 
 class Clock:
@@ -250,7 +250,7 @@ def test_serve_refuses_a_policy_trained_for_shorter_delays_than_the_robot_has():
     robot = SimpleNamespace(config=ServeConfig(max_delay_steps=6))
     assert check(robot, info) == (
         "this robot's delays reach max_delay_steps=6 control steps but the policy was trained for delays up to 4; "
-        "retrain with --delay.high=6 or serve faster"
+        "retrain with --delay.kind=uniform --delay.high=6 or serve faster"
     )
     robot.config.max_delay_steps = 4
     assert check(robot, info) is None

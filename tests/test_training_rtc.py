@@ -246,7 +246,7 @@ def test_a_config_json_without_max_delay_steps_loads_as_zero_and_predicts_the_sa
 def test_a_delay_past_max_delay_steps_is_refused_naming_the_fix_and_a_wider_empty_mask_is_accepted():
     policy = make_policy("diffusion", max_delay_steps=2)
     obs, noise = observation(), torch.randn(2, H, A, generator=torch.Generator().manual_seed(2))
-    fix = r"trained for delays up to max_delay_steps=2; keep the delay at or below 2 or retrain with --delay.high=3"
+    fix = r"trained for delays up to max_delay_steps=2; keep the delay at or below 2 or retrain with --delay.kind=uniform --delay.high=3"
     with pytest.raises(ValueError, match=fix):
         policy.predict_chunk({**obs, **augmentation()}, noise=noise)  # sample 1 commits step 2
     with pytest.raises(ValueError, match=fix):
@@ -408,6 +408,43 @@ def test_a_resumed_delay_run_draws_the_same_delays_and_loss_curve(tiny_dataset, 
     b = json.loads((run / "train_summary.json").read_text())["loss_curve"]
     assert [s for s, _ in b] == [1, 2, 3, 4, 5, 6]
     assert [loss for _, loss in b] == pytest.approx([loss for _, loss in a], rel=1e-5)
+
+
+def test_a_delay_run_resumes_only_with_its_own_largest_delay(tiny_dataset, tmp_path, capsys):
+    """The network of a policy that reads the augmentation depends on max_delay_steps: resuming with
+    another --delay (or none) is refused in one line, before any state is loaded."""
+    from vla_rl.cli import main
+
+    run = tmp_path / "run"
+    assert main(_train_args(tiny_dataset[0], run, 2, "--delay.kind=uniform", "--delay.high=3")) == 0
+    capsys.readouterr()
+    for other in (("--delay.kind=uniform", "--delay.high=4"), ()):
+        assert main(_train_args(tiny_dataset[0], run, 4, *other, "--resume=true")) == 2
+        err = capsys.readouterr().err
+        reaches = 4 if other else 0
+        assert f"trained with delays up to 3 control steps but --delay reaches {reaches}" in err, err
+
+
+def test_train_replays_a_latency_file_measured_at_the_datasets_rate(tiny_dataset, tmp_path, capsys):
+    """The tiny dataset is recorded at 20 fps: a log measured at 20 Hz trains (0.04 s and 0.12 s are 1 and
+    3 steps: max_delay_steps 3); a log measured at 100 Hz is refused."""
+    from vla_rl.checkpoint import resolve_policy_dir
+    from vla_rl.cli import main
+
+    def log(name, control_dt):
+        path = tmp_path / name
+        path.write_text("".join(json.dumps({"latency_s": x, "control_dt": control_dt}) + "\n" for x in (0.04, 0.12)))
+        return f"--delay.latencies_file={path}"
+
+    out = tmp_path / "run"
+    assert main(_train_args(tiny_dataset[0], out, 2, "--delay.kind=histogram", log("20hz.jsonl", 0.05))) == 0
+    assert json.loads((resolve_policy_dir(out) / "config.json").read_text())["max_delay_steps"] == 3
+    capsys.readouterr()
+    args = _train_args(tiny_dataset[0], tmp_path / "other", 2, "--delay.kind=histogram", log("100hz.jsonl", 0.01))
+    assert main(args) == 2
+    assert "measured at a control period of 0.01 s but the delays are counted in steps of 0.05 s" in (
+        capsys.readouterr().err
+    )
 
 
 def test_train_refuses_a_delay_of_a_whole_chunk_before_reading_any_data(tmp_path, capsys):

@@ -172,8 +172,9 @@ def _predict(
         chunk = policy.predict_chunk(sub, obs_step[rows.to(obs_step.device)], inpaint=inpaint)
     else:
         chunk = policy.predict_chunk(sub, obs_step[rows.to(obs_step.device)])
-    actions = torch.zeros(len(need), *chunk.actions.shape[1:], dtype=chunk.actions.dtype)
-    actions[rows] = chunk.actions.cpu()
+    # On the policy's device: the delay shell moves it to the env's (none of it to the host).
+    actions = chunk.actions.new_zeros(len(need), *chunk.actions.shape[1:])
+    actions[rows.to(actions.device)] = chunk.actions
     return ActionChunk(actions, obs_step)
 
 

@@ -39,6 +39,7 @@ from tqdm import tqdm
 from policies import DiffusionConfig, PolicyConfig
 from vla_rl import interrupt
 from vla_rl.checkpoint import (
+    POLICY_DIR,
     TRAINING_STATE_DIR,
     begin_checkpoint,
     commit_checkpoint,
@@ -146,11 +147,7 @@ class TrainingProgress:
         if process_index >= len(saved["generators"]):
             raise ValueError(f"the checkpoint was written by {len(saved['generators'])} processes; resume with as many")
         self.generator.set_state(saved["generators"][process_index])
-        if self.delay_generator is not None:
-            if "delay_generators" not in saved:
-                raise ValueError(
-                    f"{directory.parent} was trained without a delay augmentation; resume it without --delay.*"
-                )
+        if self.delay_generator is not None:  # `check_delay` made sure the checkpoint trained with delays too
             self.delay_generator.set_state(saved["delay_generators"][process_index])
         self.step, self.history, self.loss_window = saved["step"], saved["history"], saved["loss_window"]
         self.val_history, self.train_seconds = saved["val_history"], saved["train_seconds"]
@@ -167,19 +164,29 @@ def random_shift(images: torch.Tensor, shift: int, generator: torch.Generator) -
     return torch.stack([padded[i, :, dy[i] : dy[i] + s, dx[i] : dx[i] + s] for i in range(b)])
 
 
-def check_delay(cfg: TrainConfig) -> DelayModel:
-    """The delay model of ``cfg.delay``, checked against the policy before anything is loaded.
+def check_delay(cfg: TrainConfig, control_dt: float | None, checkpoint: Path | None = None) -> DelayModel:
+    """The delay model of ``cfg.delay``, checked before the policy is built.
 
-    A delay of a whole chunk or more leaves nothing to predict; a ``--policy.max_delay_steps`` set
-    by hand must be the delay model's largest delay (it is set from ``--delay``).
+    control_dt: the dataset's seconds per frame (a latency file must have been measured at it; only
+    ``histogram`` needs it).
+    Refused: a delay of a whole chunk or more (nothing is left to predict); a hand-set
+    ``--policy.max_delay_steps`` other than the delay model's largest delay (it is set from
+    ``--delay``); resuming a ``checkpoint`` trained for another largest delay (its network differs).
     """
-    delay = DelayModel(cfg.delay)
+    delay = DelayModel(cfg.delay, control_dt)
     delay.check_fits(cfg.policy.horizon, None)
     if cfg.policy.max_delay_steps not in (0, delay.max_steps):
         raise ValueError(
             f"policy.max_delay_steps={cfg.policy.max_delay_steps} but the delay model reaches {delay.max_steps} "
             f"steps; drop --policy.max_delay_steps (it is set from --delay)"
         )
+    if checkpoint is not None:
+        trained = json.loads((checkpoint / POLICY_DIR / "config.json").read_text()).get("max_delay_steps", 0)
+        if trained != delay.max_steps:
+            raise ValueError(
+                f"{checkpoint} trained with delays up to {trained} control steps but --delay reaches "
+                f"{delay.max_steps}; resume with the run's own --delay settings (see its train_config.json)"
+            )
     return delay
 
 
@@ -270,8 +277,6 @@ def train(cfg: TrainConfig) -> dict:
     from vla_rl.data import ChunkedDemos, FrameSampler, open_dataset
 
     frames_per_step = check_batching(cfg)
-    delay = check_delay(cfg)
-    max_delay = delay.max_steps
     torch.set_num_threads(cfg.num_threads or os.cpu_count() or 1)
     out = Path(cfg.output_dir)
     ckpt_dir = out / "checkpoints"
@@ -280,10 +285,15 @@ def train(cfg: TrainConfig) -> dict:
         raise FileExistsError(f"{out} already holds checkpoints; pass --resume=true to continue, or a new --output_dir")
     if cfg.resume and not has_checkpoint:
         raise FileNotFoundError(f"--resume=true but {ckpt_dir}/last does not exist; start without --resume")
+    resumed = resolve_checkpoint(ckpt_dir) if cfg.resume else None
+    # A latency file needs the dataset's frame period; the other delay kinds are checked before any data is read.
+    delay = None if cfg.delay.kind == "histogram" else check_delay(cfg, None, resumed)
 
     trackers = [] if cfg.log_with == "none" else [cfg.log_with]
     accelerator = Accelerator(log_with=trackers or None, project_dir=str(out))
     dataset = open_dataset(cfg.dataset.root, cfg.dataset.repo_id or None)
+    delay = delay or check_delay(cfg, 1.0 / dataset.meta.fps, resumed)
+    max_delay = delay.max_steps
     demos = ChunkedDemos(dataset, cfg.dataset.cameras or None)
     train_frames, val_frames = split_episodes(demos, cfg.val_episodes, cfg.val_frames)
     sampler = FrameSampler(train_frames, demos.task_index, balanced=cfg.dataset.sampling == "task_balanced")
@@ -308,13 +318,13 @@ def train(cfg: TrainConfig) -> dict:
         delay_generator=delay.generator if max_delay else None,
     )
     # Validation frames get fixed delays of the same model, drawn from a stream of their own.
-    val_delays = DelayModel(cfg.delay).sample(len(val_frames)) if max_delay else None
+    val_delays = DelayModel(cfg.delay, 1.0 / dataset.meta.fps).sample(len(val_frames)) if max_delay else None
     # accelerate's save_state / load_state keep the prepared model and optimizer, every process's
     # RNG, and these registered objects; `progress` travels beside them (see TrainingProgress).
     accelerator.register_for_checkpointing(scheduler, *([ema] if ema is not None else []))
 
     if cfg.resume:
-        ckpt = resolve_checkpoint(ckpt_dir)
+        ckpt = resumed
         accelerator.load_state(str(ckpt / TRAINING_STATE_DIR))
         was = progress.load(ckpt / TRAINING_STATE_DIR, accelerator.process_index)
         if ema is not None:

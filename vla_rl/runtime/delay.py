@@ -39,10 +39,9 @@ class DelayConfig:
     steps: int = 0  # fixed: the delay d
     low: int = 0  # uniform: smallest d
     high: int = 0  # uniform: largest d
-    latencies_file: str = ""  # histogram: JSON lines of measured latencies, as `vla-rl serve` writes them
-    # histogram: the control period the latencies are turned into steps with; the file must have been
-    # measured at it. 0 = the env's own control period (eval), 0.05 s where there is no env (train).
-    control_dt: float = 0.0
+    # histogram: JSON lines of measured latencies, as `vla-rl serve` writes them. They become steps of
+    # the control period they were measured at, which must be the env's (eval) or the dataset's (train).
+    latencies_file: str = ""
     # What a request announces as its delay (observation.delay_steps, RTC guidance): oracle = the delay it
     # will get (simulation only), measured = the robot's estimate, the largest lag of the last
     # estimate_window merged chunks (what `vla-rl serve` announces).
@@ -51,19 +50,28 @@ class DelayConfig:
     seed: int = 0  # seed of the delay draws
 
 
-DEFAULT_CONTROL_DT = 0.05
-
-
 class DelayModel:
-    """Draws inference delays in control steps. ``max_steps`` bounds every draw."""
+    """Draws inference delays in control steps. ``max_steps`` bounds every draw.
 
-    def __init__(self, config: DelayConfig, control_dt: float = DEFAULT_CONTROL_DT):
+    control_dt: seconds per control step where the delays are used (the env's, or the dataset's
+    1 / fps); a latency file must have been measured at it. Only ``histogram`` needs it.
+    """
+
+    def __init__(self, config: DelayConfig, control_dt: float | None = None):
         self.config = config
-        self.generator = torch.Generator().manual_seed(config.seed)
+        self.generator = torch.Generator().manual_seed(config.seed)  # draws on the CPU (training)
+        self._device_generators: dict[torch.device, torch.Generator] = {}
         if config.estimate not in ("oracle", "measured"):
             raise ValueError(f"delay.estimate must be oracle or measured, got {config.estimate!r}")
         if config.estimate_window < 1:
             raise ValueError(f"delay.estimate_window must be >= 1, got {config.estimate_window}")
+        # A field of another kind would be ignored: say so, rather than run without the delay asked for.
+        owner = {"steps": "fixed", "low": "uniform", "high": "uniform", "latencies_file": "histogram"}
+        stray = [name for name, kind in owner.items() if kind != config.kind and getattr(config, name)]
+        if stray and config.kind in owner.values():
+            raise ValueError(
+                f"delay.{stray[0]} does not apply to --delay.kind={config.kind}; set --delay.kind={owner[stray[0]]}"
+            )
         if config.kind == "fixed":
             if config.steps < 0:
                 raise ValueError(f"delay.steps must be >= 0, got {config.steps}")
@@ -73,21 +81,33 @@ class DelayModel:
                 raise ValueError(f"uniform delay needs 0 <= delay.low <= delay.high, got {config.low}, {config.high}")
             self.max_steps = config.high
         elif config.kind == "histogram":
-            dt = config.control_dt or control_dt
-            self.latency_steps = torch.from_numpy(latencies_to_steps(load_latencies(config.latencies_file, dt), dt))
+            if control_dt is None:
+                raise ValueError("a latency histogram needs the control period its delays are counted in")
+            steps = latencies_to_steps(load_latencies(config.latencies_file, control_dt), control_dt)
+            self.latency_steps = torch.from_numpy(steps)
             self.max_steps = int(self.latency_steps.max())
         else:
             raise ValueError(f"unknown delay kind {config.kind!r}; set --delay.kind to fixed, uniform or histogram")
 
-    def sample(self, n: int) -> torch.Tensor:
-        """(n,) long delays in control steps, on the CPU."""
+    def sample(self, n: int, device: torch.device | str | None = None) -> torch.Tensor:
+        """(n,) long delays in control steps, drawn on ``device`` (None: the CPU, from ``generator``).
+
+        On another device the draws come from a generator of that device (seeded with ``seed``), so
+        a simulation on a GPU draws without copying from the host.
+        """
         cfg = self.config
+        device = torch.device(device or "cpu")
         if cfg.kind == "fixed":
-            return torch.full((n,), cfg.steps, dtype=torch.long)
+            return torch.full((n,), cfg.steps, dtype=torch.long, device=device)
+        generator = self.generator
+        if device.type != "cpu":
+            if device not in self._device_generators:
+                self._device_generators[device] = torch.Generator(device=device).manual_seed(cfg.seed)
+            generator = self._device_generators[device]
         if cfg.kind == "uniform":
-            return torch.randint(cfg.low, cfg.high + 1, (n,), generator=self.generator)
-        pick = torch.randint(0, len(self.latency_steps), (n,), generator=self.generator)
-        return self.latency_steps[pick]
+            return torch.randint(cfg.low, cfg.high + 1, (n,), generator=generator, device=device)
+        pick = torch.randint(0, len(self.latency_steps), (n,), generator=generator, device=device)
+        return self.latency_steps.to(device)[pick]
 
     def check_fits(self, horizon: int, max_delay_steps: int | None) -> None:
         """Refuse, before any rollout, a delay no chunk survives or the policy was not trained for.
@@ -103,7 +123,7 @@ class DelayModel:
         if max_delay_steps and self.max_steps > max_delay_steps:
             raise ValueError(
                 f"the delay model reaches {self.max_steps} control steps but the policy was trained for delays up "
-                f"to {max_delay_steps}; lower the delay or retrain with --delay.high={self.max_steps}"
+                f"to {max_delay_steps}; lower the delay or retrain with --delay.kind=uniform --delay.high={self.max_steps}"
             )
 
 
@@ -138,8 +158,8 @@ def load_latencies(path: str | Path, control_dt: float) -> np.ndarray:
     other = sorted(p for p in periods if not math.isclose(p, control_dt, rel_tol=1e-6))
     if other:
         raise ValueError(
-            f"{path} was measured at a control period of {other[0]:g} s but {control_dt:g} s was asked for; "
-            f"serve at --control_hz={1 / control_dt:g} or set --delay.control_dt={other[0]:g}"
+            f"{path} was measured at a control period of {other[0]:g} s but the delays are counted in steps of "
+            f"{control_dt:g} s; measure at that rate (vla-rl serve --control_hz={1 / control_dt:g})"
         )
     return latencies
 
@@ -172,7 +192,7 @@ class LatencyLog:
 
 
 def augmentation(
-    ahead: torch.Tensor, available: torch.Tensor, delay_steps: torch.Tensor, max_delay: int
+    ahead: torch.Tensor, available: torch.Tensor, delay_steps: torch.Tensor, max_delay: int, validate: bool = True
 ) -> dict[str, torch.Tensor]:
     """The delay augmentation of a request whose chunk starts ``delay_steps`` steps from now.
 
@@ -182,13 +202,16 @@ def augmentation(
     - ``OBS_COMMITTED_ACTIONS``: (B, max_delay, A) float, row j = ``ahead[:, j]`` where the mask holds, else 0
     - ``OBS_COMMITTED_MASK``: (B, max_delay) bool, j < delay_steps and ``available``
     - ``OBS_DELAY_STEPS``: (B,) long, ``delay_steps``
+
+    ``validate=False`` skips the range check, which reads the device, for a caller that clamped the
+    delays itself (`ChunkSchedule`).
     """
     if delay_steps.ndim != 1 or delay_steps.is_floating_point():
         raise ValueError(
             f"delay_steps must be a (B,) integer tensor, got {delay_steps.dtype} {tuple(delay_steps.shape)}"
         )
     delay_steps = delay_steps.to(ahead.device).long()
-    if ((delay_steps < 0) | (delay_steps > max_delay)).any():
+    if validate and ((delay_steps < 0) | (delay_steps > max_delay)).any():
         raise ValueError(f"delay_steps must be in [0, max_delay={max_delay}], got {delay_steps.tolist()}")
     B, _, A = ahead.shape
     n = min(max_delay, ahead.shape[1])  # steps past what is known are never committed: padding only

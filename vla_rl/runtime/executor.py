@@ -191,7 +191,7 @@ class ActionChunkExecutor:
         self._clear_queue(self._env_mask(env_mask))
 
     def rtc_guidance(
-        self, delay_steps: torch.Tensor, execute_steps: int | torch.Tensor
+        self, delay_steps: torch.Tensor, execute_steps: int | torch.Tensor, validate: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """What a flow policy inpaints toward when it is asked for a chunk now (RTC guidance).
 
@@ -199,10 +199,14 @@ class ActionChunkExecutor:
         long), the steps of the previous chunk that ran before this request. Returns target (B,
         horizon, A), the queued actions aligned to the chunk a request made now produces (index i is
         step ``step + i``; zeros where nothing is queued), and weights (B, horizon): :func:`rtc_weights`,
-        zero where nothing is queued.
+        zero where nothing is queued. ``validate=False`` skips the sign check, which reads the device.
         """
         delay_steps = delay_steps.to(self.device)
-        if delay_steps.shape != (self.num_envs,) or delay_steps.is_floating_point() or (delay_steps < 0).any():
+        if (
+            delay_steps.shape != (self.num_envs,)
+            or delay_steps.is_floating_point()
+            or (validate and (delay_steps < 0).any())
+        ):
             raise ValueError(f"delay_steps must be (num_envs={self.num_envs},) integers >= 0, got {delay_steps}")
         s = torch.as_tensor(execute_steps, device=self.device).expand(self.num_envs)
         if not isinstance(execute_steps, torch.Tensor) and not 1 <= execute_steps <= self.horizon:
@@ -219,7 +223,7 @@ class ActionChunkExecutor:
         # A new episode must not hold the previous episode's last action.
         self._last_action = torch.where(mask[:, None], 0.0, self._last_action)
 
-    def delay_augmentation(self, delay_steps: torch.Tensor) -> dict[str, torch.Tensor]:
+    def delay_augmentation(self, delay_steps: torch.Tensor, validate: bool = True) -> dict[str, torch.Tensor]:
         """The committed actions that run before a chunk requested now can start.
 
         delay_steps: (B,) long, each in [0, max_delay]. Returns:
@@ -231,7 +235,7 @@ class ActionChunkExecutor:
         """
         if delay_steps.shape != (self.num_envs,):
             raise ValueError(f"delay_steps must have shape ({self.num_envs},), got {tuple(delay_steps.shape)}")
-        return augmentation(self._queued_actions(), self._count > 0, delay_steps, self.max_delay)
+        return augmentation(self._queued_actions(), self._count > 0, delay_steps, self.max_delay, validate)
 
     def _accumulate(self, new: torch.Tensor, covered: torch.Tensor) -> None:
         """Add predictions new (B, horizon, A) to the slots where covered (B, horizon) is True.

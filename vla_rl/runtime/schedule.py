@@ -20,8 +20,8 @@ largest delay the policy trained with.
 
 A world whose episode ends (simulation) is ``restart``-ed: an empty queue, nothing in flight, a
 request at once. A chunk that must not be merged (planned before a hold, or a failed inference)
-is ``abandon``-ed. Everything is (N,) torch state on the executor's device, updated with masks, so
-no step needs the host.
+is ``abandon``-ed. Everything is (N,) torch state on the executor's device, updated with masks, and
+no method reads the device back.
 """
 
 from __future__ import annotations
@@ -107,8 +107,8 @@ class ChunkSchedule:
         if ex.merge == "rtc":
             # The previous plan reaches chunk index queue_length, i.e. s = H - queue_length steps of it ran.
             ran = (ex.horizon - ex.queue_length()).clamp(min=1, max=ex.horizon)
-            guidance = ex.rtc_guidance(self.announced, ran)
-        augmentation = ex.delay_augmentation(self.announced.clamp(max=ex.max_delay))
+            guidance = ex.rtc_guidance(self.announced, ran, validate=False)
+        augmentation = ex.delay_augmentation(self.announced.clamp(max=ex.max_delay), validate=False)
         return ChunkRequest(self.announced.clone(), augmentation, guidance)
 
     def receive(self, chunk: ActionChunk, worlds: torch.Tensor, validate: bool = True) -> None:
