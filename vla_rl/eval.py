@@ -6,8 +6,9 @@ one the robot bridge drives; ``--chunking.*`` sets the steps executed per chunk 
 (``rtc`` also guides a flow policy toward the queued actions, as ``vla-rl serve`` does),
 ``--delay.*`` evaluates under inference delay (none by default), drawn or replayed from latencies a
 served robot measured (``--delay.kind=histogram --delay.latencies_file=...``), announced to the
-policy by the oracle or by the robot's own estimate (``--delay.estimate=measured``). Each world runs one episode per round; round r resets with
-seed ``seed + r``, so the same seed always evaluates the same initial states.
+policy by the oracle or by the robot's own estimate (``--delay.estimate=measured``). Each world
+runs one episode per round; round r resets with seed ``seed + r``, so the same seed always
+evaluates the same initial states.
 
 Writes ``eval.json`` (per-episode results, success rate with a 95% Wilson interval),
 ``summary.md`` and ``rollouts.mp4`` (a grid of the first few episodes).
