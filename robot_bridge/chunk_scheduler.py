@@ -216,15 +216,15 @@ class ChunkScheduler:
             self.schedule.abandon(everyone)
             self._policy_failed(problem, "invalid_chunk", now)
             return
+        # Steps that ran between the observation and now: the chunk's delay, in the steps the delay
+        # augmentation counts (the sim's d); a merged chunk's lag feeds the measured delay estimate.
+        lag = int(ex.step[0]) - result.obs_step
         if self.latency_log is not None:
-            self.latency_log.write(latency, request_id=result.request_id, lag_steps=int(ex.step[0]) - result.obs_step)
+            self.latency_log.write(latency, request_id=result.request_id, lag_steps=lag)
         if request.epoch != self._epoch:
             self.schedule.abandon(everyone)
             self.diagnostics.count("dropped_chunks")  # planned before a hold: stale by definition
             return
-        # Steps that ran between the observation and this merge: the chunk's delay, in the steps
-        # the delay augmentation counts (the sim's d); it feeds the measured delay estimate.
-        lag = int(ex.step[0]) - result.obs_step
         self.schedule.receive(ActionChunk(torch.from_numpy(actions), torch.tensor([result.obs_step])), everyone)
         self._merged = True
         self.seam_obs_arrival = request.obs_arrival

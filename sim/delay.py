@@ -211,7 +211,9 @@ class DelayedChunkEnv:
             if need.any():  # the one host read per control step
                 break
             actions, valid = self.schedule.next_action()
-            if hold is not None:
+            # On the CPU, asking which worlds have no action is free and spares the hold pose's per-world
+            # loop on most steps; on an accelerator the hold is computed every step rather than read back.
+            if hold is not None and (dev.type != "cpu" or not valid.all()):
                 actions = torch.where(valid[:, None], actions, hold().to(device=dev, dtype=actions.dtype))
             obs, r, term, trunc, info = self.env.step(actions)
             self._obs = obs
