@@ -1,8 +1,10 @@
 """Track: catch up with a green ball that drifts across the workspace at a constant velocity.
 
-The world moves while the policy thinks: the ball always travels along +y (left to right in the
-``front`` camera), at a speed drawn per episode from the narrow ``speed_range``, so one frame
-tells nearly where it will be; but an action computed from an old frame aims where it was.
+The world moves while the policy thinks: the ball travels along +y or -y (left or right in the
+``front`` camera, a coin flip per episode), at a speed drawn per episode from ``speed_range``.
+One frame does not tell which way it goes; a few frames do, and an action computed from old
+frames aims where it was. (With the ball always going one way, a policy learned the drift from
+the task, not from its frames, and delay cost it only 10 points; see the README.)
 The ball is physics, not a mocap body: three frictionless, undamped slide joints that collide
 with nothing (``sim/assets/panda_track.xml``), so it keeps the velocity its reset gives it in
 every backend with no per-step host code, and the arm cannot push it. A disc on the table
@@ -25,7 +27,7 @@ from sim.tasks.base import step_toward
 from sim.tasks.scene import reset_arm_near_home, scene_path
 
 BALL_JOINTS = ("target_x", "target_y", "target_z")  # slide joints; each qpos is the ball centre's world coordinate
-DRIFT = np.array([0.0, 1.0, 0.0])  # the ball's direction of travel, world frame
+DRIFT = np.array([0.0, 1.0, 0.0])  # the ball's axis of travel, world frame; its sign is drawn per episode
 
 
 @dataclass
@@ -33,16 +35,17 @@ class TrackTask:
     name: str = "track"
     instruction: str = "catch the moving green ball"
     # Where the ball starts (metres, world frame). This scene's home turns the arm to the left
-    # end of the conveyor (gripper at about (0.51, -0.19, 0.24)), and the ball starts level with
-    # the gripper or to its right in y, below it: the gripper has to chase it. By the end of an
-    # episode it has travelled at most speed_range[1] * max_episode_steps * 0.05 s = 0.36 m, to
-    # y <= 0.23: it stays inside the workspace (|y| <= 0.35, `sim.arm`) and within the arm's reach.
+    # end of the conveyor (gripper at about (0.51, -0.19, 0.24)); the ball starts mid-table, to
+    # the gripper's right and below it, and goes either way: the gripper has to chase it. By the
+    # end of an episode it has travelled at most speed_range[1] * max_episode_steps * 0.05 s =
+    # 0.36 m, to |y| <= 0.42. Past |y| = 0.35 (the arm's workspace, `sim.arm`) it is out of reach,
+    # which happens only late in an episode that has not caught it (the expert catches 95%+).
     target_x_range: tuple[float, float] = (0.42, 0.62)
-    target_y_range: tuple[float, float] = (-0.21, -0.13)
+    target_y_range: tuple[float, float] = (-0.06, 0.06)
     target_z_range: tuple[float, float] = (0.05, 0.17)  # mostly below the gripper's start height (about 0.24 m)
     # Metres from the gripper's start to the ball's, at least: no episode starts solved or nearly so.
     min_start_distance: float = 0.08
-    speed_range: tuple[float, float] = (0.08, 0.12)  # m/s along +y, uniform per episode
+    speed_range: tuple[float, float] = (0.08, 0.12)  # m/s, uniform per episode, along +y or -y
     arm_joint_noise: float = 0.05  # radians, std of the joints around home
     success_distance: float = 0.03  # metres, grasp site to ball centre
     max_episode_steps: int = 60  # 3 s at the default 20 Hz control
@@ -59,7 +62,7 @@ class TrackTask:
             start = np.array([rng.uniform(*r) for r in (self.target_x_range, self.target_y_range, self.target_z_range)])
             if np.linalg.norm(start - gripper) >= self.min_start_distance:
                 break
-        velocity = rng.uniform(*self.speed_range) * DRIFT
+        velocity = rng.choice([-1.0, 1.0]) * rng.uniform(*self.speed_range) * DRIFT
         for joint, pos, vel in zip(BALL_JOINTS, start, velocity):
             data.qpos[model.joint(joint).qposadr[0]] = pos
             data.qvel[model.joint(joint).dofadr[0]] = vel
