@@ -34,6 +34,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from policies.denoising_chain import DenoisingChain, ExplorationNoise
 from policies.normalization import NormalizationMixin
 from policies.tokenizer import word_vocabulary
 from vla_rl.types import ACTION, OBS_COMMITTED_ACTIONS, OBS_COMMITTED_MASK, OBS_STATE, ActionChunk, image_key
@@ -217,7 +218,8 @@ class PreTrainedPolicy(NormalizationMixin, nn.Module):
     """The policy contract (``vla_rl.types.Policy``), with what every policy shares implemented once.
 
     A subclass sets ``config_class`` and implements ``predict_chunk`` (sampling) and ``forward``
-    (the imitation loss); RL fine-tuning adds ``sample_with_log_prob`` and ``log_prob``.
+    (the imitation loss); RL fine-tuning adds ``sample_with_log_prob``, ``log_prob`` and
+    ``condition_features`` (denoising policies, ``policies.denoising_chain``).
     """
 
     config_class: type[PolicyConfig] = PolicyConfig
@@ -307,13 +309,44 @@ class PreTrainedPolicy(NormalizationMixin, nn.Module):
         Level-2 minibatching (``supports_copies``)."""
         raise NotImplementedError
 
-    def sample_with_log_prob(self, obs: dict, obs_step: torch.Tensor | None = None):
-        """Sample a chunk and return (ActionChunk, the sampling chain, its log-probability (B,)): RL fine-tuning."""
-        raise NotImplementedError(f"{type(self).__name__} has no log-probabilities yet; they come with RL fine-tuning")
+    def sample_with_log_prob(
+        self, obs: dict, obs_step: torch.Tensor | None = None, *, noise: ExplorationNoise
+    ) -> tuple[ActionChunk, DenoisingChain, torch.Tensor]:
+        """Sample a chunk with exploration noise; returns (ActionChunk in dataset units, the chain, log-prob (B,)).
+        No autograd. The log-prob is NaN when some step's std is 0 (eta = 0 and min_std = 0: no density).
 
-    def log_prob(self, obs: dict, chain: Any) -> torch.Tensor:
-        """Log-probability (B,) of a given sampling chain under the current weights: RL fine-tuning."""
-        raise NotImplementedError(f"{type(self).__name__} has no log-probabilities yet; they come with RL fine-tuning")
+        RL fine-tuning (``policies.denoising_chain``): every denoising step is a Gaussian around the
+        sampler's own step. The chunk's known (committed) steps are the committed actions exactly, as
+        in ``predict_chunk``; there is no inpainting.
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__} has no log-probabilities; RL fine-tuning needs a denoising policy "
+            f"(diffusion or diffusion_vla)"
+        )
+
+    def log_prob(self, obs: dict, chain: DenoisingChain, *, per_step: bool = False) -> torch.Tensor:
+        """(B,) log-probability of the chain under the current weights, with autograd: sum over the K steps
+        and the unknown chunk elements of log N(latents[k+1]; mean_theta(latents[k], step k), std[k]^2).
+        The initial noise's density is left out (it does not depend on the weights).
+
+        obs: the observation batch the chain was sampled from (with its delay augmentation, if any).
+        per_step: return the (B, K) terms of the K steps instead of their sum (DPPO's per-step ratios).
+        Raises ValueError for a chain with a step std of 0 (it has no density).
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__} has no log-probabilities; RL fine-tuning needs a denoising policy "
+            f"(diffusion or diffusion_vla)"
+        )
+
+    def condition_features(self, obs: dict) -> torch.Tensor:
+        """(B, F) a feature vector of the observation (the denoiser's condition), for a value head;
+        F = ``condition_dim``. With autograd when it is enabled."""
+        raise NotImplementedError(f"{type(self).__name__} exposes no condition features")
+
+    @property
+    def condition_dim(self) -> int:
+        """F, the size of ``condition_features``."""
+        raise NotImplementedError(f"{type(self).__name__} exposes no condition features")
 
     def committed_actions(self, obs: dict) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The delay augmentation as this policy reads it (training-time RTC), or None when it reads none.

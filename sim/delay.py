@@ -50,8 +50,12 @@ class ChunkTransition:
     start_step: long, the control step of the request (the step the chunk was conditioned on).
     steps: long, env steps taken since the request.
     reward: float32, the env's reward summed over those steps.
+    discounted_reward: float32, the same rewards discounted per control step from the request:
+        sum_i gamma^i r_i (RL's chunk-level reward; ``gamma`` of `DelayedChunkEnv`).
+    discount: float32, gamma^steps: what the value of the next request is worth from this one.
     terminated, truncated: bool, the episode ended on the last of them (a transition never spans
         two episodes; the episode's last observation is then ``info["final_obs"]``).
+    diverged: bool, the episode ended because its world blew up (``info["diverged"]``).
     ready: bool, the transition is complete: the world requests a new chunk now, or its episode
         ended. Other rows are still running and hold their values so far.
     """
@@ -59,14 +63,18 @@ class ChunkTransition:
     start_step: torch.Tensor
     steps: torch.Tensor
     reward: torch.Tensor
+    discounted_reward: torch.Tensor
+    discount: torch.Tensor
     terminated: torch.Tensor
     truncated: torch.Tensor
+    diverged: torch.Tensor
     ready: torch.Tensor
 
     @classmethod
     def zeros(cls, n: int, device: torch.device | str = "cpu") -> ChunkTransition:
         long, flag = torch.zeros(n, dtype=torch.long, device=device), torch.zeros(n, dtype=torch.bool, device=device)
-        return cls(long, long.clone(), torch.zeros(n, device=device), flag, flag.clone(), flag.clone())
+        real = torch.zeros(n, device=device)
+        return cls(long, long.clone(), real, real.clone(), real + 1, flag, flag.clone(), flag.clone(), flag.clone())
 
     def clone(self) -> ChunkTransition:
         return ChunkTransition(*(t.clone() for t in vars(self).values()))
@@ -74,16 +82,28 @@ class ChunkTransition:
     def start(self, worlds: torch.Tensor, step: torch.Tensor) -> None:
         """Open a new transition in ``worlds`` ((N,) bool), requested at control step ``step`` (N,)."""
         self.start_step = torch.where(worlds, step, self.start_step)
-        for name in ("steps", "reward", "terminated", "truncated", "ready"):
+        for name in ("steps", "reward", "discounted_reward", "terminated", "truncated", "diverged", "ready"):
             running = getattr(self, name)
             setattr(self, name, torch.where(worlds, torch.zeros_like(running), running))
+        self.discount = torch.where(worlds, torch.ones_like(self.discount), self.discount)
 
-    def add_step(self, reward: torch.Tensor, terminated: torch.Tensor, truncated: torch.Tensor) -> None:
-        """Every world took one env step: (N,) each, float32 and bool."""
+    def add_step(
+        self,
+        reward: torch.Tensor,
+        terminated: torch.Tensor,
+        truncated: torch.Tensor,
+        diverged: torch.Tensor | None = None,
+        gamma: float = 1.0,
+    ) -> None:
+        """Every world took one env step: (N,) each, float32 and bool; gamma discounts per step."""
         self.steps = self.steps + 1
         self.reward = self.reward + reward
+        self.discounted_reward = self.discounted_reward + self.discount * reward
+        self.discount = self.discount * gamma
         self.terminated = self.terminated | terminated
         self.truncated = self.truncated | truncated
+        if diverged is not None:
+            self.diverged = self.diverged | diverged
 
 
 class DelayedChunkEnv:
@@ -97,7 +117,8 @@ class DelayedChunkEnv:
     ``info["transition"]`` (`ChunkTransition`).
 
     max_delay: D_max of the delay augmentation, at least the delay model's largest draw (a policy
-    trained with a larger ``max_delay_steps`` is given its own).
+    trained with a larger ``max_delay_steps`` is given its own). gamma: the per-control-step
+    discount of the transitions' ``discounted_reward`` (RL).
     """
 
     def __init__(
@@ -109,9 +130,13 @@ class DelayedChunkEnv:
         merge: MergeMode = "latest",
         ensemble_coeff: float = 0.01,
         max_delay: int | None = None,
+        gamma: float = 1.0,
     ):
         if not 1 <= execute_steps:
             raise ValueError(f"execute_steps must be >= 1, got {execute_steps}")
+        if not 0.0 < gamma <= 1.0:
+            raise ValueError(f"gamma must be in (0, 1], got {gamma}")
+        self.gamma = gamma
         self.env = env
         self.num_envs = env.num_envs
         self.device = torch.device(env.device)
@@ -222,7 +247,8 @@ class DelayedChunkEnv:
             steps += 1
             terminated |= term
             truncated |= trunc
-            self._transition.add_step(r, term, trunc)
+            diverged = info.get("diverged")
+            self._transition.add_step(r, term, trunc, None if diverged is None else diverged.to(dev), self.gamma)
             success |= info["success"].to(dev)
             # A world that starts a new episode forgets its queue and in-flight chunk (the old episode's).
             self.schedule.restart(term | trunc)

@@ -292,6 +292,27 @@ def test_chunk_transitions_sum_each_worlds_reward_since_its_own_request():
     assert not info["transition"].terminated.any()
 
 
+def test_chunk_transitions_discount_each_step_from_their_own_request():
+    """The same timeline with gamma = 0.5: world 0's transition from step 2 holds rewards 2 and 3,
+    so 2 + 0.5 * 3 = 3.5 and discount 0.25; world 1's last-step-of-episode transition holds 2 alone."""
+    env = CountingEnv(num_envs=2, length=[100, 3])
+    wrapper = DelayedChunkEnv(env, 4, 2, DelayModel(DelayConfig(kind="fixed", steps=1)), gamma=0.5)
+    wrapper.reset()
+    chunk = lambda: ActionChunk(torch.zeros(2, 4, 1), wrapper.obs_step)
+    _, _, _, _, info, _ = wrapper.step(chunk())  # steps 0, 1: rewards 0 and 1
+    t = info["transition"]
+    assert t.discounted_reward.tolist() == [0.5, 0.5] and t.discount.tolist() == [0.25, 0.25]
+    _, _, _, _, info, _ = wrapper.step(chunk())  # world 1 ends at step 2
+    t = info["transition"]
+    assert t.discounted_reward.tolist() == [2.0, 2.0] and t.discount.tolist() == [0.5, 0.5]
+    _, _, _, _, info, _ = wrapper.step(chunk())  # world 0 completes steps 2 and 3
+    t = info["transition"]
+    assert t.ready.tolist() == [True, False]
+    assert t.discounted_reward.tolist() == [3.5, 0.0] and t.discount.tolist() == [0.25, 0.5]
+    with pytest.raises(ValueError, match="gamma must be in"):
+        DelayedChunkEnv(env, 4, 2, DelayModel(DelayConfig(kind="fixed", steps=1)), gamma=0.0)
+
+
 def test_chunk_transitions_do_not_change_the_per_call_results():
     """The transitions ride along: applied actions and per-call sums are what they were without them."""
     env = CountingEnv(num_envs=3, length=[7, 5, 9])

@@ -89,6 +89,22 @@ def _run_eval(cfg):
     print((Path(cfg.output_dir) / "summary.md").read_text())
 
 
+def _run_finetune(cfg):
+    from vla_rl.finetune import finetune
+
+    summary = finetune(cfg)
+    before, after = summary["initial_success"], summary["final_success"]
+    change = (
+        ""
+        if before is None
+        else f"; success {before:.2f} -> {after:.2f} on {summary['evals'][-1]['episodes']} episodes"
+    )
+    print(
+        f"{summary['algo']}: {summary['iterations']} iterations, {summary['env_steps']} env steps{change}; "
+        f"{cfg.output_dir}/finetune_summary.json"
+    )
+
+
 def _run_quickstart(cfg):
     from vla_rl.quickstart import quickstart
 
@@ -99,6 +115,12 @@ def _run_bench_delay(cfg):
     from vla_rl.bench_delay import bench_delay, format_summary
 
     print(format_summary(bench_delay(cfg)))
+
+
+def _run_bench_rl(cfg):
+    from vla_rl.bench_rl import bench_rl, format_summary
+
+    print(format_summary(bench_rl(cfg)))
 
 
 def _run_bench_sim(cfg):
@@ -147,6 +169,11 @@ COMMANDS: dict[str, Command] = {
     "train": Command(
         "train a diffusion policy by imitation on a LeRobotDataset", "vla_rl.train:TrainConfig", _run_train
     ),
+    "finetune": Command(
+        "improve an imitation checkpoint with RL (PPO or GRPO) in the batched simulator",
+        "vla_rl.finetune:FinetuneConfig",
+        _run_finetune,
+    ),
     "eval": Command("closed-loop success rate, video and JSON of a checkpoint", "vla_rl.eval:EvalConfig", _run_eval),
     "quickstart": Command(
         "record -> train -> eval on the default lift task", "vla_rl.quickstart:QuickstartConfig", _run_quickstart
@@ -170,7 +197,8 @@ COMMANDS: dict[str, Command] = {
         _run_serve,
     ),
     "bench": Command(
-        "benchmarks: `bench sim` (env-steps/s), `bench bridge` (ROS 2 latency), `bench delay` (success under delay)",
+        "benchmarks: `bench sim` (env-steps/s), `bench bridge` (ROS 2 latency), `bench delay` (success under "
+        "delay), `bench rl` (RL fine-tuning gains)",
         "",
         None,
         {
@@ -188,6 +216,11 @@ COMMANDS: dict[str, Command] = {
                 "success under inference delay: a policy trained with the delay augmentation vs a plain one",
                 "vla_rl.bench_delay:BenchDelayConfig",
                 _run_bench_delay,
+            ),
+            "rl": Command(
+                "RL fine-tuning: PPO and GRPO gains over an imitation checkpoint on one env-step budget",
+                "vla_rl.bench_rl:BenchRLConfig",
+                _run_bench_rl,
             ),
         },
     ),
@@ -211,6 +244,7 @@ examples:
   vla-rl train --dataset.root=outputs/lift_demos --output_dir=outputs/lift_policy --steps=8000
   vla-rl train --output_dir=outputs/lift_policy --resume=true
   vla-rl eval --checkpoint=outputs/lift_policy --num_episodes=100 --chunking.merge=ensemble
+  vla-rl finetune --checkpoint=outputs/lift_policy --algo=grpo --output_dir=outputs/lift_grpo
   vla-rl bench sim --num_envs=[1,16] --steps=50
 """
 

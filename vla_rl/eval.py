@@ -65,11 +65,16 @@ def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, flo
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
-def evaluate(cfg: EvalConfig) -> dict:
+def evaluate(cfg: EvalConfig, policy=None) -> dict:
+    """Evaluate ``cfg.checkpoint``; or, given ``policy`` (in eval mode), that policy as it is in memory,
+    with ``cfg.checkpoint`` naming where it is saved (``vla-rl finetune``'s periodic evaluation)."""
     from sim.delay import DelayedChunkEnv
     from sim.factory import make_env
 
-    policy, ckpt = load_policy(cfg.checkpoint, device=cfg.device)
+    if policy is None:
+        policy, ckpt = load_policy(cfg.checkpoint, device=cfg.device)
+    else:
+        ckpt = cfg.checkpoint
     torch.manual_seed(cfg.seed)  # diffusion sampling noise: the same seed gives the same rollouts
     pcfg = policy.config
     execute_steps = cfg.chunking.steps_per_chunk(pcfg.n_action_steps, pcfg.horizon)

@@ -107,12 +107,14 @@ class Policy(Protocol):
         """The imitation loss of a batch (observation keys + ``action`` (B, H, A) + ``action_is_pad`` (B, H))."""
         ...
 
-    def sample_with_log_prob(self, obs: Observation, obs_step: torch.Tensor | None = None) -> tuple[Any, ...]:
-        """(ActionChunk, sampling chain, log-probability (B,)): RL fine-tuning."""
+    def sample_with_log_prob(
+        self, obs: Observation, obs_step: torch.Tensor | None = None, *, noise: Any
+    ) -> tuple[Any, ...]:
+        """(ActionChunk, sampling chain, log-probability (B,)), sampled with exploration ``noise``: RL fine-tuning."""
         ...
 
-    def log_prob(self, obs: Observation, chain: Any) -> torch.Tensor:
-        """Log-probability (B,) of a given sampling chain: RL fine-tuning."""
+    def log_prob(self, obs: Observation, chain: Any, *, per_step: bool = False) -> torch.Tensor:
+        """Log-probability (B,) of a given sampling chain, with autograd ((B, K) per denoising step with per_step)."""
         ...
 
 

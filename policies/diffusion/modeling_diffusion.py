@@ -16,6 +16,11 @@ takes the loss on the unknown, non-padded steps only; sampling writes the clean 
 into the known steps before every DDIM step, and the returned chunk starts with them exactly. With
 max_delay_steps = 0 the augmentation is ignored and the network is the one without it.
 
+RL fine-tuning (``policies.denoising_chain``, DPPO-style): ``sample_with_log_prob`` runs DDIM with eta,
+so each step is a Gaussian around DDIM's step mean with std max(eta * sigma_t, min_std), and the chunk
+is that Gaussian chain's last sample. ``log_prob`` evaluates all K steps of a stored chain in one
+denoiser call and sums their Gaussian log-densities over the unknown chunk steps.
+
 Actions are normalized to [-1, 1] with the dataset min/max, states to zero mean and unit variance;
 the statistics are buffers, so they travel inside every checkpoint's weights.
 """
@@ -29,6 +34,14 @@ import torch.nn.functional as F
 from diffusers import DDIMScheduler, DDPMScheduler
 from torch import nn
 
+from policies.denoising_chain import (
+    DDIMSteps,
+    DenoisingChain,
+    ExplorationNoise,
+    check_chain_shape,
+    known_for_chain,
+    sample_chain,
+)
 from policies.diffusion.configuration_diffusion import DiffusionConfig
 from policies.observation import check_observation
 from policies.pretrained import PreTrainedPolicy
@@ -227,3 +240,59 @@ class DiffusionPolicy(PreTrainedPolicy):
         if known is not None:  # exactly the committed actions, not their normalization round trip
             actions = torch.where(known[..., None], committed, actions)
         return self._chunk(actions, obs_step)
+
+    # -- RL fine-tuning -------------------------------------------------------------------------
+
+    @property
+    def condition_dim(self) -> int:
+        return self.config.hidden_dim
+
+    def condition_features(self, obs: dict) -> torch.Tensor:
+        """(B, hidden_dim): ``encode_observation``'s condition, for a value head."""
+        return self.encode_observation(obs)
+
+    @torch.no_grad()
+    def sample_with_log_prob(
+        self, obs: dict, obs_step: torch.Tensor | None = None, *, noise: ExplorationNoise
+    ) -> tuple[ActionChunk, DenoisingChain, torch.Tensor]:
+        """DDIM sampling with eta = ``noise.eta`` and each step's std floored at ``noise.min_std``; see
+        ``PreTrainedPolicy.sample_with_log_prob``. eta = 0, min_std = 0 is ``predict_chunk``'s DDIM."""
+        noise.validate()
+        cond = self.encode_observation(obs)
+        b = cond.shape[0]
+        prefix = self.committed_actions(obs)
+        committed = None if prefix is None else (self.normalize_action(prefix[0]), prefix[1])
+        known = None if prefix is None else prefix[1]
+        steps = DDIMSteps.from_scheduler(self.sample_scheduler, self.config.num_inference_steps).to(cond.device)
+
+        def step_mean(x: torch.Tensor, k: int) -> torch.Tensor:
+            eps = self.denoise(x, steps.timesteps[k].expand(b), cond, known)
+            return steps.mean(x, eps, noise.eta, k)
+
+        initial = self._initial_noise(None, b, cond.device)
+        chain, log_prob = sample_chain(step_mean, initial, steps.stds(noise), noise.eta, committed)
+        actions = self.unnormalize_action(chain.latents[:, -1].clamp(-1, 1))
+        if prefix is not None:  # exactly the committed actions, not their normalization round trip
+            actions = torch.where(known[..., None], prefix[0], actions)
+        return self._chunk(actions, obs_step), chain, log_prob
+
+    def log_prob(self, obs: dict, chain: DenoisingChain, *, per_step: bool = False) -> torch.Tensor:
+        """(B,) log-probability of a DDIM-with-eta chain, all K steps in one denoiser call; see
+        ``PreTrainedPolicy.log_prob``."""
+        chain.check_density()
+        if chain.eta is None:
+            raise ValueError("the chain does not record its DDIM eta; sample it with sample_with_log_prob")
+        cond = self.encode_observation(obs)  # once; repeated for the K steps below
+        b, k, cfg = cond.shape[0], self.config.num_inference_steps, self.config
+        check_chain_shape(chain, b, k, cfg.horizon, cfg.action_dim)
+        chain = chain.to(cond.device)
+        prefix = self.committed_actions(obs)
+        committed = None if prefix is None else (self.normalize_action(prefix[0]), prefix[1])
+        committed = known_for_chain(committed, chain)
+        x = chain.inputs(committed)  # (B, K, H, A), the known steps clean
+        steps = DDIMSteps.from_scheduler(self.sample_scheduler, k).to(cond.device)
+        t = steps.timesteps.repeat(b)  # row b * K + k: step k
+        known = None if committed is None else committed[1].repeat_interleave(k, 0)
+        eps = self.denoise(x.flatten(0, 1), t, cond.repeat_interleave(k, 0), known).unflatten(0, (b, k))
+        terms = chain.step_log_prob(steps.mean(x, eps, chain.eta))
+        return terms if per_step else terms.sum(1)

@@ -20,6 +20,12 @@ denoising or Euler step, and the returned chunk starts with them exactly. Inpain
 still applies on top, to the unknown tokens. With max_delay_steps = 0 the augmentation is ignored
 and the network is the one without it.
 
+RL fine-tuning (``policies.denoising_chain``): ``sample_with_log_prob`` injects Gaussian noise into each
+step, so every step is a Gaussian around the deterministic sampler's step: ddpm, DDIM with eta (DPPO;
+DDIM's steps even when ``ddpm_sampler`` is ddpm), std max(eta * sigma_t, min_std); flow, the Euler step
+x - v / n with std min_std (ReinFlow-style). ``log_prob`` evaluates all K steps of a stored chain as K
+copies in one DiT pass (Level-2 layout) and sums the Gaussian log-densities over the unknown tokens.
+
 Actions are normalized to [-1, 1] with the dataset min/max and states to zero mean, unit variance;
 the statistics are buffers, so they travel inside every checkpoint's weights.
 """
@@ -30,6 +36,14 @@ import torch
 import torch.nn.functional as F
 from diffusers import DDIMScheduler, DDPMScheduler
 
+from policies.denoising_chain import (
+    DDIMSteps,
+    DenoisingChain,
+    ExplorationNoise,
+    check_chain_shape,
+    known_for_chain,
+    sample_chain,
+)
 from policies.diffusion_vla.condition_encoder import ConditionEncoder
 from policies.diffusion_vla.configuration_diffusion_vla import DiffusionVLAConfig
 from policies.diffusion_vla.dit import DiT
@@ -215,3 +229,84 @@ class DiffusionVLAPolicy(PreTrainedPolicy):
         beta = min(self.config.rtc_max_guidance, (1 - s) / max(s * r2, 1e-8))
         # Integration runs x <- x - v dt, so subtracting the gradient pushes the chunk toward the target.
         return v.detach() - beta * grad
+
+    # -- RL fine-tuning -------------------------------------------------------------------------
+
+    @property
+    def condition_dim(self) -> int:
+        return self.config.dim
+
+    def condition_features(self, obs: dict) -> torch.Tensor:
+        """(B, dim): the mean of the condition tokens over their mask, for a value head."""
+        cond, cond_mask = self.encode_observation(obs)
+        weights = cond_mask.to(cond)[..., None]
+        return (cond * weights).sum(1) / weights.sum(1).clamp_min(1)
+
+    def _flow_times(self, device) -> torch.Tensor:
+        """(K,) the Euler steps' times, 1 - k / n, as ``_sample_flow`` takes them."""
+        n = self.config.num_inference_steps
+        return torch.tensor([1.0 - i / n for i in range(n)], device=device)
+
+    @torch.no_grad()
+    def sample_with_log_prob(
+        self, obs: dict, obs_step: torch.Tensor | None = None, *, noise: ExplorationNoise
+    ) -> tuple[ActionChunk, DenoisingChain, torch.Tensor]:
+        """Noisy sampling: ddpm takes DDIM steps with eta = ``noise.eta`` (whatever ``ddpm_sampler``
+        is) and std max(eta * sigma_t, min_std); flow takes Euler steps with std ``noise.min_std``. See
+        ``PreTrainedPolicy.sample_with_log_prob``; noise 0 is ``predict_chunk``'s sampler (DDIM for ddpm)."""
+        noise.validate()
+        cond, cond_mask = self.encode_observation(obs)
+        b, n = cond.shape[0], self.config.num_inference_steps
+        prefix = self.committed_actions(obs)
+        committed = None if prefix is None else (self.normalize_action(prefix[0]), prefix[1])
+        if self.config.objective == "flow":
+            times = self._flow_times("cpu")  # read as Python floats, step by step
+            std = torch.full((n,), float(noise.min_std), device=cond.device)
+            eta = None
+        else:
+            steps = DDIMSteps.from_scheduler(self.sample_scheduler, n)
+            times = steps.timesteps.float()
+            steps = steps.to(cond.device)
+            std = steps.stds(noise)
+            eta = noise.eta
+
+        def step_mean(x: torch.Tensor, k: int) -> torch.Tensor:
+            xx, tt, known = self._timesteps(x[:, None], float(times[k]), committed)
+            out = self.dit(xx, tt, cond, cond_mask, known)[:, 0]
+            return x - out / n if eta is None else steps.mean(x, out, eta, k)
+
+        initial = self._initial_noise(None, b, cond.device)
+        chain, log_prob = sample_chain(step_mean, initial, std, eta, committed)
+        actions = self.unnormalize_action(chain.latents[:, -1].clamp(-1, 1))
+        if prefix is not None:  # exactly the committed actions, not their normalization round trip
+            actions = torch.where(prefix[1][..., None], prefix[0], actions)
+        return self._chunk(actions, obs_step), chain, log_prob
+
+    def log_prob(self, obs: dict, chain: DenoisingChain, *, per_step: bool = False) -> torch.Tensor:
+        """(B,) log-probability of a chain; the K steps are K copies of one DiT pass, the condition
+        encoded once. See ``PreTrainedPolicy.log_prob``."""
+        chain.check_density()
+        flow = self.config.objective == "flow"
+        if not flow and chain.eta is None:
+            raise ValueError("the chain does not record its DDIM eta; sample it with sample_with_log_prob")
+        cond, cond_mask = self.encode_observation(obs)
+        b, n, cfg = cond.shape[0], self.config.num_inference_steps, self.config
+        check_chain_shape(chain, b, n, cfg.horizon, cfg.action_dim)
+        chain = chain.to(cond.device)
+        prefix = self.committed_actions(obs)
+        committed = None if prefix is None else (self.normalize_action(prefix[0]), prefix[1])
+        committed = known_for_chain(committed, chain)
+        x = chain.inputs(committed)  # (B, K, H, A): step k is copy k
+        if flow:
+            times = self._flow_times(cond.device)
+        else:
+            steps = DDIMSteps.from_scheduler(self.sample_scheduler, n).to(cond.device)
+            times = steps.timesteps.float()
+        t = times.expand(b, n)
+        known = None
+        if committed is not None:
+            x, t, known = self._insert_known(x, t, *committed)
+        out = self.dit(x, t, cond, cond_mask, known)
+        means = x - out / n if flow else steps.mean(x, out, chain.eta)
+        terms = chain.step_log_prob(means)
+        return terms if per_step else terms.sum(1)

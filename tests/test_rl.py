@@ -1,0 +1,361 @@
+"""RL fine-tuning: the algorithms' math against hand-worked values, and `vla-rl finetune` end to end."""
+
+import json
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from policies.denoising_chain import DenoisingChain
+from sim.config import EnvConfig
+from vla_rl.finetune import FinetuneConfig, finetune
+from vla_rl.rl.grpo import GRPOConfig, group_advantages, group_seeds
+from vla_rl.rl.ppo import PPOConfig, gae
+from vla_rl.rl.rollout import Rollout
+from vla_rl.rl.update import GradientStep, clipped_surrogate
+from vla_rl.runtime import ChunkingConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def rollout_of(world, episode, reward, discount, done):
+    m = len(world)
+    return Rollout(
+        obs={}, obs_step=torch.zeros(m, dtype=torch.long),
+        chain=DenoisingChain(latents=torch.zeros(m, 2, 1, 1), std=torch.ones(1), known=None),
+        world=torch.tensor(world), episode=torch.tensor(episode), task=torch.zeros(m, dtype=torch.long),
+        reward=torch.tensor(reward),
+        discount=torch.tensor(discount), steps=torch.ones(m, dtype=torch.long), done=torch.tensor(done),
+        success=torch.zeros(m, dtype=torch.bool), diverged=torch.zeros(m, dtype=torch.bool),
+    )  # fmt: skip
+
+
+def test_gae_discounts_per_control_step_and_stops_at_each_episode_end():
+    """World 0: three decisions, the last one ends the episode with reward 1; world 1: one decision.
+
+    With lambda = 0.5, values V = [0.2, 0.4, 0.6 | 0.5], chunk discounts g = [0.9, 0.81, 0.9 | 0.9]:
+      delta_2 = 1 - 0.6 = 0.4                     A_2 = 0.4
+      delta_1 = 0 + 0.81 * 0.6 - 0.4 = 0.086      A_1 = 0.086 + 0.81 * 0.5 * 0.4 = 0.248
+      delta_0 = 0 + 0.9 * 0.4 - 0.2 = 0.16        A_0 = 0.16 + 0.9 * 0.5 * 0.248 = 0.2716
+      world 1: delta = 0 - 0.5 = -0.5             A = -0.5 (nothing after its episode's end)
+    """
+    r = rollout_of([0, 0, 0, 1], [0, 0, 0, 0], [0.0, 0.0, 1.0, 0.0], [0.9, 0.81, 0.9, 0.9], [False, False, True, True])
+    values = torch.tensor([0.2, 0.4, 0.6, 0.5])
+    advantages, targets = gae(r, values, lam=0.5)
+    torch.testing.assert_close(advantages, torch.tensor([0.2716, 0.248, 0.4, -0.5]))
+    torch.testing.assert_close(targets, torch.tensor([0.4716, 0.648, 1.0, 0.0]))
+
+
+def test_gae_never_reads_across_two_episodes_of_one_world():
+    """Episode 0 ends at decision 0 (done): its advantage is r - V, whatever episode 1 holds."""
+    r = rollout_of([0, 0], [0, 1], [1.0, 0.0], [0.5, 0.5], [True, True])
+    advantages, _ = gae(r, torch.tensor([0.25, 100.0]), lam=1.0)
+    torch.testing.assert_close(advantages, torch.tensor([0.75, -100.0]))
+
+
+def test_clipped_surrogate_takes_the_pessimistic_side_of_an_asymmetric_clip():
+    """Ratio e^0.5 = 1.649 with A = +1 is cut at 1 + 0.28; ratio e^-0.5 = 0.607 with A = -1 is
+    pessimistic at the clip 1 - 0.2 = 0.8 (-0.8 < -0.607); ratio 1 leaves A itself."""
+    new = torch.tensor([[0.5], [-0.5], [0.0]])
+    old = torch.zeros(3, 1)
+    adv = torch.tensor([1.0, -1.0, 2.0])
+    loss, stats = clipped_surrogate(new, old, adv, clip_low=0.2, clip_high=0.28)
+    assert loss.item() == pytest.approx(-(1.28 - 0.8 + 2.0) / 3, abs=1e-6)
+    assert stats["clip_fraction"] == pytest.approx(2 / 3)
+    # approx KL: mean of (r - 1) - log r = (e^.5 - 1.5 + e^-.5 - 0.5 + 0) / 3
+    assert stats["approx_kl"] == pytest.approx((math.exp(0.5) - 1.5 + math.exp(-0.5) - 0.5) / 3, abs=1e-6)
+
+
+def test_group_advantages_normalize_within_each_group_and_drop_uniform_groups():
+    """Groups of 4: [1, 0, 0, 1] -> mean 0.5, std 0.5 -> [1, -1, -1, 1]; [1, 1, 1, 1] is dropped by
+    dynamic sampling; [1, 0, 0, diverged] -> over the 3 valid: mean 1/3, std sqrt(2)/3."""
+    success = torch.tensor([1, 0, 0, 1, 1, 1, 1, 1, 1, 0, 0, 1], dtype=torch.bool)
+    group = torch.arange(12) // 4
+    valid = torch.ones(12, dtype=torch.bool)
+    valid[11] = False
+    adv, kept, counts = group_advantages(success, group, valid, dynamic_sampling=True)
+    torch.testing.assert_close(adv[:4], torch.tensor([1.0, -1.0, -1.0, 1.0]), atol=1e-5, rtol=0)
+    assert not kept[4:8].any() and counts["groups_dropped"] == 1
+    s = math.sqrt(2) / 3
+    torch.testing.assert_close(adv[8:11], torch.tensor([2 / 3 / s, -1 / 3 / s, -1 / 3 / s]), atol=1e-5, rtol=0)
+    assert kept.tolist() == [True] * 4 + [False] * 4 + [True] * 3 + [False]
+    _, kept_all, counts = group_advantages(success, group, valid, dynamic_sampling=False)
+    assert kept_all[4:8].all() and counts["groups_dropped"] == 0
+
+
+def test_group_seeds_are_equal_within_a_group_and_differ_between_groups():
+    assert group_seeds(6, 3, 10) == [10, 10, 10, 11, 11, 11]
+
+
+def test_a_non_finite_loss_or_gradient_leaves_the_weights_as_they_were():
+    layer = torch.nn.Linear(2, 1)
+    before = [p.detach().clone() for p in layer.parameters()]
+    step = GradientStep(torch.optim.SGD(layer.parameters(), lr=0.1), max_grad_norm=1.0)
+    assert not step(layer(torch.ones(1, 2)).sum() * float("nan"))
+    # a finite loss (0) whose gradient is not: d/dw sqrt(0 * |w|) = inf * 0 = NaN
+    assert not step(torch.sqrt(layer.weight.abs() * 0).sum())
+    assert step.skipped == 2
+    for p, q in zip(layer.parameters(), before, strict=True):
+        torch.testing.assert_close(p, q)
+    assert step(layer(torch.ones(1, 2)).sum())  # a finite one goes through
+    assert not torch.equal(layer.weight, before[0])
+
+
+def test_a_grpo_step_raises_the_log_prob_of_the_chains_that_succeeded(tiny_checkpoint):
+    """One plain gradient step (SGD, one minibatch, so the ratio is 1 and nothing is clipped) moves
+    the weights along the gradient of mean_ik r_ik A_i, so to first order sum_i A_i * (change in
+    log pi(chain_i)) > 0: the chains of the episodes marked successful become likelier, the others
+    less likely. Real rollouts of the tiny policy; success marked by hand (worlds 0 and 2 of groups
+    {0, 1} and {2, 3})."""
+    from sim.delay import DelayedChunkEnv
+    from sim.factory import make_env
+    from vla_rl.checkpoint import load_policy
+    from vla_rl.rl import grpo
+    from vla_rl.rl.rollout import collect
+    from vla_rl.rl.update import batched_log_prob
+    from vla_rl.runtime import DelayConfig, DelayModel
+
+    policy, _ = load_policy(tiny_checkpoint[0])
+    noise = FinetuneConfig().noise
+    with make_env(EnvConfig(num_envs=4, max_episode_steps=8)) as env:
+        denv = DelayedChunkEnv(env, policy.config.horizon, 4, DelayModel(DelayConfig()))
+        rollout, _ = collect(policy, denv, noise, episodes_per_world=1, seed=grpo.group_seeds(4, 2, 0))
+    rollout.success = rollout.world % 2 == 0
+    before = batched_log_prob(policy, rollout.obs, rollout.chain, 64)
+    step = GradientStep(torch.optim.SGD(policy.parameters(), lr=1e-4), max_grad_norm=0)
+    stats = grpo.update(
+        policy, rollout, before, cfg=GRPOConfig(group_size=2), actor_step=step, epochs=1,
+        minibatch_size=len(rollout), clip_low=0.2, clip_high=0.28, generator=torch.Generator().manual_seed(0),
+    )  # fmt: skip
+    assert stats["groups_dropped"] == 0 and stats["decisions"] == len(rollout)
+    change = (batched_log_prob(policy, rollout.obs, rollout.chain, 64) - before).sum(1)  # (M,)
+    advantage = torch.where(rollout.success, 1.0, -1.0)  # each group: one success, one failure
+    assert (advantage * change).sum() > 0
+    assert change[rollout.success].mean() > change[~rollout.success].mean()
+
+
+def test_the_curriculum_favours_unsolved_and_changing_tasks_and_resumes_its_draws():
+    """Tasks a, b. a succeeds once (1.0): both averages 1, priority 0 + 0 + 0.05; b unseen counts as
+    unsolved, 1 + 0 + 0.05. Then a fails (0.0): fast 1 + 0.5 (0 - 1) = 0.5, slow 1 + 0.1 (0 - 1) =
+    0.9, priority 0.5 + 2 * 0.4 + 0.05 = 1.35."""
+    from vla_rl.rl.curriculum import TaskCurriculum
+
+    cur = TaskCurriculum(["a", "b"], seed=3)
+    cur.update(0, 1.0)
+    torch.testing.assert_close(cur.priorities(), torch.tensor([0.05, 1.05]) / 1.1)
+    cur.update(0, 0.0)
+    torch.testing.assert_close(cur.priorities(), torch.tensor([1.35, 1.05]) / 2.4)
+    saved = cur.state_dict()
+    draws = [cur.choose(1) for _ in range(20)]
+    assert {d[0] for d in draws} == {0, 1}
+    again = TaskCurriculum(["a", "b"], seed=99)
+    again.load_state_dict(saved)
+    assert [again.choose(1) for _ in range(20)] == draws
+    assert cur.choose(2) == [0, 1]  # all of them: nothing to draw
+
+
+# -- the command --------------------------------------------------------------------------------
+
+
+def small_run(checkpoint, out, **overrides) -> FinetuneConfig:
+    fields = {
+        "checkpoint": str(checkpoint), "env": EnvConfig(num_envs=4, max_episode_steps=12), "iterations": 2,
+        "update_epochs": 1, "minibatch_size": 16, "eval_every": 0, "output_dir": str(out), "num_threads": 2, "log_with": "none",
+    }  # fmt: skip
+    fields.update(overrides)
+    return FinetuneConfig(**fields)
+
+
+# Two of three tasks per iteration: the curriculum draws, and PCGrad has two tasks to project.
+MULTITASK = {"tasks": ["lift", "reach", "push"], "curriculum_tasks": 2, "pcgrad": True}
+
+
+@pytest.mark.parametrize(("algo", "multitask"), [("ppo", False), ("grpo", False), ("ppo", True)])
+def test_a_resumed_run_reaches_the_same_weights_as_an_uninterrupted_one(tiny_checkpoint, tmp_path, algo, multitask):
+    """Two iterations straight, against one iteration, stop, and --resume=true for the second:
+    the same weights (the rollout seeds, sampling noise, minibatch order, optimizer state and, with
+    several tasks, the curriculum and PCGrad's stream all continue). The checkpoint it stops at is
+    what a kill after a checkpoint leaves."""
+    checkpoint = tiny_checkpoint[0]
+    extra = {"algo": algo, "grpo": GRPOConfig(group_size=2),
+             "ppo": PPOConfig(critic_warmup_iterations=0, episodes_per_world=1), **(MULTITASK if multitask else {})}  # fmt: skip
+    straight = finetune(small_run(checkpoint, tmp_path / "straight", **extra))
+    finetune(small_run(checkpoint, tmp_path / "resumed", iterations=1, **extra))
+    resumed = finetune(small_run(checkpoint, tmp_path / "resumed", resume=True, **extra))
+    assert straight["iterations"] == resumed["iterations"] == 2
+    assert straight["env_steps"] == resumed["env_steps"]
+    if multitask:  # the curriculum rolled out one task per iteration, and chose the same ones again
+        chosen = [list(h["rollout_success_by_task"]) for h in straight["history"]]
+        assert [len(c) for c in chosen] == [2, 2]
+        assert chosen == [list(h["rollout_success_by_task"]) for h in resumed["history"]]
+    from safetensors.torch import load_file
+
+    a = load_file(str(tmp_path / "straight/checkpoints/last/pretrained_model/model.safetensors"))
+    b = load_file(str(tmp_path / "resumed/checkpoints/last/pretrained_model/model.safetensors"))
+    initial = load_file(str(checkpoint / "checkpoints/last/pretrained_model/model.safetensors"))
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=0)
+    # PPO did change the policy. GRPO had nothing to learn: this policy never succeeds, so every
+    # group is all-failure (its update is tested on its own below).
+    assert any(not torch.equal(a[k], initial[k]) for k in a) == (algo == "ppo")
+
+
+def test_a_finetuned_checkpoint_loads_in_eval_and_its_summary_has_the_curve(tiny_checkpoint, tmp_path):
+    from vla_rl.eval import EvalConfig, evaluate
+
+    out = tmp_path / "ft"
+    summary = finetune(
+        small_run(tiny_checkpoint[0], out, eval_every=1, eval_episodes=4, ppo=PPOConfig(critic_warmup_iterations=1))
+    )
+    assert [e["iteration"] for e in summary["evals"]] == [0, 1, 2]
+    assert all(e["episodes"] == 4 for e in summary["evals"])
+    saved = json.loads((out / "finetune_summary.json").read_text())
+    assert saved["history"][-1]["env_steps"] == summary["env_steps"] > 0
+    assert (out / "success.png").stat().st_size > 0
+    env = EnvConfig(num_envs=4, max_episode_steps=12)
+    result = evaluate(EvalConfig(checkpoint=str(out), env=env, num_episodes=4,
+                                 video_episodes=0, output_dir=str(tmp_path / "eval")))  # fmt: skip
+    # eval's result of the last checkpoint equals finetune's own evaluation of those weights, episode
+    # by episode, and those are not the imitation policy's weights
+    own = json.loads((out / "eval" / "iter-0002" / "eval.json").read_text())
+    strip = lambda episodes: [(e["seed"], e["world"], e["success"], e["length"]) for e in episodes]
+    assert strip(result["per_episode"]) == strip(own["per_episode"])
+    from safetensors.torch import load_file
+
+    tuned = load_file(str(out / "checkpoints/last/pretrained_model/model.safetensors"))
+    initial = load_file(str(tiny_checkpoint[0] / "checkpoints/last/pretrained_model/model.safetensors"))
+    assert any(not torch.equal(tuned[k], initial[k]) for k in tuned)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"chunking": ChunkingConfig(merge="ensemble")}, "fine-tune with --chunking.merge=latest"),
+        ({"algo": "grpo", "grpo": GRPOConfig(group_size=3)}, "set --env.num_envs to a multiple of 3"),
+        ({"algo": "sac"}, "choose --algo=ppo or --algo=grpo"),
+        ({"pcgrad": True}, "give --tasks=[a,b,...]"),
+        ({"tasks": ["lift", "reach"], "curriculum_tasks": 3}, "--curriculum_tasks must be in [0, 2]"),
+        ({"tasks": ["lift", "reach"], "curriculum_tasks": 1, "pcgrad": True}, "set --curriculum_tasks=0 or >= 2"),
+        ({"eval_every": 1, "eval_episodes": 0}, "--eval_episodes >= 1 when evaluating"),
+        ({"env": EnvConfig(num_envs=4, cameras=[])}, "set --env.cameras=[front]"),
+        ({"env": EnvConfig(num_envs=4, image_size=32)}, "set --env.image_size=64"),
+    ],
+)
+def test_bad_config_gets_one_line_naming_the_fix(tiny_checkpoint, tmp_path, overrides, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        finetune(small_run(tiny_checkpoint[0], tmp_path / "bad", **overrides))
+    assert not (tmp_path / "bad").exists()  # refused before any output
+
+
+def test_quick_benchmark_runs_every_stage_and_prints_the_final_line(tmp_path):
+    out = tmp_path / "bench"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "rl_finetune.py"), "--quick=true", f"--output_dir={out}"],
+        check=False, capture_output=True, text=True, timeout=600, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    last = proc.stdout.strip().splitlines()[-1]
+    assert re.match(r"^ppo_gain=[+-]\d+\.\d grpo_gain=[+-]\d+\.\d env_steps=\d+ minutes=\d+\.\d$", last), last
+    report = json.loads((out / "quick" / "rl.json").read_text())
+    for algo in ("ppo", "grpo"):
+        assert report["runs"][algo]["env_steps"] >= 200  # the budget was spent, then the run stopped
+        assert report["results"][algo]["episodes"] == 4
+        points = 100 * (report["results"][algo]["success_rate"] - report["results"]["imitation"]["success_rate"])
+        assert report["gains_points"][algo] == pytest.approx(points, abs=0.05)
+
+
+def test_pcgrad_projects_a_conflicting_pair_onto_each_others_normal_plane():
+    """g1 = (1, 0), g2 = (-1, 1): g1 . g2 = -1 < 0, so
+    g1' = g1 - (-1 / 2) g2 = (0.5, 0.5) and g2' = g2 - (-1 / 1) g1 = (0, 1);
+    each is orthogonal to the other's original, and the update is their sum (0.5, 1.5)."""
+    from vla_rl.rl.pcgrad import pcgrad
+
+    g1, g2 = torch.tensor([1.0, 0.0]), torch.tensor([-1.0, 1.0])
+    torch.testing.assert_close(pcgrad([g1, g2]), torch.tensor([0.5, 1.5]))
+    assert torch.dot(torch.tensor([0.5, 0.5]), g2) == 0 and torch.dot(torch.tensor([0.0, 1.0]), g1) == 0
+
+
+def test_pcgrad_leaves_a_pair_that_does_not_conflict_untouched():
+    from vla_rl.rl.pcgrad import pcgrad
+
+    g1, g2 = torch.tensor([1.0, 0.0, 2.0]), torch.tensor([1.0, 1.0, 0.0])  # g1 . g2 = 1 > 0
+    torch.testing.assert_close(pcgrad([g1, g2]), g1 + g2, rtol=0, atol=0)
+
+
+def test_pcgrad_gradients_round_trip_through_the_parameters():
+    from vla_rl.rl.pcgrad import flat_grad, set_flat_grad
+
+    layer = torch.nn.Linear(3, 2)
+    params = list(layer.parameters())
+    flat = flat_grad((layer.weight * torch.arange(6.0).view(2, 3)).sum(), params)
+    torch.testing.assert_close(flat, torch.cat([torch.arange(6.0), torch.zeros(2)]))  # bias unused: zeros
+    set_flat_grad(params, flat * 2)
+    torch.testing.assert_close(layer.weight.grad, 2 * torch.arange(6.0).view(2, 3))
+
+
+class TwoProcesses:
+    """Process ``index`` of two, in one test process: ``sum`` adds what the other process contributes."""
+
+    def __init__(self, index, other_gradient=None):
+        from vla_rl.rl.update import Processes
+
+        self.index, self.count, self.accelerator = index, 2, None
+        self.shard = lambda rows: Processes.shard(self, rows)
+        self.other = other_gradient
+
+    def sum(self, tensor):
+        return tensor + self.other
+
+
+def test_sharded_gradients_summed_across_processes_are_the_whole_minibatchs():
+    """Two processes, each its shard of a 5-row minibatch weighted by its share (3/5 and 2/5): the
+    summed gradient, and so the step, equal one process's on all 5 rows."""
+    from vla_rl.rl.pcgrad import flat_grad
+
+    torch.manual_seed(0)
+    x, y = torch.randn(5, 3), torch.randn(5)
+    loss_of = lambda layer, rows: ((layer(x[rows]).squeeze(-1) - y[rows]) ** 2).mean()
+    whole = torch.nn.Linear(3, 1)
+    parts = [torch.nn.Linear(3, 1) for _ in range(2)]
+    for layer in parts:
+        layer.load_state_dict(whole.state_dict())
+    rows = torch.arange(5)
+    GradientStep(torch.optim.SGD(whole.parameters(), lr=0.1), max_grad_norm=0)(loss_of(whole, rows))
+    (mine1, share1) = TwoProcesses(1).shard(rows)
+    other = flat_grad(loss_of(parts[1], mine1) * share1, list(parts[1].parameters()))
+    mine0, share0 = TwoProcesses(0).shard(rows)
+    assert (mine0.tolist(), share0, mine1.tolist(), share1) == ([0, 2, 4], 0.6, [1, 3], 0.4)
+    step = GradientStep(
+        torch.optim.SGD(parts[0].parameters(), lr=0.1), max_grad_norm=0, processes=TwoProcesses(0, other)
+    )
+    step(loss_of(parts[0], mine0) * share0)
+    for p, q in zip(parts[0].parameters(), whole.parameters(), strict=True):
+        torch.testing.assert_close(p, q)
+
+
+def test_two_processes_update_on_the_union_of_their_rollouts_and_stay_identical(tiny_checkpoint, tmp_path):
+    """`accelerate launch` with 2 CPU processes (gloo): each rolls out its own 2 worlds; every update
+    runs on the union (the decisions of both), and both processes end each update with the same
+    weights (their checksums, gathered after every update, are equal) which did change."""
+    out = tmp_path / "dp"
+    launch = [
+        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes=2", "--num_machines=1",
+        "--mixed_precision=no", "--dynamo_backend=no", "-m", "vla_rl.cli", "finetune",
+        f"--checkpoint={tiny_checkpoint[0]}", "--env.num_envs=2", "--env.max_episode_steps=8", "--iterations=2",
+        "--update_epochs=1", "--minibatch_size=8", "--eval_every=0", "--log_with=none", "--num_threads=1",
+        "--ppo.critic_warmup_iterations=0", "--ppo.episodes_per_world=1", f"--output_dir={out}",
+    ]  # fmt: skip
+    proc = subprocess.run(launch, check=False, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    history = json.loads((out / "finetune_summary.json").read_text())["history"]
+    assert len(history) == 2
+    for h in history:
+        first, second = h["decisions_per_process"]
+        assert first > 0 and second > 0 and h["decisions"] == first + second  # no world diverged here
+        assert len(set(h["weights_checksum_per_process"])) == 1
+    assert history[0]["weights_checksum_per_process"] != history[1]["weights_checksum_per_process"]

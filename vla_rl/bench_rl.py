@@ -1,0 +1,144 @@
+"""`vla-rl bench rl` (also ``benchmarks/rl_finetune.py``): does RL fine-tuning improve an imitation policy?
+
+The protocol, fixed before any result was seen:
+
+1. Record ``demos`` scripted episodes of ``task`` and train one ``diffusion`` policy by imitation
+   (``train_steps`` steps, batch ``batch_size``, chunk ``horizon``, ``n_action_steps`` executed).
+   The default (200 demos, 4000 steps on the two-way ``track`` task) is the plain policy of
+   ``vla-rl bench delay``, which succeeds about half the time: room to improve either way.
+2. Evaluate it on ``eval_episodes`` episodes from seed ``eval_seed`` (never a training seed:
+   fine-tuning rollouts reset from seeds above 1,000,000 and its periodic evaluations use
+   ``progress_eval_seed``).
+3. Fine-tune a copy with PPO and another with GRPO, each until ``env_steps`` control steps of
+   rollouts are spent (``vla-rl finetune --max_env_steps``, every other setting its default), and
+   evaluate the last weights of each exactly as in 2. No checkpoint is chosen by its score.
+4. Report success before and after with 95% Wilson intervals, the curves (``success.png`` of each
+   run) and the final line ``ppo_gain=<points> grpo_gain=<points> env_steps=<n> minutes=<m>``,
+   where a gain is (success after - success before) in percentage points.
+
+``--quick`` runs every stage at toy sizes (about a minute): it checks the plumbing, not the claim.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+ALGOS = ("ppo", "grpo")
+
+
+@dataclass
+class BenchRLConfig:
+    """Imitation checkpoint -> PPO and GRPO on the same env-step budget -> held-out evaluation."""
+
+    task: str = "track"
+    demos: int = 200  # scripted demonstration episodes of the imitation policy
+    train_steps: int = 4000  # imitation training steps
+    batch_size: int = 64
+    horizon: int = 16
+    n_action_steps: int = 4
+    num_envs: int = 16  # rollout worlds of fine-tuning
+    env_steps: int = 150_000  # control steps of rollouts each algorithm may use
+    eval_episodes: int = 100  # held-out evaluation episodes, before and after
+    eval_seed: int = 5000  # seed of the held-out evaluation
+    progress_eval_seed: int = 3000  # seed of fine-tuning's periodic evaluations (the curves)
+    progress_eval_episodes: int = 32
+    seed: int = 0
+    num_threads: int = 0  # torch CPU threads; 0 = all cores
+    output_dir: str = (
+        "outputs/bench/rl"  # a killed run resumes its finished stages; quick runs go to <output_dir>/quick
+    )
+    quick: bool = False  # toy sizes: checks every stage runs, in about a minute; says nothing about the claim
+
+    def apply_quick(self) -> None:
+        if self.quick:
+            self.demos, self.train_steps, self.batch_size, self.num_envs = 4, 20, 16, 4
+            self.env_steps, self.eval_episodes, self.progress_eval_episodes = 200, 4, 4
+
+
+def bench_rl(cfg: BenchRLConfig) -> dict[str, Any]:
+    """Run the protocol of the module docstring; returns (and writes as ``rl.json``) its results."""
+    from policies.diffusion.configuration_diffusion import DiffusionConfig
+    from sim.config import EnvConfig
+    from vla_rl.eval import EvalConfig, evaluate
+    from vla_rl.finetune import FinetuneConfig, finetune
+    from vla_rl.record import RecordConfig, record
+    from vla_rl.rl.grpo import GRPOConfig
+    from vla_rl.train import DatasetConfig, TrainConfig, train
+
+    cfg.apply_quick()
+    out = Path(cfg.output_dir) / "quick" if cfg.quick else Path(cfg.output_dir)
+    start = time.time()
+    dataset, imitation = out / "dataset", out / "imitation"
+    if not (dataset / "meta" / "info.json").is_file():
+        record(RecordConfig(
+            env=EnvConfig(task=cfg.task, num_envs=min(cfg.num_envs, cfg.demos)), num_episodes=cfg.demos,
+            output_dir=str(dataset), seed=cfg.seed, repo_id=f"local/vla_rl_{cfg.task}", overwrite=True,
+        ))  # fmt: skip
+    train(TrainConfig(
+        dataset=DatasetConfig(root=str(dataset)), output_dir=str(imitation), steps=cfg.train_steps,
+        batch_size=cfg.batch_size, seed=cfg.seed, log_with="none", save_every=cfg.train_steps,
+        num_threads=cfg.num_threads, resume=(imitation / "checkpoints").is_dir(),
+        policy=DiffusionConfig(horizon=cfg.horizon, n_action_steps=cfg.n_action_steps),
+    ))  # fmt: skip
+    imitation_minutes = (time.time() - start) / 60
+
+    def held_out(checkpoint: Path, name: str) -> dict[str, Any]:
+        result = evaluate(EvalConfig(
+            checkpoint=str(checkpoint), env=EnvConfig(task=cfg.task, num_envs=min(50, cfg.eval_episodes)),
+            num_episodes=cfg.eval_episodes, seed=cfg.eval_seed, video_episodes=0,
+            output_dir=str(out / "eval" / name),
+        ))  # fmt: skip
+        return {k: result[k] for k in ("episodes", "successes", "success_rate", "success_ci95")}
+
+    results: dict[str, Any] = {"imitation": held_out(imitation, "imitation")}
+    runs: dict[str, Any] = {}
+    for algo in ALGOS:
+        run_dir = out / algo
+        t0 = time.time()
+        summary = finetune(FinetuneConfig(
+            checkpoint=str(imitation), algo=algo, env=EnvConfig(task=cfg.task, num_envs=cfg.num_envs),
+            iterations=10**6, max_env_steps=cfg.env_steps, seed=cfg.seed, output_dir=str(run_dir),
+            eval_every=1 if cfg.quick else 10, eval_episodes=cfg.progress_eval_episodes,
+            eval_seed=cfg.progress_eval_seed, num_threads=cfg.num_threads, log_with="none",
+            resume=(run_dir / "checkpoints" / "last").exists(),
+            grpo=GRPOConfig(group_size=min(8, cfg.num_envs)),
+        ))  # fmt: skip
+        runs[algo] = {
+            "minutes": round((time.time() - t0) / 60, 2), "env_steps": summary["env_steps"],
+            "iterations": summary["iterations"], "curve": summary["evals"],
+            "rollout_env_steps_per_s": summary["rollout_env_steps_per_s"],
+            "skipped_updates": summary["skipped_updates"], "plot": str(run_dir / "success.png"),
+        }  # fmt: skip
+        results[algo] = held_out(run_dir, algo)
+    before = results["imitation"]["success_rate"]
+    gains = {algo: round(100 * (results[algo]["success_rate"] - before), 1) for algo in ALGOS}
+    report = {
+        "config": asdict(cfg), "results": results, "gains_points": gains, "runs": runs,
+        "imitation_minutes": round(imitation_minutes, 2), "minutes": round((time.time() - start) / 60, 2),
+        "env_steps": {algo: runs[algo]["env_steps"] for algo in ALGOS},
+    }  # fmt: skip
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "rl.json").write_text(json.dumps(report, indent=2))
+    return report
+
+
+def format_summary(report: dict[str, Any]) -> str:
+    """The table of held-out success and the final line."""
+    lines = [f"{'policy':<10} {'success':>8}  95% interval      episodes  env steps"]
+    for name in ("imitation", *ALGOS):
+        r = report["results"][name]
+        lo, hi = r["success_ci95"]
+        steps = report["runs"][name]["env_steps"] if name in report["runs"] else 0
+        lines.append(f"{name:<10} {r['success_rate']:>8.3f}  [{lo:.2f}, {hi:.2f}]  {r['episodes']:>8}  {steps:>9}")
+    if report["config"]["quick"]:
+        lines.append("quick run: toy sizes, the numbers below say nothing about RL")
+    g = report["gains_points"]
+    env_steps = max(report["env_steps"].values())
+    lines.append(
+        f"ppo_gain={g['ppo']:+.1f} grpo_gain={g['grpo']:+.1f} env_steps={env_steps} minutes={report['minutes']:.1f}"
+    )
+    return "\n".join(lines)

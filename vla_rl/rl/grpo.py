@@ -1,0 +1,134 @@
+"""GRPO over chunk decisions of a diffusion or flow policy (SimpleVLA-RL style): no critic.
+
+The N worlds form N / G groups of G; the G worlds of a group start every episode from the same
+initial state (a reset with one seed per group: equal seeds, equal initial states) and differ
+only in the policy's sampling noise (and, under a random ``--delay``, in the delays each world draws). Each world runs one episode; its reward is binary success
+R in {0, 1}, and the group's episodes are compared with each other:
+
+    A_e = (R_e - mean_group R) / (std_group R + eps)        broadcast to every decision of episode e
+
+Dynamic sampling: a group where all G episodes succeeded, or all failed, has A = 0 everywhere and
+teaches nothing; it is dropped (and counted). Episodes whose world diverged are dropped with
+their group's statistics computed without them.
+
+Loss: `vla_rl.rl.update.actor_loss` (the clipped surrogate) with the asymmetric clip (clip-higher, 0.2 / 0.28),
+per denoising step, averaged over every step of every kept decision. No KL, no entropy term.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vla_rl.rl.rollout import Rollout, select_rows, to_device
+from vla_rl.rl.update import GradientStep, Processes, actor_loss, actor_loss_per_task, minibatches
+
+
+@dataclass
+class GRPOConfig:
+    """GRPO's own settings (the shared ones are ``vla-rl finetune``'s)."""
+
+    group_size: int = 8  # G: worlds that start from the same state; must divide env.num_envs
+    dynamic_sampling: bool = True  # drop groups whose episodes all succeeded or all failed
+
+    def validate(self, num_envs: int) -> None:
+        if self.group_size < 2:
+            raise ValueError(f"grpo.group_size must be >= 2 (a group compares its episodes), got {self.group_size}")
+        if num_envs % self.group_size:
+            raise ValueError(
+                f"grpo.group_size={self.group_size} does not divide env.num_envs={num_envs}; "
+                f"set --env.num_envs to a multiple of {self.group_size}"
+            )
+
+
+def group_seeds(num_envs: int, group_size: int, seed: int) -> list[int]:
+    """One reset seed per world, equal within a group: world w belongs to group w // G."""
+    return [seed + w // group_size for w in range(num_envs)]
+
+
+def group_advantages(
+    success: torch.Tensor, group: torch.Tensor, valid: torch.Tensor, dynamic_sampling: bool
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, int]]:
+    """Per episode: success (E,) bool, group (E,) long, valid (E,) bool (not diverged).
+
+    Returns (advantages (E,), kept (E,) bool, counts): the group-normalized advantage of each
+    valid episode, and which episodes enter the update.
+    """
+    reward = success.float()
+    advantages = torch.zeros_like(reward)
+    kept = valid.clone()
+    dropped = 0
+    for g in group[valid].unique().tolist():
+        members = (group == g) & valid
+        if members.sum() == 0:
+            continue
+        r = reward[members]
+        if dynamic_sampling and (r.min() == r.max()):
+            kept &= ~members
+            dropped += 1
+            continue
+        advantages[members] = (r - r.mean()) / (r.std(unbiased=False) + 1e-6)
+    return advantages, kept, {"groups_dropped": dropped, "groups": int(group[valid].unique().numel())}
+
+
+def update(
+    policy,
+    rollout: Rollout,
+    old_log_prob: torch.Tensor,
+    *,
+    cfg: GRPOConfig,
+    actor_step: GradientStep,
+    epochs: int,
+    minibatch_size: int,
+    clip_low: float,
+    clip_high: float,
+    generator: torch.Generator,
+    pcgrad: bool = False,
+    processes: Processes | None = None,
+) -> dict[str, float]:
+    """One GRPO update on a rollout of one episode per world. old_log_prob: (M, K) per denoising step.
+    pcgrad: project the tasks' gradients (multi-task rollouts, `vla_rl.rl.pcgrad`). processes: a
+    data-parallel run's, each computing its shard of every minibatch (`vla_rl.rl.update.Processes`)."""
+    processes = processes or Processes()
+    # Episode e of the rollout is world e's (one episode per world); its group is e // G. In a
+    # multi-task rollout each task's worlds are numbered on (`Rollout.cat`), so groups stay in a task;
+    # worlds of tasks not rolled out this time hold no episode and are left out.
+    num_worlds = int(rollout.world.max()) + 1
+    success = torch.zeros(num_worlds, dtype=torch.bool)
+    diverged = torch.zeros(num_worlds, dtype=torch.bool)
+    present = torch.zeros(num_worlds, dtype=torch.bool)
+    success[rollout.world], diverged[rollout.world], present[rollout.world] = rollout.success, rollout.diverged, True
+    advantages, kept, counts = group_advantages(
+        success, torch.arange(num_worlds) // cfg.group_size, present & ~diverged, cfg.dynamic_sampling
+    )
+    keep = kept[rollout.world]
+    stats: dict[str, float] = {**counts, "decisions": int(keep.sum())}
+    if not keep.any():
+        return stats  # every group was all-success or all-failure: nothing to learn from
+    rollout, old_log_prob, decision_advantage = (
+        rollout.select(keep),
+        old_log_prob[keep],
+        advantages[rollout.world][keep],
+    )
+    sums: dict[str, float] = {}
+    count = 0
+    dev = policy.device
+    for _ in range(epochs):
+        for batch in minibatches(len(rollout), minibatch_size, generator):
+            rows, share = processes.shard(batch)
+            if len(rows) == 0:  # more processes than rows: add nothing, but take part in the sums
+                actor_step(None, [None] * len(rollout.task[batch].unique()) if pcgrad else None)
+                continue
+            obs = to_device(select_rows(rollout.obs, rows), dev)
+            new_log_prob = policy.log_prob(obs, rollout.chain.select(rows).to(dev), per_step=True)
+            old, adv = old_log_prob[rows].to(dev), decision_advantage[rows].to(dev)
+            loss, clip_stats = actor_loss(new_log_prob, old, adv, clip_low, clip_high)
+            tasks = (rollout.task[rows].to(dev), rollout.task[batch].to(dev))
+            per_task = actor_loss_per_task(*tasks, new_log_prob, old, adv, clip_low, clip_high) if pcgrad else None
+            actor_step(loss * share, per_task)
+            for k, v in {"policy_loss": loss.item(), **clip_stats}.items():
+                sums[k] = sums.get(k, 0.0) + v
+            count += 1
+    stats.update({k: v / max(1, count) for k, v in sums.items()})
+    return stats

@@ -1,0 +1,186 @@
+"""PPO over chunk decisions of a diffusion or flow policy (DPPO-style), with a value head.
+
+One decision is one chunk (`vla_rl.rl.rollout`); its action is the denoising chain, a Gaussian
+policy of K steps (``PreTrainedPolicy.sample_with_log_prob``). Per world and episode, decisions
+i = 0 .. L-1 with chunk reward R_i (sum_j gamma^j r_j over the steps the chunk ran), discount
+g_i = gamma^steps_i and done_i:
+
+    delta_i = R_i + g_i (1 - done_i) V(s_{i+1}) - V(s_i)
+    A_i     = delta_i + g_i lambda (1 - done_i) A_{i+1}          (GAE with gamma per control step)
+    G_i     = A_i + V(s_i)                                        (the value target)
+
+An episode that hits the time limit counts as ended (no bootstrap): the value head sees the
+episode's progress, so the value of a state with no time left is near zero anyway.
+
+Critic: a value head on the policy's condition features (``condition_features``, detached) plus
+the episode's progress. Not a separate critic on ``observation.state``: the state is the arm's
+own joints, and what decides success (where the ball or the object is) is only in the images,
+which the policy's encoder already reads. Detached, so the value loss never moves the actor's
+encoder. It warms up for ``critic_warmup_iterations`` before the actor's first update.
+
+Loss per minibatch (see `vla_rl.rl.update` for why the ratio is per denoising step):
+
+    L_actor  = clipped_surrogate(log pi(chain), log pi_old(chain), normalized A)
+               + kl_coef * KL(pi || pi_imitation)                    (optional)
+    L_critic = 1/2 max((V - G)^2, (V_old + clip(V - V_old, +-value_clip) - G)^2)
+
+Episodes whose world diverged are left out of the update.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from vla_rl.rl.rollout import Rollout, select_rows, to_device
+from vla_rl.rl.update import GradientStep, Processes, actor_loss, actor_loss_per_task, minibatches
+
+
+@dataclass
+class PPOConfig:
+    """PPO's own settings (the shared ones are ``vla-rl finetune``'s)."""
+
+    gamma: float = 0.99  # discount per control step
+    gae_lambda: float = 0.95  # GAE's lambda, per chunk decision
+    episodes_per_world: int = 2  # episodes each world runs per iteration
+    critic_lr: float = 1e-3
+    critic_hidden: int = 256  # width of the value head's two hidden layers
+    critic_warmup_iterations: int = 2  # iterations that train only the critic, before the actor's first update
+    value_clip: float = 0.2  # clip of the value change per update (0 = off)
+    kl_coef: float = 0.0  # weight of the KL to the imitation policy (0 = off)
+
+    def validate(self) -> None:
+        if not 0 < self.gamma <= 1 or not 0 <= self.gae_lambda <= 1:
+            raise ValueError(
+                f"ppo.gamma must be in (0, 1] and ppo.gae_lambda in [0, 1], got {self.gamma}, {self.gae_lambda}"
+            )
+        if self.episodes_per_world < 1 or self.critic_hidden < 1 or self.critic_warmup_iterations < 0:
+            raise ValueError(
+                "ppo.episodes_per_world and ppo.critic_hidden must be >= 1, ppo.critic_warmup_iterations >= 0"
+            )
+        if self.critic_lr <= 0 or self.value_clip < 0 or self.kl_coef < 0:
+            raise ValueError("ppo.critic_lr must be > 0, ppo.value_clip and ppo.kl_coef >= 0")
+
+
+class ValueHead(nn.Module):
+    """V(s): (B, F) condition features and (B,) episode progress in [0, 1] -> (B,) value."""
+
+    def __init__(self, feature_dim: int, hidden: int):
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.LayerNorm(feature_dim + 1), nn.Linear(feature_dim + 1, hidden), nn.Mish(),
+            nn.Linear(hidden, hidden), nn.Mish(), nn.Linear(hidden, 1),
+        )  # fmt: skip
+
+    def forward(self, features: torch.Tensor, progress: torch.Tensor) -> torch.Tensor:
+        return self.net(torch.cat([features, progress[:, None].to(features)], -1)).squeeze(-1)
+
+
+def gae(rollout: Rollout, values: torch.Tensor, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(advantages (M,), value targets (M,)) of a rollout whose decisions are grouped per world and
+    episode, in order (`collect` returns them so); values: (M,) V(s_i)."""
+    m = len(rollout)
+    advantages = torch.zeros(m)
+    next_value, next_advantage = 0.0, 0.0
+    for i in reversed(range(m)):
+        last_of_episode = i == m - 1 or bool(
+            (rollout.world[i + 1] != rollout.world[i]) | (rollout.episode[i + 1] != rollout.episode[i])
+        )
+        if last_of_episode:
+            next_value, next_advantage = 0.0, 0.0
+        going_on = 1.0 - float(rollout.done[i])
+        g = float(rollout.discount[i])
+        delta = float(rollout.reward[i]) + g * going_on * next_value - float(values[i])
+        advantages[i] = delta + g * lam * going_on * next_advantage
+        next_value, next_advantage = float(values[i]), float(advantages[i])
+    return advantages, advantages + values
+
+
+@torch.no_grad()
+def values_of(policy, critic: ValueHead, rollout: Rollout, max_episode_steps: int, batch_size: int) -> torch.Tensor:
+    """(M,) V(s) of every decision, in batches."""
+    out = []
+    for start in range(0, len(rollout), batch_size):
+        rows = torch.arange(start, min(start + batch_size, len(rollout)))
+        obs = to_device(select_rows(rollout.obs, rows), policy.device)
+        progress = rollout.obs_step[rows].float() / max_episode_steps
+        out.append(critic(policy.condition_features(obs), progress.to(policy.device)).cpu())
+    return torch.cat(out)
+
+
+def update(
+    policy,
+    critic: ValueHead,
+    rollout: Rollout,
+    old_log_prob: torch.Tensor,
+    reference_log_prob: torch.Tensor | None,
+    *,
+    cfg: PPOConfig,
+    actor_step: GradientStep,
+    critic_step: GradientStep,
+    train_actor: bool,
+    epochs: int,
+    minibatch_size: int,
+    clip_low: float,
+    clip_high: float,
+    max_episode_steps: int,
+    generator: torch.Generator,
+    pcgrad: bool = False,
+    processes: Processes | None = None,
+) -> dict[str, float]:
+    """One PPO update on a rollout. old_log_prob / reference_log_prob: (M, K) per denoising step.
+    pcgrad: project the tasks' actor gradients (multi-task rollouts, `vla_rl.rl.pcgrad`). processes:
+    a data-parallel run's, each computing its shard of every minibatch (`vla_rl.rl.update.Processes`)."""
+    processes = processes or Processes()
+    keep = ~rollout.diverged
+    rollout, old_log_prob = rollout.select(keep), old_log_prob[keep]
+    if reference_log_prob is not None:
+        reference_log_prob = reference_log_prob[keep]
+    if len(rollout) == 0:
+        return {"decisions": 0}
+    old_values = values_of(policy, critic, rollout, max_episode_steps, minibatch_size)
+    advantages, returns = gae(rollout, old_values, cfg.gae_lambda)
+    normalized = (advantages - advantages.mean()) / (advantages.std(unbiased=False) + 1e-8)
+    sums: dict[str, float] = {}
+    count = 0
+    dev = policy.device
+    for _ in range(epochs):
+        for batch in minibatches(len(rollout), minibatch_size, generator):
+            rows, share = processes.shard(batch)
+            if len(rows) == 0:  # more processes than rows: add nothing, but take part in the sums
+                critic_step(None)
+                if train_actor:
+                    actor_step(None, [None] * len(rollout.task[batch].unique()) if pcgrad else None)
+                continue
+            obs = to_device(select_rows(rollout.obs, rows), dev)
+            progress = (rollout.obs_step[rows].float() / max_episode_steps).to(dev)
+            with torch.no_grad():
+                features = policy.condition_features(obs)
+            value = critic(features, progress)
+            target, before = returns[rows].to(dev), old_values[rows].to(dev)
+            value_loss = (value - target) ** 2
+            if cfg.value_clip > 0:
+                clipped = before + (value - before).clamp(-cfg.value_clip, cfg.value_clip)
+                value_loss = torch.maximum(value_loss, (clipped - target) ** 2)
+            value_loss = 0.5 * value_loss.mean()
+            critic_step(value_loss * share)
+            stats = {"value_loss": value_loss.item()}
+            if train_actor:
+                chain = rollout.chain.select(rows).to(dev)
+                new_log_prob = policy.log_prob(obs, chain, per_step=True)
+                old, adv = old_log_prob[rows].to(dev), normalized[rows].to(dev)
+                reference = None if reference_log_prob is None else reference_log_prob[rows].to(dev)
+                terms = (new_log_prob, old, adv, clip_low, clip_high, reference, cfg.kl_coef)
+                loss, actor_stats = actor_loss(*terms)
+                tasks = (rollout.task[rows].to(dev), rollout.task[batch].to(dev))
+                per_task = actor_loss_per_task(*tasks, *terms) if pcgrad else None
+                actor_step(loss * share, per_task)
+                stats.update(policy_loss=loss.item(), **actor_stats)
+            for k, v in stats.items():
+                sums[k] = sums.get(k, 0.0) + v
+            count += 1
+    out = {k: v / max(1, count) for k, v in sums.items()}
+    out.update(decisions=len(rollout), advantage_mean=float(advantages.mean()), value_mean=float(old_values.mean()))
+    return out
