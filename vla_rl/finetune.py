@@ -534,7 +534,7 @@ def _summary(cfg: FinetuneConfig, tasks: list[str], state: dict, seconds: float)
         "rollout_seconds": round(rollout_s, 1),
         "update_seconds": round(sum(h["update_seconds"] for h in history), 1),
         "rollout_env_steps_per_s": round(sim_steps / max(rollout_s, 1e-9), 1),
-        "seconds_this_session": round(seconds, 1),
+        "seconds_since_start_or_resume": round(seconds, 1),
         "history": history,
         "config": asdict(cfg),
     }
