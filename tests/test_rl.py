@@ -174,13 +174,29 @@ def small_run(checkpoint, out, **overrides) -> FinetuneConfig:
 MULTITASK = {"tasks": ["lift", "reach", "push"], "curriculum_tasks": 2, "pcgrad": True}
 
 
+@pytest.fixture(scope="module")
+def tiny_suite_checkpoint(tmp_path_factory):
+    """A diffusion policy trained for a few steps on two demonstrations of each of the three tasks."""
+    from vla_rl.record import RecordConfig, record
+    from vla_rl.train import DatasetConfig, TrainConfig, train
+
+    root = tmp_path_factory.mktemp("suite")
+    record(RecordConfig(env=EnvConfig(num_envs=2), tasks=MULTITASK["tasks"], num_episodes=2,
+                        output_dir=str(root / "data"), seed=3))  # fmt: skip
+    train(TrainConfig(dataset=DatasetConfig(root=str(root / "data")), output_dir=str(root / "train"), steps=10,
+                      batch_size=8, save_every=10, log_with="none", num_threads=2, warmup_steps=2))  # fmt: skip
+    return root / "train"
+
+
 @pytest.mark.parametrize(("algo", "multitask"), [("ppo", False), ("grpo", False), ("ppo", True)])
-def test_a_resumed_run_reaches_the_same_weights_as_an_uninterrupted_one(tiny_checkpoint, tmp_path, algo, multitask):
+def test_a_resumed_run_reaches_the_same_weights_as_an_uninterrupted_one(
+    tiny_checkpoint, tiny_suite_checkpoint, tmp_path, algo, multitask
+):
     """Two iterations straight, against one iteration, stop, and --resume=true for the second:
     the same weights (the rollout seeds, sampling noise, minibatch order, optimizer state and, with
     several tasks, the curriculum and PCGrad's stream all continue). The checkpoint it stops at is
     what a kill after a checkpoint leaves."""
-    checkpoint = tiny_checkpoint[0]
+    checkpoint = tiny_suite_checkpoint if multitask else tiny_checkpoint[0]
     extra = {"algo": algo, "grpo": GRPOConfig(group_size=2),
              "ppo": PPOConfig(critic_warmup_iterations=0, episodes_per_world=1), **(MULTITASK if multitask else {})}  # fmt: skip
     straight = finetune(small_run(checkpoint, tmp_path / "straight", **extra))
@@ -243,6 +259,7 @@ def test_a_finetuned_checkpoint_loads_in_eval_and_its_summary_has_the_curve(tiny
         ({"tasks": ["lift", "reach"], "curriculum_tasks": 1, "pcgrad": True}, "set --curriculum_tasks=0 or >= 2"),
         ({"eval_every": 1, "eval_episodes": 0}, "--eval_episodes >= 1 when evaluating"),
         ({"env": EnvConfig(num_envs=4, cameras=[])}, "set --env.cameras=[front]"),
+        ({"tasks": ["lift", "reach"]}, "the policy was not trained on 'reach'"),
         ({"env": EnvConfig(num_envs=4, image_size=32)}, "set --env.image_size=64"),
     ],
 )

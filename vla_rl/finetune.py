@@ -61,6 +61,7 @@ from vla_rl.files import write_text_atomic
 from vla_rl.rl.grpo import GRPOConfig
 from vla_rl.rl.ppo import PPOConfig
 from vla_rl.runtime import ChunkingConfig, DelayConfig
+from vla_rl.types import TASK
 
 Algo = Literal["ppo", "grpo"]
 TRAINING_SEED_OFFSET = 1_000_000  # rollout seeds start here, far from every evaluation seed
@@ -152,6 +153,16 @@ def check_policy_fits(policy, env, env_cfg: EnvConfig) -> None:
         raise ValueError(
             f"the {pcfg.type!r} policy has no exact log-probabilities, which RL needs; fine-tune a diffusion or "
             f"diffusion_vla checkpoint (any objective)"
+        )
+    from policies.tokenizer import words
+
+    # Words of the task's instruction the policy never read: it was not trained on this task.
+    instructions = set(env.reset(seed=0)[TASK])
+    unknown = sorted({w for text in instructions for w in words(text)} - set(pcfg.vocabulary))
+    if pcfg.vocabulary and unknown:
+        raise ValueError(
+            f"the policy was not trained on {env_cfg.task!r}: its instruction has words it never read ({', '.join(unknown)}); "
+            f"fine-tune a checkpoint trained on this task's data (vla-rl record --tasks=[...], then vla-rl train)"
         )
     state_dim = env.features["observation.state"]["shape"][0]
     if pcfg.action_dim != env.action_dim or pcfg.state_dim != state_dim:
