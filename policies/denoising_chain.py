@@ -52,11 +52,6 @@ class DenoisingChain:
     known: torch.Tensor | None = None
     eta: float | None = None  # the DDIM eta of the epsilon objective's step means (see above)
 
-    @property
-    def num_steps(self) -> int:
-        """K, the denoising steps of the chain."""
-        return self.latents.shape[1] - 1
-
     def __len__(self) -> int:
         return self.latents.shape[0]
 

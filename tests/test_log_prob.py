@@ -10,19 +10,14 @@ import math
 import pytest
 import torch
 from diffusers import DDIMScheduler
+from tiny_policies import ACTION_MAX, ACTION_MIN, TASK, A, H, make_policy
 from torch.distributions import Normal
 
 from policies.denoising_chain import DenoisingChain, ExplorationNoise, gaussian_log_prob
-from policies.diffusion import DiffusionConfig
 from policies.diffusion.modeling_diffusion import DiffusionPolicy
-from policies.diffusion_vla import DiffusionVLAConfig
-from policies.diffusion_vla.modeling_diffusion_vla import DiffusionVLAPolicy
-from policies.tokenizer import word_vocabulary
 from vla_rl.types import OBS_COMMITTED_ACTIONS, OBS_COMMITTED_MASK, OBS_DELAY_STEPS
 
-TASK = "pick up the red cube"
-H, A, B = 6, 2, 2
-ACTION_MIN, ACTION_MAX = [-2.0, 0.0], [2.0, 1.0]
+B = 2
 # The small policy, the VLA with each objective, and the VLA whose deterministic sampler is DDPM.
 KINDS = ["diffusion", "ddpm", "flow"]
 EPSILON_KINDS = ["diffusion", "ddpm", "ddpm-sampler"]
@@ -40,29 +35,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-def make_policy(kind: str, max_delay_steps: int = 0):
-    """A tiny policy, eval mode, every weight random (the VLA's AdaLN-Zero gates too)."""
-    torch.manual_seed(0)
-    shared = {"state_dim": 3, "action_dim": A, "cameras": ["front"], "image_size": 16, "horizon": H,
-              "n_action_steps": 2, "vocabulary": word_vocabulary([TASK]), "max_delay_steps": max_delay_steps,
-              "num_train_timesteps": 100, "num_inference_steps": 10}  # fmt: skip
-    if kind == "diffusion":
-        policy = DiffusionPolicy(DiffusionConfig(**shared, vision_channels=8, num_keypoints=4, text_dim=8,
-                                                 hidden_dim=32, num_blocks=2))  # fmt: skip
-    else:
-        objective = "flow" if kind == "flow" else "ddpm"
-        sampler = "ddpm" if kind == "ddpm-sampler" else "ddim"
-        policy = DiffusionVLAPolicy(DiffusionVLAConfig(**shared, patch_size=8, dim=32, depth=1, heads=2,
-                                                       vision_width=32, vision_layers=1, text_width=32,
-                                                       objective=objective, ddpm_sampler=sampler))  # fmt: skip
-        g = torch.Generator().manual_seed(5)
-        with torch.no_grad():
-            for p in policy.dit.parameters():
-                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
-    policy.set_normalization([0.0] * 3, [1.0] * 3, ACTION_MIN, ACTION_MAX)
-    return policy.eval()
 
 
 def observation(delayed: bool = False) -> dict:

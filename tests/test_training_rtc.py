@@ -8,39 +8,15 @@ import json
 
 import pytest
 import torch
+from tiny_policies import ACTION_MAX, ACTION_MIN, TASK, A, H, make_policy
 
 from policies.diffusion import DiffusionConfig
 from policies.diffusion.modeling_diffusion import DiffusionPolicy
-from policies.diffusion_vla import DiffusionVLAConfig
-from policies.diffusion_vla.modeling_diffusion_vla import DiffusionVLAPolicy
 from policies.pretrained import PreTrainedPolicy
 from policies.tokenizer import word_vocabulary
 from vla_rl.types import OBS_COMMITTED_ACTIONS, OBS_COMMITTED_MASK, OBS_DELAY_STEPS
 
-TASK = "pick up the red cube"
-H, A = 6, 2
-ACTION_MIN, ACTION_MAX = [-2.0, 0.0], [2.0, 1.0]
 KINDS = ["diffusion", "flow", "ddpm"]  # the small policy, and the VLA with each objective
-
-
-def make_policy(kind: str, max_delay_steps: int = 0) -> PreTrainedPolicy:
-    """A tiny policy of ``kind``, eval mode, with every weight random (the VLA's AdaLN-Zero gates too,
-    so a token can see the others), horizon 6, actions in [-2, 2] x [0, 1]."""
-    torch.manual_seed(0)
-    shared = {"state_dim": 3, "action_dim": A, "cameras": ["front"], "image_size": 16, "horizon": H,
-              "n_action_steps": 2, "vocabulary": word_vocabulary([TASK]), "max_delay_steps": max_delay_steps}  # fmt: skip
-    if kind == "diffusion":
-        policy = DiffusionPolicy(DiffusionConfig(**shared, vision_channels=8, num_keypoints=4, text_dim=8,
-                                                 hidden_dim=32, num_blocks=2))  # fmt: skip
-    else:
-        policy = DiffusionVLAPolicy(DiffusionVLAConfig(**shared, patch_size=8, dim=32, depth=1, heads=2, vision_width=32,
-                                                       vision_layers=1, text_width=32, objective=kind))  # fmt: skip
-        g = torch.Generator().manual_seed(5)
-        with torch.no_grad():
-            for p in policy.dit.parameters():
-                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
-    policy.set_normalization([0.0] * 3, [1.0] * 3, ACTION_MIN, ACTION_MAX)
-    return policy.eval()
 
 
 def observation(b: int = 2) -> dict:

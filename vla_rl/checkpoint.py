@@ -108,6 +108,19 @@ def save_checkpoint(checkpoints_dir: Path, step: int, policy, metadata: dict[str
     return commit_checkpoint(checkpoints_dir, tmp, step, keep_last)
 
 
+def check_resume(ckpt_dir: Path, resume: bool) -> Path | None:
+    """The checkpoint a run resumes from (None for a fresh run), or one line naming the fix: a fresh
+    run must not overwrite checkpoints, and a resumed one needs ``checkpoints/last``."""
+    has_checkpoint = (ckpt_dir / "last").exists()
+    if has_checkpoint and not resume:
+        raise FileExistsError(
+            f"{ckpt_dir.parent} already holds checkpoints; pass --resume=true to continue, or a new --output_dir"
+        )
+    if resume and not has_checkpoint:
+        raise FileNotFoundError(f"--resume=true but {ckpt_dir}/last does not exist; start without --resume")
+    return resolve_checkpoint(ckpt_dir) if resume else None
+
+
 def resolve_checkpoint(path: str | Path) -> Path:
     """Accept a checkpoint dir, a ``checkpoints`` dir or a training output dir; return the checkpoint dir
     (the one holding ``pretrained_model/`` and ``metadata.json``)."""

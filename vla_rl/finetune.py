@@ -52,9 +52,9 @@ from vla_rl import interrupt
 from vla_rl.checkpoint import (
     TRAINING_STATE_DIR,
     begin_checkpoint,
+    check_resume,
     commit_checkpoint,
     load_policy,
-    resolve_checkpoint,
     write_policy,
 )
 from vla_rl.files import write_text_atomic
@@ -183,8 +183,6 @@ def check_policy_fits(policy, env, env_cfg: EnvConfig) -> None:
 
 
 def finetune(cfg: FinetuneConfig) -> dict:
-    from accelerate import Accelerator
-
     from sim.delay import DelayedChunkEnv
     from sim.factory import make_env
     from vla_rl.rl import grpo, ppo
@@ -192,22 +190,17 @@ def finetune(cfg: FinetuneConfig) -> dict:
     from vla_rl.rl.rollout import Rollout, collect
     from vla_rl.rl.update import GradientStep, Processes, batched_log_prob
     from vla_rl.runtime import DelayModel
+    from vla_rl.train import make_accelerator
 
     cfg.validate()
     torch.set_num_threads(cfg.num_threads or os.cpu_count() or 1)
     out = Path(cfg.output_dir)
     ckpt_dir = out / "checkpoints"
-    has_checkpoint = (ckpt_dir / "last").exists()
-    if has_checkpoint and not cfg.resume:
-        raise FileExistsError(f"{out} already holds checkpoints; pass --resume=true to continue, or a new --output_dir")
-    if cfg.resume and not has_checkpoint:
-        raise FileNotFoundError(f"--resume=true but {ckpt_dir}/last does not exist; start without --resume")
-    source = resolve_checkpoint(ckpt_dir) if cfg.resume else cfg.checkpoint
+    source = check_resume(ckpt_dir, cfg.resume) or cfg.checkpoint
     trackers = [] if cfg.log_with == "none" else [cfg.log_with]
     # Under `accelerate launch` there are several processes, each with its own worlds (see Processes),
-    # each on the device the launcher gives it; a single process runs on --device. Without a GPU,
-    # accelerate joins the launched processes into one run only when told to use the CPU.
-    accelerator = Accelerator(cpu=not torch.cuda.is_available(), log_with=trackers or None, project_dir=str(out))
+    # each on the device the launcher gives it; a single process runs on --device.
+    accelerator = make_accelerator(trackers, out)
     processes = Processes(accelerator)
     main = accelerator.is_main_process
     device = accelerator.device if processes.count > 1 else cfg.device
@@ -258,7 +251,7 @@ def finetune(cfg: FinetuneConfig) -> dict:
         schedules = [d.schedule for d in delayed]  # their measured lags carry over from one rollout to the next
         if cfg.resume:
             state = _load_training_state(
-                resolve_checkpoint(ckpt_dir) / TRAINING_STATE_DIR,
+                source / TRAINING_STATE_DIR,
                 actor_opt,
                 critic,
                 critic_opt,

@@ -42,6 +42,7 @@ from vla_rl.checkpoint import (
     POLICY_DIR,
     TRAINING_STATE_DIR,
     begin_checkpoint,
+    check_resume,
     commit_checkpoint,
     resolve_checkpoint,
     temporary_checkpoint_dir,
@@ -164,6 +165,18 @@ def random_shift(images: torch.Tensor, shift: int, generator: torch.Generator) -
     return torch.stack([padded[i, :, dy[i] : dy[i] + s, dx[i] : dx[i] + s] for i in range(b)])
 
 
+def make_accelerator(trackers: list[str], project_dir: Path):
+    """accelerate's Accelerator for a training command (``vla-rl train``, ``vla-rl finetune``).
+
+    Under ``accelerate launch`` it joins the launched processes into one data-parallel run. Without
+    a GPU, accelerate does that only when told to use the CPU; otherwise each process would run
+    alone, unaware of the others.
+    """
+    from accelerate import Accelerator
+
+    return Accelerator(cpu=not torch.cuda.is_available(), log_with=trackers or None, project_dir=str(project_dir))
+
+
 def check_delay(cfg: TrainConfig, control_dt: float | None, checkpoint: Path | None = None) -> DelayModel:
     """The delay model of ``cfg.delay``, checked before the policy is built.
 
@@ -270,7 +283,6 @@ def validation_loss(
 
 
 def train(cfg: TrainConfig) -> dict:
-    from accelerate import Accelerator
     from diffusers.optimization import get_scheduler
     from diffusers.training_utils import EMAModel
 
@@ -280,17 +292,12 @@ def train(cfg: TrainConfig) -> dict:
     torch.set_num_threads(cfg.num_threads or os.cpu_count() or 1)
     out = Path(cfg.output_dir)
     ckpt_dir = out / "checkpoints"
-    has_checkpoint = (ckpt_dir / "last").exists()
-    if has_checkpoint and not cfg.resume:
-        raise FileExistsError(f"{out} already holds checkpoints; pass --resume=true to continue, or a new --output_dir")
-    if cfg.resume and not has_checkpoint:
-        raise FileNotFoundError(f"--resume=true but {ckpt_dir}/last does not exist; start without --resume")
-    resumed = resolve_checkpoint(ckpt_dir) if cfg.resume else None
+    resumed = check_resume(ckpt_dir, cfg.resume)
     # A latency file needs the dataset's frame period; the other delay kinds are checked before any data is read.
     delay = None if cfg.delay.kind == "histogram" else check_delay(cfg, None, resumed)
 
     trackers = [] if cfg.log_with == "none" else [cfg.log_with]
-    accelerator = Accelerator(log_with=trackers or None, project_dir=str(out))
+    accelerator = make_accelerator(trackers, out)
     dataset = open_dataset(cfg.dataset.root, cfg.dataset.repo_id or None)
     delay = delay or check_delay(cfg, 1.0 / dataset.meta.fps, resumed)
     max_delay = delay.max_steps

@@ -61,8 +61,8 @@ def batched_log_prob(policy, obs: dict, chain, batch_size: int) -> torch.Tensor:
     from vla_rl.rl.rollout import select_rows, to_device
 
     out = []
-    for start in range(0, len(chain.latents), batch_size):
-        rows = torch.arange(start, min(start + batch_size, len(chain.latents)))
+    for start in range(0, len(chain), batch_size):
+        rows = torch.arange(start, min(start + batch_size, len(chain)))
         sub = to_device(select_rows(obs, rows), policy.device)
         out.append(policy.log_prob(sub, chain.select(rows).to(policy.device), per_step=True).cpu())
     return torch.cat(out)
