@@ -294,7 +294,6 @@ def test_pcgrad_projects_a_conflicting_pair_onto_each_others_normal_plane():
 
     g1, g2 = torch.tensor([1.0, 0.0]), torch.tensor([-1.0, 1.0])
     torch.testing.assert_close(pcgrad([g1, g2]), torch.tensor([0.5, 1.5]))
-    assert torch.dot(torch.tensor([0.5, 0.5]), g2) == 0 and torch.dot(torch.tensor([0.0, 1.0]), g1) == 0
 
 
 def test_pcgrad_leaves_a_pair_that_does_not_conflict_untouched():

@@ -151,16 +151,16 @@ def collect(
     episode_diverged = {}
     env_steps = simulated = 0
     hold = getattr(env.env, "hold_actions", None)
+    horizon, action_dim = policy.config.horizon, policy.config.action_dim
     while (done_episodes < episodes_per_world).any():
         need_cpu = need.cpu().numpy()
         active = need_cpu & (done_episodes < episodes_per_world)
         rows = torch.from_numpy(np.flatnonzero(active))
         obs_step = env.obs_step
-        horizon, action_dim = policy.config.horizon, policy.config.action_dim
-        if hold is not None:  # worlds that are done wait in place
-            actions = hold().to(torch.float32)[:, None].expand(n, horizon, action_dim).clone()
-        else:
-            actions = torch.zeros(n, horizon, action_dim)
+        actions = torch.zeros(n, horizon, action_dim)
+        waiting = torch.from_numpy(need_cpu & ~active)  # done with their episodes: they wait in place
+        if hold is not None and waiting.any():
+            actions[waiting] = hold().to(torch.float32)[waiting][:, None]
         if len(rows):
             sub = select_rows(obs, rows)
             chunk, chain, _ = policy.sample_with_log_prob(
