@@ -5,7 +5,7 @@ measured in the same run, on the same model, N and substeps (machines are noisy)
 
 Usage: python benchmarks/sim_throughput.py [--num_envs=[1,16,256]] [--steps=20] [--help]
 Writes JSON (default outputs/bench/sim.json); the last line printed is
-``sim_overhead_vs_rollout=<x> speedup_vs_gym_async=<y>``.
+``sim_overhead_vs_rollout=<x> speedup_vs_gym_async=<y> render_speedup_vs_gym_async=<z>``.
 """
 
 import sys

@@ -3,6 +3,7 @@ which worlds a call selects, what a seed means, the LeRobot features (no simulat
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -30,10 +31,23 @@ class EnvConfig:
     cameras: list[str] = field(default_factory=lambda: ["front"])
     substeps: int = 25  # physics steps per control step (0.002 s each: 20 Hz control)
     num_threads: int = 0  # physics threads; 0 = one per CPU core
+    # Threads rendering the camera images, each with its own GL context (cpu and warp backends);
+    # 0 = one per CPU core, 1 = the calling thread only. Frames are identical for any count.
+    render_threads: int = 0
     max_episode_steps: int = 0  # 0 = the task's own limit
 
 
 # -- what every backend shares: world selection, seeds, features ---------------------------------
+
+
+def render_thread_count(config: EnvConfig) -> int:
+    """Threads that render the camera images of ``config``'s worlds: ``render_threads`` (0 = one
+    per CPU core), never more than the worlds, 1 when no camera is rendered."""
+    if config.render_threads < 0:
+        raise ValueError(f"--env.render_threads must be >= 0 (0 = one per CPU core), got {config.render_threads}")
+    if not config.cameras:
+        return 1
+    return max(1, min(config.render_threads or os.cpu_count() or 1, config.num_envs))
 
 
 def world_indices(worlds: Any, num_envs: int) -> np.ndarray:

@@ -25,9 +25,9 @@ import torch
 
 from sim.arm import ACTION_HIGH, ACTION_LOW, ACTION_NAMES, STATE_NAMES, arm_state, commanded_grip, hold_actions
 from sim.batched_success import DeviceWorlds
-from sim.config import EnvConfig, env_features, reseed, world_indices
+from sim.config import EnvConfig, env_features, render_thread_count, reseed, world_indices
 from sim.ik import ArmController
-from sim.render import Renderers
+from sim.render import ParallelRenderers, Renderers
 from vla_rl.types import OBS_STATE, TASK, Worlds, image_key
 
 try:
@@ -76,7 +76,9 @@ class WarpBatchedEnv:
             if mujoco.mj_name2id(self.model, mujoco.mjtObj.mjOBJ_CAMERA, cam) < 0:
                 raise ValueError(f"camera {cam!r} is not in the {config.task!r} scene; it has 'front'")
         self._host = mujoco.MjData(self.model)  # scratch world for resets, rendering and experts
-        self._renderers = Renderers(self.model)
+        self._renderers = Renderers(self.model)  # single frames (videos)
+        self._camera_renderers = ParallelRenderers(self.model, render_thread_count(config))
+        self._camera_hosts: list[mujoco.MjData] = []  # one host copy per world for the camera images, made at first use
 
         self._site = self.model.site("grasp").id  # the end effector
         wp.init()  # idempotent; the device lookup below needs Warp's runtime
@@ -235,6 +237,7 @@ class WarpBatchedEnv:
 
     def close(self) -> None:
         self._renderers.close()
+        self._camera_renderers.close()
 
     def __enter__(self):
         return self
@@ -324,10 +327,16 @@ class WarpBatchedEnv:
         """name -> (N, 3, S, S) images. Host round-trip: every world is copied to a CPU MjData and
         rendered by MuJoCo's renderer, then the batch is moved to ``device``."""
         n, size = self.num_envs, self.config.image_size
-        frames = {cam: np.empty((n, size, size, 3), dtype=np.uint8) for cam in self.config.cameras}
+        if not self._camera_hosts:
+            self._camera_hosts = [mujoco.MjData(self.model) for _ in range(n)]
         for i in self._host_worlds(range(n)):
-            for cam in self.config.cameras:
-                self._renderers.frame(self._host, cam, size, out=frames[cam][i])
+            mujoco.mj_copyData(self._camera_hosts[i], self.model, self._host)
+        frames = {
+            cam: self._camera_renderers.frames(
+                self._camera_hosts, cam, size, np.empty((n, size, size, 3), dtype=np.uint8)
+            )
+            for cam in self.config.cameras
+        }
         return {
             image_key(cam): torch.from_numpy(f).to(self.device).permute(0, 3, 1, 2).float().div_(255.0)
             for cam, f in frames.items()

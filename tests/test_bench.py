@@ -25,7 +25,9 @@ from vla_rl.bench import BenchSimConfig, GymTaskEnv
 from vla_rl.types import OBS_STATE, TASK
 
 ROOT = Path(__file__).resolve().parents[1]
-FINAL_LINE = re.compile(r"^sim_overhead_vs_rollout=(\d+\.\d\d) speedup_vs_gym_async=(\d+\.\d\d)$")
+FINAL_LINE = re.compile(
+    r"^sim_overhead_vs_rollout=(\d+\.\d\d) speedup_vs_gym_async=(\d+\.\d\d) render_speedup_vs_gym_async=(\d+\.\d\d)$"
+)
 
 
 def _actions(start: np.ndarray, t: int) -> np.ndarray:
@@ -257,8 +259,9 @@ def _vla_rl(*args):
 def test_bench_sim_tiny_run_writes_json_and_final_line(tmp_path):
     out = tmp_path / "sim.json"
     res = _vla_rl(
-        "bench", "sim", "--num_envs=[1,2]", "--steps=3", "--repeats=2", "--warmup_steps=1", f"--output_json={out}"
-    )
+        "bench", "sim", "--num_envs=[1,2]", "--steps=3", "--repeats=2", "--warmup_steps=1", "--render_threads=2",
+        f"--output_json={out}",
+    )  # fmt: skip
     assert res.returncode == 0, res.stderr[-2000:]
     result = json.loads(out.read_text())
     assert set(result) == {"config", "machine", "results", "summary"}
@@ -267,9 +270,13 @@ def test_bench_sim_tiny_run_writes_json_and_final_line(tmp_path):
         (method, n, render)
         for n in (1, 2)
         for method, render in [
-            ("raw_rollout", False), ("gym_async", False), ("gym_async", True), ("cpu", False), ("cpu", True)
+            ("raw_rollout", False),
+            ("gym_async", False),
+            ("gym_async", True),
+            ("cpu", False),
+            ("cpu", True),
         ]
-    }  # fmt: skip
+    } | {("cpu_serial_render", 2, True)}  # fmt: skip  (one world has nothing to split over threads)
     assert measured == expected
     assert all(r["env_steps_per_s"] > 0 for r in result["results"])
     last = res.stdout.strip().splitlines()[-1]
@@ -282,21 +289,27 @@ def _row(method, n, rate, render=False):
 
 def test_headline_ratios_are_read_at_the_right_sizes():
     """Hand-made results: overhead at the largest N both raw_rollout and the backend ran, speedup at
-    N = 16 (else the largest N gym_async ran), render rows never counted, None/"nan" when unmeasured."""
+    N = 16 (else the largest N gym_async ran), physics and render rows each against their own kind,
+    None/"nan" when unmeasured."""
     rows = [
         _row("raw_rollout", 1, 100.0), _row("raw_rollout", 16, 500.0), _row("raw_rollout", 256, 1000.0),
         _row("cpu", 1, 50.0), _row("cpu", 16, 400.0), _row("cpu", 256, 800.0), _row("cpu", 256, 10.0, True),
-        _row("gym_async", 1, 40.0), _row("gym_async", 16, 200.0), _row("gym_async", 16, 1.0, True),
+        _row("gym_async", 1, 40.0), _row("gym_async", 16, 200.0), _row("gym_async", 16, 8.0, True),
+        _row("cpu", 16, 12.0, True), _row("cpu_serial_render", 16, 6.0, True),
         _row("warp", 16, 2000.0), _row("warp", 4096, 50000.0),  # no raw_rollout at 4096
     ]  # fmt: skip
     cpu = bench._ratios(rows, "cpu", on_gpu=False)
     assert (cpu["sim_overhead_vs_rollout"], cpu["overhead_num_envs"]) == (1.25, 256)  # 1000 / 800
     assert (cpu["speedup_vs_gym_async"], cpu["speedup_num_envs"]) == (2.0, 16)  # 400 / 200
+    assert (cpu["render_speedup_vs_gym_async"], cpu["render_speedup_num_envs"]) == (1.5, 16)  # 12 / 8
     warp = bench._ratios(rows, "warp", on_gpu=True)
     assert (warp["sim_overhead_vs_rollout"], warp["overhead_num_envs"]) == (0.25, 16)  # 500 / 2000
     assert (warp["speedup_vs_gym_async"], warp["speedup_num_envs"]) == (10.0, 16)  # 2000 / 200
+    assert warp["render_speedup_vs_gym_async"] is None  # warp never rendered
     result = {"config": {"backends": ["cpu", "warp"]}, "summary": {"cpu": cpu, "warp": warp}}
-    assert bench.final_line(result) == "sim_overhead_vs_rollout=1.25 speedup_vs_gym_async=2.00"
+    assert bench.final_line(result) == (
+        "sim_overhead_vs_rollout=1.25 speedup_vs_gym_async=2.00 render_speedup_vs_gym_async=1.50"
+    )
 
     small = [
         _row("raw_rollout", 1, 100.0), _row("raw_rollout", 4, 400.0), _row("raw_rollout", 8, 600.0),
@@ -309,7 +322,9 @@ def test_headline_ratios_are_read_at_the_right_sizes():
     no_gym = bench._ratios([r for r in small if r["method"] != "gym_async"], "cpu", on_gpu=False)
     assert no_gym["speedup_vs_gym_async"] is None and no_gym["speedup_num_envs"] is None
     result = {"config": {"backends": ["cpu"]}, "summary": {"cpu": no_gym}}
-    assert bench.final_line(result) == "sim_overhead_vs_rollout=1.20 speedup_vs_gym_async=nan"
+    assert bench.final_line(result) == (
+        "sim_overhead_vs_rollout=1.20 speedup_vs_gym_async=nan render_speedup_vs_gym_async=nan"
+    )
 
 
 def test_timed_reports_the_fastest_repeat(monkeypatch):

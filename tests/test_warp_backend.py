@@ -97,6 +97,9 @@ def test_observations_are_tensors_on_the_env_device():
         np.testing.assert_allclose(state[:, 7].numpy(), 0.08, atol=1e-3)  # gripper open: 2 x 0.04 m
         assert img.shape == (2, 3, 32, 32) and img.device == env.device
         assert 0.0 <= img.min() and img.max() <= 1.0 and img.std() > 0.05  # a rendered scene, not a blank
+        for world in range(2):  # each world's own frame (rendered on threads; here alone, on this thread)
+            frame = torch.tensor(env.render(world, "front", size=32), dtype=torch.float32).permute(2, 0, 1) / 255.0
+            assert torch.equal(img[world].cpu(), frame)
         obs, reward, terminated, truncated, info = env.step(env.hold_actions())
         assert reward.shape == (2,) and reward.dtype == torch.float32 and reward.device == env.device
         assert terminated.dtype == truncated.dtype == info["success"].dtype == torch.bool

@@ -28,12 +28,18 @@ Every method holds its worlds still with constant actions (each arm's current en
 pose), times ``steps`` control steps after ``warmup_steps`` and reports env-steps/s = N x
 control steps / seconds, the fastest of ``repeats`` runs. Episodes never end during a
 measurement. Results go to JSON; the last line printed is
-``sim_overhead_vs_rollout=<x> speedup_vs_gym_async=<y>`` where
+``sim_overhead_vs_rollout=<x> speedup_vs_gym_async=<y> render_speedup_vs_gym_async=<z>`` where
 
 - sim_overhead_vs_rollout = raw_rollout / first backend, physics only, at the largest N
   measured on CPU (1.0 = no overhead over the bare physics);
 - speedup_vs_gym_async = first backend / gym_async, physics only, at N = 16 (or the largest N
-  gym_async ran at, if 16 was not measured).
+  gym_async ran at, if 16 was not measured);
+- render_speedup_vs_gym_async = the same with the camera rendered every step (``include_render``),
+  both sides rendering every world's frame: gymnasium in its N worker processes, the backend on
+  ``render_threads`` threads of its own process (`sim.render.ParallelRenderers`).
+
+With the camera, each backend is also measured rendering on one thread (method
+``<backend>_serial_render``), the baseline the render threads are measured against.
 """
 
 from __future__ import annotations
@@ -80,6 +86,7 @@ class BenchSimConfig:
     substeps: int = 25  # physics steps per control step (0.002 s each)
     num_threads: int = 0  # physics threads of the cpu backend and raw rollout; 0 = one per CPU core
     include_render: bool = True  # also measure with the camera rendered every step (backends and gym)
+    render_threads: int = 0  # the backends' render threads (`EnvConfig.render_threads`); 0 = one per CPU core
     render_max_envs: int = 256  # skip rendering measurements above this N (rendering dominates there)
     gym_max_envs: int = 16  # skip gym_async above this N (it runs one process per world)
     camera: str = "front"  # camera rendered in the with-render measurements
@@ -267,8 +274,11 @@ def gym_async_rate(cfg: BenchSimConfig, n: int, render: bool) -> tuple[float, fl
         envs.close()
 
 
-def backend_rate(cfg: BenchSimConfig, backend: str, n: int, render: bool) -> tuple[float, float]:
-    """(env-steps/s, seconds) of ``env.step`` of one backend's batched env on N worlds."""
+def backend_rate(
+    cfg: BenchSimConfig, backend: str, n: int, render: bool, render_threads: int | None = None
+) -> tuple[float, float]:
+    """(env-steps/s, seconds) of ``env.step`` of one backend's batched env on N worlds, rendering on
+    ``render_threads`` threads (None: ``cfg.render_threads``)."""
     from sim.config import EnvConfig
     from sim.factory import make_env
 
@@ -276,7 +286,7 @@ def backend_rate(cfg: BenchSimConfig, backend: str, n: int, render: bool) -> tup
     env_cfg = EnvConfig(
         task=cfg.task, backend=backend, device=device, num_envs=n, image_size=cfg.image_size,
         cameras=[cfg.camera] if render else [], substeps=cfg.substeps, num_threads=cfg.num_threads,
-        max_episode_steps=10**9,
+        render_threads=cfg.render_threads if render_threads is None else render_threads, max_episode_steps=10**9,
     )  # fmt: skip
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
 
@@ -331,12 +341,15 @@ def bench_sim(cfg: BenchSimConfig) -> dict[str, Any]:
             record(backend, n, False, backend_rate(cfg, backend, n, render=False))
             if cfg.include_render and n <= cfg.render_max_envs:
                 record(backend, n, True, backend_rate(cfg, backend, n, render=True))
+                if n > 1 and (cfg.render_threads or os.cpu_count() or 1) > 1:
+                    record(f"{backend}_serial_render", n, True, backend_rate(cfg, backend, n, True, render_threads=1))
 
     result = {
         "config": asdict(cfg),
         "machine": {
             "cpu_count": os.cpu_count(),
             "physics_threads": cfg.num_threads or os.cpu_count(),
+            "render_threads": cfg.render_threads or os.cpu_count(),
             "platform": platform.platform(),
             "python": platform.python_version(),
             "mujoco": mujoco.__version__,
@@ -366,12 +379,20 @@ def _ratios(rows: list[dict], backend: str, on_gpu: bool) -> dict[str, Any]:
     n_gym = SPEEDUP_NUM_ENVS if SPEEDUP_NUM_ENVS in gym_n else max(gym_n, default=None)
     overhead = _rate(rows, "raw_rollout", n_raw) / _rate(rows, backend, n_raw) if n_raw else None
     speedup = _rate(rows, backend, n_gym) / _rate(rows, "gym_async", n_gym) if n_gym else None
+    ours_render_n = {r["num_envs"] for r in rows if r["method"] == backend and r["render"]}
+    gym_render_n = {r["num_envs"] for r in rows if r["method"] == "gym_async" and r["render"]} & ours_render_n
+    n_render = SPEEDUP_NUM_ENVS if SPEEDUP_NUM_ENVS in gym_render_n else max(gym_render_n, default=None)
+    render_speedup = (
+        _rate(rows, backend, n_render, True) / _rate(rows, "gym_async", n_render, True) if n_render else None
+    )
     return {
         # raw rollout runs on the CPU: for a GPU backend this ratio compares against the CPU's physics ceiling
         "sim_overhead_vs_rollout": round(overhead, 3) if overhead else None,
         "overhead_num_envs": n_raw,
         "speedup_vs_gym_async": round(speedup, 3) if speedup else None,
         "speedup_num_envs": n_gym,
+        "render_speedup_vs_gym_async": round(render_speedup, 3) if render_speedup else None,
+        "render_speedup_num_envs": n_render,
         "on_gpu": on_gpu,
     }
 
@@ -379,23 +400,25 @@ def _ratios(rows: list[dict], backend: str, on_gpu: bool) -> dict[str, Any]:
 def format_summary(result: dict[str, Any]) -> str:
     """A human table of the results, then the final line of the first backend's ratios."""
     rows = result["results"]
-    lines = [f"{'method':<12} {'N':>6} {'render':>6} {'env-steps/s':>12} {'vs raw_rollout':>15}"]
+    lines = [f"{'method':<19} {'N':>6} {'render':>6} {'env-steps/s':>12} {'vs raw_rollout':>15}"]
     for r in rows:
         raw = _rate(rows, "raw_rollout", r["num_envs"])
         rel = f"{r['env_steps_per_s'] / raw:.2f}x" if raw else "-"
         render = str(r["render"]).lower()
-        lines.append(f"{r['method']:<12} {r['num_envs']:>6} {render:>6} {r['env_steps_per_s']:>12.1f} {rel:>15}")
+        lines.append(f"{r['method']:<19} {r['num_envs']:>6} {render:>6} {r['env_steps_per_s']:>12.1f} {rel:>15}")
     lines.append(f"results: {result['config']['output_json']}")
     lines.append(final_line(result))
     return "\n".join(lines)
 
 
 def final_line(result: dict[str, Any]) -> str:
-    """``sim_overhead_vs_rollout=<x> speedup_vs_gym_async=<y>`` of the first backend ("nan" if unmeasured)."""
+    """``sim_overhead_vs_rollout=<x> speedup_vs_gym_async=<y> render_speedup_vs_gym_async=<z>`` of
+    the first backend ("nan" where unmeasured)."""
     s = result["summary"][result["config"]["backends"][0]]
 
     def fmt(x):
         return f"{x:.2f}" if x is not None else "nan"
 
     overhead, speedup = fmt(s["sim_overhead_vs_rollout"]), fmt(s["speedup_vs_gym_async"])
-    return f"sim_overhead_vs_rollout={overhead} speedup_vs_gym_async={speedup}"
+    render = fmt(s.get("render_speedup_vs_gym_async"))
+    return f"sim_overhead_vs_rollout={overhead} speedup_vs_gym_async={speedup} render_speedup_vs_gym_async={render}"

@@ -1,0 +1,74 @@
+"""Camera images rendered on several threads: the same frames as one thread, and as `env.render`."""
+
+import numpy as np
+import pytest
+import torch
+
+from sim.config import EnvConfig
+from sim.mujoco_env import MujocoBatchedEnv
+from vla_rl.types import OBS_STATE
+
+IMAGE = "observation.images.front"
+
+
+def _actions(env, t):
+    """(N, 4) moves that differ per world and step, so the worlds' frames differ."""
+    offsets = 0.03 * np.sin(np.arange(env.num_envs)[:, None] + t + np.arange(3)[None, :])
+    grip = np.full((env.num_envs, 1), t % 2, dtype=np.float64)
+    return torch.from_numpy(np.concatenate([env.ee_positions() + offsets, grip], axis=1))
+
+
+def test_threaded_frames_equal_one_thread_frames_through_resets():
+    """5 worlds on 3 threads (uneven slices) against 1 thread, over steps that end episodes:
+    every image of every observation is bit-identical."""
+    cfg = {"num_envs": 5, "max_episode_steps": 3}
+    with (
+        MujocoBatchedEnv(EnvConfig(**cfg, render_threads=1)) as serial,
+        MujocoBatchedEnv(EnvConfig(**cfg, render_threads=3)) as threaded,
+    ):
+        assert torch.equal(serial.reset(seed=4)[IMAGE], threaded.reset(seed=4)[IMAGE])
+        ended = torch.zeros(5, dtype=torch.bool)
+        for t in range(5):
+            a = _actions(serial, t)
+            obs_s, _, _, trunc, info_s = serial.step(a)
+            obs_t, _, _, _, info_t = threaded.step(a)
+            assert torch.equal(obs_s[IMAGE], obs_t[IMAGE])
+            assert torch.equal(info_s["final_obs"][IMAGE], info_t["final_obs"][IMAGE])
+            ended |= trunc
+        assert ended.all()  # step 3 ended every episode, so resets were observed too
+
+
+def test_images_are_the_worlds_frames_over_255():
+    """Each world's image is its own frame (rendered alone, on the caller's thread, through
+    `env.render`) as float32 channels-first in [0, 1]."""
+    with MujocoBatchedEnv(EnvConfig(num_envs=4, render_threads=2)) as env:
+        env.reset(seed=1)
+        obs, *_ = env.step(_actions(env, 0))
+        for world in range(4):
+            frame = env.render(world, "front", size=64)  # (64, 64, 3) uint8
+            expected = torch.tensor(frame, dtype=torch.float32).permute(2, 0, 1) / 255.0
+            assert torch.equal(obs[IMAGE][world], expected)
+        assert not torch.equal(obs[IMAGE][0], obs[IMAGE][1])  # different worlds, different frames
+
+
+def test_only_reset_worlds_are_observed_again():
+    """Worlds 1-2 end their episode, world 0 (reset one step later) does not: the returned
+    observation keeps world 0's final frame and shows the fresh episodes of worlds 1-2."""
+    with MujocoBatchedEnv(EnvConfig(num_envs=3, max_episode_steps=2, render_threads=2)) as env:
+        env.reset(seed=0)
+        env.step(_actions(env, 0))
+        env.reset(seed=[7], worlds=[0])
+        obs, _, _, trunc, info = env.step(_actions(env, 1))
+        assert trunc.tolist() == [False, True, True]
+        final = info["final_obs"]
+        fresh = env._observe()  # every world as it is now, rendered in full
+        for key in (IMAGE, OBS_STATE):
+            assert torch.equal(obs[key], fresh[key])
+            assert torch.equal(obs[key][0], final[key][0])
+            assert not torch.equal(obs[key][1:], final[key][1:])  # the new episodes, not the ended ones
+        assert obs[IMAGE].data_ptr() != final[IMAGE].data_ptr()  # final_obs is not overwritten
+
+
+def test_negative_render_threads_is_refused_with_the_flag():
+    with pytest.raises(ValueError, match=r"--env.render_threads must be >= 0"):
+        MujocoBatchedEnv(EnvConfig(num_envs=2, render_threads=-1))
