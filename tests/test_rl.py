@@ -138,6 +138,55 @@ def test_a_grpo_step_raises_the_log_prob_of_the_chains_that_succeeded(tiny_check
     assert change[rollout.success].mean() > change[~rollout.success].mean()
 
 
+def test_training_only_the_last_denoising_steps_follows_only_their_gradient(tiny_checkpoint):
+    """GRPO with the loss on the last 2 of K denoising steps, one SGD step on one minibatch (ratio 1,
+    nothing clipped): the loss is -mean_{i, k >= K-2} A_i r_ik, so the weights move by
+    lr / (M * 2) * sum_i A_i * grad(log pi_{i,K-2} + log pi_{i,K-1}), worked out here from the
+    policy's per-step log-probabilities. All K steps would move them elsewhere."""
+    from sim.delay import DelayedChunkEnv
+    from sim.factory import make_env
+    from vla_rl.checkpoint import load_policy
+    from vla_rl.rl import grpo
+    from vla_rl.rl.rollout import collect
+    from vla_rl.rl.update import batched_log_prob
+    from vla_rl.runtime import DelayConfig, DelayModel
+
+    policy, _ = load_policy(tiny_checkpoint[0])
+    k_total = policy.config.num_inference_steps
+    last = slice(k_total - 2, k_total)
+    with make_env(EnvConfig(num_envs=4, max_episode_steps=6)) as env:
+        denv = DelayedChunkEnv(env, policy.config.horizon, 4, DelayModel(DelayConfig()))
+        rollout, _ = collect(policy, denv, FinetuneConfig().noise, episodes_per_world=1, seed=grpo.group_seeds(4, 2, 0))
+    rollout.success = rollout.world % 2 == 0
+    advantage = torch.where(rollout.success, 1.0, -1.0)  # group-normalized: one success, one failure per group
+    params = [p for p in policy.parameters() if p.requires_grad]
+
+    def gradient_of(steps: slice) -> list[torch.Tensor]:
+        per_step = policy.log_prob(rollout.obs, rollout.chain, per_step=True)[:, steps]
+        objective = (advantage[:, None] * per_step).sum() / per_step.numel()
+        return torch.autograd.grad(objective, params, allow_unused=True)
+
+    expected, everything = gradient_of(last), gradient_of(slice(None))
+    before = [p.detach().clone() for p in params]
+    lr = 1e-3
+    step = GradientStep(torch.optim.SGD(params, lr=lr), max_grad_norm=0)
+    old = batched_log_prob(policy, rollout.obs, rollout.chain, 64)[:, last]
+    grpo.update(
+        policy, rollout, old, cfg=GRPOConfig(group_size=2), actor_step=step, epochs=1, minibatch_size=len(rollout),
+        clip_low=0.2, clip_high=0.28, generator=torch.Generator().manual_seed(0), denoising_steps=last,
+    )  # fmt: skip
+    moved = torch.cat([(p.detach() - b).flatten() for p, b in zip(params, before, strict=True)])
+    want = torch.cat(
+        [(lr * g).flatten() if g is not None else torch.zeros(p.numel()) for g, p in zip(expected, params)]
+    )
+    every = torch.cat(
+        [(lr * g).flatten() if g is not None else torch.zeros(p.numel()) for g, p in zip(everything, params)]
+    )
+    rounding = 4 * torch.cat([b.flatten() for b in before]).abs().clamp_min(1e-3) * torch.finfo(torch.float32).eps
+    assert ((moved - want).abs() <= 1e-4 * want.abs() + rounding).all()  # float32 weights: a few ulp each
+    assert ((moved - every).abs() > rounding).sum() > 0.1 * len(moved)  # the other steps' gradient differs
+
+
 def test_the_curriculum_favours_unsolved_and_changing_tasks_and_resumes_its_draws():
     """Tasks a, b. a succeeds once (1.0): both averages 1, priority 0 + 0 + 0.05; b unseen counts as
     unsolved, 1 + 0 + 0.05. Then a fails (0.0): fast 1 + 0.5 (0 - 1) = 0.5, slow 1 + 0.1 (0 - 1) =
@@ -261,6 +310,8 @@ def test_a_finetuned_checkpoint_loads_in_eval_and_its_summary_has_the_curve(tiny
         ({"env": EnvConfig(num_envs=4, cameras=[])}, "set --env.cameras=[front]"),
         ({"tasks": ["lift", "reach"]}, "the policy was not trained on 'reach'"),
         ({"env": EnvConfig(num_envs=4, image_size=32)}, "set --env.image_size=64"),
+        ({"train_last_steps": 99}, "is more than the policy's"),
+        ({"train_last_steps": -1}, "--train_last_steps=-1 must be >= 0"),
     ],
 )
 def test_bad_config_gets_one_line_naming_the_fix(tiny_checkpoint, tmp_path, overrides, message):

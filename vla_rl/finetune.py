@@ -14,6 +14,12 @@ Sampling during RL is the deterministic sampler plus noise by default (``noise.e
 ``noise.min_std=0.1``): the policy that ``vla-rl eval`` and ``vla-rl serve`` run (the chain with
 noise -> 0) is then the mean of the one RL trains.
 
+``--train_last_steps=k`` restricts the actor loss to the last k of the K denoising steps (DPPO
+found the late steps matter most). Unlike DPPO, which samples the early steps from a frozen copy of
+the imitation policy and saves both, every step here runs the trained weights, in sampling and in
+``vla-rl eval`` alike: one network, so the checkpoint loads anywhere unchanged. The early steps are
+not trained directly, but they drift with the shared weights.
+
 Several tasks (``--tasks=[lift,reach,push]``): each gets its own batch of ``env.num_envs`` worlds
 (task-balanced), and the policy must have been trained on all of them. ``--curriculum_tasks=k``
 rolls out k of them per iteration, drawn by success and learning progress
@@ -94,6 +100,9 @@ class FinetuneConfig:
     minibatch_size: int = 64  # chunk decisions per gradient step
     clip_low: float = 0.2  # ratio kept >= 1 - clip_low
     clip_high: float = 0.28  # ratio kept <= 1 + clip_high (clip-higher)
+    # The actor loss covers only the last k of the K denoising steps (DPPO's advice: the late steps
+    # shape the action); 0 = all K. Sampling still runs every step with the trained weights.
+    train_last_steps: int = 0
     max_grad_norm: float = 1.0  # gradient clipping (0 = off)
     eval_every: int = 5  # evaluate every this many iterations, and before the first and after the last (0 = never)
     eval_episodes: int = 50
@@ -142,6 +151,8 @@ class FinetuneConfig:
             raise ValueError("--lr must be > 0, --clip_low in [0, 1), --clip_high and --max_env_steps >= 0")
         if self.eval_every < 0 or self.max_grad_norm < 0 or (self.eval_every and self.eval_episodes < 1):
             raise ValueError("--eval_every and --max_grad_norm must be >= 0, and --eval_episodes >= 1 when evaluating")
+        if self.train_last_steps < 0:
+            raise ValueError(f"--train_last_steps={self.train_last_steps} must be >= 0 (0 = every denoising step)")
 
 
 def check_policy_fits(policy, env, env_cfg: EnvConfig) -> None:
@@ -206,6 +217,13 @@ def finetune(cfg: FinetuneConfig) -> dict:
     device = accelerator.device if processes.count > 1 else cfg.device
     policy, policy_dir = load_policy(source, device=device)
     pcfg = policy.config
+    denoising = pcfg.num_inference_steps
+    if cfg.train_last_steps > denoising:
+        raise ValueError(
+            f"--train_last_steps={cfg.train_last_steps} is more than the policy's {denoising} denoising steps; "
+            f"set it in [0, {denoising}] (0 = all)"
+        )
+    trained = slice(denoising - cfg.train_last_steps, denoising) if cfg.train_last_steps else slice(None)
     execute_steps = cfg.chunking.steps_per_chunk(pcfg.n_action_steps, pcfg.horizon)
     tasks = cfg.task_list()
     env_cfgs = [replace(cfg.env, task=task) for task in tasks]
@@ -358,14 +376,15 @@ def finetune(cfg: FinetuneConfig) -> dict:
                     episodes_t = sum(st.episodes for st in task_stats)
                     curriculum.update(t, sum(st.successes for st in task_stats) / max(1, episodes_t))
                 t_update = time.perf_counter()
-                old_log_prob = batched_log_prob(policy, rollout.obs, rollout.chain, cfg.minibatch_size)
+                old_log_prob = batched_log_prob(policy, rollout.obs, rollout.chain, cfg.minibatch_size)[:, trained]
                 shared = {
                     "epochs": cfg.update_epochs, "minibatch_size": cfg.minibatch_size, "clip_low": cfg.clip_low,
                     "clip_high": cfg.clip_high, "generator": generator, "actor_step": actor_step, "pcgrad": cfg.pcgrad,
+                    "denoising_steps": trained,
                 }  # fmt: skip
                 if cfg.algo == "ppo":
                     reference_log_prob = (
-                        batched_log_prob(reference, rollout.obs, rollout.chain, cfg.minibatch_size)
+                        batched_log_prob(reference, rollout.obs, rollout.chain, cfg.minibatch_size)[:, trained]
                         if reference is not None else None
                     )  # fmt: skip
                     ustats = ppo.update(

@@ -86,10 +86,12 @@ def update(
     generator: torch.Generator,
     pcgrad: bool = False,
     processes: Processes | None = None,
+    denoising_steps: slice = slice(None),
 ) -> dict[str, float]:
-    """One GRPO update on a rollout of one episode per world. old_log_prob: (M, K) per denoising step.
-    pcgrad: project the tasks' gradients (multi-task rollouts, `vla_rl.rl.pcgrad`). processes: a
-    data-parallel run's, each computing its shard of every minibatch (`vla_rl.rl.update.Processes`)."""
+    """One GRPO update on a rollout of one episode per world. old_log_prob: (M, K') per denoising step
+    of ``denoising_steps`` (the K' steps the loss covers; all K by default). pcgrad: project the
+    tasks' gradients (multi-task rollouts, `vla_rl.rl.pcgrad`). processes: a data-parallel run's,
+    each computing its shard of every minibatch (`vla_rl.rl.update.Processes`)."""
     processes = processes or Processes()
     # Episode e of the rollout is world e's (one episode per world); its group is e // G. In a
     # multi-task rollout each task's worlds are numbered on (`Rollout.cat`), so groups stay in a task;
@@ -121,7 +123,7 @@ def update(
                 actor_step(None, [None] * len(rollout.task[batch].unique()) if pcgrad else None)
                 continue
             obs = to_device(select_rows(rollout.obs, rows), dev)
-            new_log_prob = policy.log_prob(obs, rollout.chain.select(rows).to(dev), per_step=True)
+            new_log_prob = policy.log_prob(obs, rollout.chain.select(rows).to(dev), per_step=True)[:, denoising_steps]
             old, adv = old_log_prob[rows].to(dev), decision_advantage[rows].to(dev)
             loss, clip_stats = actor_loss(new_log_prob, old, adv, clip_low, clip_high)
             tasks = (rollout.task[rows].to(dev), rollout.task[batch].to(dev))

@@ -129,8 +129,10 @@ def update(
     generator: torch.Generator,
     pcgrad: bool = False,
     processes: Processes | None = None,
+    denoising_steps: slice = slice(None),
 ) -> dict[str, float]:
-    """One PPO update on a rollout. old_log_prob / reference_log_prob: (M, K) per denoising step.
+    """One PPO update on a rollout. old_log_prob / reference_log_prob: (M, K') per denoising step of
+    ``denoising_steps`` (the K' steps the actor loss covers; all K by default).
     pcgrad: project the tasks' actor gradients (multi-task rollouts, `vla_rl.rl.pcgrad`). processes:
     a data-parallel run's, each computing its shard of every minibatch (`vla_rl.rl.update.Processes`)."""
     processes = processes or Processes()
@@ -169,7 +171,7 @@ def update(
             stats = {"value_loss": value_loss.item()}
             if train_actor:
                 chain = rollout.chain.select(rows).to(dev)
-                new_log_prob = policy.log_prob(obs, chain, per_step=True)
+                new_log_prob = policy.log_prob(obs, chain, per_step=True)[:, denoising_steps]
                 old, adv = old_log_prob[rows].to(dev), normalized[rows].to(dev)
                 reference = None if reference_log_prob is None else reference_log_prob[rows].to(dev)
                 terms = (new_log_prob, old, adv, clip_low, clip_high, reference, cfg.kl_coef)
