@@ -57,6 +57,12 @@ class PolicyConfig(draccus.ChoiceRegistry):
     # augmentation's committed actions up to this many chunk steps (training-time RTC). 0 = it does
     # not read the augmentation; `vla-rl train --delay.*` sets it.
     max_delay_steps: int = 0
+    # Latency-aware fine-tuning (ARLI; `policies.latency_head`): a fast head reads the committed actions
+    # and the mid-inference observation. `vla-rl finetune --latency_aware=true` adds it and sets these.
+    latency_aware: bool = False
+    latency_max_delay: int = 0  # D: the most committed steps the fast head reads (its fine-tuning's largest delay)
+    mid_fraction: float = 0.5  # the mid-inference observation is taken this far into the inference window
+    mid_cameras: list[str] = field(default_factory=list)  # the cameras in the mid-inference observation
     # Filled from the dataset when training starts (see fit_to_dataset); stored in every checkpoint.
     state_dim: int = 0  # observation.state size
     action_dim: int = 0  # action size
@@ -85,6 +91,13 @@ class PolicyConfig(draccus.ChoiceRegistry):
                 f"policy.max_delay_steps={self.max_delay_steps} must be in [0, horizon={self.horizon}): a chunk "
                 f"needs at least one step after the delay; lower the delay or raise --policy.horizon"
             )
+        if not 0 <= self.latency_max_delay < self.horizon or not 0.0 <= self.mid_fraction <= 1.0:
+            raise ValueError(
+                f"policy.latency_max_delay={self.latency_max_delay} must be in [0, horizon={self.horizon}) and "
+                f"policy.mid_fraction={self.mid_fraction} in [0, 1]"
+            )
+        if self.cameras and set(self.mid_cameras) - set(self.cameras):
+            raise ValueError(f"policy.mid_cameras={self.mid_cameras} must be among the policy's cameras {self.cameras}")
 
     def require_dataset_fields(self) -> None:
         """Raise unless the dataset-derived fields are set (a policy cannot be built without them)."""
@@ -336,6 +349,16 @@ class PreTrainedPolicy(NormalizationMixin, nn.Module):
         raise NotImplementedError(
             f"{type(self).__name__} has no log-probabilities; RL fine-tuning needs a denoising policy "
             f"(diffusion or diffusion_vla)"
+        )
+
+    def add_latency_head(self, max_delay: int, mid_fraction: float, mid_cameras: list[str]) -> None:
+        """Make this policy latency-aware (ARLI, `policies.latency_head`): a fast head that reads the
+        committed actions (up to ``max_delay`` steps) and the mid-inference observation (taken at
+        ``mid_fraction`` of the inference window, with ``mid_cameras``). Until it is trained the policy
+        acts exactly as before. Sets the config fields, so checkpoints rebuild it."""
+        raise ValueError(
+            f"latency-aware fine-tuning is built for the diffusion policy; the {self.config.type!r} policy has no "
+            f"fast head yet (fine-tune it without --latency_aware)"
         )
 
     def condition_features(self, obs: dict) -> torch.Tensor:

@@ -19,6 +19,14 @@ Timing, per world (all worlds step together, each on its own schedule):
 - an episode that ends restarts the world in the schedule: its queue and in-flight chunk belong to
   the old episode, and it requests at once.
 
+The mid-inference observation (``mid_fraction``, for latency-aware policies; `policies.latency_head`):
+a request at step t with delay d is answered m = floor(mid_fraction * d) steps later, once the
+policy can see the world part-way through its inference. Until then the world runs its committed
+actions; the policy is then asked with the request's observation and delay augmentation (as of
+step t), plus ``observation.mid.state``, ``observation.mid.images.<cam>`` (``mid_cameras``) and
+``observation.mid.steps`` (m) as of step t + m. The chunk is still conditioned on step t and still
+arrives at t + d. Without ``mid_fraction`` the policy is asked at the request (m = 0, no mid keys).
+
 The state lives on the env's device, updated with masks, and delays are drawn there: the only host
 read per control step is whether any world requests now, which decides when ``step`` returns. A
 ``step`` call reads it once more, to refuse a submitted chunk with NaN or inf.
@@ -40,7 +48,39 @@ import torch
 
 from sim.config import world_indices
 from vla_rl.runtime import ActionChunkExecutor, ChunkSchedule, DelayModel, MergeMode
-from vla_rl.types import ActionChunk, BatchedEnv, Worlds, WorldState
+from vla_rl.types import (
+    OBS_MID_STATE,
+    OBS_MID_STEPS,
+    OBS_STATE,
+    ActionChunk,
+    BatchedEnv,
+    Worlds,
+    WorldState,
+    image_key,
+    mid_image_key,
+)
+
+
+def _merge_rows(old: dict[str, Any], new: dict[str, Any], rows: torch.Tensor) -> dict[str, Any]:
+    """``new``'s values in ``rows`` (N,) bool, ``old``'s elsewhere (all of ``new`` where ``old`` lacks a
+    key): tensors with a leading world dim, or per-world lists (the instructions)."""
+    merged: dict[str, Any] = {}
+    for key, value in new.items():
+        before = old.get(key)
+        if torch.is_tensor(value):
+            if before is None or before.shape != value.shape:
+                merged[key] = value.clone()
+            else:
+                mask = rows.to(value.device).view(-1, *([1] * (value.ndim - 1)))
+                merged[key] = torch.where(mask, value, before)
+        else:
+            picked = rows.tolist()
+            merged[key] = (
+                list(value)
+                if before is None
+                else [v if p else b for v, b, p in zip(value, before, picked, strict=True)]
+            )
+    return merged
 
 
 @dataclass
@@ -118,7 +158,9 @@ class DelayedChunkEnv:
 
     max_delay: D_max of the delay augmentation, at least the delay model's largest draw (a policy
     trained with a larger ``max_delay_steps`` is given its own). gamma: the per-control-step
-    discount of the transitions' ``discounted_reward`` (RL).
+    discount of the transitions' ``discounted_reward`` (RL). mid_fraction: where in the inference
+    window the mid-inference observation is taken, in [0, 1] (None: none; see the module
+    docstring); mid_cameras: the cameras it includes (its state is always in).
     """
 
     def __init__(
@@ -131,12 +173,22 @@ class DelayedChunkEnv:
         ensemble_coeff: float = 0.01,
         max_delay: int | None = None,
         gamma: float = 1.0,
+        mid_fraction: float | None = None,
+        mid_cameras: Sequence[str] = (),
     ):
         if not 1 <= execute_steps:
             raise ValueError(f"execute_steps must be >= 1, got {execute_steps}")
         if not 0.0 < gamma <= 1.0:
             raise ValueError(f"gamma must be in (0, 1], got {gamma}")
+        if mid_fraction is not None and not 0.0 <= mid_fraction <= 1.0:
+            raise ValueError(f"mid_fraction must be in [0, 1] (a point of the inference window), got {mid_fraction}")
+        if mid_fraction is not None and merge == "rtc":
+            raise ValueError("the mid-inference observation is for latency-aware policies; use merge=latest, not rtc")
+        if mid_fraction is None and mid_cameras:
+            raise ValueError("mid_cameras needs mid_fraction: the point of the inference window they are taken at")
         self.gamma = gamma
+        self.mid_fraction = mid_fraction
+        self.mid_cameras = list(mid_cameras)
         self.env = env
         self.num_envs = env.num_envs
         self.device = torch.device(env.device)
@@ -152,17 +204,45 @@ class DelayedChunkEnv:
         n, dev = env.num_envs, self.device
         self.guidance: tuple[torch.Tensor, torch.Tensor] | None = None  # the open requests' RTC guidance
         self._obs: dict[str, Any] = {}
-        self._need = torch.zeros(n, dtype=torch.bool, device=dev)  # worlds whose request is open
+        self._need = torch.zeros(n, dtype=torch.bool, device=dev)  # worlds whose policy is asked for a chunk
+        self._pending = torch.zeros(n, dtype=torch.bool, device=dev)  # requests open, policy not asked yet
+        self._request_step = torch.zeros(n, dtype=torch.long, device=dev)  # step of each world's latest request
+        self._ask_step = torch.zeros(n, dtype=torch.long, device=dev)  # step its policy is asked at (t + m)
+        self._request_obs: dict[str, Any] = {}  # with a mid observation: each open request's observation
+        self._augmentation: dict[str, torch.Tensor] = {}  # each open request's delay augmentation
         self._true_delay = torch.zeros(n, dtype=torch.long, device=dev)  # the delay each open request will get
         self._flight_actions: torch.Tensor | None = None  # (N, H, A) the in-flight chunks
         self._flight_obs_step = torch.zeros(n, dtype=torch.long, device=dev)  # (N,)
         self._arrival = torch.zeros(n, dtype=torch.long, device=dev)  # step at which the in-flight chunk arrives
         self._transition = ChunkTransition.zeros(n, dev)  # each world's, since its latest request
 
+    @classmethod
+    def for_policy(
+        cls, env: BatchedEnv, policy_config, execute_steps: int, delay: DelayModel, **kwargs
+    ) -> DelayedChunkEnv:
+        """The shell a policy runs in, from its config: the delay augmentation as wide as it reads
+        (training-time RTC's ``max_delay_steps``, a latency-aware policy's ``latency_max_delay``) and a
+        latency-aware policy's mid-inference observation. Refuses, before any step, a delay the policy
+        was not trained for. kwargs: the other arguments of the constructor."""
+        trained = getattr(policy_config, "max_delay_steps", 0)
+        delay.check_fits(policy_config.horizon, trained)
+        reads = trained
+        if getattr(policy_config, "latency_aware", False):
+            reads = max(trained, policy_config.latency_max_delay)
+            if delay.max_steps > policy_config.latency_max_delay:
+                raise ValueError(
+                    f"the delay model reaches {delay.max_steps} control steps but this latency-aware policy was "
+                    f"fine-tuned for delays up to {policy_config.latency_max_delay}; lower the delay or fine-tune "
+                    f"it at {delay.max_steps}"
+                )
+            kwargs = {**kwargs, "mid_fraction": policy_config.mid_fraction, "mid_cameras": policy_config.mid_cameras}
+        return cls(env, policy_config.horizon, execute_steps, delay, max_delay=reads, **kwargs)
+
     @property
     def obs_step(self) -> torch.Tensor:
-        """(N,) long: the step of the current observation, to condition chunks on."""
-        return self.executor.step.clone()
+        """(N,) long: the step of each world's latest request, to condition its chunk on (the step of
+        the observation it was asked with; the mid-inference observation is later)."""
+        return self._request_step.clone()
 
     def reset(self, seed: int | Sequence[int] | None = None, *, worlds: Worlds = None) -> tuple[dict, torch.Tensor]:
         """Start new episodes in ``worlds`` (all when None; ``seed`` as in `BatchedEnv.reset`).
@@ -184,18 +264,48 @@ class DelayedChunkEnv:
         selected[world_indices(worlds, self.num_envs)] = True
         mask = torch.from_numpy(selected).to(self.device)
         self.schedule.restart(mask)
+        self._pending = self._pending & ~mask  # an open request of the episode they left is dropped
+        self._need = self._need & ~mask
         self._transition.start(mask, torch.zeros_like(self._flight_obs_step))
-        return self._open_requests(obs, mask), self._need.clone()
+        self._obs = obs
+        self._open_requests(mask)
+        self._need = self._need | self._take_asked()
+        return self._asked_obs(), self._need.clone()
 
-    def _open_requests(self, obs: dict[str, Any], worlds: torch.Tensor) -> dict[str, Any]:
-        """Draw the delay of each request opening in ``worlds`` and announce it; obs with augmentation."""
-        self._need = self._need | worlds
+    def _open_requests(self, worlds: torch.Tensor) -> None:
+        """Open a request in ``worlds`` from the current observation: draw its delay, announce it, and
+        set when its policy is asked (at once, or m steps on with a mid-inference observation)."""
         drawn = self.delay.sample(self.num_envs, self.device)
         self._true_delay = torch.where(worlds, drawn, self._true_delay)
         request = self.schedule.request(worlds, true_delay=self._true_delay)
         self.guidance = request.guidance
-        self._obs = obs
-        return {**obs, **request.augmentation}
+        step = self.executor.step
+        self._request_step = torch.where(worlds, step, self._request_step)
+        mid = 0 if self.mid_fraction is None else (self._true_delay.float() * self.mid_fraction).floor().long()
+        self._ask_step = torch.where(worlds, step + mid, self._ask_step)
+        self._pending = self._pending | worlds
+        # In flight from now, but nothing can arrive before the policy is asked and answers.
+        self._arrival = torch.where(worlds, torch.iinfo(torch.long).max, self._arrival)
+        self._augmentation = _merge_rows(self._augmentation, request.augmentation, worlds)
+        if self.mid_fraction is not None:  # the request's observation waits with it until the policy is asked
+            self._request_obs = _merge_rows(self._request_obs, self._obs, worlds)
+
+    def _take_asked(self) -> torch.Tensor:
+        """(N,) bool: the open requests whose policy is asked now; they are no longer pending."""
+        asked = self._pending & (self.executor.step >= self._ask_step)
+        self._pending = self._pending & ~asked
+        return asked
+
+    def _asked_obs(self) -> dict[str, Any]:
+        """What the asked worlds' policy sees: the request's observation and delay augmentation, and the
+        mid-inference observation when configured. Rows of other worlds hold stale values."""
+        if self.mid_fraction is None:
+            return {**self._obs, **self._augmentation}
+        now = self._obs
+        mid = {OBS_MID_STATE: now[OBS_STATE], OBS_MID_STEPS: self.executor.step - self._request_step}
+        for cam in self.mid_cameras:
+            mid[mid_image_key(cam)] = now[image_key(cam)]
+        return {**self._request_obs, **self._augmentation, **mid}
 
     def step(self, chunk: ActionChunk) -> tuple[dict, torch.Tensor, torch.Tensor, torch.Tensor, dict, torch.Tensor]:
         """Submit chunks for the requesting worlds, then step until some world requests.
@@ -216,10 +326,9 @@ class DelayedChunkEnv:
             self._flight_actions = torch.zeros_like(actions)
         self._flight_actions = torch.where(submitted[:, None, None], actions, self._flight_actions)
         self._flight_obs_step = torch.where(submitted, chunk.obs_step.to(dev), self._flight_obs_step)
-        step_now = self.executor.step
-        self._arrival = torch.where(submitted, step_now + self._true_delay, self._arrival)
+        self._arrival = torch.where(submitted, self._request_step + self._true_delay, self._arrival)
         delays = torch.where(submitted, self._true_delay, -1)
-        self._transition.start(submitted, step_now)
+        self._transition.start(submitted, self._request_step)
         self._need = torch.zeros_like(submitted)
 
         n = self.num_envs
@@ -232,9 +341,19 @@ class DelayedChunkEnv:
         while True:
             arrived = self.schedule.in_flight & (self.executor.step >= self._arrival)
             self.schedule.receive(ActionChunk(self._flight_actions, self._flight_obs_step), arrived, validate=False)
-            need = self.schedule.due()
-            if need.any():  # the one host read per control step
-                break
+            due = self.schedule.due()
+            if self.mid_fraction is None:
+                need = due
+                if need.any():  # the one host read per control step
+                    self._open_requests(need)
+                    self._pending = self._pending & ~need
+                    break
+            else:
+                if due.any():
+                    self._open_requests(due)
+                need = self._take_asked()
+                if need.any():
+                    break
             actions, valid = self.schedule.next_action()
             # On the CPU, asking which worlds have no action is free and spares the hold pose's per-world
             # loop on most steps; on an accelerator the hold is computed every step rather than read back.
@@ -250,10 +369,12 @@ class DelayedChunkEnv:
             diverged = info.get("diverged")
             self._transition.add_step(r, term, trunc, None if diverged is None else diverged.to(dev), self.gamma)
             success |= info["success"].to(dev)
-            # A world that starts a new episode forgets its queue and in-flight chunk (the old episode's).
+            # A world that starts a new episode forgets its queue, in-flight chunk and open request (the old episode's).
             self.schedule.restart(term | trunc)
+            self._pending = self._pending & ~(term | trunc)
         self._transition.ready = need.clone()
-        obs = self._open_requests(self._obs, need)
+        self._need = need.clone()
+        obs = self._asked_obs()
         info = {
             **info, "steps": steps, "success": success, "delay_steps": delays,
             "transition": self._transition.clone(),

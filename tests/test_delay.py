@@ -360,3 +360,92 @@ def test_a_world_restarted_alone_forgets_its_chunks_and_opens_a_new_transition(h
     transition = info["transition"]
     assert transition.start_step.tolist() == [2, 0] and transition.steps.tolist() == [2, 2]
     assert transition.reward.tolist() == [2 + 3, t1 + t1 + 1] and transition.ready.tolist() == [True, True]
+
+
+def test_mid_inference_observation_waits_m_steps_into_the_window_and_the_chunk_still_starts_at_the_request():
+    """d = 4, mid_fraction = 0.5 -> m = 2; execute_steps 8, horizon 12. The counting env's state is the
+    step index, so each observation tells the step it was taken at.
+
+    Episode start: the request at step 0 is answered at step 2 (two held steps); chunk 0 = [0..11] is
+    for steps 0..11 and arrives at 4 (steps 2, 3 still hold). Next request at step 8, answered at 10
+    with the committed actions chunk0[8..11]; chunk 1 = [10..21] is for steps 8..19 and arrives at 12."""
+    from vla_rl.types import OBS_MID_STATE, OBS_MID_STEPS
+
+    env = CountingEnv()
+    shell = DelayedChunkEnv(env, 12, 8, DelayModel(DelayConfig(kind="fixed", steps=4)), mid_fraction=0.5)
+    obs, need = shell.reset(seed=0)
+    assert need.tolist() == [False]  # not asked before the mid observation exists
+    nothing = ActionChunk(torch.zeros(1, 12, 1), shell.obs_step)
+    obs, _, _, _, info, need = shell.step(nothing)
+    assert need.tolist() == [True] and info["steps"].tolist() == [2]
+    assert (obs["observation.state"].item(), obs[OBS_MID_STATE].item(), obs[OBS_MID_STEPS].item()) == (0, 2, 2)
+    assert shell.obs_step.tolist() == [0] and obs[OBS_COMMITTED_MASK].tolist() == [[False] * 4]
+
+    chunk0 = torch.arange(12, dtype=torch.float32).reshape(1, 12, 1)
+    obs, _, _, _, info, need = shell.step(ActionChunk(chunk0, shell.obs_step))
+    assert need.tolist() == [True] and info["steps"].tolist() == [8] and info["delay_steps"].tolist() == [4]
+    assert env.applied[0] == [-1, -1, -1, -1, 4, 5, 6, 7, 8, 9]
+    assert (obs["observation.state"].item(), obs[OBS_MID_STATE].item(), obs[OBS_MID_STEPS].item()) == (8, 10, 2)
+    assert shell.obs_step.tolist() == [8]
+    assert obs[OBS_COMMITTED_MASK].tolist() == [[True] * 4]
+    assert obs[OBS_COMMITTED_ACTIONS].flatten().tolist() == [8, 9, 10, 11]
+    assert info["transition"].start_step.tolist() == [0] and info["transition"].steps.tolist() == [8]
+
+    chunk1 = (10 + torch.arange(12, dtype=torch.float32)).reshape(1, 12, 1)
+    shell.step(ActionChunk(chunk1, shell.obs_step))
+    assert env.applied[0] == [-1, -1, -1, -1, 4, 5, 6, 7, 8, 9, 10, 11, 14, 15, 16, 17, 18, 19]
+
+
+def test_an_episode_that_ends_before_the_mid_observation_drops_its_request():
+    """Episodes of 9 steps: the request at step 8 (to be answered at 10) dies with its episode at 9;
+    the new episode's request at its step 0 is answered at its step 2, from its own observations."""
+    from vla_rl.types import OBS_MID_STATE
+
+    env = CountingEnv(length=9)
+    shell = DelayedChunkEnv(env, 12, 8, DelayModel(DelayConfig(kind="fixed", steps=4)), mid_fraction=0.5)
+    shell.reset(seed=0)
+    shell.step(ActionChunk(torch.zeros(1, 12, 1), shell.obs_step))  # answered at step 2
+    chunk0 = torch.arange(12, dtype=torch.float32).reshape(1, 12, 1)
+    obs, _, _, trunc, info, need = shell.step(ActionChunk(chunk0, shell.obs_step))
+    assert need.tolist() == [True] and trunc.tolist() == [True]
+    assert env.applied[0] == [-1, -1, -1, -1, 4, 5, 6, 7, 8, -1, -1]  # steps 0, 1 of the new episode hold
+    assert (obs["observation.state"].item(), obs[OBS_MID_STATE].item()) == (0, 2)
+    assert shell.obs_step.tolist() == [0] and obs[OBS_COMMITTED_MASK].tolist() == [[False] * 4]
+
+
+def test_mid_inference_images_are_the_worlds_frames_m_steps_after_the_request():
+    """The real moving-ball task with a camera: the policy sees the request's frame and, as the mid
+    observation, the frame the env returned m = 3 steps later (the ball has moved in between)."""
+    from sim.config import EnvConfig
+    from sim.factory import make_env
+    from vla_rl.types import OBS_MID_STATE, image_key, mid_image_key
+
+    class Recording:  # passes everything through to the real env; keeps each step's observation
+        def __init__(self, env):
+            self.env, self.seen = env, []
+
+        def __getattr__(self, name):
+            return getattr(self.env, name)
+
+        def reset(self, *args, **kwargs):
+            self.seen = [self.env.reset(*args, **kwargs)]
+            return self.seen[0]
+
+        def step(self, actions):
+            out = self.env.step(actions)
+            self.seen.append(out[0])
+            return out
+
+    with make_env(EnvConfig(task="track", num_envs=2)) as real:
+        env = Recording(real)
+        delay = DelayModel(DelayConfig(kind="fixed", steps=6))
+        shell = DelayedChunkEnv(env, 16, 8, delay, mid_fraction=0.5, mid_cameras=["front"])
+        shell.reset(seed=3)
+        obs, _, _, _, _, need = shell.step(ActionChunk(torch.zeros(2, 16, 4), shell.obs_step))
+        assert need.tolist() == [True, True] and len(env.seen) == 4  # the reset, then m = 3 held steps
+        front = image_key("front")
+        assert torch.equal(obs[front], env.seen[0][front]) and torch.equal(
+            obs[mid_image_key("front")], env.seen[3][front]
+        )
+        assert torch.equal(obs[OBS_MID_STATE], env.seen[3]["observation.state"])
+        assert not torch.equal(env.seen[0][front], env.seen[3][front])  # the world moved during the inference

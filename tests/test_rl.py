@@ -270,20 +270,25 @@ def test_a_resumed_run_reaches_the_same_weights_as_an_uninterrupted_one(
     assert any(not torch.equal(a[k], initial[k]) for k in a) == (algo == "ppo")
 
 
-def test_a_finetuned_checkpoint_loads_in_eval_and_its_summary_has_the_curve(tiny_checkpoint, tmp_path):
+@pytest.mark.parametrize("latency_aware", [False, True], ids=["plain", "latency-aware"])
+def test_a_finetuned_checkpoint_loads_in_eval_and_its_summary_has_the_curve(tiny_checkpoint, tmp_path, latency_aware):
+    """The latency-aware run adds its fast head and fine-tunes under a 3-step delay; eval rebuilds the
+    head from the checkpoint and feeds it the mid-inference observation, as finetune did."""
     from vla_rl.eval import EvalConfig, evaluate
+    from vla_rl.runtime import DelayConfig
 
     out = tmp_path / "ft"
-    summary = finetune(
-        small_run(tiny_checkpoint[0], out, eval_every=1, eval_episodes=4, ppo=PPOConfig(critic_warmup_iterations=1))
-    )
+    delay = DelayConfig(kind="fixed", steps=3) if latency_aware else DelayConfig()
+    run = small_run(tiny_checkpoint[0], out, eval_every=1, eval_episodes=4, latency_aware=latency_aware, delay=delay,
+                    ppo=PPOConfig(critic_warmup_iterations=1))  # fmt: skip
+    summary = finetune(run)
     assert [e["iteration"] for e in summary["evals"]] == [0, 1, 2]
     assert all(e["episodes"] == 4 for e in summary["evals"])
     saved = json.loads((out / "finetune_summary.json").read_text())
     assert saved["history"][-1]["env_steps"] == summary["env_steps"] > 0
     assert (out / "success.png").stat().st_size > 0
     env = EnvConfig(num_envs=4, max_episode_steps=12)
-    result = evaluate(EvalConfig(checkpoint=str(out), env=env, num_episodes=4,
+    result = evaluate(EvalConfig(checkpoint=str(out), env=env, num_episodes=4, delay=delay,
                                  video_episodes=0, output_dir=str(tmp_path / "eval")))  # fmt: skip
     # eval's result of the last checkpoint equals finetune's own evaluation of those weights, episode
     # by episode, and those are not the imitation policy's weights
@@ -294,7 +299,13 @@ def test_a_finetuned_checkpoint_loads_in_eval_and_its_summary_has_the_curve(tiny
 
     tuned = load_file(str(out / "checkpoints/last/pretrained_model/model.safetensors"))
     initial = load_file(str(tiny_checkpoint[0] / "checkpoints/last/pretrained_model/model.safetensors"))
-    assert any(not torch.equal(tuned[k], initial[k]) for k in tuned)
+    assert any(not torch.equal(tuned[k], initial[k]) for k in tuned if k in initial)
+    head = sorted(k for k in tuned if k.startswith("latency_head."))
+    assert bool(head) == latency_aware and set(tuned) - set(head) == set(initial)
+    if latency_aware:  # the head's last layer left zero: it learned something from the rollouts
+        assert tuned["latency_head.mlp.4.weight"].abs().max() > 0
+        config = json.loads((out / "checkpoints/last/pretrained_model/config.json").read_text())
+        assert (config["latency_aware"], config["latency_max_delay"], config["mid_cameras"]) == (True, 3, ["front"])
 
 
 @pytest.mark.parametrize(
@@ -312,6 +323,7 @@ def test_a_finetuned_checkpoint_loads_in_eval_and_its_summary_has_the_curve(tiny
         ({"env": EnvConfig(num_envs=4, image_size=32)}, "set --env.image_size=64"),
         ({"train_last_steps": 99}, "is more than the policy's"),
         ({"train_last_steps": -1}, "--train_last_steps=-1 must be >= 0"),
+        ({"latency_aware": True, "mid_fraction": 2.0}, "--mid_fraction=2.0 must be in [0, 1]"),
     ],
 )
 def test_bad_config_gets_one_line_naming_the_fix(tiny_checkpoint, tmp_path, overrides, message):

@@ -83,23 +83,21 @@ def evaluate(cfg: EvalConfig, policy=None) -> dict:
             f"the policy expects cameras {pcfg.cameras} at {pcfg.image_size}px but the env renders "
             f"{cfg.env.cameras} at {cfg.env.image_size}px; set --env.image_size={pcfg.image_size}"
         )
-    trained_delay = getattr(pcfg, "max_delay_steps", 0)
     out = Path(cfg.output_dir)
     episodes: list[dict] = []
     delays_seen: dict[int, int] = {}  # delay in control steps -> chunks that got it
     start = time.time()
     with make_env(cfg.env) as env:
         delay = DelayModel(cfg.delay, control_dt=env.control_dt)
-        delay.check_fits(pcfg.horizon, trained_delay)  # before any rollout, and before any output
-        out.mkdir(parents=True, exist_ok=True)
         n = env.num_envs
         recorder = FrameRecorder(env, min(cfg.video_episodes, n, cfg.num_episodes), cfg.video_size)
         # Chunks run through the same latency model as RL and the robot bridge; with the default
-        # zero delay this is plain chunked execution.
-        delayed = DelayedChunkEnv(
-            recorder, pcfg.horizon, execute_steps, delay, merge=cfg.chunking.merge,
-            ensemble_coeff=cfg.chunking.ensemble_coeff, max_delay=trained_delay,
-        )  # fmt: skip
+        # zero delay this is plain chunked execution. A delay the policy cannot take is refused here,
+        # before any rollout and before any output.
+        delayed = DelayedChunkEnv.for_policy(
+            recorder, pcfg, execute_steps, delay, merge=cfg.chunking.merge, ensemble_coeff=cfg.chunking.ensemble_coeff
+        )
+        out.mkdir(parents=True, exist_ok=True)
         guided = cfg.chunking.merge == "rtc" and policy.supports_inpainting
         bar = tqdm(total=cfg.num_episodes, desc="eval", unit="ep")
         # A stop signal ends the evaluation between env steps (vla_rl.interrupt); an incomplete
@@ -168,6 +166,9 @@ def _predict(
     guidance: RTC's (target (N, H, A), weights (N, H)) for a flow policy, or None.
     """
     rows = torch.nonzero(need.cpu()).flatten()
+    if len(rows) == 0:  # no world asks yet (a latency-aware policy waits for its mid-inference observation)
+        cfg = policy.config
+        return ActionChunk(torch.zeros(len(need), cfg.horizon, cfg.action_dim, device=policy.device), obs_step)
     sub = {
         k: [v[i] for i in rows.tolist()] if k == TASK else v[rows.to(v.device)]
         for k, v in obs.items()

@@ -103,6 +103,12 @@ class FinetuneConfig:
     # The actor loss covers only the last k of the K denoising steps (DPPO's advice: the late steps
     # shape the action); 0 = all K. Sampling still runs every step with the trained weights.
     train_last_steps: int = 0
+    # Latency-aware RL (ARLI): the policy gains a fast head that reads the committed actions and the
+    # mid-inference observation (`policies.latency_head`). false: naive RL, the policy sees only the
+    # observation its request was made from, and its chunk starts d steps later.
+    latency_aware: bool = False
+    mid_fraction: float = 0.5  # where in the inference window the mid-inference observation is taken, in [0, 1]
+    latency_head_lr: float = 1e-4  # the fast head's learning rate (it starts at zero: the imitation policy)
     max_grad_norm: float = 1.0  # gradient clipping (0 = off)
     eval_every: int = 5  # evaluate every this many iterations, and before the first and after the last (0 = never)
     eval_episodes: int = 50
@@ -151,6 +157,11 @@ class FinetuneConfig:
             raise ValueError("--lr must be > 0, --clip_low in [0, 1), --clip_high and --max_env_steps >= 0")
         if self.eval_every < 0 or self.max_grad_norm < 0 or (self.eval_every and self.eval_episodes < 1):
             raise ValueError("--eval_every and --max_grad_norm must be >= 0, and --eval_episodes >= 1 when evaluating")
+        if self.latency_aware and (not 0.0 <= self.mid_fraction <= 1.0 or self.latency_head_lr <= 0):
+            raise ValueError(
+                f"--mid_fraction={self.mid_fraction} must be in [0, 1] (a point of the inference window) and "
+                f"--latency_head_lr={self.latency_head_lr} > 0"
+            )
         if self.train_last_steps < 0:
             raise ValueError(f"--train_last_steps={self.train_last_steps} must be >= 0 (0 = every denoising step)")
 
@@ -236,8 +247,13 @@ def finetune(cfg: FinetuneConfig) -> dict:
         delay.check_fits(pcfg.horizon, pcfg.max_delay_steps)
         delay.generator.manual_seed(cfg.delay.seed + processes.index)  # each process its own delays
         gamma = cfg.ppo.gamma if cfg.algo == "ppo" else 1.0
+        torch.manual_seed(cfg.seed)  # the fast head's and the critic's initial weights: the same in every process
+        if cfg.latency_aware and not pcfg.latency_aware:  # a resumed run's checkpoint has its head already
+            policy.add_latency_head(delay.max_steps, cfg.mid_fraction, list(cfg.env.cameras))
         delayed = [
-            DelayedChunkEnv(env, pcfg.horizon, execute_steps, delay, max_delay=pcfg.max_delay_steps, gamma=gamma)
+            DelayedChunkEnv.for_policy(
+                env, pcfg, execute_steps, delay, gamma=gamma
+            )  # with the mid observation if aware
             for env in envs
         ]
         # The value head reads the episode's progress: step / the env's time limit (every backend has one).
@@ -245,11 +261,13 @@ def finetune(cfg: FinetuneConfig) -> dict:
             int(getattr(env, "max_episode_steps", 0) or cfg.env.max_episode_steps or 1) for env in envs
         )
 
-        torch.manual_seed(cfg.seed)  # the critic's initial weights: the same in every process
         # Eval mode throughout (no dropout): sampling and the update then score chains with the same network.
         policy.eval()
-        actor_params = [p for p in policy.parameters() if p.requires_grad]
-        actor_opt = torch.optim.AdamW(actor_params, lr=cfg.lr, weight_decay=0.0)
+        # The fast head starts from zero, so it gets its own, larger learning rate.
+        head = [p for name, p in policy.named_parameters() if name.startswith("latency_head.") and p.requires_grad]
+        rest = [p for name, p in policy.named_parameters() if not name.startswith("latency_head.") and p.requires_grad]
+        groups = [{"params": rest, "lr": cfg.lr}] + ([{"params": head, "lr": cfg.latency_head_lr}] if head else [])
+        actor_opt = torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=0.0)
         actor_step = GradientStep(actor_opt, cfg.max_grad_norm, seed=cfg.seed, processes=processes)
         critic = critic_opt = critic_step = None
         if cfg.algo == "ppo":

@@ -27,6 +27,10 @@ OBS_IMAGES = "observation.images"
 OBS_COMMITTED_ACTIONS = "observation.committed_actions"
 OBS_COMMITTED_MASK = "observation.committed_mask"
 OBS_DELAY_STEPS = "observation.delay_steps"
+# The mid-inference observation (latency-aware policies): the world m steps into the inference window.
+OBS_MID = "observation.mid"
+OBS_MID_STATE = f"{OBS_MID}.state"
+OBS_MID_STEPS = f"{OBS_MID}.steps"  # (B,) long, m: steps from the request to the mid observation
 TASK = "task"
 ACTION = "action"
 
@@ -37,6 +41,11 @@ Observation = dict[str, Any]
 def image_key(camera: str) -> str:
     """LeRobot feature name of a camera, e.g. ``observation.images.front``."""
     return f"{OBS_IMAGES}.{camera}"
+
+
+def mid_image_key(camera: str) -> str:
+    """A camera's image in the mid-inference observation, e.g. ``observation.mid.images.front``."""
+    return f"{OBS_MID}.images.{camera}"
 
 
 @dataclass

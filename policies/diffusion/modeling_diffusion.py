@@ -27,6 +27,7 @@ the statistics are buffers, so they travel inside every checkpoint's weights.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -43,6 +44,7 @@ from policies.denoising_chain import (
     sample_chain,
 )
 from policies.diffusion.configuration_diffusion import DiffusionConfig
+from policies.latency_head import LatencyHead
 from policies.observation import check_observation
 from policies.pretrained import PreTrainedPolicy
 from policies.tokenizer import PAD_WORD, UNKNOWN_WORD, WordTokenizer
@@ -132,6 +134,7 @@ class DiffusionPolicy(PreTrainedPolicy):
         self.output_proj = nn.Sequential(nn.LayerNorm(cfg.hidden_dim), nn.Linear(cfg.hidden_dim, flat))
 
         self.register_normalization(cfg.state_dim, cfg.action_dim)
+        self.latency_head = self._latency_head() if cfg.latency_aware else None
 
         sched = {
             "num_train_timesteps": cfg.num_train_timesteps,
@@ -150,13 +153,39 @@ class DiffusionPolicy(PreTrainedPolicy):
         return (self.word_embedding(ids) * weights).sum(1) / weights.sum(1)
 
     def encode_observation(self, obs: dict) -> torch.Tensor:
-        """Observation batch -> (B, hidden_dim) condition. Validates shapes and finiteness."""
+        """Observation batch -> (B, hidden_dim) condition. Validates shapes and finiteness.
+
+        A latency-aware policy adds its fast head's correction (`policies.latency_head`): the slow part
+        reads the request's observation, the fast part the committed actions and the mid-inference one.
+        """
         check_observation(obs, self.config.state_dim, self.config.cameras, self.config.image_size)
         state = obs[OBS_STATE]
-        feats = [self.image_encoders[cam](obs[image_key(cam)]) for cam in self.config.cameras]
-        feats.append(self.normalize_state(state))
-        feats.append(self._encode_text(list(obs[TASK]), state.device))
-        return self.obs_proj(torch.cat(feats, -1))
+        keypoints = {cam: self.image_encoders[cam](obs[image_key(cam)]) for cam in self.config.cameras}
+        normalized = self.normalize_state(state)
+        feats = [*keypoints.values(), normalized, self._encode_text(list(obs[TASK]), state.device)]
+        cond = self.obs_proj(torch.cat(feats, -1))
+        if self.latency_head is not None:
+            cond = cond + self.latency_head(obs, normalized, keypoints, self.normalize_state, self.normalize_action)
+        return cond
+
+    def _latency_head(self) -> LatencyHead:
+        cfg = self.config
+        return LatencyHead(
+            state_dim=cfg.state_dim, action_dim=cfg.action_dim, max_delay=cfg.latency_max_delay,
+            mid_cameras=cfg.mid_cameras, image_encoders=dict(self.image_encoders), keypoint_dim=2 * cfg.num_keypoints,
+            out_dim=cfg.hidden_dim, hidden_dim=cfg.hidden_dim,
+        )  # fmt: skip
+
+    def add_latency_head(self, max_delay: int, mid_fraction: float, mid_cameras: list[str]) -> None:
+        """See ``PreTrainedPolicy.add_latency_head``; the mid cameras' encoders start as copies of the slow ones."""
+        if self.latency_head is not None:
+            raise ValueError("this policy is latency-aware already; fine-tune it as it is")
+        fields = {"latency_aware": True, "latency_max_delay": max_delay, "mid_fraction": mid_fraction,
+                  "mid_cameras": list(mid_cameras)}  # fmt: skip
+        dataclasses.replace(self.config, **fields).validate()  # a bad value changes nothing
+        for name, value in fields.items():
+            setattr(self.config, name, value)
+        self.latency_head = self._latency_head().to(self.device)
 
     # -- training and inference ---------------------------------------------------------------
 

@@ -1,0 +1,113 @@
+"""Latency-aware policies (ARLI): the fast head over the committed actions and the mid-inference observation."""
+
+import re
+
+import pytest
+import torch
+from tiny_policies import TASK, make_policy
+
+from vla_rl.types import (
+    OBS_COMMITTED_ACTIONS,
+    OBS_COMMITTED_MASK,
+    OBS_DELAY_STEPS,
+    OBS_MID_STATE,
+    OBS_MID_STEPS,
+    OBS_STATE,
+    image_key,
+    mid_image_key,
+)
+
+B, D = 3, 4
+
+
+def _obs(seed=0, delay=(2, 3, 0)):
+    """A batch of 3 with the ARLI keys: request and mid observations differ, delays d per row."""
+    g = torch.Generator().manual_seed(seed)
+    delay = torch.tensor(delay)
+    mask = torch.arange(D)[None] < delay[:, None]
+    return {
+        image_key("front"): torch.rand(B, 3, 16, 16, generator=g),
+        OBS_STATE: torch.randn(B, 3, generator=g),
+        "task": [TASK] * B,
+        OBS_COMMITTED_ACTIONS: torch.where(mask[..., None], torch.rand(B, D, 2, generator=g), 0.0),
+        OBS_COMMITTED_MASK: mask,
+        OBS_DELAY_STEPS: delay,
+        OBS_MID_STATE: torch.randn(B, 3, generator=g),
+        mid_image_key("front"): torch.rand(B, 3, 16, 16, generator=g),
+        OBS_MID_STEPS: delay // 2,
+    }
+
+
+def _aware(cameras=("front",)):
+    policy = make_policy("diffusion")
+    policy.add_latency_head(D, 0.5, list(cameras))
+    return policy
+
+
+def test_a_new_fast_head_leaves_the_imitation_policy_exactly_as_it_was():
+    plain, aware = make_policy("diffusion"), _aware()
+    obs, noise = _obs(), torch.randn(B, 6, 2, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(plain.predict_chunk(obs, noise=noise).actions, aware.predict_chunk(obs, noise=noise).actions)
+    assert aware.config.latency_aware and aware.config.latency_max_delay == D and aware.config.mid_cameras == ["front"]
+
+
+def test_a_trained_fast_head_reads_the_mid_observation_and_the_committed_actions_but_not_the_padding():
+    policy = _aware()
+    with torch.no_grad():
+        for p in policy.latency_head.mlp[-1].parameters():
+            p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(2)) * 0.5)
+    noise = torch.randn(B, 6, 2, generator=torch.Generator().manual_seed(1))
+
+    def chunk(obs):
+        return policy.predict_chunk(obs, noise=noise).actions
+
+    base = chunk(_obs())
+    for key in (OBS_MID_STATE, mid_image_key("front"), OBS_COMMITTED_ACTIONS):
+        changed = _obs()
+        changed[key] = (
+            changed[key] + 0.3 * changed[OBS_COMMITTED_MASK][..., None]
+            if key == OBS_COMMITTED_ACTIONS
+            else changed[key] + 0.3
+        )
+        moved = (chunk(changed) - base).abs().flatten(1).amax(1)
+        assert (moved[:2] > 1e-4).all(), key  # rows with committed steps (and every row's mid observation)
+    padded = _obs()
+    padded[OBS_COMMITTED_ACTIONS] = torch.where(
+        padded[OBS_COMMITTED_MASK][..., None], padded[OBS_COMMITTED_ACTIONS], 99.0
+    )
+    assert torch.equal(chunk(padded), base)  # rows outside the mask are never read
+
+
+def test_missing_keys_and_delays_past_the_head_are_refused_with_the_fix():
+    policy = _aware()
+    obs = _obs()
+    del obs[OBS_MID_STATE]
+    with pytest.raises(ValueError, match=re.escape("this latency-aware policy reads observation.mid.state")):
+        policy.predict_chunk(obs)
+    too_long = _obs()
+    too_long[OBS_COMMITTED_MASK] = torch.ones(B, D + 2, dtype=torch.bool)
+    too_long[OBS_COMMITTED_ACTIONS] = torch.zeros(B, D + 2, 2)
+    with pytest.raises(ValueError, match=re.escape(f"fine-tuned for delays up to {D}")):
+        policy.predict_chunk(too_long)
+    with pytest.raises(ValueError, match="latency-aware already"):
+        policy.add_latency_head(D, 0.5, [])
+    with pytest.raises(ValueError, match="has no fast head yet"):
+        make_policy("flow").add_latency_head(D, 0.5, [])
+    plain = make_policy("diffusion")
+    with pytest.raises(ValueError, match=r"policy.mid_fraction=1.5 in \[0, 1\]"):
+        plain.add_latency_head(D, 1.5, [])
+    assert plain.latency_head is None and not plain.config.latency_aware  # a refused head changes nothing
+
+
+def test_the_shell_refuses_a_delay_past_what_the_policy_was_fine_tuned_for():
+    from sim.config import EnvConfig
+    from sim.delay import DelayedChunkEnv
+    from sim.factory import make_env
+    from vla_rl.runtime import DelayConfig, DelayModel
+
+    config = _aware().config
+    with make_env(EnvConfig(num_envs=1, cameras=[])) as env:
+        shell = DelayedChunkEnv.for_policy(env, config, 2, DelayModel(DelayConfig(kind="fixed", steps=D)))
+        assert shell.mid_fraction == 0.5 and shell.mid_cameras == ["front"] and shell.executor.max_delay == D
+        with pytest.raises(ValueError, match=re.escape(f"fine-tuned for delays up to {D}; lower the delay")):
+            DelayedChunkEnv.for_policy(env, config, 2, DelayModel(DelayConfig(kind="fixed", steps=D + 1)))
