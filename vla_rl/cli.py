@@ -123,6 +123,12 @@ def _run_bench_rl(cfg):
     print(format_summary(bench_rl(cfg)))
 
 
+def _run_bench_latency_rl(cfg):
+    from vla_rl.bench_latency_rl import bench_latency_rl, format_summary
+
+    print(format_summary(bench_latency_rl(cfg)))
+
+
 def _run_bench_sim(cfg):
     from vla_rl.bench import bench_sim, format_summary
 
@@ -221,6 +227,11 @@ COMMANDS: dict[str, Command] = {
                 "RL fine-tuning: PPO and GRPO gains over an imitation checkpoint on one env-step budget",
                 "vla_rl.bench_rl:BenchRLConfig",
                 _run_bench_rl,
+            ),
+            "latency-rl": Command(
+                "latency-aware RL (ARLI) vs naive RL under inference delay, no-delay RL and training-time RTC",
+                "vla_rl.bench_latency_rl:BenchLatencyRLConfig",
+                _run_bench_latency_rl,
             ),
         },
     ),

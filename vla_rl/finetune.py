@@ -66,6 +66,7 @@ from vla_rl.checkpoint import (
 from vla_rl.files import write_text_atomic
 from vla_rl.rl.grpo import GRPOConfig
 from vla_rl.rl.ppo import PPOConfig
+from vla_rl.rl.ray_runtime import RayConfig
 from vla_rl.runtime import ChunkingConfig, DelayConfig
 from vla_rl.types import TASK
 
@@ -109,6 +110,10 @@ class FinetuneConfig:
     latency_aware: bool = False
     mid_fraction: float = 0.5  # where in the inference window the mid-inference observation is taken, in [0, 1]
     latency_head_lr: float = 1e-4  # the fast head's learning rate (it starts at zero: the imitation policy)
+    # Where rollouts run: local = this process, between updates (reproducible bit for bit); ray =
+    # asynchronous Ray actors that collect while the learner updates (`vla_rl.rl.ray_runtime`).
+    runtime: Literal["local", "ray"] = "local"
+    ray: RayConfig = field(default_factory=RayConfig)
     max_grad_norm: float = 1.0  # gradient clipping (0 = off)
     eval_every: int = 5  # evaluate every this many iterations, and before the first and after the last (0 = never)
     eval_episodes: int = 50
@@ -162,6 +167,12 @@ class FinetuneConfig:
                 f"--mid_fraction={self.mid_fraction} must be in [0, 1] (a point of the inference window) and "
                 f"--latency_head_lr={self.latency_head_lr} > 0"
             )
+        if self.runtime not in ("local", "ray"):
+            raise ValueError(f"--runtime={self.runtime!r} is unknown; choose --runtime=local or --runtime=ray")
+        if self.runtime == "ray":
+            self.ray.validate()
+            if len(self.task_list()) > 1:
+                raise ValueError("--runtime=ray rolls out one task; drop --tasks or use --runtime=local")
         if self.train_last_steps < 0:
             raise ValueError(f"--train_last_steps={self.train_last_steps} must be >= 0 (0 = every denoising step)")
 
@@ -209,12 +220,17 @@ def finetune(cfg: FinetuneConfig) -> dict:
     from sim.factory import make_env
     from vla_rl.rl import grpo, ppo
     from vla_rl.rl.curriculum import TaskCurriculum
+    from vla_rl.rl.ray_runtime import AsyncRollouts
     from vla_rl.rl.rollout import Rollout, collect
     from vla_rl.rl.update import GradientStep, Processes, batched_log_prob
     from vla_rl.runtime import DelayModel
     from vla_rl.train import make_accelerator
 
     cfg.validate()
+    if cfg.runtime == "ray" and cfg.ray.address:  # one line naming the fix, before anything starts
+        from vla_rl.rl.ray_runtime import check_reachable
+
+        check_reachable(cfg.ray.address)
     torch.set_num_threads(cfg.num_threads or os.cpu_count() or 1)
     out = Path(cfg.output_dir)
     ckpt_dir = out / "checkpoints"
@@ -224,6 +240,10 @@ def finetune(cfg: FinetuneConfig) -> dict:
     # each on the device the launcher gives it; a single process runs on --device.
     accelerator = make_accelerator(trackers, out)
     processes = Processes(accelerator)
+    if cfg.runtime == "ray" and processes.count > 1:
+        raise ValueError(
+            "--runtime=ray has one learner and its workers are the parallel part; run it without accelerate launch"
+        )
     main = accelerator.is_main_process
     device = accelerator.device if processes.count > 1 else cfg.device
     policy, policy_dir = load_policy(source, device=device)
@@ -365,36 +385,68 @@ def finetune(cfg: FinetuneConfig) -> dict:
             initial=min(state["env_steps"], cfg.max_env_steps) if by_steps else state["iteration"],
             desc=f"finetune {cfg.algo}", unit="step" if by_steps else "it", disable=not main,
         )  # fmt: skip
+
+        def collect_local(it: int):
+            """This iteration's rollouts in this process, and the union of every process's: (rollout,
+            stats, rollout seconds, the tasks rolled out, every process's (rollout, stats))."""
+            chosen = curriculum.choose(cfg.curriculum_tasks or len(tasks))
+            parts, stats = [], []
+            for t in chosen:
+                # Distinct seeds for every (iteration, task), from TRAINING_SEED_OFFSET up.
+                run = (it * processes.count + processes.index) * len(tasks) + t  # every process its own
+                seed_base = cfg.seed + TRAINING_SEED_OFFSET + run * cfg.env.num_envs
+                if cfg.algo == "grpo":
+                    seed, episodes = grpo.group_seeds(cfg.env.num_envs, cfg.grpo.group_size, seed_base), 1
+                else:
+                    seed, episodes = seed_base, cfg.ppo.episodes_per_world
+                part, part_stats = collect(
+                    policy, delayed[t], cfg.noise, episodes_per_world=episodes, seed=seed, task=t
+                )
+                parts.append(part)
+                stats.append(part_stats)
+            local = Rollout.cat(parts, cfg.env.num_envs)
+            rollout_seconds = sum(st.seconds for st in stats)
+            # Every process updates on the union of all processes' rollouts (each on its shard).
+            everyone = processes.gather((local, stats))
+            rollout = Rollout.cat([r for r, _ in everyone], len(tasks) * cfg.env.num_envs)
+            stats = [st for _, process_stats in everyone for st in process_stats]
+            for i, t in enumerate(chosen):  # the same update in every process: the union's success
+                task_stats = [process_stats[i] for _, process_stats in everyone]
+                episodes_t = sum(st.episodes for st in task_stats)
+                curriculum.update(t, sum(st.successes for st in task_stats) / max(1, episodes_t))
+            return rollout, stats, rollout_seconds, chosen, everyone
+
+        rollouts_async = None
+        if cfg.runtime == "ray":
+
+            def ray_seeds(launch: int):
+                # Launch k of a run started (or resumed) at iteration i: seeds from
+                # TRAINING_SEED_OFFSET + (i * 10_000 + k) * num_envs, never an evaluation seed.
+                seed_base = cfg.seed + TRAINING_SEED_OFFSET + (first_iteration * 10_000 + launch) * cfg.env.num_envs
+                if cfg.algo == "grpo":
+                    return grpo.group_seeds(cfg.env.num_envs, cfg.grpo.group_size, seed_base), 1
+                return seed_base, cfg.ppo.episodes_per_world
+
+            first_iteration = state["iteration"]
+            rollouts_async = AsyncRollouts(policy, cfg, execute_steps, gamma, version=first_iteration, seeds=ray_seeds)
+            closing.callback(rollouts_async.close)
+
         with interrupt.deferred():
             while not finished():
                 it = state["iteration"]
-                chosen = curriculum.choose(cfg.curriculum_tasks or len(tasks))
-                parts, stats = [], []
-                for t in chosen:
-                    # Distinct seeds for every (iteration, task), from TRAINING_SEED_OFFSET up.
-                    run = (it * processes.count + processes.index) * len(tasks) + t  # every process its own
-                    seed_base = cfg.seed + TRAINING_SEED_OFFSET + run * cfg.env.num_envs
-                    if cfg.algo == "grpo":
-                        seed, episodes = grpo.group_seeds(cfg.env.num_envs, cfg.grpo.group_size, seed_base), 1
-                    else:
-                        seed, episodes = seed_base, cfg.ppo.episodes_per_world
-                    part, part_stats = collect(
-                        policy, delayed[t], cfg.noise, episodes_per_world=episodes, seed=seed, task=t
-                    )
-                    parts.append(part)
-                    stats.append(part_stats)
-                local = Rollout.cat(parts, cfg.env.num_envs)
-                rollout_seconds = sum(st.seconds for st in stats)
-                # Every process updates on the union of all processes' rollouts (each on its shard).
-                everyone = processes.gather((local, stats))
-                rollout = Rollout.cat([r for r, _ in everyone], len(tasks) * cfg.env.num_envs)
-                stats = [st for _, process_stats in everyone for st in process_stats]
-                for i, t in enumerate(chosen):  # the same update in every process: the union's success
-                    task_stats = [process_stats[i] for _, process_stats in everyone]
-                    episodes_t = sum(st.episodes for st in task_stats)
-                    curriculum.update(t, sum(st.successes for st in task_stats) / max(1, episodes_t))
+                if rollouts_async is not None:
+                    t_wait = time.perf_counter()
+                    rollout, stats, ray_info = rollouts_async.next_batch()
+                    rollout_seconds = time.perf_counter() - t_wait  # the learner's wait: collection overlaps updates
+                    chosen, everyone = [0], [(rollout, stats)]
+                    curriculum.update(0, sum(st.successes for st in stats) / max(1, sum(st.episodes for st in stats)))
+                else:
+                    rollout, stats, rollout_seconds, chosen, everyone = collect_local(it)
                 t_update = time.perf_counter()
-                old_log_prob = batched_log_prob(policy, rollout.obs, rollout.chain, cfg.minibatch_size)[:, trained]
+                behaviour = rollout.behaviour_log_prob  # recorded by asynchronous workers: their own weights'
+                if behaviour is None:
+                    behaviour = batched_log_prob(policy, rollout.obs, rollout.chain, cfg.minibatch_size)
+                old_log_prob = behaviour[:, trained]
                 shared = {
                     "epochs": cfg.update_epochs, "minibatch_size": cfg.minibatch_size, "clip_low": cfg.clip_low,
                     "clip_high": cfg.clip_high, "generator": generator, "actor_step": actor_step, "pcgrad": cfg.pcgrad,
@@ -412,6 +464,9 @@ def finetune(cfg: FinetuneConfig) -> dict:
                     )  # fmt: skip
                 else:
                     ustats = grpo.update(policy, rollout, old_log_prob, cfg=cfg.grpo, processes=processes, **shared)
+                if rollouts_async is not None:
+                    rollouts_async.publish(policy)
+                    ustats = {**ustats, **ray_info}
                 update_seconds = time.perf_counter() - t_update
                 env_steps = sum(st.env_steps for st in stats)
                 episodes_done = sum(st.episodes for st in stats)

@@ -66,6 +66,10 @@ class Rollout:
     done: (M,) bool, the episode ended with this decision (success, failure, time limit or divergence).
     success: (M,) bool, the decision's episode ended in success (every decision of it).
     diverged: (M,) bool, the decision's episode ended because its world blew up (every decision of it).
+    version: (M,) long, the policy version that sampled each decision (asynchronous rollouts,
+        `vla_rl.rl.ray_runtime`); None for a rollout of the learner's own weights.
+    behaviour_log_prob: (M, K) the per-denoising-step log-probabilities of the chains under the
+        weights that sampled them (asynchronous rollouts); None: the learner scores them itself.
     """
 
     obs: dict[str, Any]
@@ -80,6 +84,8 @@ class Rollout:
     done: torch.Tensor
     success: torch.Tensor
     diverged: torch.Tensor
+    version: torch.Tensor | None = None
+    behaviour_log_prob: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.world)
@@ -94,7 +100,7 @@ class Rollout:
                 picked[name] = select_rows(value, rows)
             elif name == "chain":
                 picked[name] = value.select(rows)
-            else:
+            elif value is not None:
                 picked[name] = value[rows]
         return Rollout(**picked)
 
@@ -103,8 +109,12 @@ class Rollout:
         """One rollout of several (one per task): rollout r's worlds become r * worlds_per_rollout + w."""
         parts = {f.name: [getattr(r, f.name) for r in rollouts] for f in fields(Rollout)}
         parts["world"] = [r.world + i * worlds_per_rollout for i, r in enumerate(rollouts)]
+        for name in ("version", "behaviour_log_prob"):  # kept only where every part has it
+            if any(v is None for v in parts[name]):
+                parts[name] = None
         return Rollout(**{
-            name: cat_obs(v) if name == "obs" else DenoisingChain.cat(v) if name == "chain" else torch.cat(v)
+            name: v if v is None else cat_obs(v) if name == "obs" else DenoisingChain.cat(v) if name == "chain"
+            else torch.cat(v)
             for name, v in parts.items()
         })  # fmt: skip
 

@@ -1,0 +1,16 @@
+"""Latency-aware RL (ARLI) on this machine: naive PPO under inference delay against PPO whose policy reads
+the committed actions and a mid-inference observation, with no-delay PPO and training-time RTC alongside.
+
+The same code as `vla-rl bench latency-rl` (``vla_rl.bench_latency_rl``, whose docstring fixes the protocol).
+
+Usage: python benchmarks/latency_rl.py [--quick=true] [--env_steps=36000] [--eval_episodes=100] [--help]
+Writes outputs/bench/latency_rl/latency_rl.json and latency_rl.png; the last line printed is
+``latency_aware_over_naive=<x> latency_aware_over_nodelay=<y>``.
+"""
+
+import sys
+
+from vla_rl.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main(["bench", "latency-rl", *sys.argv[1:]]))

@@ -1,0 +1,231 @@
+"""`vla-rl bench latency-rl` (also ``benchmarks/latency_rl.py``): does latency-aware RL work where naive RL under delay does not?
+
+The protocol, fixed before any result was seen:
+
+1. Task ``track`` (a ball drifting across the table either way, so the world moves while the
+   policy thinks). Control period 0.05 s (25 physics steps of 2 ms: a 20 Hz robot), so a delay of
+   d control steps is 50 d ms: d = 0, 3, 6 are 0, 150 and 300 ms of inference.
+2. One imitation checkpoint: ``demos`` scripted episodes, ``train_steps`` steps of the
+   ``diffusion`` policy, no delay (the plain policy of ``vla-rl bench rl`` and ``bench delay``).
+3. The arms, each at every delay d in ``delays`` (fixed delays, announced by the oracle):
+   - ``imitation``: the checkpoint of 2, no RL (the reference line);
+   - ``naive``: PPO under delay d; the policy sees the observation its request was made from, and
+     its chunk starts d steps later;
+   - ``latency_aware``: PPO under delay d with the fast head (`policies.latency_head`): the
+     committed actions and the mid-inference observation (state and camera image, taken at
+     ``mid_fraction`` = 0.5 of the window);
+   - ``standard``: PPO with no delay, evaluated with none (the ideal: it exists at d = 0 only);
+   - ``training_rtc``: the strongest non-RL answer known today (Black et al. 2025): the same data
+     and training steps as 2 with the delay augmentation (delays uniform in [0, max(delays)]),
+     no RL, evaluated under each delay.
+   At d = 0 there is no delay to be aware of: ``naive`` and ``latency_aware`` are the ``standard``
+   run (one run, shared; the fast head would read a mid observation equal to the request's).
+4. Every PPO run: ``vla-rl finetune --algo=ppo`` with every setting its default, the same seed
+   and the same ``env_steps`` budget of rollout control steps; the last weights are evaluated.
+   No run is chosen by its score and no arm gets its own hyperparameters (the fast head's
+   learning rate is finetune's default for it; the naive arm has no head).
+5. Every cell: ``eval_episodes`` held-out episodes from ``eval_seed`` (fine-tuning resets from
+   seeds above 1,000,000), 95% Wilson intervals; a plot (success vs delay per arm) and JSON.
+   The final line, at the largest delay D:
+   ``latency_aware_over_naive=<x> latency_aware_over_nodelay=<y>`` where x = latency_aware(D) /
+   naive(D) and y = latency_aware(D) / standard(0). A ratio over zero prints as inf (it means
+   nothing then).
+
+``--quick`` runs every stage at toy sizes (about a minute): it checks the plumbing, not the claim.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+ARMS = ("imitation", "naive", "latency_aware", "standard", "training_rtc")
+
+
+@dataclass
+class BenchLatencyRLConfig:
+    """Naive vs latency-aware PPO under inference delay, against no-delay PPO and training-time RTC."""
+
+    task: str = "track"  # its world must move while the policy thinks
+    demos: int = 200  # scripted demonstration episodes of the imitation checkpoints
+    train_steps: int = 4000  # imitation training steps (both the plain and the training-time RTC policy)
+    batch_size: int = 64
+    horizon: int = 16
+    n_action_steps: int = 4
+    delays: list[int] = field(default_factory=lambda: [0, 3, 6])  # control steps (50 ms each)
+    mid_fraction: float = 0.5  # where the latency-aware arm's mid-inference observation is taken
+    num_envs: int = 16  # rollout worlds of fine-tuning
+    env_steps: int = 36_000  # rollout control steps of every PPO run
+    eval_episodes: int = 100  # held-out episodes per cell
+    eval_seed: int = 7000  # seed of the held-out evaluation, the same in every cell
+    seed: int = 0
+    num_threads: int = 0  # torch CPU threads; 0 = all cores
+    # dataset, checkpoints, runs, per-cell evaluations, latency_rl.json and latency_rl.png; a finished
+    # stage found here is reused (a killed run goes on), a quick run goes to <output_dir>/quick
+    output_dir: str = "outputs/bench/latency_rl"
+    quick: bool = False  # toy sizes: checks every stage runs, in about a minute; says nothing about the claim
+
+    def apply_quick(self) -> None:
+        if self.quick:
+            self.demos, self.train_steps, self.batch_size, self.num_envs = 4, 20, 16, 4
+            self.env_steps, self.eval_episodes, self.delays = 150, 4, [0, 3]
+
+
+def bench_latency_rl(cfg: BenchLatencyRLConfig) -> dict[str, Any]:
+    """Run the protocol of the module docstring; returns (and writes as ``latency_rl.json``) every cell."""
+    from policies.diffusion.configuration_diffusion import DiffusionConfig
+    from sim.config import EnvConfig
+    from vla_rl.eval import EvalConfig, evaluate
+    from vla_rl.finetune import FinetuneConfig, finetune
+    from vla_rl.record import RecordConfig, record
+    from vla_rl.runtime import DelayConfig
+    from vla_rl.train import DatasetConfig, TrainConfig, train
+
+    cfg.apply_quick()
+    if not cfg.delays or min(cfg.delays) != 0 or max(cfg.delays) >= cfg.horizon:
+        raise ValueError(
+            f"delays must start at 0 (the standard arm) and stay below horizon={cfg.horizon}, got {cfg.delays}"
+        )
+    out = Path(cfg.output_dir) / "quick" if cfg.quick else Path(cfg.output_dir)
+    start = time.time()
+    dataset = out / "dataset"
+    if not (dataset / "meta" / "info.json").is_file():
+        record(RecordConfig(
+            env=EnvConfig(task=cfg.task, num_envs=min(cfg.num_envs, cfg.demos)), num_episodes=cfg.demos,
+            output_dir=str(dataset), seed=cfg.seed, repo_id=f"local/vla_rl_{cfg.task}", overwrite=True,
+        ))  # fmt: skip
+    largest = max(cfg.delays)
+    imitation_delays = {
+        "imitation": DelayConfig(),
+        "training_rtc": DelayConfig(kind="uniform", low=0, high=largest, seed=cfg.seed),
+    }
+    stage_minutes: dict[str, float] = {}
+    for name, delay in imitation_delays.items():
+        t0 = time.time()
+        train(TrainConfig(
+            dataset=DatasetConfig(root=str(dataset)), output_dir=str(out / name), steps=cfg.train_steps,
+            batch_size=cfg.batch_size, seed=cfg.seed, log_with="none", save_every=cfg.train_steps,
+            num_threads=cfg.num_threads, delay=delay, resume=(out / name / "checkpoints").is_dir(),
+            policy=DiffusionConfig(horizon=cfg.horizon, n_action_steps=cfg.n_action_steps),
+        ))  # fmt: skip
+        stage_minutes[f"train_{name}"] = round((time.time() - t0) / 60, 2)
+
+    runs: dict[str, Any] = {}
+
+    def ppo(name: str, d: int, latency_aware: bool) -> Path:
+        run_dir = out / "runs" / name
+        t0 = time.time()
+        summary = finetune(FinetuneConfig(
+            checkpoint=str(out / "imitation"), algo="ppo", env=EnvConfig(task=cfg.task, num_envs=cfg.num_envs),
+            iterations=10**6, max_env_steps=cfg.env_steps, seed=cfg.seed, output_dir=str(run_dir), eval_every=0,
+            delay=DelayConfig(kind="fixed", steps=d), latency_aware=latency_aware, mid_fraction=cfg.mid_fraction,
+            num_threads=cfg.num_threads, log_with="none", resume=(run_dir / "checkpoints" / "last").exists(),
+        ))  # fmt: skip
+        runs[name] = {
+            "delay": d, "latency_aware": latency_aware, "minutes": round((time.time() - t0) / 60, 2),
+            "env_steps": summary["env_steps"], "iterations": summary["iterations"],
+            "rollout_env_steps_per_s": summary["rollout_env_steps_per_s"], "skipped_updates": summary["skipped_updates"],
+            "rollout_success": [h["rollout_success"] for h in summary["history"]],
+        }  # fmt: skip
+        return run_dir
+
+    checkpoints: dict[tuple[str, int], Path] = {}
+    for d in cfg.delays:
+        checkpoints["imitation", d] = out / "imitation"
+        checkpoints["training_rtc", d] = out / "training_rtc"
+        if d == 0:
+            shared = ppo("standard_d0", 0, latency_aware=False)
+            for arm in ("standard", "naive", "latency_aware"):
+                checkpoints[arm, 0] = shared
+        else:
+            checkpoints["naive", d] = ppo(f"naive_d{d}", d, latency_aware=False)
+            checkpoints["latency_aware", d] = ppo(f"latency_aware_d{d}", d, latency_aware=True)
+
+    cells: list[dict[str, Any]] = []
+    t0 = time.time()
+    for (arm, d), checkpoint in checkpoints.items():
+        result = evaluate(EvalConfig(
+            checkpoint=str(checkpoint), env=EnvConfig(task=cfg.task, num_envs=min(50, cfg.eval_episodes)),
+            num_episodes=cfg.eval_episodes, seed=cfg.eval_seed, video_episodes=0,
+            delay=DelayConfig(kind="fixed", steps=d), output_dir=str(out / "eval" / arm / f"d{d}"),
+        ))  # fmt: skip
+        cells.append({
+            "arm": arm, "delay": d, "delay_ms": 50 * d, "checkpoint": str(checkpoint), "episodes": result["episodes"],
+            "successes": result["successes"], "success_rate": result["success_rate"],
+            "success_ci95": result["success_ci95"],
+        })  # fmt: skip
+    stage_minutes["evaluation"] = round((time.time() - t0) / 60, 2)
+    summary = summarize(cells, largest)
+    report = {
+        "config": asdict(cfg), "cells": cells, "summary": summary, "runs": runs, "stage_minutes": stage_minutes,
+        "minutes": round((time.time() - start) / 60, 2),
+    }  # fmt: skip
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "latency_rl.json").write_text(json.dumps(report, indent=2))
+    plot(cells, out / "latency_rl.png", cfg.task)
+    report["plot"] = str(out / "latency_rl.png")
+    return report
+
+
+def success(cells: list[dict], arm: str, delay: int) -> float:
+    return next(c["success_rate"] for c in cells if (c["arm"], c["delay"]) == (arm, delay))
+
+
+def summarize(cells: list[dict], largest: int) -> dict[str, float]:
+    """The two ratios of the final line (inf where the denominator is 0: the ratio means nothing then)."""
+    aware, naive, ideal = (success(cells, "latency_aware", largest), success(cells, "naive", largest),
+                           success(cells, "standard", 0))  # fmt: skip
+    return {
+        "latency_aware_over_naive": aware / naive if naive > 0 else math.inf,
+        "latency_aware_over_nodelay": aware / ideal if ideal > 0 else math.inf,
+        "latency_aware_at_largest": aware, "naive_at_largest": naive, "standard_at_zero": ideal,
+        "largest_delay": largest,
+    }  # fmt: skip
+
+
+def plot(cells: list[dict], path: Path, task: str) -> None:
+    """Success vs delay, one line per arm, with the Wilson intervals as bands."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for arm in ARMS:
+        rows = sorted((c for c in cells if c["arm"] == arm), key=lambda c: c["delay"])
+        delays = [c["delay"] for c in rows]
+        ax.plot(delays, [c["success_rate"] for c in rows], marker="o", label=arm.replace("_", " "))
+        ax.fill_between(delays, [c["success_ci95"][0] for c in rows], [c["success_ci95"][1] for c in rows], alpha=0.1)
+    ax.set_xlabel("inference delay (control steps of 50 ms)")
+    ax.set_ylabel("success rate")
+    ax.set_ylim(0, 1)
+    ax.set_title(f"{task}: RL under inference delay (95% Wilson bands)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def format_summary(report: dict[str, Any]) -> str:
+    """Every cell, then the final line."""
+    lines = [f"{'arm':<14} {'delay':>5} {'ms':>5} {'success':>8}  95% interval      episodes"]
+    for c in sorted(report["cells"], key=lambda c: (ARMS.index(c["arm"]), c["delay"])):
+        lo, hi = c["success_ci95"]
+        lines.append(
+            f"{c['arm']:<14} {c['delay']:>5} {c['delay_ms']:>5} {c['success_rate']:>8.2f}  [{lo:.2f}, {hi:.2f}]  "
+            f"{c['episodes']:>8}"
+        )
+    for name, run in report["runs"].items():
+        lines.append(f"run {name}: {run['env_steps']} env steps, {run['iterations']} iterations, {run['minutes']} min")
+    if report["config"]["quick"]:
+        lines.append("quick run: toy sizes, the numbers below say nothing about latency-aware RL")
+    s = report["summary"]
+    lines.append(
+        f"latency_aware_over_naive={s['latency_aware_over_naive']:.3f} "
+        f"latency_aware_over_nodelay={s['latency_aware_over_nodelay']:.3f}"
+    )
+    return "\n".join(lines)
