@@ -406,7 +406,7 @@ def test_an_episode_that_ends_before_the_mid_observation_drops_its_request():
     shell.reset(seed=0)
     shell.step(ActionChunk(torch.zeros(1, 12, 1), shell.obs_step))  # answered at step 2
     chunk0 = torch.arange(12, dtype=torch.float32).reshape(1, 12, 1)
-    obs, _, _, trunc, info, need = shell.step(ActionChunk(chunk0, shell.obs_step))
+    obs, _, _, trunc, _, need = shell.step(ActionChunk(chunk0, shell.obs_step))
     assert need.tolist() == [True] and trunc.tolist() == [True]
     assert env.applied[0] == [-1, -1, -1, -1, 4, 5, 6, 7, 8, -1, -1]  # steps 0, 1 of the new episode hold
     assert (obs["observation.state"].item(), obs[OBS_MID_STATE].item()) == (0, 2)
