@@ -10,6 +10,12 @@ augmentation and, with the ``rtc`` merge and a flow policy, RTC guidance. A chun
 the step after the tick that found it. Entering a hold discards the queued plan and any chunk still
 in flight. Every measured inference latency is written to ``latency_log`` (JSON lines, with the
 control period), which ``--delay.kind=histogram`` replays in simulation. No ROS import here.
+
+A latency-aware policy (``mid_inference: true``) also gets a mid-inference observation, as in
+simulation (`sim.delay.DelayedChunkEnv`): a request at step t announcing delay d is submitted at
+once, and m = floor(mid_fraction * d) ticks later the node sends the worker the freshest joint
+state and images as ``observation.mid.*`` (with m = 0, the request's own, at once); the worker runs
+the policy on both, so its chunk is found at tick t + m + 1 at the earliest.
 """
 
 from __future__ import annotations
@@ -23,11 +29,18 @@ import torch
 
 from robot_bridge.config import ServeConfig
 from robot_bridge.diagnostics import BridgeDiagnostics
-from robot_bridge.inference import InferenceRequest, InferenceResult, InferenceWorker, WorkerStatus, chunk_problem
+from robot_bridge.inference import (
+    InferenceRequest,
+    InferenceResult,
+    InferenceWorker,
+    MidObservation,
+    WorkerStatus,
+    chunk_problem,
+)
 from robot_bridge.inputs import JOINT_STATES, BridgeInputs
 from robot_bridge.log_limit import LogLimiter
 from vla_rl.runtime import ActionChunkExecutor, ChunkSchedule, LatencyLog
-from vla_rl.types import ActionChunk, Policy
+from vla_rl.types import OBS_MID_STATE, OBS_MID_STEPS, OBS_STATE, ActionChunk, Policy, image_key, mid_image_key
 
 
 @dataclass
@@ -65,6 +78,10 @@ class ChunkScheduler:
         self.executor: ActionChunkExecutor | None = None  # built once the policy tells its horizon
         self.schedule: ChunkSchedule | None = None  # drives the executor; built with it
         self.max_delay_steps = 0  # D_max of the delay augmentation: the policy's max_delay_steps
+        self.latency_aware = False  # the policy reads a mid-inference observation
+        # The request waiting for its mid-inference observation: (request id, step to send it at, request step)
+        self.pending_mid: tuple[int, int, int] | None = None
+        self._request_observation: dict[str, Any] | None = None  # its observation, if no fresher one comes
         self.latency_log = LatencyLog(config.latency_log, 1.0 / config.control_hz) if config.latency_log else None
         self.policy_info: dict[str, Any] = {}
         self.execute_steps = 0  # steps per chunk, chunking.execute_steps or the policy's, once it is loaded
@@ -87,7 +104,7 @@ class ChunkScheduler:
         cfg = config
         self.worker = InferenceWorker(
             load_policy, mode=cfg.inference, cpu=cfg.inference_cpu, num_threads=cfg.inference_threads,
-            nice=cfg.inference_nice, load_retry_s=cfg.load_retry_s,
+            nice=cfg.inference_nice, load_retry_s=cfg.load_retry_s, added_latency_s=cfg.added_latency_s,
         )  # fmt: skip
 
     def worker_problem(self) -> tuple[str, str] | None:
@@ -121,6 +138,7 @@ class ChunkScheduler:
             ex.discard_queue()
             self._epoch += 1
         self._holding = cause is not None
+        self._maybe_send_mid()
         self._maybe_request(cause, now)
         self.next_step = int(ex.step[0])
         action, valid = ex.next_action()  # also while holding: the step counter keeps time
@@ -166,9 +184,13 @@ class ChunkScheduler:
                 return
             cfg = self.config
             self.max_delay_steps = int(status.info.get("max_delay_steps") or 0)
+            self.latency_aware = bool(status.info.get("latency_aware"))
+            reads = max(
+                self.max_delay_steps, int(status.info.get("latency_max_delay") or 0) if self.latency_aware else 0
+            )
             self.executor = ActionChunkExecutor(
                 1, len(cfg.action_names), cfg.horizon or status.info["horizon"], merge=cfg.chunking.merge,
-                ensemble_coeff=cfg.chunking.ensemble_coeff, max_delay=self.max_delay_steps,
+                ensemble_coeff=cfg.chunking.ensemble_coeff, max_delay=reads,
             )  # fmt: skip
             self.schedule = ChunkSchedule(
                 self.executor, self.execute_steps, estimate="measured", window=cfg.delay_estimate_window
@@ -193,6 +215,21 @@ class ChunkScheduler:
             self.execute_steps = cfg.chunking.steps_per_chunk(info.get("n_action_steps"), horizon)
         except ValueError as err:
             return str(err)
+        if info.get("latency_aware"):
+            if not cfg.mid_inference:
+                return (
+                    "this checkpoint is latency-aware: it reads a mid-inference observation; set mid_inference: true "
+                    "in the serve config (the node then sends the freshest joint state and images part-way through "
+                    "each inference)"
+                )
+            if cfg.chunking.merge != "latest":
+                return "a latency-aware checkpoint acts with latest-only merging (as it was fine-tuned); set chunking.merge: latest"
+            tuned = int(info.get("latency_max_delay") or 0)
+            if cfg.max_delay_steps > tuned:
+                return (
+                    f"this robot's delays reach max_delay_steps={cfg.max_delay_steps} control steps but the latency-aware "
+                    f"policy was fine-tuned for delays up to {tuned}; fine-tune it at {cfg.max_delay_steps} or serve faster"
+                )
         trained = int(info.get("max_delay_steps") or 0)
         if trained and cfg.max_delay_steps > trained:
             return (
@@ -272,13 +309,43 @@ class ChunkScheduler:
         everyone = torch.ones(1, dtype=torch.bool)
         request = schedule.request(everyone)
         observation.update({k: v.numpy() for k, v in request.augmentation.items()})
+        needs_mid = False
+        if self.latency_aware:
+            mid_steps = int(self.policy_info.get("mid_fraction", 0.5) * int(request.delay_steps[0]))
+            if mid_steps == 0:  # the mid point is the request itself
+                observation.update(self._mid_observation(observation, 0))
+            else:
+                needs_mid = True
+                self.pending_mid = (self._request_id + 1, step + mid_steps, step)
+                self._request_observation = observation
         guidance = None
         if request.guidance is not None and self.policy_info.get("supports_inpainting"):
             guidance = tuple(g.numpy() for g in request.guidance)
         self._request_id += 1
-        self.worker.submit(InferenceRequest(self._request_id, observation, step, guidance))
+        self.worker.submit(InferenceRequest(self._request_id, observation, step, guidance, needs_mid=needs_mid))
         self.in_flight = InFlightRequest(
             self._request_id, sent=now, epoch=self._epoch, delay_steps=int(request.delay_steps[0]),
             obs_stamp=self.inputs.stamp.get(JOINT_STATES, 0.0), obs_arrival=self.inputs.arrival[JOINT_STATES],
             guided=guidance is not None, instruction=self.inputs.instruction,
         )  # fmt: skip
+
+    def _mid_observation(self, observation: dict[str, Any], steps: int) -> dict[str, Any]:
+        """``observation.mid.*`` from an observation batch of one: its state, the policy's mid cameras."""
+        mid = {OBS_MID_STATE: observation[OBS_STATE], OBS_MID_STEPS: np.array([steps], dtype=np.int64)}
+        for cam in self.policy_info.get("mid_cameras", []):
+            mid[mid_image_key(cam)] = observation[image_key(cam)]
+        return mid
+
+    def _maybe_send_mid(self) -> None:
+        """Send the request in flight its mid-inference observation once its step has come: the freshest
+        inputs (the request's own if they are rejected right now). Sent while holding too: the worker
+        waits for it, and a chunk planned before a hold is dropped anyway."""
+        if self.pending_mid is None or self.executor is None:
+            return
+        request_id, at, requested = self.pending_mid
+        step = int(self.executor.step[0])
+        if step < at:
+            return
+        observation = self.inputs.observation() or self._request_observation
+        self.worker.send_mid(MidObservation(request_id, self._mid_observation(observation, step - requested)))
+        self.pending_mid, self._request_observation = None, None

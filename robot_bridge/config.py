@@ -113,6 +113,10 @@ class ServeConfig:
     # delays are announced as the policy's largest and counted (delay_clamped).
     max_delay_steps: int = 0
     delay_estimate_window: int = 4  # the delay announced = the largest lag of the last this-many chunks
+    # Send the inference worker a mid-inference observation (the freshest joint state and images)
+    # m = floor(mid_fraction * announced delay) ticks into each request, as latency-aware checkpoints
+    # (`vla-rl finetune --latency_aware=true`) read; such a checkpoint is refused without it.
+    mid_inference: bool = False
     # Every measured inference latency, as JSON lines with the control period (rewritten at start;
     # "" = none): replay it in simulation with --delay.kind=histogram --delay.latencies_file=<this file>.
     latency_log: str = "outputs/serve/latencies.jsonl"
@@ -121,6 +125,9 @@ class ServeConfig:
     control_cpu: int = 0  # core the control loop is pinned to; -1 = no pinning
     inference_threads: int = 1  # torch threads of the inference
     inference_nice: int = 10  # niceness added to the inference process, so the control loop wins the CPU
+    # Seconds added to every inference before its chunk is returned: a slow model's latency on a fast
+    # machine, to try the latency path (and latency-aware checkpoints) with `vla-rl sim-robot`. 0 = none.
+    added_latency_s: float = 0.0
     # SCHED_FIFO priority (1-99) of the control loop and its DDS threads, so no other work on the core
     # delays a tick (as ros2_control does); 0 = normal scheduling. Needs root or an rtprio limit;
     # without permission the node logs why and runs with normal scheduling.
@@ -157,8 +164,8 @@ class ServeConfig:
         if self.control_hz <= 0 or self.diagnostics_hz <= 0 or self.deadline_ms <= 0:
             raise ValueError("control_hz, diagnostics_hz and deadline_ms must be > 0")
         self.chunking.validate()
-        if self.max_delay_steps < 0 or self.horizon < 0 or self.image_size < 0:
-            raise ValueError("max_delay_steps, horizon and image_size must be >= 0")
+        if self.max_delay_steps < 0 or self.horizon < 0 or self.image_size < 0 or self.added_latency_s < 0:
+            raise ValueError("max_delay_steps, horizon, image_size and added_latency_s must be >= 0")
         if self.delay_estimate_window < 1:
             raise ValueError(f"delay_estimate_window must be >= 1, got {self.delay_estimate_window}")
         if not self.state_names or not self.action_names:

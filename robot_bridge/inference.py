@@ -9,7 +9,9 @@ the control loop through the CPU or Python's GIL. The worker loads the policy it
 
 Messages from the worker are ``WorkerStatus`` (loading / ready / failed) and ``InferenceResult``.
 Observations travel as numpy: images (1, H, W, 3) uint8, the rest float or long arrays, ``task``
-a list of strings.
+a list of strings. A latency-aware policy's request says ``needs_mid``: the worker then waits for
+the request's ``MidObservation`` (``observation.mid.*``, sent by the node part-way through the
+inference window) and runs the policy on both.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from robot_bridge.scheduling import use_normal
-from vla_rl.types import OBS_IMAGES, TASK, Policy
+from vla_rl.types import OBS_IMAGES, OBS_MID, TASK, Policy
 
 
 @dataclass
@@ -36,6 +38,13 @@ class InferenceRequest:
     observation: dict[str, Any]  # numpy batch of one; images (1, H, W, 3) uint8
     obs_step: int  # executor step the chunk is conditioned on
     guidance: tuple[np.ndarray, np.ndarray] | None = None  # RTC target (1, H, A) and weights (1, H)
+    needs_mid: bool = False  # wait for this request's MidObservation before running the policy
+
+
+@dataclass
+class MidObservation:
+    request_id: int
+    observation: dict[str, Any]  # observation.mid.state (1, S), .steps (1,), .images.<cam> (1, H, W, 3) uint8
 
 
 @dataclass
@@ -88,7 +97,7 @@ def to_policy_batch(observation: dict[str, Any]):
     for key, value in observation.items():
         if key == TASK:
             batch[key] = list(value)
-        elif key.startswith(OBS_IMAGES + "."):
+        elif key.startswith((OBS_IMAGES + ".", OBS_MID + ".images.")):
             batch[key] = torch.from_numpy(value).permute(0, 3, 1, 2).float().div_(255.0)
         else:
             batch[key] = torch.from_numpy(np.asarray(value))
@@ -106,6 +115,12 @@ def policy_info(policy: Policy) -> dict[str, Any]:
         "action_dim": getattr(config, "action_dim", None),
         "supports_inpainting": bool(getattr(policy, "supports_inpainting", False)),
         "max_delay_steps": getattr(config, "max_delay_steps", 0),  # D_max of the delay augmentation it trained with
+        # A latency-aware policy reads the committed actions (up to latency_max_delay) and a mid-inference
+        # observation taken mid_fraction into the window, with the mid_cameras' images.
+        "latency_aware": bool(getattr(config, "latency_aware", False)),
+        "latency_max_delay": getattr(config, "latency_max_delay", 0),
+        "mid_fraction": getattr(config, "mid_fraction", 0.5),
+        "mid_cameras": list(getattr(config, "mid_cameras", [])),
     }
 
 
@@ -116,8 +131,10 @@ def serve_requests(
     num_threads: int,
     nice: int,
     load_retry_s: float,
+    added_latency_s: float = 0.0,
 ) -> None:
-    """Worker body: load the policy (retrying), then answer requests until a ``None`` request arrives."""
+    """Worker body: load the policy (retrying), then answer requests until a ``None`` request arrives.
+    added_latency_s: slept before each answer (an artificial inference delay)."""
     import torch
 
     # Started from the real-time control thread, the worker inherits its SCHED_FIFO; inference
@@ -143,6 +160,13 @@ def serve_requests(
         request: InferenceRequest | None = conn.recv()
         if request is None:
             return
+        if request.needs_mid:  # the node sends it part-way through the window; older ones are of dropped requests
+            mid = conn.recv()
+            while mid is not None and (not isinstance(mid, MidObservation) or mid.request_id != request.request_id):
+                mid = conn.recv()
+            if mid is None:
+                return
+            request.observation = {**request.observation, **mid.observation}
         start = time.perf_counter()
         try:
             # no_grad, not inference_mode: RTC guidance takes a vector-Jacobian product of the flow
@@ -156,6 +180,8 @@ def serve_requests(
                 else:
                     chunk = policy.predict_chunk(batch, obs_step)
                 actions = chunk.actions.detach().to("cpu", torch.float32).numpy()
+            if added_latency_s > 0:
+                time.sleep(added_latency_s)
             compute_s = time.perf_counter() - start
             conn.send(
                 InferenceResult(request.request_id, request.obs_step, compute_s, actions, finished=time.monotonic())
@@ -179,12 +205,13 @@ class InferenceWorker:
         num_threads: int = 1,
         nice: int = 10,
         load_retry_s: float = 5.0,
+        added_latency_s: float = 0.0,
     ) -> None:
         if mode not in ("process", "thread"):
             raise ValueError(f"inference mode must be process or thread, got {mode!r}")
         self._conn, child = multiprocessing.Pipe()
         # A thread shares the node's process: its niceness would be the control loop's too.
-        args = (child, load_policy, cpu, num_threads, nice if mode == "process" else 0, load_retry_s)
+        args = (child, load_policy, cpu, num_threads, nice if mode == "process" else 0, load_retry_s, added_latency_s)
         if mode == "process":
             # spawn, not fork: the parent holds ROS and torch threads that must not be copied mid-flight.
             self._runner = multiprocessing.get_context("spawn").Process(
@@ -202,6 +229,10 @@ class InferenceWorker:
             raise RuntimeError("an inference request is already in flight; wait for its result")
         self.busy = True
         self._conn.send(request)
+
+    def send_mid(self, mid: MidObservation) -> None:
+        """The mid-inference observation of the request in flight."""
+        self._conn.send(mid)
 
     def poll(self) -> list[WorkerStatus | InferenceResult]:
         """Everything the worker sent since the last call, without waiting."""

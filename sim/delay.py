@@ -20,12 +20,14 @@ Timing, per world (all worlds step together, each on its own schedule):
   the old episode, and it requests at once.
 
 The mid-inference observation (``mid_fraction``, for latency-aware policies; `policies.latency_head`):
-a request at step t with delay d is answered m = floor(mid_fraction * d) steps later, once the
-policy can see the world part-way through its inference. Until then the world runs its committed
-actions; the policy is then asked with the request's observation and delay augmentation (as of
-step t), plus ``observation.mid.state``, ``observation.mid.images.<cam>`` (``mid_cameras``) and
-``observation.mid.steps`` (m) as of step t + m. The chunk is still conditioned on step t and still
-arrives at t + d. Without ``mid_fraction`` the policy is asked at the request (m = 0, no mid keys).
+a request at step t that announces a delay d (the estimate the robot would have) is answered
+m = floor(mid_fraction * d) steps later, once the policy can see the world part-way through its
+inference. Until then the world runs its committed actions; the policy is then asked with the
+request's observation and delay augmentation (as of step t), plus ``observation.mid.state``,
+``observation.mid.images.<cam>`` (``mid_cameras``) and ``observation.mid.steps`` (m) as of step
+t + m. The chunk is still conditioned on step t and arrives at t + (its true delay), but never
+before step t + m + 1 when m > 0: the fast part runs after the mid observation, as on the robot
+(`robot_bridge.chunk_scheduler`). Without ``mid_fraction`` the policy is asked at the request.
 
 The state lives on the env's device, updated with masks, and delays are drawn there: the only host
 read per control step is whether any world requests now, which decides when ``step`` returns. A
@@ -281,7 +283,8 @@ class DelayedChunkEnv:
         self.guidance = request.guidance
         step = self.executor.step
         self._request_step = torch.where(worlds, step, self._request_step)
-        mid = 0 if self.mid_fraction is None else (self._true_delay.float() * self.mid_fraction).floor().long()
+        # In float64, as the robot computes it in Python: both floor the same product.
+        mid = 0 if self.mid_fraction is None else (request.delay_steps.double() * self.mid_fraction).floor().long()
         self._ask_step = torch.where(worlds, step + mid, self._ask_step)
         self._pending = self._pending | worlds
         # In flight from now, but nothing can arrive before the policy is asked and answers.
@@ -326,7 +329,11 @@ class DelayedChunkEnv:
             self._flight_actions = torch.zeros_like(actions)
         self._flight_actions = torch.where(submitted[:, None, None], actions, self._flight_actions)
         self._flight_obs_step = torch.where(submitted, chunk.obs_step.to(dev), self._flight_obs_step)
-        self._arrival = torch.where(submitted, self._request_step + self._true_delay, self._arrival)
+        arrival = self._request_step + self._true_delay
+        if self.mid_fraction is not None:  # the fast part answers after its mid observation, a step on at least
+            waited = self._ask_step > self._request_step
+            arrival = torch.where(waited, torch.maximum(arrival, self._ask_step + 1), arrival)
+        self._arrival = torch.where(submitted, arrival, self._arrival)
         delays = torch.where(submitted, self._true_delay, -1)
         self._transition.start(submitted, self._request_step)
         self._need = torch.zeros_like(submitted)

@@ -78,3 +78,45 @@ def test_serve_drives_the_sim_robot_to_success(lift_checkpoint, tmp_path):
     assert {int(d) for d in result["delay_histogram"]} <= set(measured.tolist())
     assert result["delay_max_steps"] == measured.max()
     assert 0.8 <= summary["realtime_factor"] <= 1.05, summary  # a loaded machine may fall behind a little
+
+
+@pytest.fixture(scope="module")
+def latency_aware_checkpoint(lift_checkpoint, tmp_path_factory):
+    """The lift checkpoint made latency-aware (`vla-rl finetune --latency_aware=true`'s first step: a fast
+    head that starts at zero), saved in finetune's layout: it acts as the imitation policy, but reads
+    the committed actions and the mid-inference observation, and refuses to run without them."""
+    from vla_rl.checkpoint import load_policy, write_policy
+
+    policy, _ = load_policy(lift_checkpoint)
+    policy.add_latency_head(8, 0.5, list(policy.config.cameras))
+    out = tmp_path_factory.mktemp("latency_aware") / "checkpoint"
+    write_policy(out, policy, {"step": 0})
+    return out
+
+
+@pytest.mark.slow
+def test_a_served_latency_aware_policy_succeeds_under_an_added_inference_delay(latency_aware_checkpoint, tmp_path):
+    """150 ms added to every inference (about 3 control steps at 20 Hz): the node sends each request its
+    mid-inference observation and the committed actions, and the policy still completes episodes."""
+    domain = DOMAIN_ID + 1
+    robot = start_command(["sim-robot", "--env.task=lift", "--seed=100"], domain, tmp_path, "robot")
+    bridge = start_command(["serve", "--config_path=configs/serve.yaml", f"--checkpoint={latency_aware_checkpoint}",
+                            "--mid_inference=true", "--chunking.merge=latest", "--added_latency_s=0.15",
+                            f"--latency_log={tmp_path / 'latencies.jsonl'}"], domain, tmp_path, "serve")  # fmt: skip
+    client = RobotClient(domain)
+    try:
+        client.wait_for_robot()
+        success = client.spin_until(lambda: next((s for s in client.statuses if s["success"]), None), 240,
+                                    "an episode the served latency-aware policy completes")  # fmt: skip
+        assert success["done"]
+    finally:
+        client.close()
+        serve_code, _, serve_err = stop_command(bridge, tmp_path, "serve")
+        robot_code, robot_out, robot_err = stop_command(robot, tmp_path, "robot")
+    assert serve_code == STOPPED_BY_SIGINT and robot_code == STOPPED_BY_SIGINT, serve_err + robot_err
+    assert "reads a mid-inference observation" not in serve_err  # it was configured, so it loaded
+    from vla_rl.runtime import latencies_to_steps, load_latencies
+
+    lags = latencies_to_steps(load_latencies(tmp_path / "latencies.jsonl", 0.05), 0.05)
+    assert lags.min() >= 3  # the added 150 ms really delayed every chunk
+    assert last_json(robot_out)["successes"] >= 1

@@ -26,7 +26,14 @@ from robot_bridge.inputs import JOINT_STATES, BridgeInputs
 from robot_bridge.log_limit import LogLimiter
 from sim.delay import DelayedChunkEnv
 from vla_rl.runtime import ChunkingConfig, DelayConfig
-from vla_rl.types import OBS_COMMITTED_ACTIONS, OBS_COMMITTED_MASK, OBS_DELAY_STEPS, ActionChunk
+from vla_rl.types import (
+    OBS_COMMITTED_ACTIONS,
+    OBS_COMMITTED_MASK,
+    OBS_DELAY_STEPS,
+    OBS_MID_STATE,
+    OBS_MID_STEPS,
+    ActionChunk,
+)
 
 DT = 0.05  # control period, seconds
 H, S, D_MAX, WINDOW = 8, 3, 4, 2  # chunk length, steps per chunk, policy's max_delay_steps, estimate window
@@ -41,12 +48,14 @@ class ProbePolicy:
 
     supports_inpainting = True
 
-    def __init__(self):
+    def __init__(self, latency_aware: bool = False):
         self.config = SimpleNamespace(
             horizon=H, n_action_steps=S, image_size=None, state_dim=len(SIM_STATE_NAMES),
-            action_dim=len(SIM_ACTION_NAMES), max_delay_steps=D_MAX,
+            action_dim=len(SIM_ACTION_NAMES), max_delay_steps=0 if latency_aware else D_MAX,
+            latency_aware=latency_aware, latency_max_delay=D_MAX, mid_fraction=0.5, mid_cameras=[],
         )  # fmt: skip
         self.seen: list[tuple] = []
+        self.mid: list[tuple[float, int]] = []  # a latency-aware probe's (mid state[0], mid steps) per request
 
     def predict_chunk(self, obs, obs_step=None, *, inpaint=None) -> ActionChunk:
         committed = torch.as_tensor(obs[OBS_COMMITTED_ACTIONS])[0].float()
@@ -55,6 +64,10 @@ class ProbePolicy:
         t = int(obs_step[0])
         guidance = None if inpaint is None else tuple(g[0].float().clone() for g in inpaint)
         self.seen.append((t, delay, committed.clone(), mask.clone(), guidance))
+        if self.config.latency_aware:
+            self.mid.append(
+                (float(torch.as_tensor(obs[OBS_MID_STATE])[0, 0]), int(torch.as_tensor(obs[OBS_MID_STEPS])[0]))
+            )
         actions = torch.zeros(1, H, 4)
         actions[0, :, 0] = t + torch.arange(H, dtype=torch.float32)
         actions[0, :, 1] = committed[:, 0].sum()
@@ -71,8 +84,10 @@ class RecordingEnv:
     def __init__(self):
         self.applied: list[list[float]] = []
 
-    def _obs(self):
-        return {"observation.state": torch.zeros(1, len(SIM_STATE_NAMES)), "task": ["probe"]}
+    def _obs(self):  # the state's first value is the step the observation is of
+        state = torch.zeros(1, len(SIM_STATE_NAMES))
+        state[0, 0] = len(self.applied)
+        return {"observation.state": state, "task": ["probe"]}
 
     def reset(self, seed=None, *, worlds=None):
         return self._obs()
@@ -111,18 +126,30 @@ class TimelineWorker:
         self.latencies = iter((d - 0.5) * DT for d in TIMELINE)
         self.held: list[InferenceResult] = []
         self.statuses: list[WorkerStatus] = []
+        self.waiting = (0.0, False)  # (when the request in flight is answered, still waiting for its mid observation)
 
     @property
     def busy(self) -> bool:
-        return bool(self.held)
+        return bool(self.held) or self.waiting[1]
 
     def submit(self, request) -> None:
         sent, latency = self.clock.now, next(self.latencies)
         self.worker.submit(request)
+        self.waiting = (sent + latency, request.needs_mid)
+        if not request.needs_mid:
+            self._collect(sent + latency)
+
+    def send_mid(self, mid) -> None:
+        """The worker computes the chunk once its mid observation is in: seen no earlier than the next tick."""
+        self.worker.send_mid(mid)
+        self._collect(max(self.waiting[0], self.clock.now + 0.5 * DT))
+
+    def _collect(self, finished: float) -> None:
+        self.waiting = (finished, False)
         while True:  # the real worker computes the chunk now; the clock decides when it is seen
             for message in self.worker.poll():
                 if isinstance(message, InferenceResult):
-                    message.finished = sent + latency
+                    message.finished = finished
                     self.held.append(message)
                     return
                 self.statuses.append(message)
@@ -141,9 +168,12 @@ class TimelineWorker:
         self.worker.close()
 
 
-def run_sim(merge: str) -> tuple[list, ProbePolicy]:
-    policy, env = ProbePolicy(), RecordingEnv()
-    shell = DelayedChunkEnv(env, H, S, TimelineDelays(), merge=merge, ensemble_coeff=0.5, max_delay=D_MAX)
+def run_sim(merge: str, latency_aware: bool = False) -> tuple[list, ProbePolicy]:
+    policy, env = ProbePolicy(latency_aware), RecordingEnv()
+    mid = 0.5 if latency_aware else None
+    shell = DelayedChunkEnv(
+        env, H, S, TimelineDelays(), merge=merge, ensemble_coeff=0.5, max_delay=D_MAX, mid_fraction=mid
+    )
     obs, need = shell.reset(seed=0)
     while len(env.applied) < STEPS:
         assert need.tolist() == [True]
@@ -154,9 +184,10 @@ def run_sim(merge: str) -> tuple[list, ProbePolicy]:
     return emitted, policy
 
 
-def run_bridge(merge: str, latency_log: str) -> tuple[list, ProbePolicy, list[dict]]:
-    policy = ProbePolicy()
+def run_bridge(merge: str, latency_log: str, latency_aware: bool = False) -> tuple[list, ProbePolicy, list[dict]]:
+    policy = ProbePolicy(latency_aware)
     config = ServeConfig(
+        mid_inference=latency_aware,
         checkpoint="(probe)", inference="thread", inference_cpu=-1, control_hz=1 / DT, latency_log=latency_log,
         chunking=ChunkingConfig(execute_steps=S, merge=merge, ensemble_coeff=0.5), delay_estimate_window=WINDOW,
         cameras=[CameraTopic("front", "/camera/front/image_raw")],
@@ -182,6 +213,7 @@ def run_bridge(merge: str, latency_log: str) -> tuple[list, ProbePolicy, list[di
         emitted = []
         for tick in range(STEPS):  # tick k prepares the action of step k (published at the next tick)
             clock.now = tick * DT
+            inputs.state[0] = tick  # the joint state the robot reads at this tick: the step it is of
             if tick:
                 scheduler.prepare_next_action(None, clock.now)
             assert scheduler.next_step == tick
@@ -257,3 +289,36 @@ def test_serve_refuses_a_policy_trained_for_shorter_delays_than_the_robot_has():
     # A policy that does not read the augmentation serves under any delay.
     robot.config.max_delay_steps = 6
     assert check(robot, {**info, "max_delay_steps": 0}) is None
+
+
+def test_the_mid_inference_observation_is_the_same_in_simulation_and_on_the_robot(tmp_path):
+    """A latency-aware probe on the same timeline: each request's mid observation is the state of the
+    same step (its first value is the step index on both sides), m = floor(0.5 * announced delay)
+    steps after the request, and the emitted actions agree step by step."""
+    sim_emitted, sim_policy = run_sim("latest", latency_aware=True)
+    robot_emitted, robot_policy, _ = run_bridge("latest", str(tmp_path / "latencies.jsonl"), latency_aware=True)
+    n = min(len(sim_policy.seen), len(robot_policy.seen))
+    assert n >= 12 and n >= len(sim_policy.seen) - 1
+    for k in range(n):
+        assert sim_policy.seen[k][:2] == robot_policy.seen[k][:2], f"request {k}: (obs_step, announced delay)"
+        assert torch.equal(sim_policy.seen[k][2], robot_policy.seen[k][2]), f"request {k}: committed actions"
+    assert sim_policy.mid[:n] == robot_policy.mid[:n]
+    for (t, d, *_), (mid_state, m) in zip(sim_policy.seen[:n], sim_policy.mid[:n], strict=True):
+        assert m == d // 2 and mid_state == t + m  # worked from the definition, not from either shell
+    assert any(m > 0 for _, m in sim_policy.mid[:n])  # some requests really waited for their mid observation
+    assert sim_emitted == robot_emitted
+
+
+def test_serve_refuses_a_latency_aware_policy_without_its_mid_inference_source():
+    info = {"horizon": H, "n_action_steps": S, "state_dim": len(SIM_STATE_NAMES), "action_dim": 4,
+            "max_delay_steps": 0, "latency_aware": True, "latency_max_delay": 4}  # fmt: skip
+    robot = SimpleNamespace(config=ServeConfig())
+    assert ChunkScheduler._check_policy(robot, info).startswith(
+        "this checkpoint is latency-aware: it reads a mid-inference observation; set mid_inference: true"
+    )
+    robot.config.mid_inference = True
+    assert "set chunking.merge: latest" in ChunkScheduler._check_policy(robot, info)  # the serve default blends
+    robot.config.chunking = ChunkingConfig(merge="latest")
+    assert ChunkScheduler._check_policy(robot, info) is None
+    robot.config.max_delay_steps = 6
+    assert "fine-tuned for delays up to 4" in ChunkScheduler._check_policy(robot, info)
