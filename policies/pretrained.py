@@ -91,10 +91,12 @@ class PolicyConfig(draccus.ChoiceRegistry):
                 f"policy.max_delay_steps={self.max_delay_steps} must be in [0, horizon={self.horizon}): a chunk "
                 f"needs at least one step after the delay; lower the delay or raise --policy.horizon"
             )
-        if not 0 <= self.latency_max_delay < self.horizon or not 0.0 <= self.mid_fraction <= 1.0:
+        # mid_fraction 1 would take the mid observation as the chunk is due: its answer comes a step
+        # late every time, and a measured delay estimate would then grow without end.
+        if not 0 <= self.latency_max_delay < self.horizon or not 0.0 <= self.mid_fraction < 1.0:
             raise ValueError(
                 f"policy.latency_max_delay={self.latency_max_delay} must be in [0, horizon={self.horizon}) and "
-                f"policy.mid_fraction={self.mid_fraction} in [0, 1]"
+                f"policy.mid_fraction={self.mid_fraction} in [0, 1)"
             )
         if self.cameras and set(self.mid_cameras) - set(self.cameras):
             raise ValueError(f"policy.mid_cameras={self.mid_cameras} must be among the policy's cameras {self.cameras}")

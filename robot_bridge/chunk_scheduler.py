@@ -268,7 +268,7 @@ class ChunkScheduler:
         self.policy_error = None
         self.diagnostics.count("chunks")
         self.diagnostics.latencies_ms.append(latency * 1e3)
-        if self.max_delay_steps and lag > self.max_delay_steps:
+        if self.executor.max_delay and lag > self.executor.max_delay:
             self.diagnostics.count("delay_clamped")  # the policy is told its largest trained delay instead
         self.publish_chunk({
             "chunk_id": result.request_id, "obs_stamp": request.obs_stamp, "obs_step": result.obs_step,
@@ -346,6 +346,9 @@ class ChunkScheduler:
         step = int(self.executor.step[0])
         if step < at:
             return
-        observation = self.inputs.observation() or self._request_observation
-        self.worker.send_mid(MidObservation(request_id, self._mid_observation(observation, step - requested)))
+        observation = self.inputs.observation()
+        steps = step - requested
+        if observation is None:  # rejected right now: the request's own observation, said to be of its step
+            observation, steps = self._request_observation, 0
+        self.worker.send_mid(MidObservation(request_id, self._mid_observation(observation, steps)))
         self.pending_mid, self._request_observation = None, None

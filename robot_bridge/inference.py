@@ -160,7 +160,16 @@ def serve_requests(
         request: InferenceRequest | None = conn.recv()
         if request is None:
             return
+        prepared = None
         if request.needs_mid:  # the node sends it part-way through the window; older ones are of dropped requests
+            # The slow part runs now, on the request's observation (a policy that can split its work);
+            # only the fast part waits for the mid-inference observation.
+            if hasattr(policy, "prepare_request"):
+                try:
+                    with torch.no_grad():
+                        prepared = policy.prepare_request(to_policy_batch(request.observation))
+                except Exception:  # noqa: BLE001 (reported below, where the whole request runs again)
+                    prepared = None
             mid = conn.recv()
             while mid is not None and (not isinstance(mid, MidObservation) or mid.request_id != request.request_id):
                 mid = conn.recv()
@@ -177,6 +186,8 @@ def serve_requests(
                 if request.guidance is not None:
                     target, weights = (torch.from_numpy(a) for a in request.guidance)
                     chunk = policy.predict_chunk(batch, obs_step, inpaint=(target, weights))
+                elif prepared is not None:
+                    chunk = policy.predict_chunk(batch, obs_step, prepared=prepared)
                 else:
                     chunk = policy.predict_chunk(batch, obs_step)
                 actions = chunk.actions.detach().to("cpu", torch.float32).numpy()

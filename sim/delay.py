@@ -17,7 +17,9 @@ Timing, per world (all worlds step together, each on its own schedule):
 - a step with nothing queued sends the env's hold action (``env.hold_actions()`` when the env
   has it, else the executor's last action);
 - an episode that ends restarts the world in the schedule: its queue and in-flight chunk belong to
-  the old episode, and it requests at once.
+  the old episode, and it requests at once. Its transition is complete (``ready``) in the call
+  whose steps ended it; with a mid-inference observation that call returns right there, even when
+  no world's policy is asked yet (``need`` all False: call ``step`` again, with any chunk).
 
 The mid-inference observation (``mid_fraction``, for latency-aware policies; `policies.latency_head`):
 a request at step t that announces a delay d (the estimate the robot would have) is answered
@@ -182,8 +184,8 @@ class DelayedChunkEnv:
             raise ValueError(f"execute_steps must be >= 1, got {execute_steps}")
         if not 0.0 < gamma <= 1.0:
             raise ValueError(f"gamma must be in (0, 1], got {gamma}")
-        if mid_fraction is not None and not 0.0 <= mid_fraction <= 1.0:
-            raise ValueError(f"mid_fraction must be in [0, 1] (a point of the inference window), got {mid_fraction}")
+        if mid_fraction is not None and not 0.0 <= mid_fraction < 1.0:
+            raise ValueError(f"mid_fraction must be in [0, 1) (a point of the inference window), got {mid_fraction}")
         if mid_fraction is not None and merge == "rtc":
             raise ValueError("the mid-inference observation is for latency-aware policies; use merge=latest, not rtc")
         if mid_fraction is None and mid_cameras:
@@ -377,9 +379,15 @@ class DelayedChunkEnv:
             self._transition.add_step(r, term, trunc, None if diverged is None else diverged.to(dev), self.gamma)
             success |= info["success"].to(dev)
             # A world that starts a new episode forgets its queue, in-flight chunk and open request (the old episode's).
-            self.schedule.restart(term | trunc)
-            self._pending = self._pending & ~(term | trunc)
-        self._transition.ready = need.clone()
+            ended = term | trunc
+            self.schedule.restart(ended)
+            self._pending = self._pending & ~ended
+            if self.mid_fraction is not None and ended.any():
+                # Its transition ends here; its new request's policy may be asked only m steps on, and
+                # the steps before that belong to no transition of the old episode.
+                need = torch.zeros_like(ended)
+                break
+        self._transition.ready = need | (terminated | truncated)
         self._need = need.clone()
         obs = self._asked_obs()
         info = {

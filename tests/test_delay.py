@@ -397,8 +397,9 @@ def test_mid_inference_observation_waits_m_steps_into_the_window_and_the_chunk_s
 
 
 def test_an_episode_that_ends_before_the_mid_observation_drops_its_request():
-    """Episodes of 9 steps: the request at step 8 (to be answered at 10) dies with its episode at 9;
-    the new episode's request at its step 0 is answered at its step 2, from its own observations."""
+    """Episodes of 9 steps: the request at step 8 (to be answered at 10) dies with its episode at 9.
+    That call returns at the episode's end, its transition complete, no policy asked; the next call
+    runs the new episode's first 2 (held) steps and asks about its request at its step 0."""
     from vla_rl.types import OBS_MID_STATE
 
     env = CountingEnv(length=9)
@@ -406,11 +407,39 @@ def test_an_episode_that_ends_before_the_mid_observation_drops_its_request():
     shell.reset(seed=0)
     shell.step(ActionChunk(torch.zeros(1, 12, 1), shell.obs_step))  # answered at step 2
     chunk0 = torch.arange(12, dtype=torch.float32).reshape(1, 12, 1)
-    obs, _, _, trunc, _, need = shell.step(ActionChunk(chunk0, shell.obs_step))
-    assert need.tolist() == [True] and trunc.tolist() == [True]
-    assert env.applied[0] == [-1, -1, -1, -1, 4, 5, 6, 7, 8, -1, -1]  # steps 0, 1 of the new episode hold
+    _, _, _, trunc, info, need = shell.step(ActionChunk(chunk0, shell.obs_step))
+    assert need.tolist() == [False] and trunc.tolist() == [True]
+    transition = info["transition"]
+    assert transition.ready.tolist() == [True] and transition.steps.tolist() == [7]  # steps 2..8, its own episode's
+    assert transition.reward.tolist() == [sum(range(2, 9))]  # the counting env's reward is the step index
+    assert env.applied[0] == [-1, -1, -1, -1, 4, 5, 6, 7, 8]
+    obs, _, _, trunc, _, need = shell.step(ActionChunk(torch.zeros(1, 12, 1), shell.obs_step))
+    assert need.tolist() == [True] and trunc.tolist() == [False]
+    assert env.applied[0][9:] == [-1, -1]  # steps 0, 1 of the new episode hold
     assert (obs["observation.state"].item(), obs[OBS_MID_STATE].item()) == (0, 2)
     assert shell.obs_step.tolist() == [0] and obs[OBS_COMMITTED_MASK].tolist() == [[False] * 4]
+
+
+def test_with_mid_observations_each_worlds_transition_ends_with_its_own_episode():
+    """Two worlds, episodes of 9 and 20 steps, d = 4, m = 2, both answered at step 2 with chunk 0. The
+    next call returns at step 9, where world 0's episode ended: its transition (steps 2..8) is
+    complete and no policy is asked. The one after returns at step 10, where world 1 is asked about
+    its request of step 8: its transition ran steps 2..9, world 0's new episode held meanwhile."""
+    env = CountingEnv(num_envs=2, length=[9, 20])
+    shell = DelayedChunkEnv(env, 12, 8, DelayModel(DelayConfig(kind="fixed", steps=4)), mid_fraction=0.5)
+    shell.reset(seed=0)
+    shell.step(ActionChunk(torch.zeros(2, 12, 1), shell.obs_step))  # both answered at step 2
+    chunk0 = torch.arange(12, dtype=torch.float32).reshape(1, 12, 1).expand(2, 12, 1)
+    _, _, _, truncated, info, need = shell.step(ActionChunk(chunk0, shell.obs_step))
+    t = info["transition"]
+    assert truncated.tolist() == [True, False] and need.tolist() == [False, False]
+    assert t.ready.tolist() == [True, False] and t.steps[0] == 7 and t.reward[0] == sum(range(2, 9))
+    _, _, _, truncated, info, need = shell.step(ActionChunk(torch.zeros(2, 12, 1), shell.obs_step))
+    t = info["transition"]
+    assert need.tolist() == [False, True] and truncated.tolist() == [False, False]
+    assert t.ready[1] and t.steps[1] == 8 and t.reward[1] == sum(range(2, 10))
+    assert env.applied[1] == [-1, -1, -1, -1, 4, 5, 6, 7, 8, 9]
+    assert env.applied[0] == [-1, -1, -1, -1, 4, 5, 6, 7, 8, -1]  # the new episode holds, its policy not asked yet
 
 
 def test_mid_inference_images_are_the_worlds_frames_m_steps_after_the_request():

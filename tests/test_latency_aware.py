@@ -94,8 +94,8 @@ def test_missing_keys_and_delays_past_the_head_are_refused_with_the_fix():
     with pytest.raises(ValueError, match="has no fast head yet"):
         make_policy("flow").add_latency_head(D, 0.5, [])
     plain = make_policy("diffusion")
-    with pytest.raises(ValueError, match=r"policy.mid_fraction=1.5 in \[0, 1\]"):
-        plain.add_latency_head(D, 1.5, [])
+    with pytest.raises(ValueError, match=r"policy.mid_fraction=1.0 in \[0, 1\)"):
+        plain.add_latency_head(D, 1.0, [])
     assert plain.latency_head is None and not plain.config.latency_aware  # a refused head changes nothing
 
 
@@ -111,3 +111,20 @@ def test_the_shell_refuses_a_delay_past_what_the_policy_was_fine_tuned_for():
         assert shell.mid_fraction == 0.5 and shell.mid_cameras == ["front"] and shell.executor.max_delay == D
         with pytest.raises(ValueError, match=re.escape(f"fine-tuned for delays up to {D}; lower the delay")):
             DelayedChunkEnv.for_policy(env, config, 2, DelayModel(DelayConfig(kind="fixed", steps=D + 1)))
+
+
+def test_the_slow_part_computed_before_the_mid_observation_gives_the_same_chunk():
+    """On a robot the request's observation is encoded before the mid-inference one exists
+    (`prepare_request`); the chunk is the one computed from everything at once."""
+    policy = _aware()
+    with torch.no_grad():
+        for p in policy.latency_head.mlp[-1].parameters():
+            p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(3)) * 0.5)
+    obs = _obs()
+    request = {k: v for k, v in obs.items() if not k.startswith("observation.mid.")}
+    noise = torch.randn(B, 6, 2, generator=torch.Generator().manual_seed(1))
+    prepared = policy.prepare_request(request)
+    together = policy.predict_chunk(obs, noise=noise).actions
+    assert torch.equal(policy.predict_chunk(obs, noise=noise, prepared=prepared).actions, together)
+    stale = policy.prepare_request({**request, OBS_STATE: request[OBS_STATE] + 1.0})
+    assert not torch.equal(policy.predict_chunk(obs, noise=noise, prepared=stale).actions, together)

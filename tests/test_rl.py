@@ -323,7 +323,7 @@ def test_a_finetuned_checkpoint_loads_in_eval_and_its_summary_has_the_curve(tiny
         ({"env": EnvConfig(num_envs=4, image_size=32)}, "set --env.image_size=64"),
         ({"train_last_steps": 99}, "is more than the policy's"),
         ({"train_last_steps": -1}, "--train_last_steps=-1 must be >= 0"),
-        ({"latency_aware": True, "mid_fraction": 2.0}, "--mid_fraction=2.0 must be in [0, 1]"),
+        ({"latency_aware": True, "mid_fraction": 1.0}, "--mid_fraction=1.0 must be in [0, 1)"),
     ],
 )
 def test_bad_config_gets_one_line_naming_the_fix(tiny_checkpoint, tmp_path, overrides, message):

@@ -162,10 +162,10 @@ class FinetuneConfig:
             raise ValueError("--lr must be > 0, --clip_low in [0, 1), --clip_high and --max_env_steps >= 0")
         if self.eval_every < 0 or self.max_grad_norm < 0 or (self.eval_every and self.eval_episodes < 1):
             raise ValueError("--eval_every and --max_grad_norm must be >= 0, and --eval_episodes >= 1 when evaluating")
-        if self.latency_aware and (not 0.0 <= self.mid_fraction <= 1.0 or self.latency_head_lr <= 0):
+        if self.latency_aware and (not 0.0 <= self.mid_fraction < 1.0 or self.latency_head_lr <= 0):
             raise ValueError(
-                f"--mid_fraction={self.mid_fraction} must be in [0, 1] (a point of the inference window) and "
-                f"--latency_head_lr={self.latency_head_lr} > 0"
+                f"--mid_fraction={self.mid_fraction} must be in [0, 1) (a point of the inference window, before "
+                f"its end) and --latency_head_lr={self.latency_head_lr} > 0"
             )
         if self.runtime not in ("local", "ray"):
             raise ValueError(f"--runtime={self.runtime!r} is unknown; choose --runtime=local or --runtime=ray")
@@ -268,6 +268,11 @@ def finetune(cfg: FinetuneConfig) -> dict:
         delay.generator.manual_seed(cfg.delay.seed + processes.index)  # each process its own delays
         gamma = cfg.ppo.gamma if cfg.algo == "ppo" else 1.0
         torch.manual_seed(cfg.seed)  # the fast head's and the critic's initial weights: the same in every process
+        if cfg.resume and cfg.latency_aware and not pcfg.latency_aware:
+            raise ValueError(
+                f"the run in {out} is not latency-aware; resume it without --latency_aware, or start the "
+                f"latency-aware run in a new --output_dir"
+            )
         if cfg.latency_aware and not pcfg.latency_aware:  # a resumed run's checkpoint has its head already
             policy.add_latency_head(delay.max_steps, cfg.mid_fraction, list(cfg.env.cameras))
         delayed = [
@@ -420,12 +425,15 @@ def finetune(cfg: FinetuneConfig) -> dict:
         if cfg.runtime == "ray":
 
             def ray_seeds(launch: int):
-                # Launch k of a run started (or resumed) at iteration i: seeds from
-                # TRAINING_SEED_OFFSET + (i * 10_000 + k) * num_envs, never an evaluation seed.
-                seed_base = cfg.seed + TRAINING_SEED_OFFSET + (first_iteration * 10_000 + launch) * cfg.env.num_envs
+                # Launch k of a run started (or resumed) at iteration i: reset seeds from
+                # TRAINING_SEED_OFFSET + (i * 10_000 + k) * num_envs, never an evaluation seed; the
+                # sampling noise's seed from the run's seed, i and k.
+                index = first_iteration * 10_000 + launch
+                seed_base = cfg.seed + TRAINING_SEED_OFFSET + index * cfg.env.num_envs
+                sampling = cfg.seed * 1_000_003 + index
                 if cfg.algo == "grpo":
-                    return grpo.group_seeds(cfg.env.num_envs, cfg.grpo.group_size, seed_base), 1
-                return seed_base, cfg.ppo.episodes_per_world
+                    return grpo.group_seeds(cfg.env.num_envs, cfg.grpo.group_size, seed_base), 1, sampling
+                return seed_base, cfg.ppo.episodes_per_world, sampling
 
             first_iteration = state["iteration"]
             rollouts_async = AsyncRollouts(policy, cfg, execute_steps, gamma, version=first_iteration, seeds=ray_seeds)

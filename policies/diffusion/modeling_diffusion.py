@@ -152,21 +152,30 @@ class DiffusionPolicy(PreTrainedPolicy):
         weights = attention.float()[..., None]
         return (self.word_embedding(ids) * weights).sum(1) / weights.sum(1)
 
-    def encode_observation(self, obs: dict) -> torch.Tensor:
+    def encode_observation(self, obs: dict, prepared: dict | None = None) -> torch.Tensor:
         """Observation batch -> (B, hidden_dim) condition. Validates shapes and finiteness.
 
         A latency-aware policy adds its fast head's correction (`policies.latency_head`): the slow part
         reads the request's observation, the fast part the committed actions and the mid-inference one.
+        prepared: the slow part's output for this batch (``prepare_request``), if computed already.
         """
+        slow = prepared if prepared is not None else self.prepare_request(obs)
+        cond = slow["cond"]
+        if self.latency_head is not None:
+            cond = cond + self.latency_head(obs, slow["state"], slow["keypoints"], self.normalize_state,
+                                            self.normalize_action)  # fmt: skip
+        return cond
+
+    def prepare_request(self, obs: dict) -> dict:
+        """The slow part on the request's observation: image keypoints, the normalized state and the
+        condition before any fast-head correction. A latency-aware policy on a robot computes it while
+        the mid-inference observation is still to come (``predict_chunk(..., prepared=)``)."""
         check_observation(obs, self.config.state_dim, self.config.cameras, self.config.image_size)
         state = obs[OBS_STATE]
         keypoints = {cam: self.image_encoders[cam](obs[image_key(cam)]) for cam in self.config.cameras}
         normalized = self.normalize_state(state)
         feats = [*keypoints.values(), normalized, self._encode_text(list(obs[TASK]), state.device)]
-        cond = self.obs_proj(torch.cat(feats, -1))
-        if self.latency_head is not None:
-            cond = cond + self.latency_head(obs, normalized, keypoints, self.normalize_state, self.normalize_action)
-        return cond
+        return {"cond": self.obs_proj(torch.cat(feats, -1)), "state": normalized, "keypoints": keypoints}
 
     def _latency_head(self) -> LatencyHead:
         cfg = self.config
@@ -244,16 +253,18 @@ class DiffusionPolicy(PreTrainedPolicy):
         *,
         noise: torch.Tensor | None = None,
         inpaint: tuple[torch.Tensor, torch.Tensor] | None = None,
+        prepared: dict | None = None,
     ) -> ActionChunk:
         """obs batch of size B -> ActionChunk (B, horizon, action_dim) in dataset units (DDIM sampling).
 
         noise: (B, horizon, action_dim) sampler start (see ``PreTrainedPolicy.predict_chunk``).
+        prepared: ``prepare_request(obs)``'s output, computed before the mid-inference observation came.
         With max_delay_steps > 0, the committed actions of the delay augmentation are kept: the
         chunk's known steps equal them exactly. This policy has no inpainting guidance.
         """
         if inpaint is not None:
             raise ValueError("the diffusion policy has no inpainting guidance; use a flow diffusion_vla policy")
-        cond = self.encode_observation(obs)
+        cond = self.encode_observation(obs, prepared)
         b = cond.shape[0]
         cfg = self.config
         x = self._initial_noise(noise, b, cond.device)

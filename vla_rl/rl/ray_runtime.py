@@ -33,7 +33,7 @@ from __future__ import annotations
 import copy
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -112,8 +112,8 @@ class RolloutWorker:
 class AsyncRollouts:
     """The learner's side: starts the workers, hands out seeds and weights, collects usable rollouts.
 
-    seeds(launch) -> (seed, episodes_per_world) of the launch-th rollout of the run (every launch
-    its own seeds, as the local runtime's iterations have).
+    seeds(launch) -> (reset seed, episodes_per_world, sampling seed) of the launch-th rollout since
+    the run started or resumed (every launch its own seeds, as the local runtime's iterations have).
     """
 
     def __init__(self, policy, cfg, execute_steps: int, gamma: float, version: int, seeds):
@@ -133,12 +133,15 @@ class AsyncRollouts:
             self.started_ray = True
         worker = ray.remote(num_cpus=1)(RolloutWorker)
         copy_on_cpu = ray.put(copy.deepcopy(policy).to("cpu"))
-        threads = max(1, cfg.num_threads // ray_cfg.num_workers)
+        # The cores are shared among the workers: torch and render threads split them.
+        threads = max(1, (cfg.num_threads or os.cpu_count() or 1) // ray_cfg.num_workers)
+        env_cfg = replace(cfg.env, render_threads=cfg.env.render_threads or threads)
+        # Each worker its own delay stream, a new one on resume (version = the iteration resumed at).
+        delay_seeds = [cfg.delay.seed + 1 + i + 1000 * version for i in range(ray_cfg.num_workers)]
         self.workers = [
-            worker.remote(copy_on_cpu, cfg.env, execute_steps, cfg.delay, cfg.delay.seed + 1 + i, gamma, cfg.noise,
-                          version, threads)
-            for i in range(ray_cfg.num_workers)
-        ]  # fmt: skip
+            worker.remote(copy_on_cpu, env_cfg, execute_steps, cfg.delay, seed, gamma, cfg.noise, version, threads)
+            for seed in delay_seeds
+        ]
         self.version = version
         self.worker_version = [version] * len(self.workers)  # the weights each worker holds
         self.weights = None  # ObjectRef of the newest published weights
@@ -150,10 +153,8 @@ class AsyncRollouts:
 
     def _launch(self, i: int) -> None:
         weights = self.weights if self.worker_version[i] != self.version else None
-        seed, episodes = self.seeds(self.launches)
-        ref = self.workers[i].collect.remote(
-            self.version, weights, seed, episodes, sampling_seed=10_000 + self.launches
-        )
+        seed, episodes, sampling_seed = self.seeds(self.launches)
+        ref = self.workers[i].collect.remote(self.version, weights, seed, episodes, sampling_seed)
         self.worker_version[i] = self.version
         self.launches += 1
         self.in_flight[ref] = i
