@@ -39,8 +39,8 @@ from robot_bridge.inference import (
 )
 from robot_bridge.inputs import JOINT_STATES, BridgeInputs
 from robot_bridge.log_limit import LogLimiter
-from vla_rl.runtime import ActionChunkExecutor, ChunkSchedule, LatencyLog
-from vla_rl.types import OBS_MID_STATE, OBS_MID_STEPS, OBS_STATE, ActionChunk, Policy, image_key, mid_image_key
+from vla_rl.runtime import ActionChunkExecutor, ChunkSchedule, LatencyLog, mid_inference_steps, mid_observation
+from vla_rl.types import ActionChunk, Policy
 
 
 @dataclass
@@ -311,7 +311,7 @@ class ChunkScheduler:
         observation.update({k: v.numpy() for k, v in request.augmentation.items()})
         needs_mid = False
         if self.latency_aware:
-            mid_steps = int(self.policy_info.get("mid_fraction", 0.5) * int(request.delay_steps[0]))
+            mid_steps = int(mid_inference_steps(request.delay_steps, self.policy_info.get("mid_fraction", 0.5))[0])
             if mid_steps == 0:  # the mid point is the request itself
                 observation.update(self._mid_observation(observation, 0))
             else:
@@ -331,10 +331,7 @@ class ChunkScheduler:
 
     def _mid_observation(self, observation: dict[str, Any], steps: int) -> dict[str, Any]:
         """``observation.mid.*`` from an observation batch of one: its state, the policy's mid cameras."""
-        mid = {OBS_MID_STATE: observation[OBS_STATE], OBS_MID_STEPS: np.array([steps], dtype=np.int64)}
-        for cam in self.policy_info.get("mid_cameras", []):
-            mid[mid_image_key(cam)] = observation[image_key(cam)]
-        return mid
+        return mid_observation(observation, self.policy_info.get("mid_cameras", []), np.array([steps], dtype=np.int64))
 
     def _maybe_send_mid(self) -> None:
         """Send the request in flight its mid-inference observation once its step has come: the freshest

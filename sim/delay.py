@@ -51,17 +51,19 @@ import numpy as np
 import torch
 
 from sim.config import world_indices
-from vla_rl.runtime import ActionChunkExecutor, ChunkSchedule, DelayModel, MergeMode
+from vla_rl.runtime import (
+    ActionChunkExecutor,
+    ChunkSchedule,
+    DelayModel,
+    MergeMode,
+    mid_inference_steps,
+    mid_observation,
+)
 from vla_rl.types import (
-    OBS_MID_STATE,
-    OBS_MID_STEPS,
-    OBS_STATE,
     ActionChunk,
     BatchedEnv,
     Worlds,
     WorldState,
-    image_key,
-    mid_image_key,
 )
 
 
@@ -285,8 +287,7 @@ class DelayedChunkEnv:
         self.guidance = request.guidance
         step = self.executor.step
         self._request_step = torch.where(worlds, step, self._request_step)
-        # In float64, as the robot computes it in Python: both floor the same product.
-        mid = 0 if self.mid_fraction is None else (request.delay_steps.double() * self.mid_fraction).floor().long()
+        mid = 0 if self.mid_fraction is None else mid_inference_steps(request.delay_steps, self.mid_fraction)
         self._ask_step = torch.where(worlds, step + mid, self._ask_step)
         self._pending = self._pending | worlds
         # In flight from now, but nothing can arrive before the policy is asked and answers.
@@ -306,10 +307,7 @@ class DelayedChunkEnv:
         mid-inference observation when configured. Rows of other worlds hold stale values."""
         if self.mid_fraction is None:
             return {**self._obs, **self._augmentation}
-        now = self._obs
-        mid = {OBS_MID_STATE: now[OBS_STATE], OBS_MID_STEPS: self.executor.step - self._request_step}
-        for cam in self.mid_cameras:
-            mid[mid_image_key(cam)] = now[image_key(cam)]
+        mid = mid_observation(self._obs, self.mid_cameras, self.executor.step - self._request_step)
         return {**self._request_obs, **self._augmentation, **mid}
 
     def step(self, chunk: ActionChunk) -> tuple[dict, torch.Tensor, torch.Tensor, torch.Tensor, dict, torch.Tensor]:

@@ -280,13 +280,14 @@ class WarpBatchedEnv:
         with self._warp_scope():
             mjw.forward(self._m, self._d)  # the other worlds' kinematics are recomputed unchanged
 
-    def _host_worlds(self, worlds) -> Iterator[int]:
+    def _host_worlds(self, worlds, hosts: list[mujoco.MjData] | None = None) -> Iterator[int]:
         """Yield each of ``worlds`` after loading its state into the scratch MjData ``self._host``
-        with its kinematics computed. Host round-trip: one device-to-host copy for all of them."""
+        (or into ``hosts[k]``, the k-th world's own) with its kinematics computed. Host round-trip:
+        one device-to-host copy for all of them."""
         idx = torch.as_tensor(list(worlds), device=self.device)
         states = {name: t[idx].cpu().numpy() for name, t in self._state.items()}
-        h = self._host
         for k, world in enumerate(idx.tolist()):
+            h = self._host if hosts is None else hosts[k]
             for name, values in states.items():
                 getattr(h, name)[:] = values[k]
             mujoco.mj_kinematics(self.model, h)
@@ -329,8 +330,8 @@ class WarpBatchedEnv:
         n, size = self.num_envs, self.config.image_size
         if not self._camera_hosts:
             self._camera_hosts = [mujoco.MjData(self.model) for _ in range(n)]
-        for i in self._host_worlds(range(n)):
-            mujoco.mj_copyData(self._camera_hosts[i], self.model, self._host)
+        for _ in self._host_worlds(range(n), self._camera_hosts):  # loads each world into its own copy
+            pass
         frames = {
             cam: self._camera_renderers.frames(
                 self._camera_hosts, cam, size, np.empty((n, size, size, 3), dtype=np.uint8)

@@ -11,6 +11,8 @@ from vla_rl.runtime.delay import (
     committed_prefix,
     latencies_to_steps,
     load_latencies,
+    mid_inference_steps,
+    mid_observation,
 )
 from vla_rl.runtime.executor import ActionChunkExecutor, MergeMode, rtc_blend_weights, rtc_weights
 from vla_rl.runtime.schedule import ChunkRequest, ChunkSchedule
@@ -28,6 +30,8 @@ __all__ = [
     "committed_prefix",
     "latencies_to_steps",
     "load_latencies",
+    "mid_inference_steps",
+    "mid_observation",
     "rtc_blend_weights",
     "rtc_weights",
 ]

@@ -25,7 +25,16 @@ from typing import Literal
 import numpy as np
 import torch
 
-from vla_rl.types import OBS_COMMITTED_ACTIONS, OBS_COMMITTED_MASK, OBS_DELAY_STEPS
+from vla_rl.types import (
+    OBS_COMMITTED_ACTIONS,
+    OBS_COMMITTED_MASK,
+    OBS_DELAY_STEPS,
+    OBS_MID_STATE,
+    OBS_MID_STEPS,
+    OBS_STATE,
+    image_key,
+    mid_image_key,
+)
 
 DelayKind = Literal["fixed", "uniform", "histogram"]
 DelayEstimate = Literal["oracle", "measured"]
@@ -234,3 +243,18 @@ def committed_prefix(
     action_is_pad (B, H) bool (padding past the episode end is never committed), delay_steps (B,).
     """
     return augmentation(actions, ~action_is_pad, delay_steps, max_delay)
+
+
+def mid_inference_steps(delay_steps: torch.Tensor, mid_fraction: float) -> torch.Tensor:
+    """(B,) long: m = floor(mid_fraction * d), the steps from a request announcing delay d to its
+    mid-inference observation. In float64, so it floors the same product as plain Python floats."""
+    return (delay_steps.double() * mid_fraction).floor().long()
+
+
+def mid_observation(observation: dict, cameras, steps):
+    """The one builder of ``observation.mid.*`` from an observation batch (torch or numpy): its state,
+    the images of ``cameras``, and ``steps`` (B,) from the request."""
+    mid = {OBS_MID_STATE: observation[OBS_STATE], OBS_MID_STEPS: steps}
+    for cam in cameras:
+        mid[mid_image_key(cam)] = observation[image_key(cam)]
+    return mid
