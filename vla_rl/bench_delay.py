@@ -67,11 +67,9 @@ class BenchDelayConfig:
 
 def bench_delay(cfg: BenchDelayConfig) -> dict[str, Any]:
     """Run the protocol of the module docstring; returns (and writes as ``delay.json``) every cell."""
-    from policies.diffusion.configuration_diffusion import DiffusionConfig
     from sim.config import EnvConfig
+    from vla_rl.bench_stages import record_demos, train_imitation
     from vla_rl.eval import EvalConfig, evaluate
-    from vla_rl.record import RecordConfig, record
-    from vla_rl.train import DatasetConfig, TrainConfig, train
 
     cfg.apply_quick()
     if not cfg.delays or min(cfg.delays) < 0 or max(cfg.delays) >= cfg.horizon:
@@ -82,22 +80,13 @@ def bench_delay(cfg: BenchDelayConfig) -> dict[str, Any]:
     out = Path(cfg.output_dir) / "quick" if cfg.quick else Path(cfg.output_dir)
     start = time.time()
     dataset = out / "dataset"
-    if not (dataset / "meta" / "info.json").is_file():
-        record(RecordConfig(
-            env=EnvConfig(task=cfg.task, num_envs=min(cfg.num_envs, cfg.demos)), num_episodes=cfg.demos,
-            output_dir=str(dataset), seed=cfg.seed, repo_id=f"local/vla_rl_{cfg.task}", overwrite=True,
-        ))  # fmt: skip
+    record_demos(cfg, dataset)
     train_delays = {
         "plain": DelayConfig(),
         "augmented": DelayConfig(kind="uniform", low=0, high=max(cfg.delays), seed=cfg.seed),
     }
     for name in POLICIES:
-        train(TrainConfig(
-            dataset=DatasetConfig(root=str(dataset)), output_dir=str(out / name), steps=cfg.train_steps,
-            batch_size=cfg.batch_size, seed=cfg.seed, log_with="none", save_every=cfg.train_steps,
-            num_threads=cfg.num_threads, delay=train_delays[name], resume=(out / name / "checkpoints").is_dir(),
-            policy=DiffusionConfig(horizon=cfg.horizon, n_action_steps=cfg.n_action_steps),
-        ))  # fmt: skip
+        train_imitation(cfg, dataset, out / name, train_delays[name])
     train_seconds = time.time() - start
 
     cells: list[dict[str, Any]] = []

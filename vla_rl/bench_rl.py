@@ -61,29 +61,18 @@ class BenchRLConfig:
 
 def bench_rl(cfg: BenchRLConfig) -> dict[str, Any]:
     """Run the protocol of the module docstring; returns (and writes as ``rl.json``) its results."""
-    from policies.diffusion.configuration_diffusion import DiffusionConfig
     from sim.config import EnvConfig
+    from vla_rl.bench_stages import record_demos, train_imitation
     from vla_rl.eval import EvalConfig, evaluate
     from vla_rl.finetune import FinetuneConfig, finetune
-    from vla_rl.record import RecordConfig, record
     from vla_rl.rl.grpo import GRPOConfig
-    from vla_rl.train import DatasetConfig, TrainConfig, train
 
     cfg.apply_quick()
     out = Path(cfg.output_dir) / "quick" if cfg.quick else Path(cfg.output_dir)
     start = time.time()
     dataset, imitation = out / "dataset", out / "imitation"
-    if not (dataset / "meta" / "info.json").is_file():
-        record(RecordConfig(
-            env=EnvConfig(task=cfg.task, num_envs=min(cfg.num_envs, cfg.demos)), num_episodes=cfg.demos,
-            output_dir=str(dataset), seed=cfg.seed, repo_id=f"local/vla_rl_{cfg.task}", overwrite=True,
-        ))  # fmt: skip
-    train(TrainConfig(
-        dataset=DatasetConfig(root=str(dataset)), output_dir=str(imitation), steps=cfg.train_steps,
-        batch_size=cfg.batch_size, seed=cfg.seed, log_with="none", save_every=cfg.train_steps,
-        num_threads=cfg.num_threads, resume=(imitation / "checkpoints").is_dir(),
-        policy=DiffusionConfig(horizon=cfg.horizon, n_action_steps=cfg.n_action_steps),
-    ))  # fmt: skip
+    record_demos(cfg, dataset)
+    train_imitation(cfg, dataset, imitation)
     imitation_minutes = (time.time() - start) / 60
 
     def held_out(checkpoint: Path, name: str) -> dict[str, Any]:

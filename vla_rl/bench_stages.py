@@ -1,0 +1,38 @@
+"""The stages the learning benchmarks share (`bench delay`, `bench rl`, `bench latency-rl`): scripted
+demonstrations and an imitation policy trained on them. Each is skipped or resumed when a killed run
+left it finished or part-done in the output folder.
+
+``cfg`` is the benchmark's config; it names task, demos, num_envs, seed, train_steps, batch_size,
+horizon, n_action_steps and num_threads.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def record_demos(cfg, dataset: Path) -> None:
+    """``cfg.demos`` scripted episodes of ``cfg.task`` into ``dataset``, unless it holds them already."""
+    from sim.config import EnvConfig
+    from vla_rl.record import RecordConfig, record
+
+    if not (dataset / "meta" / "info.json").is_file():
+        record(RecordConfig(
+            env=EnvConfig(task=cfg.task, num_envs=min(cfg.num_envs, cfg.demos)), num_episodes=cfg.demos,
+            output_dir=str(dataset), seed=cfg.seed, repo_id=f"local/vla_rl_{cfg.task}", overwrite=True,
+        ))  # fmt: skip
+
+
+def train_imitation(cfg, dataset: Path, output_dir: Path, delay=None) -> None:
+    """A ``diffusion`` policy trained on ``dataset`` for ``cfg.train_steps`` steps into ``output_dir``
+    (resumed when it has checkpoints); ``delay``: the delay augmentation (training-time RTC), None = none."""
+    from policies.diffusion.configuration_diffusion import DiffusionConfig
+    from vla_rl.runtime import DelayConfig
+    from vla_rl.train import DatasetConfig, TrainConfig, train
+
+    train(TrainConfig(
+        dataset=DatasetConfig(root=str(dataset)), output_dir=str(output_dir), steps=cfg.train_steps,
+        batch_size=cfg.batch_size, seed=cfg.seed, log_with="none", save_every=cfg.train_steps,
+        num_threads=cfg.num_threads, delay=delay or DelayConfig(), resume=(output_dir / "checkpoints").is_dir(),
+        policy=DiffusionConfig(horizon=cfg.horizon, n_action_steps=cfg.n_action_steps),
+    ))  # fmt: skip
