@@ -43,7 +43,7 @@ def test_quick_benchmark_runs_every_arm_and_prints_the_final_line(tmp_path):
     report = json.loads((out / "quick" / "latency_rl.json").read_text())
     cells = {(c["arm"], c["delay"]) for c in report["cells"]}
     arms = ("imitation", "naive", "latency_aware", "training_rtc")
-    assert cells == {(a, d) for a in arms for d in (0, 3)} | {("standard", 0)}
+    assert cells == {(a, d) for a in arms for d in (0, 3)} | {("standard", 0), ("warmup_only", 3)}
     assert all(c["episodes"] == 4 for c in report["cells"])
     runs = report["runs"]
     assert set(runs) == {"standard_d0", "naive_d3", "latency_aware_d3"}
@@ -52,4 +52,9 @@ def test_quick_benchmark_runs_every_arm_and_prints_the_final_line(tmp_path):
     aware = json.loads((out / "quick" / "runs" / "latency_aware_d3" / "checkpoints" / "last" / "pretrained_model"
                         / "config.json").read_text())  # fmt: skip
     assert (aware["latency_aware"], aware["latency_max_delay"], aware["mid_cameras"]) == (True, 3, ["front"])
+    # the warm-up only arm is the aware run's starting point: its head fitted on the demonstrations, no RL
+    warm = next(c for c in report["cells"] if c["arm"] == "warmup_only")
+    assert Path(warm["checkpoint"]) == out / "quick" / "runs" / "latency_aware_d3" / "latency_warmup"
+    warm_meta = json.loads((Path(warm["checkpoint"]) / "last" / "metadata.json").read_text())["latency_warmup"]
+    assert warm_meta["steps"] == 10 and warm_meta["dataset"] == str(out / "quick" / "dataset")
     assert (out / "quick" / "latency_rl.png").stat().st_size > 0

@@ -128,3 +128,86 @@ def test_the_slow_part_computed_before_the_mid_observation_gives_the_same_chunk(
     assert torch.equal(policy.predict_chunk(obs, noise=noise, prepared=prepared).actions, together)
     stale = policy.prepare_request({**request, OBS_STATE: request[OBS_STATE] + 1.0})
     assert not torch.equal(policy.predict_chunk(obs, noise=noise, prepared=stale).actions, together)
+
+
+# -- the fast head fitted on demonstrations before RL (vla_rl.latency_warmup) -------------------------
+
+
+def _demos(frames_per_episode=(6, 4), size=16):
+    """Demonstrations in memory with values that name their frame: action i = (i, 10 i), state i =
+    (i, i, i), every pixel of image i = 10 i; two episodes (frames 0-5 and 6-9)."""
+    from vla_rl.data import ChunkedDemos
+
+    n = sum(frames_per_episode)
+    demos = ChunkedDemos.__new__(ChunkedDemos)
+    frame = torch.arange(n)
+    demos.cameras = ["front"]
+    demos.images = {"front": (frame * 10).to(torch.uint8)[:, None, None, None].expand(n, 3, size, size).clone()}
+    demos.state = frame.float()[:, None].expand(n, 3).clone()
+    demos.action = torch.stack([frame.float(), 10.0 * frame.float()], -1)
+    demos.episode = torch.repeat_interleave(torch.arange(len(frames_per_episode)), torch.tensor(frames_per_episode))
+    demos.task_index = torch.zeros(n, dtype=torch.long)
+    demos.tasks = [TASK]
+    ends = torch.cumsum(torch.tensor(frames_per_episode), 0)
+    demos.episode_end = ends[demos.episode]
+    return demos
+
+
+def test_a_demonstration_frame_under_delay_is_what_the_shell_would_show_the_policy():
+    """Frame t under delay d: committed = the demonstrated actions t .. t+d-1, target chunk = t+d ..,
+    mid observation = frame t + floor(d / 2), all clamped at the episode's end. Worked out by hand."""
+    from vla_rl.latency_warmup import delayed_sample
+
+    idx, delays = torch.tensor([1, 5, 7]), torch.tensor([2, 3, 0])
+    batch = delayed_sample(_demos(), idx, delays, 0.5, ["front"], horizon=3, max_delay=4)
+    # request observation: frames 1, 5, 7
+    assert batch[OBS_STATE][:, 0].tolist() == [1.0, 5.0, 7.0]
+    assert batch[image_key("front")][:, 0, 0, 0].tolist() == pytest.approx([10 / 255, 50 / 255, 70 / 255])
+    # t=1, d=2: actions 1, 2 committed; t=5, d=3: only action 5 (6 and 7 are the next episode's); t=7, d=0: none
+    assert batch[OBS_COMMITTED_MASK].tolist() == [[True, True, False, False], [True, False, False, False], [False] * 4]
+    assert batch[OBS_COMMITTED_ACTIONS][:, :, 0].tolist() == [[1, 2, 0, 0], [5, 0, 0, 0], [0, 0, 0, 0]]
+    assert batch[OBS_DELAY_STEPS].tolist() == [2, 3, 0]
+    # the chunk to predict starts at t + d: frames 3-5; 8-10 are past episode 0's end (padding); 7-9
+    assert batch["action"][:, :, 1].tolist() == [[30, 40, 50], [50, 50, 50], [70, 80, 90]]
+    assert batch["action_is_pad"].tolist() == [[False] * 3, [True] * 3, [False] * 3]
+    # mid observation: m = floor(d / 2) = 1, 1, 0 -> frames 2, min(6, 5) = 5, 7
+    assert batch[OBS_MID_STATE][:, 0].tolist() == [2.0, 5.0, 7.0]
+    assert batch[mid_image_key("front")][:, 0, 0, 0].tolist() == pytest.approx([20 / 255, 50 / 255, 70 / 255])
+    assert batch[OBS_MID_STEPS].tolist() == [1, 0, 0]
+
+
+def test_the_warm_up_trains_the_fast_head_alone_and_lowers_its_loss_on_delayed_frames():
+    from vla_rl.latency_warmup import LatencyWarmupConfig, delayed_sample, warm_up_latency_head
+    from vla_rl.runtime import DelayConfig
+
+    demos = _demos((12, 12))
+    frame = demos.action[:, 0]  # actions inside the policy's range [-2, 2] x [0, 1], still one per frame
+    demos.action = torch.stack([torch.sin(frame), 0.5 + 0.5 * torch.cos(frame)], -1)
+    delay = DelayConfig(kind="uniform", low=0, high=D, seed=0)
+    warm = LatencyWarmupConfig(steps=150, dataset="unused here", lr=1e-2)
+
+    def fresh():
+        policy = make_policy("diffusion")
+        policy.add_latency_head(D, 0.5, ["front"])
+        return policy
+
+    def held_out_loss(policy):  # fixed frames, delays, noise and timesteps
+        g = torch.Generator().manual_seed(11)
+        idx, d = torch.randint(0, len(demos), (256,), generator=g), torch.randint(0, D + 1, (256,), generator=g)
+        with torch.no_grad():
+            return policy(delayed_sample(demos, idx, d, 0.5, ["front"], 6, D), generator=g).item()
+
+    policy = fresh()
+    before = {k: v.clone() for k, v in policy.state_dict().items()}
+    loss_before = held_out_loss(policy)
+    losses = warm_up_latency_head(policy, demos, delay, 0.05, warm, seed=0)
+    assert len(losses) == 150
+    after = policy.state_dict()
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    assert changed and all(k.startswith("latency_head.") for k in changed)  # the imitation policy is untouched
+    assert "latency_head.mlp.4.weight" in changed
+    assert all(p.requires_grad for p in policy.parameters())  # as it was handed in
+    assert held_out_loss(policy) < 0.8 * loss_before  # measured 1.38 -> 0.97; a head left at zero stays at 1.38
+    again = fresh()  # the same seed gives the same head: every process of a run warms up alike
+    warm_up_latency_head(again, demos, delay, 0.05, warm, seed=0)
+    assert all(torch.equal(again.state_dict()[k], after[k]) for k in after)

@@ -13,11 +13,12 @@ import torch
 from policies.denoising_chain import DenoisingChain
 from sim.config import EnvConfig
 from vla_rl.finetune import FinetuneConfig, finetune
+from vla_rl.latency_warmup import LatencyWarmupConfig
 from vla_rl.rl.grpo import GRPOConfig, group_advantages, group_seeds
 from vla_rl.rl.ppo import PPOConfig, gae
 from vla_rl.rl.rollout import Rollout
 from vla_rl.rl.update import GradientStep, clipped_surrogate
-from vla_rl.runtime import ChunkingConfig
+from vla_rl.runtime import ChunkingConfig, DelayConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -324,12 +325,49 @@ def test_a_finetuned_checkpoint_loads_in_eval_and_its_summary_has_the_curve(tiny
         ({"train_last_steps": 99}, "is more than the policy's"),
         ({"train_last_steps": -1}, "--train_last_steps=-1 must be >= 0"),
         ({"latency_aware": True, "mid_fraction": 1.0}, "--mid_fraction=1.0 must be in [0, 1)"),
+        ({"latency_aware": True, "latency_warmup": LatencyWarmupConfig(steps=5)}, "--latency_warmup.dataset=<"),
+        ({"latency_warmup": LatencyWarmupConfig(steps=5, dataset="d")}, "add --latency_aware=true"),
+        ({"latency_aware": True, "latency_warmup": LatencyWarmupConfig(steps=-1)}, "--latency_warmup.steps=-1 must"),
     ],
 )
 def test_bad_config_gets_one_line_naming_the_fix(tiny_checkpoint, tmp_path, overrides, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         finetune(small_run(tiny_checkpoint[0], tmp_path / "bad", **overrides))
     assert not (tmp_path / "bad").exists()  # refused before any output
+
+
+def test_a_warmed_up_fast_head_starts_the_run_and_leaves_the_imitation_weights_alone(
+    tiny_checkpoint, tiny_dataset, tmp_path
+):
+    """--latency_warmup fits the head on the demonstrations first: the run starts from (and its first
+    evaluation scores) that policy, saved in the run, whose other weights are the imitation checkpoint's."""
+    from safetensors.torch import load_file
+
+    from vla_rl.checkpoint import resolve_checkpoint
+
+    out = tmp_path / "warm"
+    warm = LatencyWarmupConfig(steps=20, dataset=str(tiny_dataset[0]), batch_size=8)
+    finetune(small_run(tiny_checkpoint[0], out, iterations=1, eval_every=1, eval_episodes=2, latency_aware=True,
+                       delay=DelayConfig(kind="fixed", steps=2), latency_warmup=warm))  # fmt: skip
+    warmed_dir = out / "latency_warmup" / "last" / "pretrained_model"
+    warmed = load_file(str(warmed_dir / "model.safetensors"))
+    initial = load_file(str(tiny_checkpoint[0] / "checkpoints/last/pretrained_model/model.safetensors"))
+    assert all(torch.equal(warmed[k], initial[k]) for k in initial)
+    assert warmed["latency_head.mlp.4.weight"].abs().max() > 0  # it left zero on the demonstrations alone
+    assert Path((out / "initial_checkpoint.txt").read_text()) == (out / "latency_warmup").resolve()
+    first_eval = json.loads((out / "eval" / "iter-0000" / "eval.json").read_text())
+    assert resolve_checkpoint(first_eval["checkpoint"]) == warmed_dir.parent.resolve()
+    meta = json.loads((out / "latency_warmup" / "last" / "metadata.json").read_text())["latency_warmup"]
+    assert meta["steps"] == 20 and meta["dataset"] == str(tiny_dataset[0])
+
+
+def test_a_warm_up_dataset_recorded_at_another_rate_is_refused(tiny_checkpoint, tiny_dataset, tmp_path):
+    warm = LatencyWarmupConfig(steps=5, dataset=str(tiny_dataset[0]))
+    run = small_run(tiny_checkpoint[0], tmp_path / "bad", latency_aware=True, latency_warmup=warm,
+                    delay=DelayConfig(kind="fixed", steps=2), env=EnvConfig(num_envs=4, substeps=50))  # fmt: skip
+    with pytest.raises(ValueError, match=re.escape("record the dataset at the env's rate")):
+        finetune(run)
+    assert not (tmp_path / "bad" / "latency_warmup").exists()
 
 
 def test_quick_benchmark_runs_every_stage_and_prints_the_final_line(tmp_path):

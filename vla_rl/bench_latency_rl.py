@@ -13,7 +13,10 @@ The protocol, fixed before any result was seen:
      its chunk starts d steps later;
    - ``latency_aware``: PPO under delay d with the fast head (`policies.latency_head`): the
      committed actions and the mid-inference observation (state and camera image, taken at
-     ``mid_fraction`` = 0.5 of the window);
+     ``mid_fraction`` = 0.5 of the window). Before RL the head is fitted for ``latency_warmup_steps``
+     on the same demonstrations under delay d (`vla_rl.latency_warmup`: the slow part and the
+     denoiser stay the checkpoint's, and no env step is spent); 0 starts it from zero;
+   - ``warmup_only``: that warmed-up policy with no RL (is it RL or the warm-up that helps?);
    - ``standard``: PPO with no delay, evaluated with none (the ideal: it exists at d = 0 only);
    - ``training_rtc``: the strongest non-RL answer known today (Black et al. 2025): the same data
      and training steps as 2 with the delay augmentation (delays uniform in [0, max(delays)]),
@@ -43,7 +46,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-ARMS = ("imitation", "naive", "latency_aware", "standard", "training_rtc")
+ARMS = ("imitation", "naive", "latency_aware", "warmup_only", "standard", "training_rtc")
 
 
 @dataclass
@@ -58,6 +61,8 @@ class BenchLatencyRLConfig:
     n_action_steps: int = 4
     delays: list[int] = field(default_factory=lambda: [0, 3, 6])  # control steps (50 ms each)
     mid_fraction: float = 0.5  # where the latency-aware arm's mid-inference observation is taken
+    # supervised steps of the latency-aware arm's fast head on the demonstrations before RL (0 = none)
+    latency_warmup_steps: int = 1000
     num_envs: int = 16  # rollout worlds of fine-tuning
     env_steps: int = 36_000  # rollout control steps of every PPO run
     eval_episodes: int = 100  # held-out episodes per cell
@@ -73,6 +78,7 @@ class BenchLatencyRLConfig:
         if self.quick:
             self.demos, self.train_steps, self.batch_size, self.num_envs = 4, 20, 16, 4
             self.env_steps, self.eval_episodes, self.delays = 150, 4, [0, 3]
+            self.latency_warmup_steps = min(self.latency_warmup_steps, 10)
 
 
 def bench_latency_rl(cfg: BenchLatencyRLConfig) -> dict[str, Any]:
@@ -81,6 +87,7 @@ def bench_latency_rl(cfg: BenchLatencyRLConfig) -> dict[str, Any]:
     from vla_rl.bench_stages import record_demos, train_imitation
     from vla_rl.eval import EvalConfig, evaluate
     from vla_rl.finetune import FinetuneConfig, finetune
+    from vla_rl.latency_warmup import LatencyWarmupConfig
     from vla_rl.runtime import DelayConfig
 
     cfg.apply_quick()
@@ -108,11 +115,13 @@ def bench_latency_rl(cfg: BenchLatencyRLConfig) -> dict[str, Any]:
     def ppo(name: str, d: int, latency_aware: bool) -> Path:
         run_dir = out / "runs" / name
         t0 = time.time()
+        warmup = LatencyWarmupConfig(steps=cfg.latency_warmup_steps if latency_aware else 0, dataset=str(dataset),
+                                     batch_size=cfg.batch_size)  # fmt: skip
         summary = finetune(FinetuneConfig(
             checkpoint=str(out / "imitation"), algo="ppo", env=EnvConfig(task=cfg.task, num_envs=cfg.num_envs),
             iterations=10**6, max_env_steps=cfg.env_steps, seed=cfg.seed, output_dir=str(run_dir), eval_every=0,
             delay=DelayConfig(kind="fixed", steps=d), latency_aware=latency_aware, mid_fraction=cfg.mid_fraction,
-            num_threads=cfg.num_threads, log_with="none", resume=(run_dir / "checkpoints" / "last").exists(),
+            latency_warmup=warmup, num_threads=cfg.num_threads, log_with="none", resume=(run_dir / "checkpoints" / "last").exists(),
         ))  # fmt: skip
         runs[name] = {
             "delay": d, "latency_aware": latency_aware, "minutes": round((time.time() - t0) / 60, 2),
@@ -133,6 +142,8 @@ def bench_latency_rl(cfg: BenchLatencyRLConfig) -> dict[str, Any]:
         else:
             checkpoints["naive", d] = ppo(f"naive_d{d}", d, latency_aware=False)
             checkpoints["latency_aware", d] = ppo(f"latency_aware_d{d}", d, latency_aware=True)
+            if cfg.latency_warmup_steps:
+                checkpoints["warmup_only", d] = out / "runs" / f"latency_aware_d{d}" / "latency_warmup"
 
     cells: list[dict[str, Any]] = []
     t0 = time.time()

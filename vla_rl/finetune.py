@@ -64,6 +64,7 @@ from vla_rl.checkpoint import (
     write_policy,
 )
 from vla_rl.files import write_text_atomic
+from vla_rl.latency_warmup import LatencyWarmupConfig
 from vla_rl.rl.grpo import GRPOConfig
 from vla_rl.rl.ppo import PPOConfig
 from vla_rl.rl.ray_runtime import RayConfig
@@ -110,6 +111,9 @@ class FinetuneConfig:
     latency_aware: bool = False
     mid_fraction: float = 0.5  # where in the inference window the mid-inference observation is taken, in [0, 1]
     latency_head_lr: float = 1e-4  # the fast head's learning rate (it starts at zero: the imitation policy)
+    # Before RL, fit the fast head on demonstrations under the run's delays (`vla_rl.latency_warmup`);
+    # steps=0 (default): RL starts it from zero.
+    latency_warmup: LatencyWarmupConfig = field(default_factory=LatencyWarmupConfig)
     # Where rollouts run: local = this process, between updates (reproducible bit for bit); ray =
     # asynchronous Ray actors that collect while the learner updates (`vla_rl.rl.ray_runtime`).
     runtime: Literal["local", "ray"] = "local"
@@ -166,6 +170,11 @@ class FinetuneConfig:
             raise ValueError(
                 f"--mid_fraction={self.mid_fraction} must be in [0, 1) (a point of the inference window, before "
                 f"its end) and --latency_head_lr={self.latency_head_lr} > 0"
+            )
+        self.latency_warmup.validate()
+        if self.latency_warmup.steps and not self.latency_aware:
+            raise ValueError(
+                "--latency_warmup.steps fits the fast head of a latency-aware run; add --latency_aware=true"
             )
         if self.runtime not in ("local", "ray"):
             raise ValueError(f"--runtime={self.runtime!r} is unknown; choose --runtime=local or --runtime=ray")
@@ -275,6 +284,8 @@ def finetune(cfg: FinetuneConfig) -> dict:
             )
         if cfg.latency_aware and not pcfg.latency_aware:  # a resumed run's checkpoint has its head already
             policy.add_latency_head(delay.max_steps, cfg.mid_fraction, list(cfg.env.cameras))
+            if cfg.latency_warmup.steps:  # the run then starts from the warmed policy, saved in the run
+                policy_dir = _warm_up_head(cfg, policy, out, envs[0].control_dt, main)
         delayed = [
             DelayedChunkEnv.for_policy(
                 env, pcfg, execute_steps, delay, gamma=gamma
@@ -531,6 +542,34 @@ def finetune(cfg: FinetuneConfig) -> dict:
 
 def _round(v):
     return round(v, 6) if isinstance(v, float) else v
+
+
+def _warm_up_head(cfg: FinetuneConfig, policy, out: Path, control_dt: float, main: bool) -> Path:
+    """Fit the fresh fast head on ``cfg.latency_warmup.dataset`` (`vla_rl.latency_warmup`), the same in
+    every process; the main process saves the result as ``out/latency_warmup`` (an evaluable checkpoint,
+    the run's starting point and its KL reference). Returns that checkpoint's directory."""
+    from vla_rl.checkpoint import save_checkpoint
+    from vla_rl.data import ChunkedDemos, open_dataset
+    from vla_rl.latency_warmup import warm_up_latency_head
+
+    warm = cfg.latency_warmup
+    dataset = open_dataset(warm.dataset)
+    if abs(dataset.meta.fps * control_dt - 1.0) > 1e-6:
+        raise ValueError(
+            f"--latency_warmup.dataset={warm.dataset} was recorded at {dataset.meta.fps} fps but the env steps every "
+            f"{control_dt} s, so its delays would be counted in other steps; record the dataset at the env's rate"
+        )
+    demos = ChunkedDemos(dataset, list(policy.config.cameras))
+    losses = warm_up_latency_head(policy, demos, cfg.delay, control_dt, warm, cfg.seed)
+    window = max(1, len(losses) // 10)
+    first, last = sum(losses[:window]) / window, sum(losses[-window:]) / window
+    if main:
+        meta = {"latency_warmup": {**asdict(warm), "first_loss": round(first, 6), "last_loss": round(last, 6),
+                                   "from": cfg.checkpoint}}  # fmt: skip
+        save_checkpoint(out / "latency_warmup", warm.steps, policy, meta, keep_last=1)
+        print(f"fast head fitted on {warm.dataset}: denoising loss {first:.4f} -> {last:.4f} over {warm.steps} "
+              f"steps (first and last tenth)", file=sys.stderr)  # fmt: skip
+    return (out / "latency_warmup").resolve()
 
 
 def _initial_checkpoint(out: Path) -> str:
