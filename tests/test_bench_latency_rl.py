@@ -54,7 +54,7 @@ def test_quick_benchmark_runs_every_arm_and_prints_the_final_line(tmp_path):
     assert (aware["latency_aware"], aware["latency_max_delay"], aware["mid_cameras"]) == (True, 3, ["front"])
     # the warm-up only arm is the aware run's starting point: its head fitted on the demonstrations, no RL
     warm = next(c for c in report["cells"] if c["arm"] == "warmup_only")
-    assert Path(warm["checkpoint"]) == out / "quick" / "runs" / "latency_aware_d3" / "latency_warmup"
+    assert Path(warm["checkpoint"]) == (out / "quick" / "runs" / "latency_aware_d3" / "latency_warmup").resolve()
     warm_meta = json.loads((Path(warm["checkpoint"]) / "last" / "metadata.json").read_text())["latency_warmup"]
     assert warm_meta["steps"] == 10 and warm_meta["dataset"] == str(out / "quick" / "dataset")
     assert (out / "quick" / "latency_rl.png").stat().st_size > 0

@@ -154,26 +154,83 @@ def _demos(frames_per_episode=(6, 4), size=16):
 
 
 def test_a_demonstration_frame_under_delay_is_what_the_shell_would_show_the_policy():
-    """Frame t under delay d: committed = the demonstrated actions t .. t+d-1, target chunk = t+d ..,
-    mid observation = frame t + floor(d / 2), all clamped at the episode's end. Worked out by hand."""
+    """Frame t under delay d: committed = the demonstrated actions t .. t+d-1, the chunk = t .. t+H-1 with
+    its rows j < d left out of the loss, mid observation = frame t + floor(d / 2). Worked out by hand."""
     from vla_rl.latency_warmup import delayed_sample
 
-    idx, delays = torch.tensor([1, 5, 7]), torch.tensor([2, 3, 0])
-    batch = delayed_sample(_demos(), idx, delays, 0.5, ["front"], horizon=3, max_delay=4)
-    # request observation: frames 1, 5, 7
-    assert batch[OBS_STATE][:, 0].tolist() == [1.0, 5.0, 7.0]
-    assert batch[image_key("front")][:, 0, 0, 0].tolist() == pytest.approx([10 / 255, 50 / 255, 70 / 255])
-    # t=1, d=2: actions 1, 2 committed; t=5, d=3: only action 5 (6 and 7 are the next episode's); t=7, d=0: none
-    assert batch[OBS_COMMITTED_MASK].tolist() == [[True, True, False, False], [True, False, False, False], [False] * 4]
-    assert batch[OBS_COMMITTED_ACTIONS][:, :, 0].tolist() == [[1, 2, 0, 0], [5, 0, 0, 0], [0, 0, 0, 0]]
-    assert batch[OBS_DELAY_STEPS].tolist() == [2, 3, 0]
-    # the chunk to predict starts at t + d: frames 3-5; 8-10 are past episode 0's end (padding); 7-9
-    assert batch["action"][:, :, 1].tolist() == [[30, 40, 50], [50, 50, 50], [70, 80, 90]]
-    assert batch["action_is_pad"].tolist() == [[False] * 3, [True] * 3, [False] * 3]
-    # mid observation: m = floor(d / 2) = 1, 1, 0 -> frames 2, min(6, 5) = 5, 7
-    assert batch[OBS_MID_STATE][:, 0].tolist() == [2.0, 5.0, 7.0]
-    assert batch[mid_image_key("front")][:, 0, 0, 0].tolist() == pytest.approx([20 / 255, 50 / 255, 70 / 255])
-    assert batch[OBS_MID_STEPS].tolist() == [1, 0, 0]
+    idx, delays = torch.tensor([1, 4, 5, 7]), torch.tensor([2, 1, 3, 0])
+    batch = delayed_sample(_demos(), idx, delays, 0.5, ["front"], horizon=4, max_delay=4)
+    # request observation: frames 1, 4, 5, 7
+    assert batch[OBS_STATE][:, 0].tolist() == [1.0, 4.0, 5.0, 7.0]
+    assert batch[image_key("front")][:, 0, 0, 0].tolist() == pytest.approx([v / 255 for v in (10, 40, 50, 70)])
+    # t=1, d=2: actions 1, 2; t=4, d=1: action 4; t=5, d=3: only action 5 (6 and 7 are the next
+    # episode's); t=7, d=0: none
+    assert batch[OBS_COMMITTED_MASK].tolist() == [
+        [True, True, False, False], [True, False, False, False], [True, False, False, False], [False] * 4,
+    ]  # fmt: skip
+    assert batch[OBS_COMMITTED_ACTIONS][:, :, 0].tolist() == [[1, 2, 0, 0], [4, 0, 0, 0], [5, 0, 0, 0], [0] * 4]
+    assert batch[OBS_DELAY_STEPS].tolist() == [2, 1, 3, 0]
+    # row j is the action for step t + j; frames past episode 0's last (5) repeat it as padding
+    assert batch["action"][:, :, 1].tolist() == [[10, 20, 30, 40], [40, 50, 50, 50], [50] * 4, [70, 80, 90, 90]]
+    # padding: rows j < d (over before the chunk arrives) and rows past the episode's end
+    assert batch["action_is_pad"].tolist() == [
+        [True, True, False, False], [True, False, True, True], [True] * 4, [False, False, False, True],
+    ]  # fmt: skip
+    # mid observation: m = floor(d / 2) = 1, 0, 1, 0 -> frames 2, 4, 6 (past the end: clamped to 5; the
+    # shell drops that request, and every row is padding), 7
+    assert batch[OBS_MID_STATE][:, 0].tolist() == [2.0, 4.0, 5.0, 7.0]
+    assert batch[mid_image_key("front")][:, 0, 0, 0].tolist() == pytest.approx([v / 255 for v in (20, 40, 50, 70)])
+    assert batch[OBS_MID_STEPS].tolist() == [1, 0, 1, 0]
+
+
+def test_a_demonstration_replayed_through_the_shell_gives_the_warm_up_its_samples():
+    """Ties `delayed_sample` to `DelayedChunkEnv`: a counting env (state = step) whose "policy" replays a
+    demonstration (action at step s = 100 + s). At every request at step t > 0, the shell's request
+    state, committed actions, mask, mid state and mid steps are the sample of frame t, and each trained
+    row j of the sample is the action the env then ran at step t + j. The request at step 28 dies with
+    its 30-step episode before its mid observation: the shell drops it and the sample trains nothing."""
+    from test_delay import CountingEnv
+
+    from sim.delay import DelayedChunkEnv
+    from vla_rl.data import ChunkedDemos
+    from vla_rl.latency_warmup import delayed_sample
+    from vla_rl.runtime import DelayConfig, DelayModel
+    from vla_rl.types import ActionChunk
+
+    length, horizon, d = 30, 8, 4
+    env = CountingEnv(length=length)
+    shell = DelayedChunkEnv(env, horizon, 4, DelayModel(DelayConfig(kind="fixed", steps=d)), mid_fraction=0.5)
+    asked = {}
+    obs, need = shell.reset(seed=0)
+    while len(env.applied[0]) < length:
+        t = shell.obs_step.item()
+        if need.item():
+            asked[t] = {k: v.clone() for k, v in obs.items() if isinstance(v, torch.Tensor)}
+        chunk = (100.0 + t + torch.arange(horizon, dtype=torch.float32)).reshape(1, horizon, 1)
+        obs, _, _, _, _, need = shell.step(ActionChunk(chunk, shell.obs_step))
+    ran = env.applied[0][:length]  # the first episode's steps 0 .. 29
+
+    demos = ChunkedDemos.__new__(ChunkedDemos)
+    frame = torch.arange(length)
+    demos.cameras, demos.images, demos.tasks = [], {}, ["count"]
+    demos.state, demos.action = frame.float()[:, None], (100.0 + frame.float())[:, None]
+    demos.episode = demos.task_index = torch.zeros(length, dtype=torch.long)
+    demos.episode_end = torch.full((length,), length)
+
+    assert sorted(asked) == list(range(0, 28, 4))  # every 4 steps; 28's mid observation (30) never comes
+    for t, seen in asked.items():
+        sample = delayed_sample(demos, torch.tensor([t]), torch.tensor([d]), 0.5, [], horizon, d)
+        assert seen[OBS_STATE].item() == sample[OBS_STATE].item() == t
+        assert seen[OBS_MID_STATE].item() == sample[OBS_MID_STATE].item() == t + 2
+        assert seen[OBS_MID_STEPS].item() == sample[OBS_MID_STEPS].item() == 2
+        if t > 0:  # an episode's first request has nothing committed: the warm-up does not reproduce it
+            assert torch.equal(seen[OBS_COMMITTED_MASK], sample[OBS_COMMITTED_MASK])
+            assert torch.equal(seen[OBS_COMMITTED_ACTIONS], sample[OBS_COMMITTED_ACTIONS])
+        trained = (~sample["action_is_pad"][0]).nonzero().flatten().tolist()
+        assert trained[0] == d and trained[-1] == min(horizon, length - t) - 1
+        assert all(sample["action"][0, j, 0].item() == ran[t + j] for j in trained)
+    dropped = delayed_sample(demos, torch.tensor([28]), torch.tensor([d]), 0.5, [], horizon, d)
+    assert dropped["action_is_pad"].all()
 
 
 def test_the_warm_up_trains_the_fast_head_alone_and_lowers_its_loss_on_delayed_frames():
@@ -198,6 +255,7 @@ def test_the_warm_up_trains_the_fast_head_alone_and_lowers_its_loss_on_delayed_f
             return policy(delayed_sample(demos, idx, d, 0.5, ["front"], 6, D), generator=g).item()
 
     policy = fresh()
+    policy.obs_proj[0].weight.requires_grad_(False)  # handed in frozen: it must come back frozen
     before = {k: v.clone() for k, v in policy.state_dict().items()}
     loss_before = held_out_loss(policy)
     losses = warm_up_latency_head(policy, demos, delay, 0.05, warm, seed=0)
@@ -206,8 +264,9 @@ def test_the_warm_up_trains_the_fast_head_alone_and_lowers_its_loss_on_delayed_f
     changed = {k for k in before if not torch.equal(before[k], after[k])}
     assert changed and all(k.startswith("latency_head.") for k in changed)  # the imitation policy is untouched
     assert "latency_head.mlp.4.weight" in changed
-    assert all(p.requires_grad for p in policy.parameters())  # as it was handed in
+    assert [n for n, p in policy.named_parameters() if not p.requires_grad] == ["obs_proj.0.weight"]
     assert held_out_loss(policy) < 0.8 * loss_before  # measured 1.38 -> 0.97; a head left at zero stays at 1.38
-    again = fresh()  # the same seed gives the same head: every process of a run warms up alike
+    again = fresh()  # the same seed gives the same head
+    again.obs_proj[0].weight.requires_grad_(False)
     warm_up_latency_head(again, demos, delay, 0.05, warm, seed=0)
     assert all(torch.equal(again.state_dict()[k], after[k]) for k in after)

@@ -142,8 +142,9 @@ def bench_latency_rl(cfg: BenchLatencyRLConfig) -> dict[str, Any]:
         else:
             checkpoints["naive", d] = ppo(f"naive_d{d}", d, latency_aware=False)
             checkpoints["latency_aware", d] = ppo(f"latency_aware_d{d}", d, latency_aware=True)
-            if cfg.latency_warmup_steps:
-                checkpoints["warmup_only", d] = out / "runs" / f"latency_aware_d{d}" / "latency_warmup"
+            if cfg.latency_warmup_steps:  # the aware run's starting point: its warmed-up policy
+                start_from = out / "runs" / f"latency_aware_d{d}" / "initial_checkpoint.txt"
+                checkpoints["warmup_only", d] = Path(start_from.read_text().strip())
 
     cells: list[dict[str, Any]] = []
     t0 = time.time()

@@ -20,6 +20,10 @@ the imitation policy and saves both, every step here runs the trained weights, i
 ``vla-rl eval`` alike: one network, so the checkpoint loads anywhere unchanged. The early steps are
 not trained directly, but they drift with the shared weights.
 
+``--latency_aware=true`` adds the fast head of ARLI (`policies.latency_head`); with
+``--latency_warmup.steps`` it is first fitted on demonstrations under the run's delays
+(`vla_rl.latency_warmup`), and the run starts from that policy (saved as ``latency_warmup/``).
+
 Several tasks (``--tasks=[lift,reach,push]``): each gets its own batch of ``env.num_envs`` worlds
 (task-balanced), and the policy must have been trained on all of them. ``--curriculum_tasks=k``
 rolls out k of them per iteration, drawn by success and learning progress
@@ -285,7 +289,7 @@ def finetune(cfg: FinetuneConfig) -> dict:
         if cfg.latency_aware and not pcfg.latency_aware:  # a resumed run's checkpoint has its head already
             policy.add_latency_head(delay.max_steps, cfg.mid_fraction, list(cfg.env.cameras))
             if cfg.latency_warmup.steps:  # the run then starts from the warmed policy, saved in the run
-                policy_dir = _warm_up_head(cfg, policy, out, envs[0].control_dt, main)
+                policy_dir = _warm_up_head(cfg, policy, out, envs[0].control_dt, processes)
         delayed = [
             DelayedChunkEnv.for_policy(
                 env, pcfg, execute_steps, delay, gamma=gamma
@@ -299,7 +303,7 @@ def finetune(cfg: FinetuneConfig) -> dict:
 
         # Eval mode throughout (no dropout): sampling and the update then score chains with the same network.
         policy.eval()
-        # The fast head starts from zero, so it gets its own, larger learning rate.
+        # The fast head starts from zero (or from its warm-up), so it gets its own, larger learning rate.
         head = [p for name, p in policy.named_parameters() if name.startswith("latency_head.") and p.requires_grad]
         rest = [p for name, p in policy.named_parameters() if not name.startswith("latency_head.") and p.requires_grad]
         groups = [{"params": rest, "lr": cfg.lr}] + ([{"params": head, "lr": cfg.latency_head_lr}] if head else [])
@@ -544,32 +548,37 @@ def _round(v):
     return round(v, 6) if isinstance(v, float) else v
 
 
-def _warm_up_head(cfg: FinetuneConfig, policy, out: Path, control_dt: float, main: bool) -> Path:
-    """Fit the fresh fast head on ``cfg.latency_warmup.dataset`` (`vla_rl.latency_warmup`), the same in
-    every process; the main process saves the result as ``out/latency_warmup`` (an evaluable checkpoint,
-    the run's starting point and its KL reference). Returns that checkpoint's directory."""
+def _warm_up_head(cfg: FinetuneConfig, policy, out: Path, control_dt: float, processes) -> Path:
+    """Fit the fresh fast head on ``cfg.latency_warmup.dataset`` (`vla_rl.latency_warmup`) in the main
+    process, saved as ``out/latency_warmup`` (an evaluable checkpoint, the run's starting point and its
+    KL reference); the other processes then load it, so every process starts from the same weights
+    whatever its device does. Returns that checkpoint's directory."""
     from vla_rl.checkpoint import save_checkpoint
     from vla_rl.data import ChunkedDemos, open_dataset
     from vla_rl.latency_warmup import warm_up_latency_head
 
-    warm = cfg.latency_warmup
-    dataset = open_dataset(warm.dataset)
+    warm, saved = cfg.latency_warmup, (out / "latency_warmup").resolve()
+    dataset = open_dataset(warm.dataset)  # every process checks, so none waits on a refused run
     if abs(dataset.meta.fps * control_dt - 1.0) > 1e-6:
         raise ValueError(
             f"--latency_warmup.dataset={warm.dataset} was recorded at {dataset.meta.fps} fps but the env steps every "
             f"{control_dt} s, so its delays would be counted in other steps; record the dataset at the env's rate"
         )
-    demos = ChunkedDemos(dataset, list(policy.config.cameras))
-    losses = warm_up_latency_head(policy, demos, cfg.delay, control_dt, warm, cfg.seed)
-    window = max(1, len(losses) // 10)
-    first, last = sum(losses[:window]) / window, sum(losses[-window:]) / window
-    if main:
+    if processes.index == 0:
+        demos = ChunkedDemos(dataset, list(policy.config.cameras))
+        losses = warm_up_latency_head(policy, demos, cfg.delay, control_dt, warm, cfg.seed)
+        window = max(1, len(losses) // 10)
+        first, last = sum(losses[:window]) / window, sum(losses[-window:]) / window
         meta = {"latency_warmup": {**asdict(warm), "first_loss": round(first, 6), "last_loss": round(last, 6),
                                    "from": cfg.checkpoint}}  # fmt: skip
-        save_checkpoint(out / "latency_warmup", warm.steps, policy, meta, keep_last=1)
+        save_checkpoint(saved, warm.steps, policy, meta, keep_last=1)
         print(f"fast head fitted on {warm.dataset}: denoising loss {first:.4f} -> {last:.4f} over {warm.steps} "
               f"steps (first and last tenth)", file=sys.stderr)  # fmt: skip
-    return (out / "latency_warmup").resolve()
+    if processes.count > 1:
+        processes.accelerator.wait_for_everyone()
+        if processes.index != 0:
+            policy.load_state_dict(load_policy(saved, device=policy.device)[0].state_dict())
+    return saved
 
 
 def _initial_checkpoint(out: Path) -> str:

@@ -4,24 +4,29 @@
 The fast head (`policies.latency_head`) starts at zero, so with RL alone it must find out from the
 reward what the committed actions and the mid-inference observation say. In a short RL budget it
 barely moves (``vla-rl bench latency-rl``). The demonstrations already show what it should do.
-Take a chunk requested at frame t of a demonstration, under delay d:
+Take a chunk requested at frame t of a demonstration, under delay d, as the simulation's shell
+(`sim.delay.DelayedChunkEnv`) lays it out:
 
-- the chunk starts at t + d;
-- the actions that run before it are the demonstration's own, at t .. t + d - 1: the committed
+- chunk row j is the action for step t + j; rows j < d are past when the chunk arrives and never
+  run, so they are not trained;
+- the actions that run meanwhile are the demonstration's own, at t .. t + d - 1: the committed
   actions (``committed_prefix``, as in training-time RTC);
 - the world m = floor(mid_fraction * d) steps into the window (`vla_rl.runtime.mid_inference_steps`)
-  is frame t + m, clamped to the episode's last frame, as the simulation's shell clamps it at an
-  episode's end.
+  is frame t + m. Where the episode ends before it, the shell drops the request; every row such a
+  frame could train (j >= d > m) is past the episode's end, so it trains nothing.
 
 So the warm-up trains the head alone with the policy's own denoising loss. The inputs are the
 request's observation (frame t), the delay augmentation and the mid-inference observation of
-frame t + m. The target is the demonstrated chunk at t + d .. t + d + H - 1. The slow encoder and
-the denoiser stay the imitation policy's: only what the fast part reads is learned here, and RL
-then starts from a head that already means something.
+frame t + m. The target is the demonstrated chunk t .. t + H - 1, its rows d .. H - 1 in the loss.
+The slow encoder and the denoiser stay the imitation policy's: only what the fast part reads is
+learned here, and RL then starts from a head that already means something.
+
+Not reproduced from demonstrations: an episode's first request, whose queue is empty at rollout
+(nothing committed, the robot holds), and a measured delay estimate that differs from the true
+delay (``--delay.estimate=measured``): here the announced delay is the true one.
 
 Delays come from the run's own delay model (``--delay``), drawn from a generator of their own
-(seeded by the run's seed), so the warm-up is the same in every process of a run and never moves
-the rollouts' stream of delays.
+(seeded by the run's seed), so the warm-up never moves the rollouts' stream of delays.
 """
 
 from __future__ import annotations
@@ -40,10 +45,10 @@ from vla_rl.types import ACTION
 class LatencyWarmupConfig:
     """Supervised steps of the fast head on demonstrations, before RL (0 = none: RL starts it from zero)."""
 
-    steps: int = 0
+    steps: int = 0  # supervised steps of the head before RL (0 = none)
     # The LeRobotDataset to read (usually the one the imitation checkpoint was trained on); needed when steps > 0
     dataset: str = ""
-    batch_size: int = 64
+    batch_size: int = 64  # demonstration frames per step, each with a delay drawn from --delay
     lr: float = 1e-3  # AdamW, cosine-decayed to 0 over the steps (the imitation policy's peak rate)
 
     def validate(self) -> None:
@@ -65,17 +70,18 @@ def delayed_sample(
 ) -> dict:  # fmt: skip
     """Frames ``idx`` (B,) as a latency-aware policy sees them under ``delays`` (B,) long: the request's
     observation (frame t), the delay augmentation (actions t .. t + d - 1), the mid-inference
-    observation (frame min(t + m, episode's last)), and as ``action`` (B, horizon, A) /
-    ``action_is_pad`` (B, horizon) the chunk that starts at t + d."""
-    full = demos.batch(idx, horizon + max_delay)  # actions t .. t + D + H - 1, padded past the episode
-    batch = {k: v for k, v in full.items() if k not in (ACTION, "action_is_pad")}
-    batch.update(committed_prefix(full[ACTION], full["action_is_pad"], delays, max_delay))
-    rows = delays[:, None] + torch.arange(horizon)[None]  # (B, H): chunk step j runs at t + d + j
-    batch[ACTION] = full[ACTION].gather(1, rows[..., None].expand(-1, -1, full[ACTION].shape[-1]))
-    batch["action_is_pad"] = full["action_is_pad"].gather(1, rows)
+    observation (frame t + m, clamped to the episode's last), and as ``action`` (B, horizon, A) the
+    demonstrated chunk t .. t + horizon - 1, whose ``action_is_pad`` (B, horizon) marks the rows
+    past the episode's end and the rows j < d, which never run."""
+    batch = demos.batch(idx, horizon)
+    batch.update(committed_prefix(batch[ACTION], batch["action_is_pad"], delays, max_delay))
+    past = torch.arange(horizon)[None] < delays[:, None]  # (B, H): over before the chunk arrives
+    batch["action_is_pad"] = batch["action_is_pad"] | past
     steps = mid_inference_steps(delays, mid_fraction)
+    # A frame whose episode ends before t + m has nothing left to train (see the module docstring);
+    # its mid frame is clamped only to stay inside the episode.
     mid_frames = torch.minimum(idx + steps, demos.episode_end[idx] - 1)
-    batch.update(mid_observation(demos.batch(mid_frames, 1), mid_cameras, mid_frames - idx))
+    batch.update(mid_observation(demos.batch(mid_frames, 1), mid_cameras, steps))
     return batch
 
 
@@ -88,12 +94,6 @@ def warm_up_latency_head(
     pcfg = policy.config
     if policy.latency_head is None:
         raise ValueError("the policy has no fast head to warm up; add it first (add_latency_head)")
-    missing = [cam for cam in pcfg.cameras if cam not in demos.cameras]
-    if missing:
-        raise ValueError(
-            f"--latency_warmup.dataset has no camera {missing} that the policy reads; give the dataset it was "
-            f"trained on"
-        )
     delays = DelayModel(delay, control_dt)
     delays.generator.manual_seed(seed)
     generator = torch.Generator().manual_seed(seed)  # frames
@@ -104,7 +104,7 @@ def warm_up_latency_head(
     for name, p in policy.named_parameters():
         p.requires_grad_(name.startswith("latency_head."))
     opt = torch.optim.AdamW(head, lr=cfg.lr, weight_decay=0.0)
-    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * s / cfg.steps)))
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * s / max(1, cfg.steps))))
     losses = []
     try:
         for _ in tqdm(range(cfg.steps), desc="fast head on demonstrations", unit="step", leave=False):
@@ -116,6 +116,11 @@ def warm_up_latency_head(
             loss = policy(batch, generator=noise)
             opt.zero_grad(set_to_none=True)
             loss.backward()
+            if not (torch.isfinite(loss) and all(torch.isfinite(p.grad).all() for p in head if p.grad is not None)):
+                raise ValueError(
+                    f"the fast head's warm-up loss or gradient became {loss.item()} at step {len(losses)}; lower "
+                    f"--latency_warmup.lr (now {cfg.lr})"
+                )
             opt.step()
             schedule.step()
             losses.append(loss.item())
