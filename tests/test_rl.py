@@ -238,17 +238,26 @@ def tiny_suite_checkpoint(tmp_path_factory):
     return root / "train"
 
 
-@pytest.mark.parametrize(("algo", "multitask"), [("ppo", False), ("grpo", False), ("ppo", True)])
+@pytest.mark.parametrize(
+    ("algo", "multitask", "warmed"), [("ppo", False, False), ("grpo", False, False), ("ppo", True, False),
+                                      ("ppo", False, True)],
+)  # fmt: skip
 def test_a_resumed_run_reaches_the_same_weights_as_an_uninterrupted_one(
-    tiny_checkpoint, tiny_suite_checkpoint, tmp_path, algo, multitask
+    tiny_checkpoint, tiny_suite_checkpoint, tiny_dataset, tmp_path, algo, multitask, warmed
 ):
     """Two iterations straight, against one iteration, stop, and --resume=true for the second:
     the same weights (the rollout seeds, sampling noise, minibatch order, optimizer state and, with
     several tasks, the curriculum and PCGrad's stream all continue). The checkpoint it stops at is
-    what a kill after a checkpoint leaves."""
+    what a kill after a checkpoint leaves. ``warmed``: a latency-aware run whose head was warmed up
+    on demonstrations, with a KL term, so the resumed run must take its KL reference from the
+    warmed policy (the imitation checkpoint has no head)."""
     checkpoint = tiny_suite_checkpoint if multitask else tiny_checkpoint[0]
     extra = {"algo": algo, "grpo": GRPOConfig(group_size=2),
-             "ppo": PPOConfig(critic_warmup_iterations=0, episodes_per_world=1), **(MULTITASK if multitask else {})}  # fmt: skip
+             "ppo": PPOConfig(critic_warmup_iterations=0, episodes_per_world=1, kl_coef=0.5 if warmed else 0.0),
+             **(MULTITASK if multitask else {})}  # fmt: skip
+    if warmed:
+        extra |= {"latency_aware": True, "delay": DelayConfig(kind="fixed", steps=2),
+                  "latency_warmup": LatencyWarmupConfig(steps=10, dataset=str(tiny_dataset[0]), batch_size=8)}  # fmt: skip
     straight = finetune(small_run(checkpoint, tmp_path / "straight", **extra))
     finetune(small_run(checkpoint, tmp_path / "resumed", iterations=1, **extra))
     resumed = finetune(small_run(checkpoint, tmp_path / "resumed", resume=True, **extra))
