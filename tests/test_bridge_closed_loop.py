@@ -82,13 +82,25 @@ def test_serve_drives_the_sim_robot_to_success(lift_checkpoint, tmp_path):
 
 @pytest.fixture(scope="module")
 def latency_aware_checkpoint(lift_checkpoint, tmp_path_factory):
-    """The lift checkpoint made latency-aware (`vla-rl finetune --latency_aware=true`'s first step: a fast
-    head that starts at zero), saved in finetune's layout: it acts as the imitation policy, but reads
-    the committed actions and the mid-inference observation, and refuses to run without them."""
+    """The lift checkpoint made latency-aware as `vla-rl finetune --latency_aware=true
+    --latency_warmup.steps=300` starts it: a fast head fitted on the checkpoint's own demonstrations
+    under delays of 0-8 steps, saved in finetune's layout. It reads the committed actions and the
+    mid-inference observation, and refuses to run without them."""
+    import json
+
     from vla_rl.checkpoint import load_policy, write_policy
+    from vla_rl.data import ChunkedDemos, open_dataset
+    from vla_rl.latency_warmup import LatencyWarmupConfig, warm_up_latency_head
+    from vla_rl.runtime import DelayConfig
 
     policy, _ = load_policy(lift_checkpoint)
     policy.add_latency_head(8, 0.5, list(policy.config.cameras))
+    dataset = json.loads((Path(lift_checkpoint) / "train_config.json").read_text())["dataset"]["root"]
+    demos = ChunkedDemos(open_dataset(dataset), list(policy.config.cameras))
+    losses = warm_up_latency_head(policy, demos, DelayConfig(kind="uniform", low=0, high=8), 0.05,
+                                  LatencyWarmupConfig(steps=300, dataset=dataset), seed=0)  # fmt: skip
+    assert sum(losses[-30:]) < sum(losses[:30])  # the head learned from the demonstrations
+    assert policy.latency_head.mlp[-1].weight.abs().max() > 0
     out = tmp_path_factory.mktemp("latency_aware") / "checkpoint"
     write_policy(out, policy, {"step": 0})
     return out
@@ -97,7 +109,8 @@ def latency_aware_checkpoint(lift_checkpoint, tmp_path_factory):
 @pytest.mark.slow
 def test_a_served_latency_aware_policy_succeeds_under_an_added_inference_delay(latency_aware_checkpoint, tmp_path):
     """150 ms added to every inference (about 3 control steps at 20 Hz): the node sends each request its
-    mid-inference observation and the committed actions, and the policy still completes episodes."""
+    mid-inference observation and the committed actions, and the policy, its fast head reading them,
+    completes episodes."""
     domain = DOMAIN_ID + 1
     robot = start_command(["sim-robot", "--env.task=lift", "--seed=100"], domain, tmp_path, "robot")
     bridge = start_command(["serve", "--config_path=configs/serve.yaml", f"--checkpoint={latency_aware_checkpoint}",
