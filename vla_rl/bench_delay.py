@@ -67,9 +67,7 @@ class BenchDelayConfig:
 
 def bench_delay(cfg: BenchDelayConfig) -> dict[str, Any]:
     """Run the protocol of the module docstring; returns (and writes as ``delay.json``) every cell."""
-    from sim.config import EnvConfig
-    from vla_rl.bench_stages import record_demos, train_imitation
-    from vla_rl.eval import EvalConfig, evaluate
+    from vla_rl.bench_stages import held_out, record_demos, train_imitation
 
     cfg.apply_quick()
     if not cfg.delays or min(cfg.delays) < 0 or max(cfg.delays) >= cfg.horizon:
@@ -93,17 +91,9 @@ def bench_delay(cfg: BenchDelayConfig) -> dict[str, Any]:
     for name in POLICIES:
         for merge in cfg.merges:
             for d in cfg.delays:
-                result = evaluate(EvalConfig(
-                    checkpoint=str(out / name), env=EnvConfig(task=cfg.task, num_envs=min(cfg.num_envs, cfg.episodes)),
-                    num_episodes=cfg.episodes, seed=cfg.eval_seed, video_episodes=0,
-                    chunking=ChunkingConfig(merge=merge), delay=DelayConfig(kind="fixed", steps=d),
-                    output_dir=str(out / "eval" / name / merge / f"d{d}"),
-                ))  # fmt: skip
-                cells.append({
-                    "policy": name, "merge": merge, "delay": d, "episodes": result["episodes"],
-                    "successes": result["successes"], "success_rate": result["success_rate"],
-                    "success_ci95": result["success_ci95"], "mean_episode_length": result["mean_episode_length"],
-                })  # fmt: skip
+                result = held_out(cfg, out / name, cfg.episodes, cfg.eval_seed, out / "eval" / name / merge / f"d{d}",
+                                  num_envs=min(cfg.num_envs, cfg.episodes), delay_steps=d, merge=merge)  # fmt: skip
+                cells.append({"policy": name, "merge": merge, "delay": d, **result})
     summary = summarize(cells, max(cfg.delays), min(cfg.delays))
     report = {
         "config": asdict(cfg), "cells": cells, "summary": summary,

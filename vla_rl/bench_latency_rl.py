@@ -84,8 +84,7 @@ class BenchLatencyRLConfig:
 def bench_latency_rl(cfg: BenchLatencyRLConfig) -> dict[str, Any]:
     """Run the protocol of the module docstring; returns (and writes as ``latency_rl.json``) every cell."""
     from sim.config import EnvConfig
-    from vla_rl.bench_stages import record_demos, train_imitation
-    from vla_rl.eval import EvalConfig, evaluate
+    from vla_rl.bench_stages import held_out, record_demos, train_imitation
     from vla_rl.finetune import FinetuneConfig, finetune
     from vla_rl.latency_warmup import LatencyWarmupConfig
     from vla_rl.runtime import DelayConfig
@@ -149,16 +148,9 @@ def bench_latency_rl(cfg: BenchLatencyRLConfig) -> dict[str, Any]:
     cells: list[dict[str, Any]] = []
     t0 = time.time()
     for (arm, d), checkpoint in checkpoints.items():
-        result = evaluate(EvalConfig(
-            checkpoint=str(checkpoint), env=EnvConfig(task=cfg.task, num_envs=min(50, cfg.eval_episodes)),
-            num_episodes=cfg.eval_episodes, seed=cfg.eval_seed, video_episodes=0,
-            delay=DelayConfig(kind="fixed", steps=d), output_dir=str(out / "eval" / arm / f"d{d}"),
-        ))  # fmt: skip
-        cells.append({
-            "arm": arm, "delay": d, "delay_ms": 50 * d, "checkpoint": str(checkpoint), "episodes": result["episodes"],
-            "successes": result["successes"], "success_rate": result["success_rate"],
-            "success_ci95": result["success_ci95"],
-        })  # fmt: skip
+        result = held_out(cfg, checkpoint, cfg.eval_episodes, cfg.eval_seed, out / "eval" / arm / f"d{d}",
+                          num_envs=min(50, cfg.eval_episodes), delay_steps=d)  # fmt: skip
+        cells.append({"arm": arm, "delay": d, "delay_ms": 50 * d, "checkpoint": str(checkpoint), **result})
     stage_minutes["evaluation"] = round((time.time() - t0) / 60, 2)
     summary = summarize(cells, largest)
     report = {

@@ -62,8 +62,7 @@ class BenchRLConfig:
 def bench_rl(cfg: BenchRLConfig) -> dict[str, Any]:
     """Run the protocol of the module docstring; returns (and writes as ``rl.json``) its results."""
     from sim.config import EnvConfig
-    from vla_rl.bench_stages import record_demos, train_imitation
-    from vla_rl.eval import EvalConfig, evaluate
+    from vla_rl.bench_stages import held_out, record_demos, train_imitation
     from vla_rl.finetune import FinetuneConfig, finetune
     from vla_rl.rl.grpo import GRPOConfig
 
@@ -75,15 +74,11 @@ def bench_rl(cfg: BenchRLConfig) -> dict[str, Any]:
     train_imitation(cfg, dataset, imitation)
     imitation_minutes = (time.time() - start) / 60
 
-    def held_out(checkpoint: Path, name: str) -> dict[str, Any]:
-        result = evaluate(EvalConfig(
-            checkpoint=str(checkpoint), env=EnvConfig(task=cfg.task, num_envs=min(50, cfg.eval_episodes)),
-            num_episodes=cfg.eval_episodes, seed=cfg.eval_seed, video_episodes=0,
-            output_dir=str(out / "eval" / name),
-        ))  # fmt: skip
-        return {k: result[k] for k in ("episodes", "successes", "success_rate", "success_ci95")}
+    def evaluate_on_held_out(checkpoint: Path, name: str) -> dict[str, Any]:
+        return held_out(cfg, checkpoint, cfg.eval_episodes, cfg.eval_seed, out / "eval" / name,
+                        num_envs=min(50, cfg.eval_episodes))  # fmt: skip
 
-    results: dict[str, Any] = {"imitation": held_out(imitation, "imitation")}
+    results: dict[str, Any] = {"imitation": evaluate_on_held_out(imitation, "imitation")}
     runs: dict[str, Any] = {}
     for algo in ALGOS:
         run_dir = out / algo
@@ -102,7 +97,7 @@ def bench_rl(cfg: BenchRLConfig) -> dict[str, Any]:
             "rollout_env_steps_per_s": summary["rollout_env_steps_per_s"],
             "skipped_updates": summary["skipped_updates"], "plot": str(run_dir / "success.png"),
         }  # fmt: skip
-        results[algo] = held_out(run_dir, algo)
+        results[algo] = evaluate_on_held_out(run_dir, algo)
     before = results["imitation"]["success_rate"]
     gains = {algo: round(100 * (results[algo]["success_rate"] - before), 1) for algo in ALGOS}
     report = {

@@ -1,6 +1,6 @@
 """The stages the learning benchmarks share (`bench delay`, `bench rl`, `bench latency-rl`): scripted
-demonstrations and an imitation policy trained on them. Each is skipped or resumed when a killed run
-left it finished or part-done in the output folder.
+demonstrations, an imitation policy trained on them, and one held-out evaluation cell. The first two
+are skipped or resumed when a killed run left them finished or part-done in the output folder.
 
 ``cfg`` is the benchmark's config; it names task, demos, num_envs, seed, train_steps, batch_size,
 horizon, n_action_steps and num_threads.
@@ -36,3 +36,22 @@ def train_imitation(cfg, dataset: Path, output_dir: Path, delay=None) -> None:
         num_threads=cfg.num_threads, delay=delay or DelayConfig(), resume=(output_dir / "checkpoints").is_dir(),
         policy=DiffusionConfig(horizon=cfg.horizon, n_action_steps=cfg.n_action_steps),
     ))  # fmt: skip
+
+
+def held_out(
+    cfg, checkpoint: Path, episodes: int, seed: int, output_dir: Path, num_envs: int, delay_steps: int = 0,
+    merge: str = "latest",
+) -> dict:  # fmt: skip
+    """`vla-rl eval` of ``checkpoint`` on ``episodes`` held-out episodes of ``cfg.task`` from ``seed``,
+    under a fixed delay of ``delay_steps`` and chunk merge ``merge``: its episodes, successes,
+    success_rate, success_ci95 (Wilson) and mean_episode_length."""
+    from sim.config import EnvConfig
+    from vla_rl.eval import EvalConfig, evaluate
+    from vla_rl.runtime import ChunkingConfig, DelayConfig
+
+    result = evaluate(EvalConfig(
+        checkpoint=str(checkpoint), env=EnvConfig(task=cfg.task, num_envs=num_envs), num_episodes=episodes,
+        seed=seed, video_episodes=0, chunking=ChunkingConfig(merge=merge),
+        delay=DelayConfig(kind="fixed", steps=delay_steps), output_dir=str(output_dir),
+    ))  # fmt: skip
+    return {k: result[k] for k in ("episodes", "successes", "success_rate", "success_ci95", "mean_episode_length")}
