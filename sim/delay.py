@@ -32,7 +32,9 @@ before step t + m + 1 when m > 0: the fast part runs after the mid observation, 
 (`robot_bridge.chunk_scheduler`). Without ``mid_fraction`` the policy is asked at the request.
 
 The state lives on the env's device, updated with masks, and delays are drawn there: the only host
-read per control step is whether any world requests now, which decides when ``step`` returns. A
+read per control step is whether any world requests now, which decides when ``step`` returns. With
+a mid-inference observation there are three: whether a request opens, whether a policy is asked,
+and whether an episode ended (which ends the call). A
 ``step`` call reads it once more, to refuse a submitted chunk with NaN or inf.
 
 For RL, each world's chunk is one transition: from its request to its next request, or to the end

@@ -113,7 +113,7 @@ class FinetuneConfig:
     # mid-inference observation (`policies.latency_head`). false: naive RL, the policy sees only the
     # observation its request was made from, and its chunk starts d steps later.
     latency_aware: bool = False
-    mid_fraction: float = 0.5  # where in the inference window the mid-inference observation is taken, in [0, 1]
+    mid_fraction: float = 0.5  # where in the inference window the mid-inference observation is taken, in [0, 1)
     latency_head_lr: float = 1e-4  # the fast head's learning rate (it starts at zero: the imitation policy)
     # Before RL, fit the fast head on demonstrations under the run's delays (`vla_rl.latency_warmup`);
     # steps=0 (default): RL starts it from zero.
