@@ -62,7 +62,7 @@ import torch
 from torch import nn
 
 from robot_bridge import topics
-from robot_bridge.scheduling import lock_memory, quiet_interpreter, use_realtime
+from robot_bridge.scheduling import lock_memory, normal_scheduling, quiet_interpreter, use_realtime
 from vla_rl.runtime import ChunkingConfig, MergeMode
 from vla_rl.types import OBS_COMMITTED_ACTIONS, OBS_STATE, ActionChunk, image_key
 
@@ -397,19 +397,30 @@ def _run_one(
     ctx = multiprocessing.get_context("spawn")
     results, stop = ctx.Queue(), ctx.Event()
     serve = ctx.Process(target=_serve_side, args=(cfg, rate, merge, horizon, results, stop), name="bench-serve")
-    serve.start()
+    with normal_scheduling():
+        serve.start()
     ping = None
+    robot.bridge_state = ""
     if ping_cycles:
         robot.pongs.clear()
         deadline = time.monotonic() + cfg.start_timeout_s
-        # Ping until the echo is discovered, then measure.
+        # Ping until the echo is discovered and the bridge has loaded its policy (idle, holding:
+        # no states yet), then measure; the loading worker's start-up is not the baseline's.
         _in_thread(executor, robot.run_schedule, period, 10**9, "ping",
-                   until=lambda: bool(robot.pongs) or time.monotonic() > deadline)  # fmt: skip
+                   until=lambda: (robot.pongs and robot.bridge_state not in ("", "LOADING"))
+                   or time.monotonic() > deadline)  # fmt: skip
         robot.pongs.clear()
         sent = _in_thread(executor, robot.run_schedule, period, ping_cycles, "ping")
         rtt = [(robot.pongs[s] - s) / 1e6 for s in sent if s in robot.pongs]
+        if not rtt:
+            stop.set()
+            serve.join(30)
+            raise RuntimeError(
+                f"none of {len(sent)} pings came back from the serve process's echo within {cfg.start_timeout_s} s "
+                f"of its start (bridge state {robot.bridge_state!r}): there is no baseline to subtract"
+            )
         ping = {"rate_hz": rate, "pings": len(sent), "pongs": len(rtt), "round_trip_ms": _quantiles(rtt)}
-    robot.chunks, robot.bridge_state = 0, ""
+    robot.chunks = 0
     # Warm-up: the robot streams until the bridge runs its first chunks (loading and calibration).
     deadline = time.monotonic() + cfg.start_timeout_s
     _in_thread(
@@ -469,8 +480,8 @@ def bench_bridge(cfg: BenchBridgeConfig) -> dict[str, Any]:
     os.environ["ROS_DOMAIN_ID"] = str(cfg.domain_id)
     if hasattr(os, "sched_setaffinity") and (os.cpu_count() or 1) > 1:
         os.sched_setaffinity(0, {1})  # the robot shares the inference core, where it wins over the niced worker
-    # A robot driver runs its I/O at real-time priority too; the serve processes spawned below
-    # inherit it and their inference workers drop it again.
+    # A robot driver runs its I/O at real-time priority too. The serve processes spawned below
+    # start without it (their imports would hold this core) and ask for it themselves, as `serve` does.
     robot_rt_problem = use_realtime(50)
     if robot_rt_problem:  # said now, not only after minutes of measuring
         print(f"bench bridge: WARNING: real-time scheduling refused ({robot_rt_problem}); "
@@ -525,6 +536,7 @@ def _summarize(
             "jitter_p50_ms": max(r["jitter_ms"]["p50"] for r in rows),
             "jitter_p99_ms": max(r["jitter_ms"]["p99"] for r in rows),
             "raw_round_trip_ms": raw,
+            "raw_pongs": [pings[rate]["pongs"], pings[rate]["pings"]],  # answered, sent
             "seams": {r["merge"]: r["seams"] for r in rows},
         }
     problems = {r["scheduling"][k] for r in runs for k in ("realtime_problem", "memory_lock_problem")} - {None}
@@ -570,7 +582,8 @@ def format_summary(result: dict[str, Any]) -> str:
     for rate, row in result["per_rate"].items():
         raw = row["raw_round_trip_ms"]
         lines.append(
-            f"  {float(rate):>5g} Hz raw ping-pong p50/p99={raw['p50']:.3f}/{raw['p99']:.3f} ms, "
+            f"  {float(rate):>5g} Hz raw ping-pong ({row['raw_pongs'][0]}/{row['raw_pongs'][1]} answered) "
+            f"p50/p99={raw['p50']:.3f}/{raw['p99']:.3f} ms, "
             f"added latency p50/p99={row['added_latency_p50_ms']:.3f}/{row['added_latency_p99_ms']:.3f} ms"
         )
     lines.append(f"results: {result['config']['output_json']}")

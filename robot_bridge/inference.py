@@ -22,13 +22,14 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
 import numpy as np
 
-from robot_bridge.scheduling import use_normal
+from robot_bridge.scheduling import normal_scheduling, use_normal
 from vla_rl.types import OBS_IMAGES, OBS_MID, TASK, Policy
 
 
@@ -135,11 +136,11 @@ def serve_requests(
 ) -> None:
     """Worker body: load the policy (retrying), then answer requests until a ``None`` request arrives.
     added_latency_s: slept before each answer (an artificial inference delay)."""
+    # A thread started from the real-time control thread inherits its SCHED_FIFO (a process is
+    # started without it); inference must never preempt control, so it goes back to normal first.
+    use_normal()
     import torch
 
-    # Started from the real-time control thread, the worker inherits its SCHED_FIFO; inference
-    # must never preempt control, so it goes back to normal scheduling first.
-    use_normal()
     if cpu >= 0 and hasattr(os, "sched_setaffinity"):
         # pid 0 is the calling thread, so in thread mode only the inference thread is pinned.
         os.sched_setaffinity(0, {cpu % (os.cpu_count() or 1)})
@@ -232,7 +233,9 @@ class InferenceWorker:
             self._runner = threading.Thread(target=serve_requests, args=args, name="vla-rl-inference", daemon=True)
         self.mode = mode
         self.busy = False  # a request is in flight
-        self._runner.start()
+        # Started from the real-time control thread, a process would import torch at its priority.
+        with normal_scheduling() if mode == "process" else nullcontext():
+            self._runner.start()
 
     def submit(self, request: InferenceRequest) -> None:
         """Send one request; only one may be in flight."""

@@ -15,6 +15,8 @@ import ctypes.util
 import gc
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 
 def use_realtime(priority: int) -> str | None:
@@ -39,6 +41,26 @@ def use_normal() -> None:
     which inherits the control loop's policy when it is started from it."""
     if hasattr(os, "sched_setscheduler") and os.sched_getscheduler(0) != os.SCHED_OTHER:
         os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+
+
+@contextmanager
+def normal_scheduling() -> Iterator[None]:
+    """Run the block with the calling thread on normal scheduling, then give its policy back.
+
+    For starting a process from a real-time thread: a child inherits the policy at fork, and a
+    spawned inference worker importing torch at SCHED_FIFO on the control core would keep the
+    control loop (same priority, so no preemption) off the CPU for the second or two the imports
+    take, before the worker's own ``use_normal`` runs.
+    """
+    if not hasattr(os, "sched_getscheduler") or os.sched_getscheduler(0) == os.SCHED_OTHER:
+        yield
+        return
+    policy, param = os.sched_getscheduler(0), os.sched_getparam(0)
+    use_normal()
+    try:
+        yield
+    finally:
+        os.sched_setscheduler(0, policy, param)
 
 
 def lock_memory() -> str | None:

@@ -70,7 +70,7 @@ def _run(rate, realtime_problem=None, lock_problem=None, misses=0):
 
 def test_summary_records_scheduling_and_warns_when_it_was_refused():
     cfg = BenchBridgeConfig(rates_hz=[50.0, 100.0], deadline_ms=5.0)
-    pings = {r: {"round_trip_ms": {"p50": 0.5, "p99": 1.0, "max": 1.5}} for r in cfg.rates_hz}
+    pings = {r: {"pings": 30, "pongs": 29, "round_trip_ms": {"p50": 0.5, "p99": 1.0, "max": 1.5}} for r in cfg.rates_hz}
     granted = _summarize(cfg, 16, [_run(50.0, misses=2), _run(100.0, misses=3)], pings)
     assert granted["deadline_ms"] == 5.0 and granted["deadline_misses"] == 5
     assert granted["scheduling"] == {
@@ -78,6 +78,7 @@ def test_summary_records_scheduling_and_warns_when_it_was_refused():
     }  # fmt: skip
     text = format_summary(granted)
     assert "WARNING" not in text
+    assert granted["per_rate"]["50.0"]["raw_pongs"] == [29, 30] and "(29/30 answered)" in text
     assert text.splitlines()[-1].endswith("realtime_scheduling=granted memory_locking=granted")
 
     # One serve process of two refused each: the whole benchmark says refused, and why.
@@ -170,5 +171,7 @@ def test_bench_bridge_tiny_run(tmp_path):
     assert np.isfinite(run["state_to_command_ms"]["p50"]) and run["state_to_command_ms"]["p50"] > 0
     assert run["inference_latency_ms"]["p50"] > 10  # a real forward pass, not nothing
     assert set(run["seams"]) == {"seam_max_velocity_jump", "within_max_velocity_jump"}
-    assert result["pings"]["100.0"]["pongs"] > 0
+    # On loopback every ping comes back unless the echo is starved: the inference worker once
+    # started at the serve process's real-time priority and held its core while importing torch.
+    assert result["pings"]["100.0"]["pongs"] >= 28 and result["per_rate"]["100.0"]["raw_pongs"][1] == 30
     assert set(result["per_rate"]["100.0"]) >= {"added_latency_p99_ms", "jitter_p99_ms", "raw_round_trip_ms", "seams"}

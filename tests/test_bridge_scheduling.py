@@ -4,10 +4,14 @@ import os
 import subprocess
 import sys
 import threading
+from functools import partial
 
 import pytest
 
-from robot_bridge.scheduling import use_normal, use_realtime
+from robot_bridge.inference import InferenceWorker
+from robot_bridge.scheduling import normal_scheduling, use_normal, use_realtime
+
+CHILD_POLICY = [sys.executable, "-c", "import os; print(os.sched_getscheduler(0))"]
 
 
 def test_realtime_then_normal_in_a_thread():
@@ -30,6 +34,59 @@ def test_realtime_then_normal_in_a_thread():
         assert seen["rt"] == os.SCHED_FIFO and seen["priority"] == 10
     assert seen["after"] == os.SCHED_OTHER
     assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the calling thread never changed
+
+
+def in_realtime_thread(body):
+    """Run ``body`` in a thread of its own at SCHED_FIFO 10 (the test process is left untouched);
+    returns what body returned, or None where real-time scheduling is refused."""
+    seen = {}
+
+    def run():
+        if use_realtime(10) is None:
+            seen["value"] = body()
+            use_normal()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    return seen.get("value")
+
+
+def test_a_process_started_under_normal_scheduling_does_not_inherit_realtime():
+    """A child inherits SCHED_FIFO at fork (the control of the check), but not inside the block;
+    afterwards the thread has its policy and priority back."""
+
+    def body():
+        inherited = int(subprocess.run(CHILD_POLICY, capture_output=True, text=True, check=True).stdout)
+        with normal_scheduling():
+            inside = os.sched_getscheduler(0)
+            started = int(subprocess.run(CHILD_POLICY, capture_output=True, text=True, check=True).stdout)
+        return inherited, inside, started, os.sched_getscheduler(0), os.sched_getparam(0).sched_priority
+
+    seen = in_realtime_thread(body)
+    if seen is None:  # an unprivileged machine: nothing to give back
+        with normal_scheduling():
+            assert os.sched_getscheduler(0) == os.SCHED_OTHER
+        return
+    assert seen == (os.SCHED_FIFO, os.SCHED_OTHER, os.SCHED_OTHER, os.SCHED_FIFO, 10)
+
+
+def test_inference_worker_process_starts_without_the_control_loops_realtime_policy():
+    """The worker process is looked at right after it starts, while it is still importing (torch,
+    the policy code): it must already be on normal scheduling, or it would hold the control
+    loop's core at the same FIFO priority for as long as its imports take."""
+
+    def body():
+        # The loader fails (int("...") raises): the worker reports it and waits to retry; only its start matters.
+        worker = InferenceWorker(partial(int, "not a policy"), mode="process", load_retry_s=60.0)
+        try:
+            return os.sched_getscheduler(worker._runner.pid), os.sched_getscheduler(0)
+        finally:
+            worker.close()
+
+    seen = in_realtime_thread(body)
+    if seen is not None:  # else an unprivileged machine, where nothing runs real-time to inherit from
+        assert seen == (os.SCHED_OTHER, os.SCHED_FIFO)
 
 
 def test_priority_out_of_range_names_the_fix():
