@@ -11,7 +11,7 @@ import pytest
 from robot_bridge.inference import InferenceWorker
 from robot_bridge.scheduling import normal_scheduling, use_normal, use_realtime
 
-CHILD_POLICY = [sys.executable, "-c", "import os; print(os.sched_getscheduler(0))"]
+PRINT_CHILD_SCHEDULER = [sys.executable, "-c", "import os; print(os.sched_getscheduler(0))"]
 
 
 def test_realtime_then_normal_in_a_thread():
@@ -57,10 +57,10 @@ def test_a_process_started_under_normal_scheduling_does_not_inherit_realtime():
     afterwards the thread has its policy and priority back."""
 
     def body():
-        inherited = int(subprocess.run(CHILD_POLICY, capture_output=True, text=True, check=True).stdout)
+        inherited = int(subprocess.run(PRINT_CHILD_SCHEDULER, capture_output=True, text=True, check=True).stdout)
         with normal_scheduling():
             inside = os.sched_getscheduler(0)
-            started = int(subprocess.run(CHILD_POLICY, capture_output=True, text=True, check=True).stdout)
+            started = int(subprocess.run(PRINT_CHILD_SCHEDULER, capture_output=True, text=True, check=True).stdout)
         return inherited, inside, started, os.sched_getscheduler(0), os.sched_getparam(0).sched_priority
 
     seen = in_realtime_thread(body)
