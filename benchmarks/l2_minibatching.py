@@ -137,7 +137,7 @@ def measure_step(spec: dict) -> dict:
     """One configuration in this (fresh) process: median step seconds and peak memory increase."""
     import torch
 
-    from vla_rl.data import ChunkedDemos, open_dataset
+    from vla_core.data import ChunkedDemos, open_dataset
     from vla_rl.train import build_policy
 
     args = argparse.Namespace(**spec["args"])

@@ -11,7 +11,7 @@ with two augmentations, both of which this module reads:
   where the arm will be when the chunk starts;
 - the **mid-inference observation** (``observation.mid.state`` (B, S), ``observation.mid.images.
   <cam>`` (B, 3, S, S) for ``mid_cameras``, ``observation.mid.steps`` (B,) = m): the world m steps
-  into the inference window (m = floor(mid_fraction * d), taken by `vla_rl.runtime` in simulation
+  into the inference window (m = floor(mid_fraction * d), taken by `vla_core.runtime` in simulation
   and by the inference process on the robot).
 
 The low-latency design this implies, and how the policy is split:
@@ -37,7 +37,7 @@ import copy
 import torch
 from torch import nn
 
-from vla_rl.types import (
+from vla_core.types import (
     OBS_COMMITTED_ACTIONS,
     OBS_COMMITTED_MASK,
     OBS_DELAY_STEPS,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from vla_rl.types import OBS_STATE, TASK, image_key
+from vla_core.types import OBS_STATE, TASK, image_key
 
 
 def check_observation(obs: dict, state_dim: int, cameras: list[str], image_size: int | None) -> None:

@@ -37,7 +37,7 @@ from torch import nn
 from policies.denoising_chain import DenoisingChain, ExplorationNoise
 from policies.normalization import NormalizationMixin
 from policies.tokenizer import word_vocabulary
-from vla_rl.types import ACTION, OBS_COMMITTED_ACTIONS, OBS_COMMITTED_MASK, OBS_STATE, ActionChunk, image_key
+from vla_core.types import ACTION, OBS_COMMITTED_ACTIONS, OBS_COMMITTED_MASK, OBS_STATE, ActionChunk, image_key
 
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
 
@@ -230,7 +230,7 @@ LEROBOT_FIELDS = {
 
 
 class PreTrainedPolicy(NormalizationMixin, nn.Module):
-    """The policy contract (``vla_rl.types.Policy``), with what every policy shares implemented once.
+    """The policy contract (``vla_core.types.Policy``), with what every policy shares implemented once.
 
     A subclass sets ``config_class`` and implements ``predict_chunk`` (sampling) and ``forward``
     (the imitation loss); RL fine-tuning adds ``sample_with_log_prob``, ``log_prob`` and

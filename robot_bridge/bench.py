@@ -63,8 +63,8 @@ from torch import nn
 
 from robot_bridge import topics
 from robot_bridge.scheduling import lock_memory, normal_scheduling, quiet_interpreter, use_realtime
-from vla_rl.runtime import ChunkingConfig, MergeMode
-from vla_rl.types import OBS_COMMITTED_ACTIONS, OBS_STATE, ActionChunk, image_key
+from vla_core.runtime import ChunkingConfig, MergeMode
+from vla_core.types import OBS_COMMITTED_ACTIONS, OBS_STATE, ActionChunk, image_key
 
 JOINTS = ["joint1", "joint2", "joint3", "joint4"]
 CAMERA = "front"

@@ -1,10 +1,10 @@
 """The robot's shell around the latency model: ask the inference worker for chunks and merge them.
 
 After each control tick (off the latency path) the node calls :meth:`ChunkScheduler.prepare_next_action`,
-which runs the steps of `vla_rl.runtime.ChunkSchedule` in the order the simulation's delay shell
-(`sim.delay.DelayedChunkEnv`) runs them: merge any chunk that came back, ask for the next one when
+which runs the steps of `vla_core.runtime.ChunkSchedule` in the order the simulation's delay shell
+(`vla_core.runtime.delayed_env.DelayedChunkEnv`) runs them: merge any chunk that came back, ask for the next one when
 due (every ``chunking.execute_steps`` steps, one request in flight at a time), and take the next
-step's action from `vla_rl.runtime.ActionChunkExecutor`. A request announces the measured delay
+step's action from `vla_core.runtime.ActionChunkExecutor`. A request announces the measured delay
 estimate (the largest lag of the last ``delay_estimate_window`` chunks) and carries its delay
 augmentation and, with the ``rtc`` merge and a flow policy, RTC guidance. A chunk takes effect from
 the step after the tick that found it. Entering a hold discards the queued plan and any chunk still
@@ -12,7 +12,7 @@ in flight. Every measured inference latency is written to ``latency_log`` (JSON 
 control period), which ``--delay.kind=histogram`` replays in simulation. No ROS import here.
 
 A latency-aware policy (``mid_inference: true``) also gets a mid-inference observation, as in
-simulation (`sim.delay.DelayedChunkEnv`): a request at step t announcing delay d is submitted at
+simulation (`vla_core.runtime.delayed_env.DelayedChunkEnv`): a request at step t announcing delay d is submitted at
 once, and m = floor(mid_fraction * d) ticks later the node sends the worker the freshest joint
 state and images as ``observation.mid.*`` (with m = 0, the request's own, at once); the worker runs
 the policy on both, so its chunk is found at tick t + m + 1 at the earliest.
@@ -39,8 +39,8 @@ from robot_bridge.inference import (
 )
 from robot_bridge.inputs import JOINT_STATES, BridgeInputs
 from robot_bridge.log_limit import LogLimiter
-from vla_rl.runtime import ActionChunkExecutor, ChunkSchedule, LatencyLog, mid_inference_steps, mid_observation
-from vla_rl.types import ActionChunk, Policy
+from vla_core.runtime import ActionChunkExecutor, ChunkSchedule, LatencyLog, mid_inference_steps, mid_observation
+from vla_core.types import ActionChunk, Policy
 
 
 @dataclass

@@ -14,8 +14,8 @@ from robot_bridge import topics as topic_table
 from sim.arm import ACTION_NAMES as SIM_ACTION_NAMES
 from sim.arm import STATE_BOUNDS as SIM_STATE_BOUNDS
 from sim.arm import STATE_NAMES as SIM_STATE_NAMES
-from vla_rl.runtime import ChunkingConfig
-from vla_rl.types import image_key
+from vla_core.runtime import ChunkingConfig
+from vla_core.types import image_key
 
 # The SIM_* defaults serve the simulated Panda (`vla-rl sim-robot`): the state it publishes, the actions
 # it accepts and what it can physically report per state entry (radians, metres); see `sim.arm`.

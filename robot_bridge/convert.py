@@ -30,7 +30,7 @@ from tqdm import tqdm
 from robot_bridge.codec import InputRejected, command_action, decode_image, joint_state_vector, stamp_ns
 from robot_bridge.topics import COMMAND_ARRAY, EPISODE, INSTRUCTION, JOINT_STATES, JOINT_TRAJECTORY, camera_of
 from sim.arm import ACTION_NAMES
-from vla_rl.types import ACTION, OBS_STATE, image_key
+from vla_core.types import ACTION, OBS_STATE, image_key
 
 
 @dataclass
@@ -111,8 +111,8 @@ def convert(cfg: ConvertConfig) -> dict:
     """Convert ``cfg.input`` into a LeRobotDataset at ``cfg.output_dir``; returns a summary dict."""
     from lerobot.datasets.lerobot_dataset import LeRobotDataset
 
-    from vla_rl.data import discard_dataset, quiet_datasets, video_backend
-    from vla_rl.files import replace_directory
+    from vla_core.data import discard_dataset, quiet_datasets, video_backend
+    from vla_core.files import replace_directory
 
     src, out = Path(cfg.input), Path(cfg.output_dir)
     if not src.is_file():

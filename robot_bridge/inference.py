@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from robot_bridge.scheduling import normal_scheduling, use_normal
-from vla_rl.types import OBS_IMAGES, OBS_MID, TASK, Policy
+from vla_core.types import OBS_IMAGES, OBS_MID, TASK, Policy
 
 
 @dataclass

@@ -21,7 +21,7 @@ from robot_bridge.codec import InputRejected, decode_image, joint_state_vector, 
 from robot_bridge.config import CameraTopic, ServeConfig
 from robot_bridge.diagnostics import BridgeDiagnostics
 from robot_bridge.log_limit import LogLimiter
-from vla_rl.types import OBS_STATE, TASK
+from vla_core.types import OBS_STATE, TASK
 
 JOINT_STATES = "joint_states"  # the joint states' source name; a camera's is "camera <name>"
 

@@ -8,7 +8,7 @@ One thread runs every callback (subscriptions, timers), so a control tick never 
 - `robot_bridge.hold.Hold`: whether a tick may send the policy's action or must hold and why
   (e-stop, loading, rejected or stale input, policy error), the watchdog, and the `SafetyFilter`;
 - `robot_bridge.chunk_scheduler.ChunkScheduler`: the inference worker (its own process by
-  default), the in-flight request, and the `vla_rl.runtime.ActionChunkExecutor` chunks merge into;
+  default), the in-flight request, and the `vla_core.runtime.ActionChunkExecutor` chunks merge into;
 - `robot_bridge.diagnostics.BridgeDiagnostics`: counters, latencies and the /diagnostics report.
 
 Control tick (one per arriving joint state with ``clock=joint_states``, else one per timer
@@ -57,7 +57,7 @@ from robot_bridge.hold import Hold
 from robot_bridge.inputs import JOINT_STATES, BridgeInputs
 from robot_bridge.log_limit import LogLimiter
 from robot_bridge.scheduling import lock_memory, quiet_interpreter, use_realtime
-from vla_rl.types import Policy
+from vla_core.types import Policy
 
 LIST_PARAMETER_TYPES = {
     "list[float]": Parameter.Type.DOUBLE_ARRAY,

@@ -37,7 +37,7 @@ import numpy as np
 from robot_bridge import codec, topics
 from robot_bridge.codec import InputRejected
 from sim.config import EnvConfig
-from vla_rl.types import ACTION, OBS_STATE, image_key
+from vla_core.types import ACTION, OBS_STATE, image_key
 
 
 @dataclass

@@ -50,29 +50,6 @@ def render_thread_count(config: EnvConfig) -> int:
     return max(1, min(config.render_threads or os.cpu_count() or 1, config.num_envs))
 
 
-def world_indices(worlds: Any, num_envs: int) -> np.ndarray:
-    """`vla_rl.types.Worlds` -> (k,) int64 world indices, in the order given.
-
-    None selects every world; an (N,) bool mask the worlds where it is True; anything else is read
-    as indices, each in [0, N) and none repeated (a repeat would make "world w gets state j" ambiguous).
-    """
-    if worlds is None:
-        return np.arange(num_envs)
-    if hasattr(worlds, "cpu"):  # a torch tensor, possibly on an accelerator
-        worlds = worlds.cpu()
-    array = np.asarray(worlds)
-    if array.dtype == np.bool_:
-        if array.shape != (num_envs,):
-            raise ValueError(f"a world mask must have shape ({num_envs},), got {array.shape}")
-        return np.flatnonzero(array)
-    index = array.astype(np.int64).reshape(-1)
-    if array.size and (not np.issubdtype(array.dtype, np.integer) or index.min() < 0 or index.max() >= num_envs):
-        raise ValueError(f"world indices must be integers in [0, {num_envs}), got {array.tolist()}")
-    if len(np.unique(index)) != len(index):
-        raise ValueError(f"world indices must not repeat, got {index.tolist()}")
-    return index
-
-
 def is_batch_seed(seed: Any) -> bool:
     """True for None or one int (a seed of the whole batch), False for one seed per selected world."""
     return seed is None or isinstance(seed, int | np.integer)
@@ -103,9 +80,9 @@ def seed_sequences(seed: int | Sequence[int] | None, worlds: np.ndarray, num_env
 def env_features(
     cameras: Sequence[str], image_size: int, state_names: Sequence[str], action_names: Sequence[str]
 ) -> dict[str, dict[str, Any]]:
-    """LeRobot's feature dict of a batched env (see `vla_rl.types.BatchedEnv.features`): square
+    """LeRobot's feature dict of a batched env (see `vla_core.types.BatchedEnv.features`): square
     ``image_size`` images per camera, stored as images, then the named state and action vectors."""
-    from vla_rl.types import ACTION, OBS_STATE, image_key
+    from vla_core.types import ACTION, OBS_STATE, image_key
 
     features: dict[str, dict[str, Any]] = {
         image_key(cam): {

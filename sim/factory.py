@@ -12,7 +12,7 @@ ROBOSUITE_PREFIX = "robosuite/"  # robosuite/Lift, robosuite/Stack, robosuite/Pi
 
 
 def make_env(config: EnvConfig):
-    """A `vla_rl.types.BatchedEnv` for ``config``.
+    """A `vla_core.types.BatchedEnv` for ``config``.
 
     - ``libero_*`` tasks: LiberoBatchedEnv; ``robosuite/*`` tasks: RobosuiteBatchedEnv. Both run
       one subprocess worker per world on the cpu backend and need the ``libero`` extra.

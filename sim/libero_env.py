@@ -57,11 +57,11 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
-from sim.config import EnvConfig, env_features, is_batch_seed, per_world_seeds, world_indices
+from sim.config import EnvConfig, env_features, is_batch_seed, per_world_seeds
 from sim.libero_setup import MISSING_EXTRA, prepare_libero
 from sim.robosuite_env import ACTION_NAMES, STATE_NAMES, load_robosuite_state, save_robosuite_state
 from sim.subprocess_env import SubprocessBatchedEnv
-from vla_rl.types import Worlds
+from vla_core.types import Worlds, world_indices
 
 # Our camera names are LeRobot's LIBERO feature names (its default camera_name_mapping, inverted).
 CAMERAS = {"image": "agentview_image", "image2": "robot0_eye_in_hand_image"}

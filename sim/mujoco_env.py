@@ -25,10 +25,10 @@ from mujoco import rollout
 
 from sim.arm import ACTION_HIGH, ACTION_LOW, ACTION_NAMES, STATE_NAMES, arm_state, commanded_grip, hold_actions
 from sim.batched_success import HostWorlds
-from sim.config import EnvConfig, env_features, render_thread_count, reseed, world_indices
+from sim.config import EnvConfig, env_features, render_thread_count, reseed
 from sim.ik import ArmController
 from sim.render import ParallelRenderers, Renderers
-from vla_rl.types import OBS_STATE, TASK, Worlds, image_key
+from vla_core.types import OBS_STATE, TASK, Worlds, image_key, world_indices
 
 
 def forward_positions(model: mujoco.MjModel, data: mujoco.MjData) -> None:
@@ -53,7 +53,7 @@ def position_pass(model: mujoco.MjModel):
 
 
 class MujocoBatchedEnv:
-    """Batched env (see `vla_rl.types.BatchedEnv`) for the MuJoCo tabletop tasks, on CPU.
+    """Batched env (see `vla_core.types.BatchedEnv`) for the MuJoCo tabletop tasks, on CPU.
 
     Observations: ``observation.images.<camera>`` (N, 3, S, S) float in [0, 1], one per camera
     in ``config.cameras`` (none when it is empty: physics only); ``observation.state`` (N, 11) =
@@ -148,7 +148,7 @@ class MujocoBatchedEnv:
 
         World i draws its episodes from its own random stream: stream i of ``seed`` (an int), the
         stream of its own seed (one int per world: equal seeds, equal episodes), or, with no seed,
-        the stream it already had (see `vla_rl.types.BatchedEnv`).
+        the stream it already had (see `vla_core.types.BatchedEnv`).
         """
         selected = world_indices(worlds, self.num_envs)
         reseed(self._seeds, seed, selected)

@@ -1,4 +1,4 @@
-"""N Gymnasium envs in subprocess workers behind the batched-env contract (`vla_rl.types.BatchedEnv`).
+"""N Gymnasium envs in subprocess workers behind the batched-env contract (`vla_core.types.BatchedEnv`).
 
 For simulators that own their MuJoCo model, renderer and Python state per world (robosuite and
 LIBERO): each world runs in its own worker process of a Gymnasium ``AsyncVectorEnv`` (forkserver
@@ -33,8 +33,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from sim.config import is_batch_seed, per_world_seeds, world_indices
-from vla_rl.types import TASK, Worlds, image_key
+from sim.config import is_batch_seed, per_world_seeds
+from vla_core.types import TASK, Worlds, image_key, world_indices
 
 RawObs = dict[str, Any]  # a (nested) dict of numpy arrays with a leading batch dim
 ProcessObs = Callable[[RawObs], dict[str, torch.Tensor]]
@@ -89,7 +89,7 @@ class SubprocessBatchedEnv:
         max_episode_steps: steps after which an episode is truncated.
         cameras: the camera names of the ``observation.images.<camera>`` keys, for :meth:`render`.
         control_dt: seconds per step.
-        features: LeRobot's features of the observations and actions (`vla_rl.types.BatchedEnv`).
+        features: LeRobot's features of the observations and actions (`vla_core.types.BatchedEnv`).
         task_names: the env's task list; task_ids: (N,) each world's index into it. By default each
             distinct instruction is a task.
     """

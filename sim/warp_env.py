@@ -25,10 +25,10 @@ import torch
 
 from sim.arm import ACTION_HIGH, ACTION_LOW, ACTION_NAMES, STATE_NAMES, arm_state, commanded_grip, hold_actions
 from sim.batched_success import DeviceWorlds
-from sim.config import EnvConfig, env_features, render_thread_count, reseed, world_indices
+from sim.config import EnvConfig, env_features, render_thread_count, reseed
 from sim.ik import ArmController
 from sim.render import ParallelRenderers, Renderers
-from vla_rl.types import OBS_STATE, TASK, Worlds, image_key
+from vla_core.types import OBS_STATE, TASK, Worlds, image_key, world_indices
 
 try:
     import mujoco_warp as mjw
@@ -44,7 +44,7 @@ NJMAX = 128
 
 
 class WarpBatchedEnv:
-    """Batched env (see `vla_rl.types.BatchedEnv`) for the MuJoCo tabletop tasks on MuJoCo Warp.
+    """Batched env (see `vla_core.types.BatchedEnv`) for the MuJoCo tabletop tasks on MuJoCo Warp.
 
     Observations: ``observation.state`` (N, 11) float32 on ``device`` = 7 joint angles, gripper
     width, end-effector (grasp site) xyz; ``observation.images.<camera>`` (N, 3, S, S) float in

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import torch
 
 from robot_bridge.config import SIM_ACTION_NAMES, SIM_STATE_NAMES
-from vla_rl.types import OBS_STATE, TASK, ActionChunk, image_key
+from vla_core.types import OBS_STATE, TASK, ActionChunk, image_key
 
 IMAGE_SIZE = 16
 RAISE_INSTRUCTION = "raise"  # the instruction that makes RampPolicy raise

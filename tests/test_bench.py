@@ -20,9 +20,9 @@ from mujoco import rollout
 from sim.config import EnvConfig
 from sim.ik import MAX_EE_STEP, ik_targets, orientation_error_map
 from sim.mujoco_env import MujocoBatchedEnv
+from vla_core.types import OBS_STATE, TASK
 from vla_rl import bench
 from vla_rl.bench import BenchSimConfig, GymTaskEnv
-from vla_rl.types import OBS_STATE, TASK
 
 ROOT = Path(__file__).resolve().parents[1]
 FINAL_LINE = re.compile(

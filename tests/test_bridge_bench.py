@@ -24,7 +24,7 @@ from robot_bridge.bench import (
     scheduling_record,
     seam_jumps,
 )
-from vla_rl.types import OBS_COMMITTED_ACTIONS, OBS_STATE, image_key
+from vla_core.types import OBS_COMMITTED_ACTIONS, OBS_STATE, image_key
 
 ROOT = Path(__file__).resolve().parents[1]
 FINAL_LINE = re.compile(

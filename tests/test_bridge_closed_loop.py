@@ -66,8 +66,8 @@ def test_serve_drives_the_sim_robot_to_success(lift_checkpoint, tmp_path):
 
     # Measure on the robot, replay in simulation: the served run's latency log drives an evaluation.
     from sim.config import EnvConfig
+    from vla_core.runtime import DelayConfig, latencies_to_steps, load_latencies
     from vla_rl.eval import EvalConfig, evaluate
-    from vla_rl.runtime import DelayConfig, latencies_to_steps, load_latencies
 
     measured = latencies_to_steps(load_latencies(latency_log, 0.05), 0.05)  # serve.yaml runs at 20 Hz
     assert len(measured) >= 5 and measured.min() >= 1
@@ -88,10 +88,10 @@ def latency_aware_checkpoint(lift_checkpoint, tmp_path_factory):
     mid-inference observation, and refuses to run without them."""
     import json
 
+    from vla_core.data import ChunkedDemos, open_dataset
+    from vla_core.runtime import DelayConfig
     from vla_rl.checkpoint import load_policy, write_policy
-    from vla_rl.data import ChunkedDemos, open_dataset
     from vla_rl.latency_warmup import LatencyWarmupConfig, warm_up_latency_head
-    from vla_rl.runtime import DelayConfig
 
     policy, _ = load_policy(lift_checkpoint)
     policy.add_latency_head(8, 0.5, list(policy.config.cameras))
@@ -127,7 +127,7 @@ def test_a_served_latency_aware_policy_succeeds_under_an_added_inference_delay(l
         robot_code, robot_out, robot_err = stop_command(robot, tmp_path, "robot")
     assert serve_code == STOPPED_BY_SIGINT and robot_code == STOPPED_BY_SIGINT, serve_err + robot_err
     assert "reads a mid-inference observation" not in serve_err  # it was configured, so it loaded
-    from vla_rl.runtime import latencies_to_steps, load_latencies
+    from vla_core.runtime import latencies_to_steps, load_latencies
 
     lags = latencies_to_steps(load_latencies(tmp_path / "latencies.jsonl", 0.05), 0.05)
     assert lags.min() >= 3  # the added 150 ms really delayed every chunk

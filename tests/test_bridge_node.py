@@ -34,7 +34,7 @@ from trajectory_msgs.msg import JointTrajectory
 
 from robot_bridge.config import SIM_STATE_NAMES, CameraTopic, ServeConfig
 from robot_bridge.node import PolicyBridge
-from vla_rl.runtime import ChunkingConfig
+from vla_core.runtime import ChunkingConfig
 
 DOMAIN_ID = 41
 HZ = 50.0

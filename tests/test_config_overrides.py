@@ -167,7 +167,7 @@ def test_a_value_outside_a_choice_is_rejected_by_the_parser_naming_the_choices(n
 
 
 def test_eval_and_serve_embed_one_chunking_config_with_their_own_defaults():
-    from vla_rl.runtime import ChunkingConfig
+    from vla_core.runtime import ChunkingConfig
 
     evaluation, serving = parse_config("eval", []), parse_config("serve", [])
     assert type(evaluation.chunking) is type(serving.chunking) is ChunkingConfig

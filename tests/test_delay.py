@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from sim.delay import ChunkTransition, DelayedChunkEnv
-from vla_rl.runtime import DelayConfig, DelayModel, latencies_to_steps
-from vla_rl.types import OBS_COMMITTED_ACTIONS, OBS_COMMITTED_MASK, OBS_DELAY_STEPS, ActionChunk
+from vla_core.runtime import DelayConfig, DelayModel, latencies_to_steps
+from vla_core.runtime.delayed_env import ChunkTransition, DelayedChunkEnv
+from vla_core.types import OBS_COMMITTED_ACTIONS, OBS_COMMITTED_MASK, OBS_DELAY_STEPS, ActionChunk
 
 
 class CountingEnv:
@@ -369,7 +369,7 @@ def test_mid_inference_observation_waits_m_steps_into_the_window_and_the_chunk_s
     Episode start: the request at step 0 is answered at step 2 (two held steps); chunk 0 = [0..11] is
     for steps 0..11 and arrives at 4 (steps 2, 3 still hold). Next request at step 8, answered at 10
     with the committed actions chunk0[8..11]; chunk 1 = [10..21] is for steps 8..19 and arrives at 12."""
-    from vla_rl.types import OBS_MID_STATE, OBS_MID_STEPS
+    from vla_core.types import OBS_MID_STATE, OBS_MID_STEPS
 
     env = CountingEnv()
     shell = DelayedChunkEnv(env, 12, 8, DelayModel(DelayConfig(kind="fixed", steps=4)), mid_fraction=0.5)
@@ -400,7 +400,7 @@ def test_an_episode_that_ends_before_the_mid_observation_drops_its_request():
     """Episodes of 9 steps: the request at step 8 (to be answered at 10) dies with its episode at 9.
     That call returns at the episode's end, its transition complete, no policy asked; the next call
     runs the new episode's first 2 (held) steps and asks about its request at its step 0."""
-    from vla_rl.types import OBS_MID_STATE
+    from vla_core.types import OBS_MID_STATE
 
     env = CountingEnv(length=9)
     shell = DelayedChunkEnv(env, 12, 8, DelayModel(DelayConfig(kind="fixed", steps=4)), mid_fraction=0.5)
@@ -447,7 +447,7 @@ def test_mid_inference_images_are_the_worlds_frames_m_steps_after_the_request():
     observation, the frame the env returned m = 3 steps later (the ball has moved in between)."""
     from sim.config import EnvConfig
     from sim.factory import make_env
-    from vla_rl.types import OBS_MID_STATE, image_key, mid_image_key
+    from vla_core.types import OBS_MID_STATE, image_key, mid_image_key
 
     class Recording:  # passes everything through to the real env; keeps each step's observation
         def __init__(self, env):

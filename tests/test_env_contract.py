@@ -1,4 +1,4 @@
-"""The batched-env contract (`vla_rl.types.BatchedEnv`), checked the same way on every backend.
+"""The batched-env contract (`vla_core.types.BatchedEnv`), checked the same way on every backend.
 
 Each backend runs a few worlds for a few steps. What a test expects is stated here, not read from
 the env: the feature names, the task list, and what a seed, a subset reset and a saved state mean.
@@ -16,7 +16,7 @@ from extras import require
 
 from sim.config import EnvConfig
 from sim.factory import make_env
-from vla_rl.types import ACTION, OBS_STATE, TASK, BatchedEnv, image_key
+from vla_core.types import ACTION, OBS_STATE, TASK, BatchedEnv, image_key
 
 MAX_STEPS = 20  # no test comes near it by stepping; the autoreset test loads worlds one step before it
 SIZE = 32
@@ -219,7 +219,7 @@ def test_autoreset_hands_back_the_final_observation(case):
 
 
 def test_world_selection_is_read_one_way_everywhere():
-    from sim.config import world_indices
+    from vla_core.types import world_indices
 
     assert world_indices(None, 3).tolist() == [0, 1, 2]
     assert world_indices(torch.tensor([False, True, True]), 3).tolist() == [1, 2]

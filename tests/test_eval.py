@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from sim.config import EnvConfig
+from vla_core.runtime import ChunkingConfig
 from vla_rl.eval import EvalConfig, evaluate, wilson_interval
-from vla_rl.runtime import ChunkingConfig
 
 
 def test_wilson_interval_hand_values():
@@ -80,7 +80,7 @@ def test_eval_rejects_mismatched_image_size(tiny_checkpoint, tmp_path):
 def test_eval_under_inference_delay(tiny_checkpoint, tmp_path, monkeypatch):
     """Requests happen every max(execute_steps, d) steps: 10 steps with s=2 ask 5 times at d=0, 4 at d=3."""
     from policies.diffusion.modeling_diffusion import DiffusionPolicy
-    from vla_rl.runtime import DelayConfig
+    from vla_core.runtime import DelayConfig
 
     calls = []
     real = DiffusionPolicy.predict_chunk
@@ -108,7 +108,7 @@ def test_eval_rtc_merge_guides_an_inpainting_policy_toward_the_queued_actions(ti
     arrives at step 1 and runs its index 1; at step 2 the second request's target row j is chunk 0's
     index 2 + j (j < 14, what is queued), with weight 1 on the committed row j = 0 and 0 past row 13."""
     from policies.diffusion.modeling_diffusion import DiffusionPolicy
-    from vla_rl.runtime import DelayConfig
+    from vla_core.runtime import DelayConfig
 
     calls = []
     real = DiffusionPolicy.predict_chunk
@@ -137,7 +137,7 @@ def test_eval_rtc_merge_guides_an_inpainting_policy_toward_the_queued_actions(ti
 
 
 def test_eval_refuses_delays_before_any_rollout(tiny_checkpoint, tmp_path, monkeypatch):
-    from vla_rl.runtime import DelayConfig
+    from vla_core.runtime import DelayConfig
 
     out, _ = tiny_checkpoint
     cfg = EvalConfig(checkpoint=str(out), env=EnvConfig(num_envs=1), output_dir=str(tmp_path / "whole"))

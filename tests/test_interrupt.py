@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from vla_rl import interrupt
+from vla_core import interrupt
 from vla_rl.checkpoint import load_policy, resolve_checkpoint, resolve_policy_dir
 from vla_rl.cli import main
 
@@ -168,7 +168,7 @@ def _eval(checkpoint, out, video_episodes: int) -> int:
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_interrupted_eval_writes_no_results(sig, tiny_checkpoint, tmp_path, monkeypatch):
-    from sim.delay import DelayedChunkEnv
+    from vla_core.runtime.delayed_env import DelayedChunkEnv
 
     out = tmp_path / "eval"
     calls = _signal_on_call(monkeypatch, DelayedChunkEnv, "step", sig, 3)
@@ -224,7 +224,7 @@ def test_a_signal_while_train_writes_its_summary_leaves_it_whole(tiny_dataset, t
 
 
 def test_record_overwrite_swaps_the_whole_dataset_even_when_signalled(tmp_path, monkeypatch):
-    from vla_rl import files
+    from vla_core import files
 
     out = tmp_path / "demos"
     assert main(["record", "--env.num_envs=2", "--num_episodes=2", f"--output_dir={out}"]) == 0

@@ -6,7 +6,7 @@ import pytest
 import torch
 from tiny_policies import TASK, make_policy
 
-from vla_rl.types import (
+from vla_core.types import (
     OBS_COMMITTED_ACTIONS,
     OBS_COMMITTED_MASK,
     OBS_DELAY_STEPS,
@@ -101,9 +101,9 @@ def test_missing_keys_and_delays_past_the_head_are_refused_with_the_fix():
 
 def test_the_shell_refuses_a_delay_past_what_the_policy_was_fine_tuned_for():
     from sim.config import EnvConfig
-    from sim.delay import DelayedChunkEnv
     from sim.factory import make_env
-    from vla_rl.runtime import DelayConfig, DelayModel
+    from vla_core.runtime import DelayConfig, DelayModel
+    from vla_core.runtime.delayed_env import DelayedChunkEnv
 
     config = _aware().config
     with make_env(EnvConfig(num_envs=1, cameras=[])) as env:
@@ -136,7 +136,7 @@ def test_the_slow_part_computed_before_the_mid_observation_gives_the_same_chunk(
 def _demos(frames_per_episode=(6, 4), size=16):
     """Demonstrations in memory with values that name their frame: action i = (i, 10 i), state i =
     (i, i, i), every pixel of image i = 10 i; two episodes (frames 0-5 and 6-9)."""
-    from vla_rl.data import ChunkedDemos
+    from vla_core.data import ChunkedDemos
 
     n = sum(frames_per_episode)
     demos = ChunkedDemos.__new__(ChunkedDemos)
@@ -191,11 +191,11 @@ def test_a_demonstration_replayed_through_the_shell_gives_the_warm_up_its_sample
     its 30-step episode before its mid observation: the shell drops it and the sample trains nothing."""
     from test_delay import CountingEnv
 
-    from sim.delay import DelayedChunkEnv
-    from vla_rl.data import ChunkedDemos
+    from vla_core.data import ChunkedDemos
+    from vla_core.runtime import DelayConfig, DelayModel
+    from vla_core.runtime.delayed_env import DelayedChunkEnv
+    from vla_core.types import ActionChunk
     from vla_rl.latency_warmup import delayed_sample
-    from vla_rl.runtime import DelayConfig, DelayModel
-    from vla_rl.types import ActionChunk
 
     length, horizon, d = 30, 8, 4
     env = CountingEnv(length=length)
@@ -234,8 +234,8 @@ def test_a_demonstration_replayed_through_the_shell_gives_the_warm_up_its_sample
 
 
 def test_the_warm_up_trains_the_fast_head_alone_and_lowers_its_loss_on_delayed_frames():
+    from vla_core.runtime import DelayConfig
     from vla_rl.latency_warmup import LatencyWarmupConfig, delayed_sample, warm_up_latency_head
-    from vla_rl.runtime import DelayConfig
 
     demos = _demos((12, 12))
     frame = demos.action[:, 0]  # actions inside the policy's range [-2, 2] x [0, 1], still one per frame

@@ -1,5 +1,5 @@
 """One timeline of request latencies through both shells of the latency model: simulation's
-`sim.delay.DelayedChunkEnv` and the robot node's `robot_bridge.chunk_scheduler.ChunkScheduler`
+`vla_core.runtime.delayed_env.DelayedChunkEnv` and the robot node's `robot_bridge.chunk_scheduler.ChunkScheduler`
 (driven by a clock the test controls, with the real inference worker in thread mode). Step by step,
 the emitted actions, the announced delays, the delay augmentation and the RTC guidance must be equal.
 
@@ -24,9 +24,9 @@ from robot_bridge.diagnostics import BridgeDiagnostics
 from robot_bridge.inference import InferenceResult, WorkerStatus
 from robot_bridge.inputs import JOINT_STATES, BridgeInputs
 from robot_bridge.log_limit import LogLimiter
-from sim.delay import DelayedChunkEnv
-from vla_rl.runtime import ChunkingConfig, DelayConfig
-from vla_rl.types import (
+from vla_core.runtime import ChunkingConfig, DelayConfig
+from vla_core.runtime.delayed_env import DelayedChunkEnv
+from vla_core.types import (
     OBS_COMMITTED_ACTIONS,
     OBS_COMMITTED_MASK,
     OBS_DELAY_STEPS,

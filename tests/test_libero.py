@@ -10,7 +10,7 @@ require("libero", "libero")  # skips without the extra; under CI a broken import
 from sim.config import EnvConfig
 from sim.factory import make_env
 from sim.libero_env import resolve_libero_task, suite_names
-from vla_rl.types import OBS_STATE, TASK, BatchedEnv
+from vla_core.types import OBS_STATE, TASK, BatchedEnv
 
 SIZE = 64
 

@@ -15,7 +15,7 @@ from torch.distributions import Normal
 
 from policies.denoising_chain import DenoisingChain, ExplorationNoise, gaussian_log_prob
 from policies.diffusion.modeling_diffusion import DiffusionPolicy
-from vla_rl.types import OBS_COMMITTED_ACTIONS, OBS_COMMITTED_MASK, OBS_DELAY_STEPS
+from vla_core.types import OBS_COMMITTED_ACTIONS, OBS_COMMITTED_MASK, OBS_DELAY_STEPS
 
 B = 2
 # The small policy, the VLA with each objective, and the VLA whose deterministic sampler is DDPM.

@@ -4,7 +4,7 @@ import torch
 from policies.diffusion import DiffusionConfig
 from policies.diffusion.modeling_diffusion import DiffusionPolicy, SpatialSoftmax
 from policies.tokenizer import word_vocabulary
-from vla_rl.types import ActionChunk, Policy
+from vla_core.types import ActionChunk, Policy
 
 
 def make_policy(**kw):

@@ -6,7 +6,7 @@ import torch
 from policies.diffusion_vla import DiffusionVLAConfig
 from policies.diffusion_vla.modeling_diffusion_vla import DiffusionVLAPolicy
 from policies.tokenizer import WordTokenizer, word_vocabulary
-from vla_rl.types import ActionChunk, Policy
+from vla_core.types import ActionChunk, Policy
 
 INSTRUCTIONS = ["pick up the red cube", "move the gripper to the green ball"]
 

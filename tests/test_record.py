@@ -88,7 +88,7 @@ def test_record_shows_one_progress_bar(tmp_path, capfd):
 
 
 def test_in_memory_demos_match_lerobot_frames(tiny_dataset):
-    from vla_rl.data import ChunkedDemos, open_dataset
+    from vla_core.data import ChunkedDemos, open_dataset
 
     ds = open_dataset(tiny_dataset[0])
     demos = ChunkedDemos(ds)

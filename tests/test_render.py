@@ -6,7 +6,7 @@ import torch
 
 from sim.config import EnvConfig
 from sim.mujoco_env import MujocoBatchedEnv
-from vla_rl.types import OBS_STATE
+from vla_core.types import OBS_STATE
 
 IMAGE = "observation.images.front"
 

@@ -12,13 +12,13 @@ import torch
 
 from policies.denoising_chain import DenoisingChain
 from sim.config import EnvConfig
+from vla_core.runtime import ChunkingConfig, DelayConfig
 from vla_rl.finetune import FinetuneConfig, finetune
 from vla_rl.latency_warmup import LatencyWarmupConfig
 from vla_rl.rl.grpo import GRPOConfig, group_advantages, group_seeds
 from vla_rl.rl.ppo import PPOConfig, gae
 from vla_rl.rl.rollout import Rollout
 from vla_rl.rl.update import GradientStep, clipped_surrogate
-from vla_rl.runtime import ChunkingConfig, DelayConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -112,13 +112,13 @@ def test_a_grpo_step_raises_the_log_prob_of_the_chains_that_succeeded(tiny_check
     log pi(chain_i)) > 0: the chains of the episodes marked successful become likelier, the others
     less likely. Real rollouts of the tiny policy; success marked by hand (worlds 0 and 2 of groups
     {0, 1} and {2, 3})."""
-    from sim.delay import DelayedChunkEnv
     from sim.factory import make_env
+    from vla_core.runtime import DelayConfig, DelayModel
+    from vla_core.runtime.delayed_env import DelayedChunkEnv
     from vla_rl.checkpoint import load_policy
     from vla_rl.rl import grpo
     from vla_rl.rl.rollout import collect
     from vla_rl.rl.update import batched_log_prob
-    from vla_rl.runtime import DelayConfig, DelayModel
 
     policy, _ = load_policy(tiny_checkpoint[0])
     noise = FinetuneConfig().noise
@@ -144,13 +144,13 @@ def test_training_only_the_last_denoising_steps_follows_only_their_gradient(tiny
     nothing clipped): the loss is -mean_{i, k >= K-2} A_i r_ik, so the weights move by
     lr / (M * 2) * sum_i A_i * grad(log pi_{i,K-2} + log pi_{i,K-1}), worked out here from the
     policy's per-step log-probabilities. All K steps would move them elsewhere."""
-    from sim.delay import DelayedChunkEnv
     from sim.factory import make_env
+    from vla_core.runtime import DelayConfig, DelayModel
+    from vla_core.runtime.delayed_env import DelayedChunkEnv
     from vla_rl.checkpoint import load_policy
     from vla_rl.rl import grpo
     from vla_rl.rl.rollout import collect
     from vla_rl.rl.update import batched_log_prob
-    from vla_rl.runtime import DelayConfig, DelayModel
 
     policy, _ = load_policy(tiny_checkpoint[0])
     k_total = policy.config.num_inference_steps
@@ -284,8 +284,8 @@ def test_a_resumed_run_reaches_the_same_weights_as_an_uninterrupted_one(
 def test_a_finetuned_checkpoint_loads_in_eval_and_its_summary_has_the_curve(tiny_checkpoint, tmp_path, latency_aware):
     """The latency-aware run adds its fast head and fine-tunes under a 3-step delay; eval rebuilds the
     head from the checkpoint and feeds it the mid-inference observation, as finetune did."""
+    from vla_core.runtime import DelayConfig
     from vla_rl.eval import EvalConfig, evaluate
-    from vla_rl.runtime import DelayConfig
 
     out = tmp_path / "ft"
     delay = DelayConfig(kind="fixed", steps=3) if latency_aware else DelayConfig()

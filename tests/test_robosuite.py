@@ -10,7 +10,7 @@ require("robosuite", "libero")  # the libero extra brings robosuite; under CI a 
 from sim.config import EnvConfig
 from sim.factory import make_env
 from sim.robosuite_env import RobosuiteWorld
-from vla_rl.types import OBS_STATE, TASK, BatchedEnv
+from vla_core.types import OBS_STATE, TASK, BatchedEnv
 
 CAMERAS = ["agentview", "robot0_eye_in_hand"]
 MAX_STEPS = 6  # short episodes, so truncation shows within a test; every test starts with a reset

@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from vla_rl.runtime import ActionChunkExecutor, ChunkingConfig, rtc_blend_weights, rtc_weights
-from vla_rl.types import OBS_COMMITTED_ACTIONS, OBS_COMMITTED_MASK, OBS_DELAY_STEPS, ActionChunk
+from vla_core.runtime import ActionChunkExecutor, ChunkingConfig, rtc_blend_weights, rtc_weights
+from vla_core.types import OBS_COMMITTED_ACTIONS, OBS_COMMITTED_MASK, OBS_DELAY_STEPS, ActionChunk
 
 
 def chunk(values, obs_step):

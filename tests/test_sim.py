@@ -7,7 +7,7 @@ from sim.batched_success import is_success
 from sim.config import EnvConfig
 from sim.mujoco_env import MujocoBatchedEnv
 from sim.tasks import LiftExpert, get_task
-from vla_rl.types import OBS_STATE, TASK, BatchedEnv
+from vla_core.types import OBS_STATE, TASK, BatchedEnv
 
 
 @pytest.fixture

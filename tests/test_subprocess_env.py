@@ -7,7 +7,7 @@ import torch
 from gymnasium import spaces
 
 from sim.subprocess_env import SubprocessBatchedEnv
-from vla_rl.types import OBS_STATE, TASK
+from vla_core.types import OBS_STATE, TASK
 
 
 class SlideWorld(gym.Env):

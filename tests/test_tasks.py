@@ -15,7 +15,7 @@ from sim.factory import make_env
 from sim.mujoco_env import MujocoBatchedEnv
 from sim.tasks import EXPERTS, TASKS, TrackExpert, get_task
 from sim.tasks.scene import place_mocap_body
-from vla_rl.types import OBS_STATE, TASK
+from vla_core.types import OBS_STATE, TASK
 
 
 def _move_free_body(model, data, joint, pos):

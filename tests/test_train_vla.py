@@ -10,8 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from vla_core.data import FrameSampler
 from vla_rl.checkpoint import load_policy
-from vla_rl.data import FrameSampler
 
 ROOT = Path(__file__).resolve().parents[1]
 LIBERO_TASKS = [

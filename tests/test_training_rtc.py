@@ -14,7 +14,7 @@ from policies.diffusion import DiffusionConfig
 from policies.diffusion.modeling_diffusion import DiffusionPolicy
 from policies.pretrained import PreTrainedPolicy
 from policies.tokenizer import word_vocabulary
-from vla_rl.types import OBS_COMMITTED_ACTIONS, OBS_COMMITTED_MASK, OBS_DELAY_STEPS
+from vla_core.types import OBS_COMMITTED_ACTIONS, OBS_COMMITTED_MASK, OBS_DELAY_STEPS
 
 KINDS = ["diffusion", "flow", "ddpm"]  # the small policy, and the VLA with each objective
 
@@ -277,7 +277,7 @@ def test_a_trained_conditioned_policy_continues_the_committed_prefix():
     """Chunks are straight lines with a random start and slope; the observation says nothing about
     them. Two committed actions determine the line, so a policy that reads them predicts the rest;
     with the augmentation withheld it can only guess a line."""
-    from vla_rl.runtime import DelayConfig, DelayModel, committed_prefix
+    from vla_core.runtime import DelayConfig, DelayModel, committed_prefix
 
     def lines(n, g):
         start = torch.rand(n, 1, 1, generator=g) - 0.5

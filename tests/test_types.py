@@ -4,7 +4,7 @@ import sys
 import pytest
 import torch
 
-from vla_rl.types import ActionChunk, image_key
+from vla_core.types import ActionChunk, image_key
 
 
 def test_action_chunk_validates_shapes():
@@ -21,6 +21,6 @@ def test_feature_names_follow_lerobot():
 
 
 def test_importing_types_stays_light():
-    code = "import sys, vla_rl.types, vla_rl.runtime; print(sorted(m for m in ('mujoco', 'lerobot', 'rclpy', 'diffusers', 'sim', 'policies') if m in sys.modules))"
+    code = "import sys, vla_core.types, vla_core.runtime; print(sorted(m for m in ('mujoco', 'lerobot', 'rclpy', 'diffusers', 'sim', 'policies') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

@@ -16,7 +16,7 @@ from sim import make_env
 from sim.batched_success import HostWorlds, is_success, touches_gripper
 from sim.config import EnvConfig
 from sim.tasks import EXPERTS, TASKS, LiftExpert, get_task
-from vla_rl.types import OBS_STATE, TASK, BatchedEnv, image_key
+from vla_core.types import OBS_STATE, TASK, BatchedEnv, image_key
 
 # Under CI (every extra installed) nothing skips: a broken MuJoCo Warp install fails these tests.
 needs_warp = pytest.mark.skipif(

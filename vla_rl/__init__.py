@@ -1,6 +1,6 @@
 """vla-rl: fine-tune vision-language-action policies in simulation and deploy them to robots.
 
-This package stays light: importing ``vla_rl`` or ``vla_rl.types`` never pulls in
+This package stays light: importing ``vla_rl`` or ``vla_core.types`` never pulls in
 trainers, simulators or ROS.
 """
 

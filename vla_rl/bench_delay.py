@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vla_rl.runtime import ChunkingConfig, DelayConfig
+from vla_core.runtime import ChunkingConfig, DelayConfig
 
 POLICIES = ("plain", "augmented")
 

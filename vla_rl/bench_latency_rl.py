@@ -84,10 +84,10 @@ class BenchLatencyRLConfig:
 def bench_latency_rl(cfg: BenchLatencyRLConfig) -> dict[str, Any]:
     """Run the protocol of the module docstring; returns (and writes as ``latency_rl.json``) every cell."""
     from sim.config import EnvConfig
+    from vla_core.runtime import DelayConfig
     from vla_rl.bench_stages import held_out, record_demos, train_imitation
     from vla_rl.finetune import FinetuneConfig, finetune
     from vla_rl.latency_warmup import LatencyWarmupConfig
-    from vla_rl.runtime import DelayConfig
 
     cfg.apply_quick()
     if not cfg.delays or min(cfg.delays) != 0 or max(cfg.delays) >= cfg.horizon:

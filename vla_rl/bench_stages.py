@@ -27,7 +27,7 @@ def train_imitation(cfg, dataset: Path, output_dir: Path, delay=None) -> None:
     """A ``diffusion`` policy trained on ``dataset`` for ``cfg.train_steps`` steps into ``output_dir``
     (resumed when it has checkpoints); ``delay``: the delay augmentation (training-time RTC), None = none."""
     from policies.diffusion.configuration_diffusion import DiffusionConfig
-    from vla_rl.runtime import DelayConfig
+    from vla_core.runtime import DelayConfig
     from vla_rl.train import DatasetConfig, TrainConfig, train
 
     train(TrainConfig(
@@ -46,8 +46,8 @@ def held_out(
     under a fixed delay of ``delay_steps`` and chunk merge ``merge``: its episodes, successes,
     success_rate, success_ci95 (Wilson) and mean_episode_length."""
     from sim.config import EnvConfig
+    from vla_core.runtime import ChunkingConfig, DelayConfig
     from vla_rl.eval import EvalConfig, evaluate
-    from vla_rl.runtime import ChunkingConfig, DelayConfig
 
     result = evaluate(EvalConfig(
         checkpoint=str(checkpoint), env=EnvConfig(task=cfg.task, num_envs=num_envs), num_episodes=episodes,

@@ -436,10 +436,10 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(stop.code, file=sys.stderr)
         return 2  # a usage error, as for an unknown command
-    from vla_rl import interrupt
+    from vla_core import interrupt
 
     # SIGINT and SIGTERM end every command the same way, however the process was started (a
-    # background job inherits SIGINT as ignored; schedulers send SIGTERM): see vla_rl.interrupt.
+    # background job inherits SIGINT as ignored; schedulers send SIGTERM): see vla_core.interrupt.
     with interrupt.handlers():
         try:
             _command(name).run(cfg)

@@ -1,7 +1,7 @@
 """`vla-rl eval`: batched closed-loop rollouts of a checkpoint.
 
-Chunks from the policy are executed through `sim.delay.DelayedChunkEnv` and so through the
-latency model of `vla_rl.runtime` (request schedule, delay estimate, augmentation, chunk queue), the
+Chunks from the policy are executed through `vla_core.runtime.delayed_env.DelayedChunkEnv` and so through the
+latency model of `vla_core.runtime` (request schedule, delay estimate, augmentation, chunk queue), the
 one the robot bridge drives; ``--chunking.*`` sets the steps executed per chunk and the merge mode
 (``rtc`` also guides a flow policy toward the queued actions, as ``vla-rl serve`` does),
 ``--delay.*`` evaluates under inference delay (none by default), drawn or replayed from latencies a
@@ -27,12 +27,12 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from sim.config import EnvConfig, world_indices
-from vla_rl import interrupt
+from sim.config import EnvConfig
+from vla_core import interrupt
+from vla_core.files import temporary_beside, write_text_atomic
+from vla_core.runtime import ChunkingConfig, DelayConfig, DelayModel
+from vla_core.types import TASK, ActionChunk, world_indices
 from vla_rl.checkpoint import load_policy
-from vla_rl.files import temporary_beside, write_text_atomic
-from vla_rl.runtime import ChunkingConfig, DelayConfig, DelayModel
-from vla_rl.types import TASK, ActionChunk
 
 
 @dataclass
@@ -68,8 +68,8 @@ def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, flo
 def evaluate(cfg: EvalConfig, policy=None) -> dict:
     """Evaluate ``cfg.checkpoint``; or, given ``policy`` (in eval mode), that policy as it is in memory,
     with ``cfg.checkpoint`` naming where it is saved (``vla-rl finetune``'s periodic evaluation)."""
-    from sim.delay import DelayedChunkEnv
     from sim.factory import make_env
+    from vla_core.runtime.delayed_env import DelayedChunkEnv
 
     if policy is None:
         policy, ckpt = load_policy(cfg.checkpoint, device=cfg.device)
@@ -100,7 +100,7 @@ def evaluate(cfg: EvalConfig, policy=None) -> dict:
         out.mkdir(parents=True, exist_ok=True)
         guided = cfg.chunking.merge == "rtc" and policy.supports_inpainting
         bar = tqdm(total=cfg.num_episodes, desc="eval", unit="ep")
-        # A stop signal ends the evaluation between env steps (vla_rl.interrupt); an incomplete
+        # A stop signal ends the evaluation between env steps (vla_core.interrupt); an incomplete
         # evaluation writes no results, so eval.json always describes num_episodes episodes.
         with interrupt.deferred():
             for r in range(math.ceil(cfg.num_episodes / n)):

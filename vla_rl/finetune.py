@@ -58,7 +58,10 @@ from tqdm import tqdm
 
 from policies.denoising_chain import ExplorationNoise
 from sim.config import EnvConfig
-from vla_rl import interrupt
+from vla_core import interrupt
+from vla_core.files import write_text_atomic
+from vla_core.runtime import ChunkingConfig, DelayConfig
+from vla_core.types import TASK
 from vla_rl.checkpoint import (
     TRAINING_STATE_DIR,
     begin_checkpoint,
@@ -67,13 +70,10 @@ from vla_rl.checkpoint import (
     load_policy,
     write_policy,
 )
-from vla_rl.files import write_text_atomic
 from vla_rl.latency_warmup import LatencyWarmupConfig
 from vla_rl.rl.grpo import GRPOConfig
 from vla_rl.rl.ppo import PPOConfig
 from vla_rl.rl.ray_runtime import RayConfig
-from vla_rl.runtime import ChunkingConfig, DelayConfig
-from vla_rl.types import TASK
 
 Algo = Literal["ppo", "grpo"]
 TRAINING_SEED_OFFSET = 1_000_000  # rollout seeds start here, far from every evaluation seed
@@ -229,14 +229,14 @@ def check_policy_fits(policy, env, env_cfg: EnvConfig) -> None:
 
 
 def finetune(cfg: FinetuneConfig) -> dict:
-    from sim.delay import DelayedChunkEnv
     from sim.factory import make_env
+    from vla_core.runtime import DelayModel
+    from vla_core.runtime.delayed_env import DelayedChunkEnv
     from vla_rl.rl import grpo, ppo
     from vla_rl.rl.curriculum import TaskCurriculum
     from vla_rl.rl.ray_runtime import AsyncRollouts
     from vla_rl.rl.rollout import Rollout, collect
     from vla_rl.rl.update import GradientStep, Processes, batched_log_prob
-    from vla_rl.runtime import DelayModel
     from vla_rl.train import make_accelerator
 
     cfg.validate()
@@ -553,8 +553,8 @@ def _warm_up_head(cfg: FinetuneConfig, policy, out: Path, control_dt: float, pro
     process, saved as ``out/latency_warmup`` (an evaluable checkpoint, the run's starting point and its
     KL reference); the other processes then load it, so every process starts from the same weights
     whatever its device does. Returns that checkpoint's directory."""
+    from vla_core.data import ChunkedDemos, open_dataset
     from vla_rl.checkpoint import save_checkpoint
-    from vla_rl.data import ChunkedDemos, open_dataset
     from vla_rl.latency_warmup import warm_up_latency_head
 
     warm, saved = cfg.latency_warmup, (out / "latency_warmup").resolve()

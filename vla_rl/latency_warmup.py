@@ -5,13 +5,13 @@ The fast head (`policies.latency_head`) starts at zero, so with RL alone it must
 reward what the committed actions and the mid-inference observation say. In a short RL budget it
 barely moves (``vla-rl bench latency-rl``). The demonstrations already show what it should do.
 Take a chunk requested at frame t of a demonstration, under delay d, as the simulation's shell
-(`sim.delay.DelayedChunkEnv`) lays it out:
+(`vla_core.runtime.delayed_env.DelayedChunkEnv`) lays it out:
 
 - chunk row j is the action for step t + j; rows j < d are past when the chunk arrives and never
   run, so they are not trained;
 - the actions that run meanwhile are the demonstration's own, at t .. t + d - 1: the committed
   actions (``committed_prefix``, as in training-time RTC);
-- the world m = floor(mid_fraction * d) steps into the window (`vla_rl.runtime.mid_inference_steps`)
+- the world m = floor(mid_fraction * d) steps into the window (`vla_core.runtime.mid_inference_steps`)
   is frame t + m. Where the episode ends before it, the shell drops the request; every row such a
   frame could train (j >= d > m) is past the episode's end, so it trains nothing.
 
@@ -37,8 +37,8 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from vla_rl.runtime import DelayConfig, DelayModel, committed_prefix, mid_inference_steps, mid_observation
-from vla_rl.types import ACTION
+from vla_core.runtime import DelayConfig, DelayModel, committed_prefix, mid_inference_steps, mid_observation
+from vla_core.types import ACTION
 
 
 @dataclass

@@ -18,10 +18,10 @@ import torch
 from tqdm import tqdm
 
 from sim.config import EnvConfig
-from vla_rl import interrupt
-from vla_rl.data import discard_dataset, quiet_datasets
-from vla_rl.files import replace_directory
-from vla_rl.types import ACTION, OBS_STATE
+from vla_core import interrupt
+from vla_core.data import discard_dataset, quiet_datasets
+from vla_core.files import replace_directory
+from vla_core.types import ACTION, OBS_STATE
 
 
 @dataclass
@@ -40,7 +40,7 @@ class RecordConfig:
 
 
 def dataset_features(env) -> dict:
-    """The dataset's features: the env's own (`vla_rl.types.BatchedEnv.features`), then each frame's reward and success."""
+    """The dataset's features: the env's own (`vla_core.types.BatchedEnv.features`), then each frame's reward and success."""
     feats = {key: dict(feature) for key, feature in env.features.items()}
     feats["next.reward"] = {"dtype": "float32", "shape": (1,), "names": None}
     feats["next.success"] = {"dtype": "bool", "shape": (1,), "names": None}
@@ -53,7 +53,7 @@ def record(cfg: RecordConfig) -> dict:
 
     from sim.factory import make_env
     from sim.tasks import EXPERTS, TASKS
-    from vla_rl.data import video_backend
+    from vla_core.data import video_backend
 
     tasks = cfg.tasks or [cfg.env.task]
     unknown = [t for t in tasks if t not in TASKS]
@@ -72,7 +72,7 @@ def record(cfg: RecordConfig) -> dict:
     quiet_datasets()
     start = time.time()
     ds, saved, failed, lengths = None, 0, 0, []
-    # A stop signal is noted and acted on between env steps (vla_rl.interrupt); then, as on any
+    # A stop signal is noted and acted on between env steps (vla_core.interrupt); then, as on any
     # error, the partial dataset is removed.
     try:
         with interrupt.deferred():

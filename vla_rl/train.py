@@ -3,7 +3,7 @@
 Checkpoints are atomic and hold everything ``--resume=true`` needs to continue the same run:
 step count, optimizer and LR schedule, EMA and raw weights, the sampling RNG and the loss
 curve. SIGINT (Ctrl-C) or SIGTERM ends the run at the next step boundary with a checkpoint there,
-however the process was started, and the command exits 130 or 143 (see ``vla_rl.interrupt``).
+however the process was started, and the command exits 130 or 143 (see ``vla_core.interrupt``).
 
 Level-2 minibatching (``--l2_copies=K``, Mini-Diffuser): each step draws batch_size / K frames,
 encodes each observation once and denoises K independently noised copies of its action chunk,
@@ -37,7 +37,10 @@ import torch
 from tqdm import tqdm
 
 from policies import DiffusionConfig, PolicyConfig
-from vla_rl import interrupt
+from vla_core import interrupt
+from vla_core.files import temporary_beside, write_text_atomic
+from vla_core.runtime import DelayConfig, DelayModel, committed_prefix
+from vla_core.types import ACTION, OBS_IMAGES
 from vla_rl.checkpoint import (
     POLICY_DIR,
     TRAINING_STATE_DIR,
@@ -48,9 +51,6 @@ from vla_rl.checkpoint import (
     temporary_checkpoint_dir,
     write_policy,
 )
-from vla_rl.files import temporary_beside, write_text_atomic
-from vla_rl.runtime import DelayConfig, DelayModel, committed_prefix
-from vla_rl.types import ACTION, OBS_IMAGES
 
 Sampling = Literal["task_balanced", "uniform"]
 
@@ -286,7 +286,7 @@ def train(cfg: TrainConfig) -> dict:
     from diffusers.optimization import get_scheduler
     from diffusers.training_utils import EMAModel
 
-    from vla_rl.data import ChunkedDemos, FrameSampler, open_dataset
+    from vla_core.data import ChunkedDemos, FrameSampler, open_dataset
 
     frames_per_step = check_batching(cfg)
     torch.set_num_threads(cfg.num_threads or os.cpu_count() or 1)
@@ -410,7 +410,7 @@ def train(cfg: TrainConfig) -> dict:
     start = time.time()
     bar = tqdm(total=cfg.steps, initial=step, desc="train", unit="step", disable=not accelerator.is_main_process)
     # SIGINT and SIGTERM are only noted during a step or a checkpoint write: the loop stops at the
-    # next step boundary and writes a checkpoint there (see vla_rl.interrupt).
+    # next step boundary and writes a checkpoint there (see vla_core.interrupt).
     with interrupt.deferred():
         try:
             while step < cfg.steps:

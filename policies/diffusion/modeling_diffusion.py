@@ -48,7 +48,7 @@ from policies.latency_head import LatencyHead
 from policies.observation import check_observation
 from policies.pretrained import PreTrainedPolicy
 from policies.tokenizer import PAD_WORD, UNKNOWN_WORD, WordTokenizer
-from vla_rl.types import ACTION, OBS_STATE, TASK, ActionChunk, image_key
+from vla_core.types import ACTION, OBS_STATE, TASK, ActionChunk, image_key
 
 
 class SpatialSoftmax(nn.Module):
@@ -107,7 +107,7 @@ class FiLMBlock(nn.Module):
 
 
 class DiffusionPolicy(PreTrainedPolicy):
-    """Implements `vla_rl.types.Policy`: observation batch -> ActionChunk of (B, horizon, action_dim)."""
+    """Implements `vla_core.types.Policy`: observation batch -> ActionChunk of (B, horizon, action_dim)."""
 
     config_class = DiffusionConfig
 

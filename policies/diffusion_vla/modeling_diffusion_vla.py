@@ -49,11 +49,11 @@ from policies.diffusion_vla.configuration_diffusion_vla import DiffusionVLAConfi
 from policies.diffusion_vla.dit import DiT
 from policies.observation import check_observation
 from policies.pretrained import PreTrainedPolicy
-from vla_rl.types import ACTION, OBS_STATE, TASK, ActionChunk, image_key
+from vla_core.types import ACTION, OBS_STATE, TASK, ActionChunk, image_key
 
 
 class DiffusionVLAPolicy(PreTrainedPolicy):
-    """Implements `vla_rl.types.Policy`: observation batch -> ActionChunk (B, horizon, action_dim)."""
+    """Implements `vla_core.types.Policy`: observation batch -> ActionChunk (B, horizon, action_dim)."""
 
     config_class = DiffusionVLAConfig
     supports_copies = True

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from policies.pretrained import PolicyConfig
-from vla_rl.types import ACTION, OBS_STATE, image_key
+from vla_core.types import ACTION, OBS_STATE, image_key
 
 
 @PolicyConfig.register_subclass("lerobot")

@@ -11,11 +11,11 @@ import torch
 from policies.lerobot.configuration_lerobot import LeRobotConfig, load_lerobot_config
 from policies.observation import check_observation
 from policies.pretrained import PreTrainedPolicy
-from vla_rl.types import ActionChunk
+from vla_core.types import ActionChunk
 
 
 class LeRobotPolicy(PreTrainedPolicy):
-    """Implements `vla_rl.types.Policy` with a LeRobot ``PreTrainedPolicy`` and its processors."""
+    """Implements `vla_core.types.Policy` with a LeRobot ``PreTrainedPolicy`` and its processors."""
 
     config_class = LeRobotConfig
 

@@ -2,7 +2,7 @@
 
 Layout: ``ray.num_workers`` rollout workers, each a Ray actor (one CPU) with its own batch of
 ``env.num_envs`` worlds behind the same delay shell as the local runtime
-(`sim.delay.DelayedChunkEnv.for_policy`: the latency model of ``vla-rl eval`` and of the robot), and
+(`vla_core.runtime.delayed_env.DelayedChunkEnv.for_policy`: the latency model of ``vla-rl eval`` and of the robot), and
 its own copy of the policy. The learner, the ``vla-rl finetune`` process, owns the weights, the
 optimizer and the critic. On one machine the run starts a local Ray instance and stops it at the
 end; ``--ray.address=host:port`` joins a running cluster instead (the same code).
@@ -79,9 +79,9 @@ class RolloutWorker:
 
     def __init__(self, policy, env_config, execute_steps: int, delay_config, delay_seed: int, gamma: float,
                  noise, version: int, num_threads: int = 1):  # fmt: skip
-        from sim.delay import DelayedChunkEnv
         from sim.factory import make_env
-        from vla_rl.runtime import DelayModel
+        from vla_core.runtime import DelayModel
+        from vla_core.runtime.delayed_env import DelayedChunkEnv
 
         torch.set_num_threads(num_threads)
         self.policy = policy.eval()

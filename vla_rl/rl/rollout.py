@@ -1,7 +1,7 @@
 """Rollouts for RL fine-tuning: a policy samples chunks through the latency model, one decision per chunk.
 
-The decision is a chunk. Each world asks for a chunk when `sim.delay.DelayedChunkEnv` says it
-does (the schedule, the delay and the queue of `vla_rl.runtime`, exactly as in ``vla-rl eval``
+The decision is a chunk. Each world asks for a chunk when `vla_core.runtime.delayed_env.DelayedChunkEnv` says it
+does (the schedule, the delay and the queue of `vla_core.runtime`, exactly as in ``vla-rl eval``
 and on the robot); the policy samples it with ``sample_with_log_prob`` and the chunk's transition
 runs until the world's next request or the end of its episode. Its reward is the env's reward
 summed over the control steps the chunk ran, discounted per control step
@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from policies.denoising_chain import DenoisingChain, ExplorationNoise
-from vla_rl.types import TASK, ActionChunk
+from vla_core.types import TASK, ActionChunk
 
 
 def select_rows(obs: dict[str, Any], rows: torch.Tensor) -> dict[str, Any]:

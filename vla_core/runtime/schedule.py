@@ -1,5 +1,5 @@
 """When chunks are requested and what each request is told: the part of the latency model that the
-simulation's delay shell (`sim.delay.DelayedChunkEnv`) and the robot's node
+simulation's delay shell (`vla_core.runtime.delayed_env.DelayedChunkEnv`) and the robot's node
 (`robot_bridge.chunk_scheduler.ChunkScheduler`) share, so both do the same thing on the same timeline.
 
 Per world, every control step runs in this order (both shells):
@@ -30,9 +30,9 @@ from dataclasses import dataclass
 
 import torch
 
-from vla_rl.runtime.delay import DelayEstimate
-from vla_rl.runtime.executor import ActionChunkExecutor
-from vla_rl.types import ActionChunk
+from vla_core.runtime.delay import DelayEstimate
+from vla_core.runtime.executor import ActionChunkExecutor
+from vla_core.types import ActionChunk
 
 
 @dataclass

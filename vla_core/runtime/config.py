@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 from typing import get_args
 
-from vla_rl.runtime.executor import MergeMode
+from vla_core.runtime.executor import MergeMode
 
 
 @dataclass

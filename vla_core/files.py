@@ -6,7 +6,7 @@ import os
 import shutil
 from pathlib import Path
 
-from vla_rl import interrupt
+from vla_core import interrupt
 
 
 def write_text_atomic(path: str | Path, text: str) -> None:

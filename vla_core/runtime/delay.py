@@ -1,7 +1,7 @@
 """How long inference takes, in control steps: the delay model, measured latency files, and the
 delay augmentation built from a demonstration.
 
-The one definition of each, read by training (`vla_rl.train`), evaluation (`sim.delay`) and the
+The one definition of each, read by training (`vla_rl.train`), evaluation (`vla_core.runtime.delayed_env`) and the
 robot (`robot_bridge`):
 
 - `DelayConfig` / `DelayModel`: delays drawn fixed, uniform over [low, high], or replayed from
@@ -25,7 +25,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from vla_rl.types import (
+from vla_core.types import (
     OBS_COMMITTED_ACTIONS,
     OBS_COMMITTED_MASK,
     OBS_DELAY_STEPS,

@@ -2,10 +2,10 @@
 and getting it, stepped in simulated time.
 
 `DelayedChunkEnv` wraps any batched env. When a request goes out and what it is told (the delay
-estimate, the delay augmentation, RTC guidance) is `vla_rl.runtime.ChunkSchedule`, and the queue of
-committed actions is `vla_rl.runtime.ActionChunkExecutor`: the objects the robot's node drives too
+estimate, the delay augmentation, RTC guidance) is `vla_core.runtime.ChunkSchedule`, and the queue of
+committed actions is `vla_core.runtime.ActionChunkExecutor`: the objects the robot's node drives too
 (`robot_bridge.chunk_scheduler`). What only simulation does is stand in for the inference itself:
-the delay each request gets is drawn from `vla_rl.runtime.DelayModel` (fixed, uniform, or replayed
+the delay each request gets is drawn from `vla_core.runtime.DelayModel` (fixed, uniform, or replayed
 from latencies a robot measured), and its chunk is held until then.
 
 Timing, per world (all worlds step together, each on its own schedule):
@@ -52,8 +52,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from sim.config import world_indices
-from vla_rl.runtime import (
+from vla_core.runtime import (
     ActionChunkExecutor,
     ChunkSchedule,
     DelayModel,
@@ -61,11 +60,12 @@ from vla_rl.runtime import (
     mid_inference_steps,
     mid_observation,
 )
-from vla_rl.types import (
+from vla_core.types import (
     ActionChunk,
     BatchedEnv,
     Worlds,
     WorldState,
+    world_indices,
 )
 
 

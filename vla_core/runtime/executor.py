@@ -20,8 +20,8 @@ from typing import Literal, get_args
 
 import torch
 
-from vla_rl.runtime.delay import augmentation
-from vla_rl.types import ActionChunk
+from vla_core.runtime.delay import augmentation
+from vla_core.types import ActionChunk
 
 MergeMode = Literal["latest", "ensemble", "rtc"]
 

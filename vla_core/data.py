@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from vla_rl.types import ACTION, OBS_IMAGES, OBS_STATE, TASK
+from vla_core.types import ACTION, OBS_IMAGES, OBS_STATE, TASK
 
 
 def video_backend() -> str:

@@ -2,8 +2,8 @@
 and what a request is told (``schedule``), and how chunks become per-step actions (``executor``), with the
 one config of how (``ChunkingConfig``). Simulation, evaluation, training and the robot all use these."""
 
-from vla_rl.runtime.config import ChunkingConfig
-from vla_rl.runtime.delay import (
+from vla_core.runtime.config import ChunkingConfig
+from vla_core.runtime.delay import (
     DelayConfig,
     DelayModel,
     LatencyLog,
@@ -14,8 +14,8 @@ from vla_rl.runtime.delay import (
     mid_inference_steps,
     mid_observation,
 )
-from vla_rl.runtime.executor import ActionChunkExecutor, MergeMode, rtc_blend_weights, rtc_weights
-from vla_rl.runtime.schedule import ChunkRequest, ChunkSchedule
+from vla_core.runtime.executor import ActionChunkExecutor, MergeMode, rtc_blend_weights, rtc_weights
+from vla_core.runtime.schedule import ChunkRequest, ChunkSchedule
 
 __all__ = [
     "ActionChunkExecutor",

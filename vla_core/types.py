@@ -7,7 +7,7 @@ LeRobot's feature names, so LeRobot policies and datasets plug in unchanged:
 - ``observation.state``: float32, shape (B, S)
 - ``task``: list of B instruction strings
 
-Delay augmentation (built by :class:`vla_rl.runtime.ActionChunkExecutor`) adds:
+Delay augmentation (built by :class:`vla_core.runtime.ActionChunkExecutor`) adds:
 
 - ``observation.committed_actions``: (B, D_max, A) actions that execute before a new chunk can start
 - ``observation.committed_mask``: (B, D_max) bool, True where the row above is a real action
@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
 OBS_STATE = "observation.state"
@@ -136,6 +137,29 @@ same config (a LIBERO suite runs several tasks; its states carry their ``task_id
 Worlds = Any
 """Which worlds an env call touches: indices (k,) (a sequence of ints, a long array or tensor), an
 (N,) bool mask, or None for all N."""
+
+
+def world_indices(worlds: Any, num_envs: int) -> np.ndarray:
+    """`Worlds` -> (k,) int64 world indices, in the order given.
+
+    None selects every world; an (N,) bool mask the worlds where it is True; anything else is read
+    as indices, each in [0, N) and none repeated (a repeat would make "world w gets state j" ambiguous).
+    """
+    if worlds is None:
+        return np.arange(num_envs)
+    if hasattr(worlds, "cpu"):  # a torch tensor, possibly on an accelerator
+        worlds = worlds.cpu()
+    array = np.asarray(worlds)
+    if array.dtype == np.bool_:
+        if array.shape != (num_envs,):
+            raise ValueError(f"a world mask must have shape ({num_envs},), got {array.shape}")
+        return np.flatnonzero(array)
+    index = array.astype(np.int64).reshape(-1)
+    if array.size and (not np.issubdtype(array.dtype, np.integer) or index.min() < 0 or index.max() >= num_envs):
+        raise ValueError(f"world indices must be integers in [0, {num_envs}), got {array.tolist()}")
+    if len(np.unique(index)) != len(index):
+        raise ValueError(f"world indices must not repeat, got {index.tolist()}")
+    return index
 
 
 @runtime_checkable
