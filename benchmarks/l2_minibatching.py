@@ -112,13 +112,13 @@ def _cuda() -> bool:
 
 
 def policy_config(args, encoder: str):
-    from policies.diffusion_vla import DiffusionVLAConfig
+    from vla_rl.stages import DiffusionVLAConfig
 
     return DiffusionVLAConfig(**DIT, **ENCODERS[encoder], freeze_towers=args.towers == "frozen")
 
 
 def train_config(args, encoder: str, copies: int, output_dir: Path, stop_at: float = 0.0, steps: int = 0):
-    from vla_rl.train import DatasetConfig, TrainConfig
+    from vla_rl.stages import DatasetConfig, TrainConfig
 
     return TrainConfig(
         dataset=DatasetConfig(root=str(Path(args.out) / "dataset")), policy=policy_config(args, encoder),
@@ -138,7 +138,7 @@ def measure_step(spec: dict) -> dict:
     import torch
 
     from vla_core.data import ChunkedDemos, open_dataset
-    from vla_rl.train import build_policy
+    from vla_rl.stages import build_policy
 
     args = argparse.Namespace(**spec["args"])
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
@@ -249,7 +249,7 @@ def per_step_grid(args) -> list[dict]:
 
 
 def time_to_quality(args) -> dict:
-    from vla_rl.train import train
+    from vla_rl.stages import train
 
     out = Path(args.out)
     conventional = _reuse(args, out / "conventional") or train(
@@ -272,12 +272,12 @@ def time_to_quality(args) -> dict:
 
 def _reuse(args, arm_dir: Path) -> dict | None:
     """The summary of a finished conventional arm trained with the same settings, if asked for and present."""
-    from vla_rl.train import _config_dict
+    from vla_rl.stages import config_dict
 
     summary, saved = arm_dir / "train_summary.json", arm_dir / "train_config.json"
     if not (args.reuse_conventional and summary.exists() and saved.exists()):
         return None
-    wanted = json.loads(json.dumps(_config_dict(train_config(args, args.encoder, 1, arm_dir))))
+    wanted = json.loads(json.dumps(config_dict(train_config(args, args.encoder, 1, arm_dir))))
     if json.loads(saved.read_text()) != wanted:
         print("  the earlier conventional arm used other settings; training it again", flush=True)
         return None
@@ -291,8 +291,7 @@ def _seconds_to(curve: list, target: float) -> float | None:
 
 
 def success(args, arm: str) -> dict:
-    from sim.config import EnvConfig
-    from vla_rl.eval import EvalConfig, evaluate
+    from vla_rl.stages import EnvConfig, EvalConfig, evaluate
 
     out = Path(args.out)
     result = evaluate(EvalConfig(
@@ -304,8 +303,7 @@ def success(args, arm: str) -> dict:
 
 
 def record_dataset(args) -> None:
-    from sim.config import EnvConfig
-    from vla_rl.record import RecordConfig, record
+    from vla_rl.stages import EnvConfig, RecordConfig, record
 
     root = Path(args.out) / "dataset"
     info = root / "meta" / "vla_rl_record.json"

@@ -7,6 +7,9 @@ depend on the weights and is left out). The chain is the RL action and its log-p
 K Gaussian log-densities, as in DPPO (epsilon objective: DDIM with eta) and ReinFlow (flow objective:
 Euler steps with a fixed std).
 
+A chain is one kind of RL decision (`vla_core.rl.Decision`): `DenoisingActor` is the RL actor of any
+denoising policy (`vla_core.rl.RLPolicy`), its factors the K denoising steps.
+
 Everything here is in normalized action units ([-1, 1] is the dataset's action range).
 """
 
@@ -17,6 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from vla_core.rl import FactorLogProb
 
 
 @dataclass
@@ -258,3 +263,59 @@ def check_chain_shape(chain: DenoisingChain, batch: int, steps: int, horizon: in
             f"the chain's latents must be (B, K+1, H, A) = {expected} with (K,) = ({steps},) stds for this policy "
             f"and observation batch, got {tuple(chain.latents.shape)} and {tuple(chain.std.shape)}"
         )
+
+
+# -- the RL actor ------------------------------------------------------------------------------------
+
+
+class DenoisingActor:
+    """The RL actor (`vla_core.rl.RLPolicy`) of a denoising policy: a decision is the denoising chain
+    sampled with ``noise`` injected into every step (``sample_with_log_prob``), its factors the K steps
+    (``log_prob(per_step=True)``), its value features the denoiser's condition (``condition_features``).
+    The policy itself trains; noise -> 0 is ``predict_chunk``, what evaluation and serving run."""
+
+    def __init__(self, policy, noise: ExplorationNoise):
+        noise.validate()
+        if noise.min_std <= 0:
+            raise ValueError("--noise.min_std must be > 0: with no noise the chain has no log-probability")
+        self.policy = self.module = policy
+        self.noise = noise
+        self.num_factors = policy.config.num_inference_steps
+
+    @property
+    def device(self) -> torch.device:
+        return self.policy.device
+
+    @property
+    def value_dim(self) -> int:
+        return self.policy.condition_dim
+
+    @torch.no_grad()
+    def act(self, obs: dict, obs_step: torch.Tensor):
+        chunk, chain, _ = self.policy.sample_with_log_prob(obs, obs_step, noise=self.noise)
+        return chunk, chain
+
+    def score(self, obs: dict, chain: DenoisingChain) -> FactorLogProb:
+        return FactorLogProb(self.policy.log_prob(obs, chain, per_step=True))
+
+    def value_features(self, obs: dict) -> torch.Tensor:
+        return self.policy.condition_features(obs)
+
+
+class DenoisingRL:
+    """What a denoising policy implements for RL (mixed into `PreTrainedPolicy` subclasses): sampling with
+    exploration noise and the exact log-probability of a chain; ``rl_actor`` wraps them as the RL contract.
+
+    - ``sample_with_log_prob(obs, obs_step=None, *, noise)`` -> (ActionChunk in dataset units, the chain,
+      log-prob (B,)), no autograd: every denoising step is a Gaussian around the sampler's own step; the
+      chunk's known (committed) steps are the committed actions exactly, as in ``predict_chunk``. NaN
+      log-prob when some step's std is 0 (no density).
+    - ``log_prob(obs, chain, *, per_step=False)`` -> (B,) (or (B, K) per step), with autograd: the sum over
+      the K steps and the unknown chunk elements of log N(latents[k+1]; mean_theta(latents[k], k), std[k]^2),
+      the initial noise's density left out. ``obs`` is the batch the chain was sampled from. A chain with a
+      step std of 0 is refused.
+    - ``condition_features(obs)`` (B, ``condition_dim``): the denoiser's condition, for a value head.
+    """
+
+    def rl_actor(self, noise: ExplorationNoise) -> DenoisingActor:
+        return DenoisingActor(self, noise)

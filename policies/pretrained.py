@@ -23,6 +23,7 @@ config is completed from a LeRobotDataset's features, tasks and statistics) or
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 from dataclasses import asdict, dataclass, field, fields
@@ -34,9 +35,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from policies.denoising_chain import DenoisingChain, ExplorationNoise
+from policies.denoising_chain import ExplorationNoise
 from policies.normalization import NormalizationMixin
 from policies.tokenizer import word_vocabulary
+from vla_core.runtime.protocol import DEFAULT_MID_FRACTION, check_mid_fraction
 from vla_core.types import ACTION, OBS_COMMITTED_ACTIONS, OBS_COMMITTED_MASK, OBS_STATE, ActionChunk, image_key
 
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
@@ -61,7 +63,7 @@ class PolicyConfig(draccus.ChoiceRegistry):
     # and the mid-inference observation. `vla-rl finetune --latency_aware=true` adds it and sets these.
     latency_aware: bool = False
     latency_max_delay: int = 0  # D: the most committed steps the fast head reads (its fine-tuning's largest delay)
-    mid_fraction: float = 0.5  # the mid-inference observation is taken this far into the inference window
+    mid_fraction: float = DEFAULT_MID_FRACTION  # the mid-inference observation is taken this far into the window
     mid_cameras: list[str] = field(default_factory=list)  # the cameras in the mid-inference observation
     # Filled from the dataset when training starts (see fit_to_dataset); stored in every checkpoint.
     state_dim: int = 0  # observation.state size
@@ -91,13 +93,11 @@ class PolicyConfig(draccus.ChoiceRegistry):
                 f"policy.max_delay_steps={self.max_delay_steps} must be in [0, horizon={self.horizon}): a chunk "
                 f"needs at least one step after the delay; lower the delay or raise --policy.horizon"
             )
-        # mid_fraction 1 would take the mid observation as the chunk is due: its answer comes a step
-        # late every time, and a measured delay estimate would then grow without end.
-        if not 0 <= self.latency_max_delay < self.horizon or not 0.0 <= self.mid_fraction < 1.0:
+        if not 0 <= self.latency_max_delay < self.horizon:
             raise ValueError(
-                f"policy.latency_max_delay={self.latency_max_delay} must be in [0, horizon={self.horizon}) and "
-                f"policy.mid_fraction={self.mid_fraction} in [0, 1)"
+                f"policy.latency_max_delay={self.latency_max_delay} must be in [0, horizon={self.horizon})"
             )
+        check_mid_fraction(self.mid_fraction, "policy.mid_fraction")
         if self.cameras and set(self.mid_cameras) - set(self.cameras):
             raise ValueError(f"policy.mid_cameras={self.mid_cameras} must be among the policy's cameras {self.cameras}")
 
@@ -233,8 +233,8 @@ class PreTrainedPolicy(NormalizationMixin, nn.Module):
     """The policy contract (``vla_core.types.Policy``), with what every policy shares implemented once.
 
     A subclass sets ``config_class`` and implements ``predict_chunk`` (sampling) and ``forward``
-    (the imitation loss); RL fine-tuning adds ``sample_with_log_prob``, ``log_prob`` and
-    ``condition_features`` (denoising policies, ``policies.denoising_chain``).
+    (the imitation loss); RL fine-tuning needs its ``rl_actor`` (denoising policies:
+    `policies.denoising_chain.DenoisingRL`).
     """
 
     config_class: type[PolicyConfig] = PolicyConfig
@@ -248,6 +248,8 @@ class PreTrainedPolicy(NormalizationMixin, nn.Module):
         config.validate()
         config.require_dataset_fields()
         self.config = config
+        # The fast head of a latency-aware policy (a subclass builds it: build_latency_head()); None: plain.
+        self.latency_head: nn.Module | None = None
 
     @property
     def device(self) -> torch.device:
@@ -324,54 +326,60 @@ class PreTrainedPolicy(NormalizationMixin, nn.Module):
         Level-2 minibatching (``supports_copies``)."""
         raise NotImplementedError
 
-    def sample_with_log_prob(
-        self, obs: dict, obs_step: torch.Tensor | None = None, *, noise: ExplorationNoise
-    ) -> tuple[ActionChunk, DenoisingChain, torch.Tensor]:
-        """Sample a chunk with exploration noise; returns (ActionChunk in dataset units, the chain, log-prob (B,)).
-        No autograd. The log-prob is NaN when some step's std is 0 (eta = 0 and min_std = 0: no density).
-
-        RL fine-tuning (``policies.denoising_chain``): every denoising step is a Gaussian around the
-        sampler's own step. The chunk's known (committed) steps are the committed actions exactly, as
-        in ``predict_chunk``; there is no inpainting.
-        """
-        raise NotImplementedError(
-            f"{type(self).__name__} has no log-probabilities; RL fine-tuning needs a denoising policy "
-            f"(diffusion or diffusion_vla)"
+    def rl_actor(self, noise: ExplorationNoise):
+        """The RL actor of this policy (`vla_core.rl.RLPolicy`): what ``vla-rl finetune`` trains. Denoising
+        policies act with denoising chains (`policies.denoising_chain.DenoisingRL`)."""
+        raise ValueError(
+            f"the {self.config.type!r} policy has no RL actor (no exact log-probabilities), which RL needs; fine-tune "
+            f"a diffusion or diffusion_vla checkpoint (any objective)"
         )
 
-    def log_prob(self, obs: dict, chain: DenoisingChain, *, per_step: bool = False) -> torch.Tensor:
-        """(B,) log-probability of the chain under the current weights, with autograd: sum over the K steps
-        and the unknown chunk elements of log N(latents[k+1]; mean_theta(latents[k], step k), std[k]^2).
-        The initial noise's density is left out (it does not depend on the weights).
+    # -- latency-aware policies (ARLI, `policies.latency_head`) ---------------------------------------
 
-        obs: the observation batch the chain was sampled from (with its delay augmentation, if any).
-        per_step: return the (B, K) terms of the K steps instead of their sum (DPPO's per-step ratios).
-        Raises ValueError for a chain with a step std of 0 (it has no density).
-        """
-        raise NotImplementedError(
-            f"{type(self).__name__} has no log-probabilities; RL fine-tuning needs a denoising policy "
-            f"(diffusion or diffusion_vla)"
+    def latency_head_inputs(self) -> tuple[dict[str, nn.Module], int, int]:
+        """What a fast head is built from: per camera an image encoder ((B, 3, S, S) -> (B, K)) its
+        mid-image encoders start as copies of (the one ``prepare_request`` encodes the request's images
+        with), K, and the width of the condition it corrects. A policy that does not implement it has
+        no fast head."""
+        raise ValueError(
+            f"the {self.config.type!r} policy has no fast head (latency-aware fine-tuning corrects a policy's "
+            f"condition, and it exposes none); fine-tune it without --latency_aware"
         )
+
+    def build_latency_head(self) -> nn.Module:
+        """The fast head of this policy's config (``latency_max_delay``, ``mid_cameras``): zero at its output."""
+        from policies.latency_head import LatencyHead
+
+        encoders, keypoint_dim, width = self.latency_head_inputs()
+        cfg = self.config
+        return LatencyHead(
+            state_dim=cfg.state_dim, action_dim=cfg.action_dim, max_delay=cfg.latency_max_delay,
+            mid_cameras=cfg.mid_cameras, image_encoders=encoders, keypoint_dim=keypoint_dim, out_dim=width,
+            hidden_dim=width,
+        )  # fmt: skip
 
     def add_latency_head(self, max_delay: int, mid_fraction: float, mid_cameras: list[str]) -> None:
         """Make this policy latency-aware (ARLI, `policies.latency_head`): a fast head that reads the
         committed actions (up to ``max_delay`` steps) and the mid-inference observation (taken at
         ``mid_fraction`` of the inference window, with ``mid_cameras``). Until it is trained the policy
         acts exactly as before. Sets the config fields, so checkpoints rebuild it."""
-        raise ValueError(
-            f"latency-aware fine-tuning is built for the diffusion policy; the {self.config.type!r} policy has no "
-            f"fast head yet (fine-tune it without --latency_aware)"
-        )
+        if self.latency_head is not None:
+            raise ValueError("this policy is latency-aware already; fine-tune it as it is")
+        self.latency_head_inputs()  # a policy without a fast head says so before anything changes
+        fields = {"latency_aware": True, "latency_max_delay": max_delay, "mid_fraction": mid_fraction,
+                  "mid_cameras": list(mid_cameras)}  # fmt: skip
+        dataclasses.replace(self.config, **fields).validate()  # a bad value changes nothing
+        for name, value in fields.items():
+            setattr(self.config, name, value)
+        self.latency_head = self.build_latency_head().to(self.device)
 
-    def condition_features(self, obs: dict) -> torch.Tensor:
-        """(B, F) a feature vector of the observation (the denoiser's condition), for a value head;
-        F = ``condition_dim``. With autograd when it is enabled."""
-        raise NotImplementedError(f"{type(self).__name__} exposes no condition features")
-
-    @property
-    def condition_dim(self) -> int:
-        """F, the size of ``condition_features``."""
-        raise NotImplementedError(f"{type(self).__name__} exposes no condition features")
+    def latency_correction(self, obs: dict, slow: dict) -> torch.Tensor | None:
+        """(B, width) the fast head's correction of the condition, or None for a policy without one. slow:
+        ``prepare_request``'s output, with the request's normalized ``state`` (B, S) and ``keypoints``
+        (camera -> (B, K)) of the mid cameras."""
+        if self.latency_head is None:
+            return None
+        return self.latency_head(obs, slow["state"], slow["keypoints"], self.normalize_state, self.normalize_action)
 
     def committed_actions(self, obs: dict) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The delay augmentation as this policy reads it (training-time RTC), or None when it reads none.

@@ -199,7 +199,7 @@ def _serve_side(cfg: BenchBridgeConfig, rate: float, merge: MergeMode, horizon: 
         checkpoint="(bench policy)", cameras=[CameraTopic(CAMERA, topics.camera(CAMERA).name)],
         state_names=list(JOINTS), action_names=list(JOINTS), action_space="joint", control_hz=rate,
         horizon=horizon, chunking=ChunkingConfig(execute_steps=cfg.execute_steps, merge=merge),
-        max_delay_steps=horizon, inference=cfg.inference, inference_cpu=1, control_cpu=0, diagnostics_hz=2.0,
+        inference=cfg.inference, inference_cpu=1, control_cpu=0, diagnostics_hz=2.0,
         ros_executor=cfg.ros_executor, deadline_ms=cfg.deadline_ms, latency_log="",
     )  # fmt: skip
     serve_cfg.safety.stale_after_s = 0.5

@@ -11,19 +11,20 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, Literal, get_args
 
 from robot_bridge import topics as topic_table
-from sim.arm import ACTION_NAMES as SIM_ACTION_NAMES
-from sim.arm import STATE_BOUNDS as SIM_STATE_BOUNDS
-from sim.arm import STATE_NAMES as SIM_STATE_NAMES
+from vla_core.robot import SIM_PANDA, ActionSpace
 from vla_core.runtime import ChunkingConfig
 from vla_core.types import image_key
 
-# The SIM_* defaults serve the simulated Panda (`vla-rl sim-robot`): the state it publishes, the actions
-# it accepts and what it can physically report per state entry (radians, metres); see `sim.arm`.
+# The defaults serve the simulated Panda (`vla-rl sim-robot`), as its description
+# (`vla_core.robot.SIM_PANDA`) states: the state it publishes, the actions it accepts and what it
+# can physically report per state entry (radians, metres).
+SIM_STATE_NAMES = list(SIM_PANDA.state_names)
+SIM_ACTION_NAMES = list(SIM_PANDA.action_names)
+SIM_STATE_BOUNDS = {name: list(bound) for name, bound in SIM_PANDA.state_bounds.items()}
 
 # The choices of each field, as Literal types: the parser rejects anything else with the choices
-# listed, and validate() checks them for configs built in code.
+# listed, and validate() checks them for configs built in code. ActionSpace is the robot description's.
 ActionMode = Literal["absolute", "delta"]
-ActionSpace = Literal["joint", "end_effector"]
 Clock = Literal["joint_states", "timer"]
 RosExecutor = Literal["events", "single_threaded"]
 InferenceMode = Literal["process", "thread"]
@@ -97,7 +98,7 @@ class ServeConfig:
     state_names: list[str] = field(default_factory=lambda: list(SIM_STATE_NAMES))
     # JointTrajectory joint_names, in action order
     action_names: list[str] = field(default_factory=lambda: list(SIM_ACTION_NAMES))
-    action_space: ActionSpace = "end_effector"  # joint or end_effector: what the action dims command
+    action_space: ActionSpace = SIM_PANDA.action_space  # joint or end_effector: what the action dims command
     action_mode: ActionMode = "absolute"  # absolute targets, or delta: added to the last commanded target
     instruction: str = ""  # task instruction until one arrives on the instruction topic
     image_size: int = 0  # expected square image side; 0 = the policy's config.image_size
@@ -106,13 +107,13 @@ class ServeConfig:
     deadline_ms: float = 5.0  # a command handed to ROS later than this after its tick was due is a missed deadline
     clock: Clock = "joint_states"  # joint_states: one command per arriving joint state; timer: the node's own timer
     horizon: int = 0  # chunk length H; 0 = the policy's config.horizon
-    # steps executed per chunk (0 = the policy's n_action_steps), merge mode (default here: rtc), ensemble weight
+    # steps executed per chunk (0 = the policy's n_action_steps), merge mode (default here: rtc), ensemble
+    # weight, and estimate_window: the delay announced is the largest lag of the last this-many chunks
     chunking: ChunkingConfig = field(default_factory=lambda: ChunkingConfig(merge="rtc"))
     # The largest inference delay expected on this robot, in control steps: a policy trained with the delay
     # augmentation for less (its max_delay_steps) is refused at load. 0 = not checked. Longer measured
     # delays are announced as the policy's largest and counted (delay_clamped).
     max_delay_steps: int = 0
-    delay_estimate_window: int = 4  # the delay announced = the largest lag of the last this-many chunks
     # Send the inference worker a mid-inference observation (the freshest joint state and images)
     # m = floor(mid_fraction * announced delay) ticks into each request, as latency-aware checkpoints
     # (`vla-rl finetune --latency_aware=true`) read; such a checkpoint is refused without it.
@@ -166,8 +167,6 @@ class ServeConfig:
         self.chunking.validate()
         if self.max_delay_steps < 0 or self.horizon < 0 or self.image_size < 0 or self.added_latency_s < 0:
             raise ValueError("max_delay_steps, horizon, image_size and added_latency_s must be >= 0")
-        if self.delay_estimate_window < 1:
-            raise ValueError(f"delay_estimate_window must be >= 1, got {self.delay_estimate_window}")
         if not self.state_names or not self.action_names:
             raise ValueError(
                 "state_names and action_names must not be empty; list the JointState names and action dims"

@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from robot_bridge.codec import InputRejected, command_action, decode_image, joint_state_vector, stamp_ns
 from robot_bridge.topics import COMMAND_ARRAY, EPISODE, INSTRUCTION, JOINT_STATES, JOINT_TRAJECTORY, camera_of
-from sim.arm import ACTION_NAMES
+from vla_core.robot import SIM_PANDA
 from vla_core.types import ACTION, OBS_STATE, image_key
 
 
@@ -44,7 +44,7 @@ class ConvertConfig:
     fps: int = 20  # control rate the commands were sent at (the sim robot's: 20 Hz)
     robot_type: str = "panda"  # robot type stored in the dataset metadata
     # order of the action vector; trajectory joint_names are matched to it, array values are in it
-    action_names: list[str] = field(default_factory=lambda: list(ACTION_NAMES))
+    action_names: list[str] = field(default_factory=lambda: list(SIM_PANDA.action_names))
     # cameras to convert; empty = every /camera/<name>/image_raw[/compressed] recorded
     cameras: list[str] = field(default_factory=list)
     # sensor_msgs/JointState: observation.state, in the first message's name order
@@ -109,11 +109,6 @@ def frame_row(images: dict[str, object], state: np.ndarray, action: np.ndarray, 
 
 def convert(cfg: ConvertConfig) -> dict:
     """Convert ``cfg.input`` into a LeRobotDataset at ``cfg.output_dir``; returns a summary dict."""
-    from lerobot.datasets.lerobot_dataset import LeRobotDataset
-
-    from vla_core.data import discard_dataset, quiet_datasets, video_backend
-    from vla_core.files import replace_directory
-
     src, out = Path(cfg.input), Path(cfg.output_dir)
     if not src.is_file():
         raise FileNotFoundError(f"no recording at {src}; record one with `vla-rl record-ros --output={src}`")
@@ -143,17 +138,38 @@ def convert(cfg: ConvertConfig) -> dict:
     )
     if not commands:
         raise ValueError(f"{src} has no commands on {cfg.command_topics}; it has topics {sorted(streams)}")
+    frames, dropped, state_names, by_status = _paired_frames(cfg, streams, commands, recorded, cameras)
+    if not frames:
+        raise ValueError(
+            f"no command in {src} has a joint state and images within {cfg.max_input_age_s} s before it; dropped: {dict(dropped)}"
+        )
+    episodes: list[list[dict]] = []
+    for frame in frames:
+        if not episodes or frame["episode"] != episodes[-1][0]["episode"]:
+            episodes.append([])
+        episodes[-1].append(frame)
+    summary = {
+        "dataset": str(out), "recording": str(src), "episodes": len(episodes), "frames": len(frames),
+        "episode_lengths": [len(e) for e in episodes], "tasks": [], "cameras": cameras, "commands": len(commands),
+        "dropped": dict(dropped), "episodes_from": "status" if by_status else "gaps", "seconds": 0.0,
+        "config": asdict(cfg),
+    }  # fmt: skip
+    _write_dataset(cfg, out, episodes, state_names, streams.get(cfg.instruction_topic, Stream()), summary, start)
+    return summary
 
+
+def _paired_frames(cfg: ConvertConfig, streams: dict, commands: list, recorded: dict, cameras: list[str]):
+    """Each valid command paired with the newest joint state and images before it, and its episode key.
+
+    Returns (frames: dicts of t, episode, state (S,), action (A,), images; what was dropped and why; the
+    joint state names; whether episodes came from the sim robot's status, else from gaps in time)."""
     joints = streams[cfg.joint_states_topic]
     state_names = list(joints.messages[0].name)
     episode_of_stamp = {}  # observation stamp (ns) -> episode index, from the sim robot's status
     for msg in streams[cfg.episode_topic].messages if cfg.episode_topic in streams else []:
         status = json.loads(msg.data)
         episode_of_stamp[status["stamp_ns"]] = status["episode"]
-    instructions = streams.get(cfg.instruction_topic, Stream())
     max_age = int(cfg.max_input_age_s * 1e9)
-
-    # Pair each valid command with its inputs and give it an episode key.
     frames, dropped = [], Counter()
     previous_t, gap_episode = None, 0
     for t, msg in commands:
@@ -184,21 +200,23 @@ def convert(cfg: ConvertConfig) -> dict:
         frames.append(
             {"t": t, "episode": episode, "state": state, "action": action.astype(np.float32), "images": images}
         )
+    return frames, dropped, state_names, bool(episode_of_stamp)
 
-    if not frames:
-        raise ValueError(
-            f"no command in {src} has a joint state and images within {cfg.max_input_age_s} s before it; dropped: {dict(dropped)}"
-        )
-    episodes: list[list[dict]] = []
-    for frame in frames:
-        if not episodes or frame["episode"] != episodes[-1][0]["episode"]:
-            episodes.append([])
-        episodes[-1].append(frame)
+
+def _write_dataset(cfg: ConvertConfig, out: Path, episodes: list[list[dict]], state_names: list[str],
+                   instructions: Stream, summary: dict, start: float) -> None:  # fmt: skip
+    """Write the episodes as a LeRobotDataset at ``out``, atomically (a temporary folder renamed into place;
+    nothing is left behind on an error or a stop). Completes ``summary`` (tasks, seconds) and writes it
+    beside the dataset's metadata."""
+    from lerobot.datasets.lerobot_dataset import LeRobotDataset
+
+    from vla_core.data import discard_dataset, quiet_datasets, video_backend
+    from vla_core.files import replace_directory
 
     tmp = out.parent / f".{out.name}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     out.parent.mkdir(parents=True, exist_ok=True)
-    first_images = {c: decode_image(m) for c, m in frames[0]["images"].items()}
+    first_images = {c: decode_image(m) for c, m in episodes[0][0]["images"].items()}
     features = {image_key(c): {"dtype": "image", "shape": img.shape, "names": ["height", "width", "channels"]}
                 for c, img in first_images.items()}  # fmt: skip
     features[OBS_STATE] = {"dtype": "float32", "shape": (len(state_names),), "names": state_names}
@@ -209,7 +227,7 @@ def convert(cfg: ConvertConfig) -> dict:
         ds = LeRobotDataset.create(cfg.repo_id, fps=cfg.fps, features=features, root=tmp, robot_type=cfg.robot_type,
                                    use_videos=False, video_backend=video_backend())  # fmt: skip
         tasks = []
-        with tqdm(total=len(frames), desc="convert", unit="frame") as bar:
+        with tqdm(total=summary["frames"], desc="convert", unit="frame") as bar:
             for episode in episodes:
                 task = instructions.latest(episode[0]["t"], math.inf)
                 task = task.data if task is not None else cfg.task
@@ -221,23 +239,9 @@ def convert(cfg: ConvertConfig) -> dict:
                 ds.save_episode()
                 tasks.append(task)
         ds.finalize()
-        summary = {
-            "dataset": str(out),
-            "recording": str(src),
-            "episodes": len(episodes),
-            "frames": len(frames),
-            "episode_lengths": [len(e) for e in episodes],
-            "tasks": sorted(set(tasks)),
-            "cameras": cameras,
-            "commands": len(commands),
-            "dropped": dict(dropped),
-            "episodes_from": "status" if episode_of_stamp else "gaps",
-            "seconds": round(time.time() - start, 1),
-            "config": asdict(cfg),
-        }
+        summary.update(tasks=sorted(set(tasks)), seconds=round(time.time() - start, 1))
         (tmp / "meta" / "vla_rl_convert.json").write_text(json.dumps(summary, indent=2))
     except BaseException:
         discard_dataset(ds, tmp)
         raise
     replace_directory(tmp, out)
-    return summary

@@ -79,14 +79,14 @@ class Hold:
         """(key, text): why the next command must be a hold, or (None, None) when the policy's action can go out."""
         if self.safety.estopped:
             return "estop", "e-stop engaged"
-        for problem in (self.scheduler.worker_problem(), self.inputs.fault()):
+        for problem in (self.scheduler.health.worker_problem(self.scheduler.worker.alive()), self.inputs.fault()):
             if problem is not None:
                 return problem
         stale = self.inputs.stale(now)
         if stale:
             text = f"stale input (none newer than {self.config.safety.stale_after_s:g} s): {', '.join(stale)}"
             return "stale " + ", ".join(stale), text
-        return self.scheduler.policy_problem() or (None, None)
+        return self.scheduler.health.policy_problem() or (None, None)
 
     def update(self, key: str | None, cause: str | None) -> bool:
         """Take (key, cause) from :meth:`check` as the current one; True when the state changed (report it now)."""
@@ -101,9 +101,9 @@ class Hold:
             state = "RUNNING"
         elif self.safety.estopped:
             state = "ESTOP"
-        elif self.scheduler.worker_state == "failed":
+        elif self.scheduler.health.worker_state == "failed":
             state = "FAILED"
-        elif self.scheduler.worker_state == "loading":
+        elif self.scheduler.health.worker_state == "loading":
             state = "LOADING"
         else:
             state = "HOLDING"

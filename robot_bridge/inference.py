@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from robot_bridge.scheduling import normal_scheduling, use_normal
+from vla_core.runtime.protocol import LatencySpec
 from vla_core.types import OBS_IMAGES, OBS_MID, TASK, Policy
 
 
@@ -63,6 +64,31 @@ class WorkerStatus:
     state: str  # "loading", "ready" or "failed"
     error: str | None = None
     info: dict[str, Any] = field(default_factory=dict)  # when ready: horizon, n_action_steps, image_size, ...
+
+
+@dataclass
+class InFlightRequest:
+    """The node's record of the request the worker is computing, and what its result is reported against."""
+
+    request_id: int
+    sent: float  # monotonic time it was submitted
+    delay_steps: int  # the delay announced to the policy (the measured estimate)
+    obs_stamp: float  # header stamp of the joint state it was conditioned on, seconds
+    obs_arrival: float  # monotonic arrival of that joint state
+    guided: bool  # it carries RTC guidance toward the queued actions
+    instruction: str
+    observation: dict[str, Any]  # its observation (numpy), the mid observation's fallback
+
+    def report(self, result: InferenceResult, merged_at_step: int, lag: int, merge: str, dry_run: bool) -> dict:
+        """The metadata of its merged chunk, as the node publishes it (JSON on the chunk-info topic)."""
+        latency = result.finished - self.sent
+        return {
+            "chunk_id": result.request_id, "obs_stamp": self.obs_stamp, "obs_step": result.obs_step,
+            "merged_at_step": merged_at_step, "lag_steps": lag, "inference_latency_ms": round(latency * 1e3, 3),
+            "compute_ms": round(result.compute_s * 1e3, 3), "delay_steps": self.delay_steps,
+            "horizon": int(result.actions.shape[1]), "merge": merge, "guided": self.guided,
+            "instruction": self.instruction, "dry_run": dry_run,
+        }  # fmt: skip
 
 
 def chunk_problem(actions: np.ndarray | None, horizon: int, action_names: list[str]) -> str | None:
@@ -106,22 +132,15 @@ def to_policy_batch(observation: dict[str, Any]):
 
 
 def policy_info(policy: Policy) -> dict[str, Any]:
-    """What the node needs to know about a loaded policy before its first request."""
+    """What the node needs to know about a loaded policy before its first request: its input sizes and how
+    it meets the latency model (`LatencySpec`'s fields: horizon, n_action_steps, the delay augmentation it
+    reads, whether it is latency-aware, its mid-inference observation, whether it takes RTC guidance)."""
     config = getattr(policy, "config", None)
     return {
-        "horizon": getattr(config, "horizon", None),
-        "n_action_steps": getattr(config, "n_action_steps", None),  # steps per chunk unless chunking.execute_steps
         "image_size": getattr(config, "image_size", None),
         "state_dim": getattr(config, "state_dim", None),
         "action_dim": getattr(config, "action_dim", None),
-        "supports_inpainting": bool(getattr(policy, "supports_inpainting", False)),
-        "max_delay_steps": getattr(config, "max_delay_steps", 0),  # D_max of the delay augmentation it trained with
-        # A latency-aware policy reads the committed actions (up to latency_max_delay) and a mid-inference
-        # observation taken mid_fraction into the window, with the mid_cameras' images.
-        "latency_aware": bool(getattr(config, "latency_aware", False)),
-        "latency_max_delay": getattr(config, "latency_max_delay", 0),
-        "mid_fraction": getattr(config, "mid_fraction", 0.5),
-        "mid_cameras": list(getattr(config, "mid_cameras", [])),
+        **LatencySpec.of(policy).as_dict(),
     }
 
 
@@ -163,14 +182,13 @@ def serve_requests(
             return
         prepared = None
         if request.needs_mid:  # the node sends it part-way through the window; older ones are of dropped requests
-            # The slow part runs now, on the request's observation (a policy that can split its work);
-            # only the fast part waits for the mid-inference observation.
-            if hasattr(policy, "prepare_request"):
-                try:
-                    with torch.no_grad():
-                        prepared = policy.prepare_request(to_policy_batch(request.observation))
-                except Exception:  # noqa: BLE001 (reported below, where the whole request runs again)
-                    prepared = None
+            # The slow part runs now, on the request's observation (`LatencyAwarePolicy.prepare_request`, the
+            # contract of a latency-aware policy); only the fast part waits for the mid-inference observation.
+            try:
+                with torch.no_grad():
+                    prepared = policy.prepare_request(to_policy_batch(request.observation))
+            except Exception:  # noqa: BLE001 (reported below, where the whole request runs again)
+                prepared = None
             mid = conn.recv()
             while mid is not None and (not isinstance(mid, MidObservation) or mid.request_id != request.request_id):
                 mid = conn.recv()

@@ -57,6 +57,7 @@ from robot_bridge.hold import Hold
 from robot_bridge.inputs import JOINT_STATES, BridgeInputs
 from robot_bridge.log_limit import LogLimiter
 from robot_bridge.scheduling import lock_memory, quiet_interpreter, use_realtime
+from vla_core.renamed import RENAMED, renamed_line
 from vla_core.types import Policy
 
 LIST_PARAMETER_TYPES = {
@@ -148,6 +149,14 @@ class PolicyBridge(Node):
                 param = self.declare_parameter(name, value, descriptor)
             if param.type_ != Parameter.Type.NOT_SET and param.value != value:
                 overrides[name] = param.value
+        fields = flat_fields(self.config)
+        for old, (new, until) in RENAMED.items():  # a renamed field's old parameter name, for one release
+            if new not in fields or old in fields:
+                continue
+            param = self.declare_parameter(old, None, ParameterDescriptor(dynamic_typing=True))
+            if param.type_ != Parameter.Type.NOT_SET:
+                self.get_logger().warning(renamed_line(old, new, until))
+                overrides[new] = param.value
         apply_overrides(self.config, overrides)
 
     def _qos(self, sensor: bool) -> QoSProfile:

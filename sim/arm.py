@@ -1,10 +1,12 @@
 """The simulated Panda arm's contract: what its state and action vectors hold, their bounds, how
 the grip value drives the fingers, and the action that holds the arm still.
 
-Every MuJoCo backend (``sim.mujoco_env``, ``sim.warp_env``), the benchmark's gymnasium baseline
-(``vla_rl.bench``) and the robot bridge (``robot_bridge.config``) read these definitions. Only
-numpy and torch here, so importing it starts no simulator. The arm itself is
-``sim/assets/panda_arm.xml``: its joints are ``qpos[:7]``, its fingers ``qpos[7:9]`` and its
+The numbers are the robot description's (`vla_core.robot.SIM_PANDA`, written once there); this
+module restates them in the forms the simulator uses (lists, numpy arrays, slices) and adds the
+physics helpers. Every MuJoCo backend (``sim.mujoco_env``, ``sim.warp_env``) and the benchmark's
+gymnasium baseline (``vla_rl.bench``) read these definitions; the robot bridge reads the
+description itself. Only numpy and torch here, so importing it starts no simulator. The arm itself
+is ``sim/assets/panda_arm.xml``: its joints are ``qpos[:7]``, its fingers ``qpos[7:9]`` and its
 servos ``ctrl[:9]`` in every scene.
 """
 
@@ -13,36 +15,28 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from vla_core.robot import SIM_PANDA
+
+ROBOT = SIM_PANDA  # the description of the arm every MuJoCo scene holds
+
 # observation.state (11,): the 7 arm joint angles (rad), the gripper width (m, both fingers
 # together), the end-effector (grasp site) position (m, world frame).
-STATE_NAMES = [f"joint{i}" for i in range(1, 8)] + ["gripper_width", "ee_x", "ee_y", "ee_z"]
+STATE_NAMES = list(ROBOT.state_names)
 # action (4,): the end-effector target position (m, world frame) and the grip, 0 open to 1 closed.
-ACTION_NAMES = ["ee_x", "ee_y", "ee_z", "grip"]
+ACTION_NAMES = list(ROBOT.action_names)
 EE_IN_STATE = slice(STATE_NAMES.index("ee_x"), STATE_NAMES.index("ee_z") + 1)  # the state's 3 end-effector entries
 
-# The end-effector workspace every action is clipped to (metres, world frame), then the grip's range.
-ACTION_LOW = np.array([0.25, -0.35, 0.0, 0.0])
-ACTION_HIGH = np.array([0.80, 0.35, 0.40, 1.0])
+# The end-effector workspace every action is clipped to (metres, world frame), then the grip's range: (4,) each.
+ACTION_LOW = np.array(ROBOT.action_low)
+ACTION_HIGH = np.array(ROBOT.action_high)
 
-FINGER_TRAVEL = 0.04  # metres each finger slides open (the finger joints' range in panda_arm.xml)
-# The arm joints' limits in panda_arm.xml (radians), restated so the bridge reads them without MuJoCo.
-JOINT_RANGES = [
-    (-2.8973, 2.8973),
-    (-1.7628, 1.7628),
-    (-2.8973, 2.8973),
-    (-3.0718, -0.0698),
-    (-2.8973, 2.8973),
-    (-0.0175, 3.7525),
-    (-2.8973, 2.8973),
-]
+FINGER_TRAVEL = ROBOT.joint_limits["finger_joint1"][1]  # metres each finger slides open (qpos[7], qpos[8])
+# The arm joints' limits (radians), joint1..joint7 = qpos[:7], as (lower, upper) pairs.
+JOINT_RANGES = [ROBOT.joint_limits[f"joint{i}"] for i in range(1, 8)]
 
 # What the arm can physically report, [low, high] per state entry: the joint limits, the two
 # fingers' travel, and the workspace (the controller only reaches for targets inside it).
-STATE_BOUNDS: dict[str, list[float]] = {
-    **{f"joint{i + 1}": list(bounds) for i, bounds in enumerate(JOINT_RANGES)},
-    "gripper_width": [0.0, 2 * FINGER_TRAVEL],
-    **{name: [float(ACTION_LOW[i]), float(ACTION_HIGH[i])] for i, name in enumerate(ACTION_NAMES[:3])},
-}
+STATE_BOUNDS: dict[str, list[float]] = {name: list(bound) for name, bound in ROBOT.state_bounds.items()}
 
 
 def finger_targets(grip):

@@ -125,7 +125,7 @@ def make_bridge(
 ):
     cfg = ServeConfig(
         checkpoint="(test policy)", control_hz=HZ, inference="thread", inference_cpu=-1,
-        chunking=ChunkingConfig(execute_steps=execute_steps, merge=merge), max_delay_steps=8, instruction="lift the cube",
+        chunking=ChunkingConfig(execute_steps=execute_steps, merge=merge), max_delay_steps=7, instruction="lift the cube",
         diagnostics_hz=10.0, load_retry_s=0.3, error_retry_s=0.1, latency_log="",
         cameras=[CameraTopic("front", "/camera/front/image_raw")],
     )  # fmt: skip
@@ -482,7 +482,7 @@ def test_execute_steps_zero_takes_the_policys_n_action_steps(ros):
     bridge, robot = make_bridge(context, executor, load=partial(ramp_policy, 8, False, 3), execute_steps=0)
     try:
         assert spin_until(executor, lambda: len(robot.chunks) >= 5), bridge.hold.cause
-        assert bridge.scheduler.execute_steps == 3
+        assert bridge.scheduler.protocol.execute_steps == 3
         gaps = np.diff([c["obs_step"] for c in robot.chunks])
         assert gaps.min() == 3 and (gaps >= 3).all(), gaps
     finally:
@@ -550,10 +550,12 @@ def test_process_worker_and_ros_parameter_overrides(ros):
     params = [
         Parameter("chunking.merge", value="ensemble"),
         Parameter("safety.max_velocity", value=[0.01, 1.0, 1.0, 1.0]),
+        Parameter("delay_estimate_window", value=3),  # renamed chunking.estimate_window: still read, for a release
     ]
     bridge, robot = make_bridge(context, executor, parameters=params, inference="process")
     try:
         assert bridge.config.chunking.merge == "ensemble" and bridge.config.safety.max_velocity[0] == 0.01
+        assert bridge.config.chunking.estimate_window == 3
         assert spin_until(executor, lambda: len(robot.chunks) >= 2, timeout=SPAWN_TIMEOUT), bridge.hold.cause
         assert robot.chunks[-1]["merge"] == "ensemble"
         xs = np.array([c[1][0] for c in robot.commands])

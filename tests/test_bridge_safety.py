@@ -24,7 +24,7 @@ def test_importing_the_bridge_core_needs_no_ros():
     code = (
         "import sys, robot_bridge.safety, robot_bridge.config, robot_bridge.codec, robot_bridge.topics, "
         "robot_bridge.inputs, robot_bridge.hold, robot_bridge.chunk_scheduler, robot_bridge.diagnostics, "
-        "robot_bridge.inference, robot_bridge.log_limit, robot_bridge.sim_robot, robot_bridge.record, "
+        "robot_bridge.inference, robot_bridge.log_limit, vla_rl.sim_robot, robot_bridge.record, "
         "robot_bridge.convert; print('rclpy' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)

@@ -185,3 +185,23 @@ def test_eval_and_serve_embed_one_chunking_config_with_their_own_defaults():
 def test_the_chunking_flags_of_before_are_rejected_by_name(name, flag):
     with pytest.raises(SystemExit, match=f"unrecognized arguments: {flag}"):
         parse_config(name, [flag])
+
+
+def test_a_renamed_field_keeps_its_old_name_for_one_release(tmp_path, capsys):
+    """`delay.estimate_window` (eval, finetune, train) and serve's `delay_estimate_window` are one field,
+    `chunking.estimate_window`: the old names still set it, on the command line and in a YAML file, and
+    say so; where the command never read it (train) the old name is dropped with a notice."""
+    assert parse_config("eval", ["--delay.estimate_window=7"]).chunking.estimate_window == 7
+    assert parse_config("finetune", ["--delay.estimate_window", "6", "--iterations=2"]).chunking.estimate_window == 6
+    assert "delay.estimate_window is now chunking.estimate_window" in capsys.readouterr().err
+    serve_yaml = tmp_path / "serve.yaml"
+    serve_yaml.write_text("delay_estimate_window: 3\nchunking:\n  merge: latest\n")
+    serve = parse_config("serve", [f"--config_path={serve_yaml}"])
+    assert (serve.chunking.estimate_window, serve.chunking.merge) == (3, "latest")
+    assert "delay_estimate_window is now chunking.estimate_window" in capsys.readouterr().err
+    train = parse_config("train", ["--delay.estimate_window", "7", "--steps", "4"])
+    assert train.steps == 4 and not hasattr(train.delay, "estimate_window")
+    assert "delay.estimate_window had no effect here and is ignored" in capsys.readouterr().err
+    # Under its new name it is a chunking field only: train has none.
+    with pytest.raises(SystemExit, match="chunking"):
+        parse_config("train", ["--chunking.estimate_window=4"])

@@ -10,9 +10,10 @@ import json
 import numpy as np
 import pytest
 import torch
+from shells import make_shell
 
-from vla_core.runtime import DelayConfig, DelayModel, latencies_to_steps
-from vla_core.runtime.delayed_env import ChunkTransition, DelayedChunkEnv
+from vla_core.runtime import DelayConfig, DelayModel, LatencySpec, latencies_to_steps
+from vla_core.runtime.transition import ChunkTransition
 from vla_core.types import OBS_COMMITTED_ACTIONS, OBS_COMMITTED_MASK, OBS_DELAY_STEPS, ActionChunk
 
 
@@ -62,7 +63,7 @@ class CountingEnv:
 def run(d, s, horizon, steps, merge="latest", coeff=0.0, length=1000):
     """Drive the wrapper with chunk k = [10k + j]; return the applied actions and the observations seen."""
     env = CountingEnv(length=length)
-    wrapper = DelayedChunkEnv(
+    wrapper = make_shell(
         env, horizon, s, DelayModel(DelayConfig(kind="fixed", steps=d)), merge=merge, ensemble_coeff=coeff
     )
     obs, need = wrapper.reset(seed=0)
@@ -122,7 +123,7 @@ def test_temporal_ensembling_under_delay():
 
 def test_episode_end_drops_the_in_flight_chunk():
     env = CountingEnv(length=5)
-    wrapper = DelayedChunkEnv(env, 4, 2, DelayModel(DelayConfig(kind="fixed", steps=2)))
+    wrapper = make_shell(env, 4, 2, DelayModel(DelayConfig(kind="fixed", steps=2)))
     wrapper.reset()
     k, truncs = 0, []
     while len(env.applied[0]) < 7:
@@ -139,7 +140,7 @@ def test_episode_end_drops_the_in_flight_chunk():
 def test_each_world_keeps_its_own_schedule():
     env = CountingEnv(num_envs=3)
     cfg = DelayConfig(kind="uniform", low=0, high=3, seed=1)
-    wrapper = DelayedChunkEnv(env, 8, 2, DelayModel(cfg))
+    wrapper = make_shell(env, 8, 2, DelayModel(cfg))
     obs, _ = wrapper.reset()
     seen_delays = []
     for _ in range(30):
@@ -204,11 +205,19 @@ def test_bad_delay_configs_are_named(tmp_path):
 
 def test_delays_a_policy_cannot_take_are_refused():
     with pytest.raises(ValueError, match="chunk holds 8"):
-        DelayModel(DelayConfig(kind="fixed", steps=8)).check_fits(horizon=8, max_delay_steps=0)
+        LatencySpec(horizon=8).check_delay(8)
     with pytest.raises(ValueError, match="trained for delays up to 4; .* --delay.kind=uniform --delay.high=6"):
-        DelayModel(DelayConfig(kind="uniform", high=6)).check_fits(horizon=16, max_delay_steps=4)
+        LatencySpec(horizon=16, committed_rows=4).check_delay(6)
+    with pytest.raises(ValueError, match="fine-tuned for delays up to 3; lower the delay or fine-tune it at 5"):
+        LatencySpec(horizon=16, latency_aware=True, latency_max_delay=3).check_delay(5)
+    # On a robot the fix is to serve faster.
+    with pytest.raises(ValueError, match="this robot's delays reach max_delay_steps=6 .* up to 4; serve faster"):
+        LatencySpec(horizon=16, committed_rows=4).check_delay(6, on_robot=True)
     # A policy that does not read the augmentation (0) runs under any delay shorter than its chunk.
-    DelayModel(DelayConfig(kind="fixed", steps=7)).check_fits(horizon=8, max_delay_steps=0)
+    LatencySpec(horizon=8).check_delay(7)
+    # The shell refuses them before any step, with the delay model's largest draw.
+    with pytest.raises(ValueError, match="trained for delays up to 2"):
+        make_shell(CountingEnv(), 8, 2, DelayModel(DelayConfig(kind="uniform", high=3)), committed_rows=2)
 
 
 def test_mujoco_arm_holds_still_until_the_delayed_chunk_arrives():
@@ -216,7 +225,7 @@ def test_mujoco_arm_holds_still_until_the_delayed_chunk_arrives():
     from sim.mujoco_env import MujocoBatchedEnv
 
     with MujocoBatchedEnv(EnvConfig(num_envs=2)) as env:
-        wrapper = DelayedChunkEnv(env, horizon=8, execute_steps=8, delay=DelayModel(DelayConfig(kind="fixed", steps=3)))
+        wrapper = make_shell(env, horizon=8, execute_steps=8, delay=DelayModel(DelayConfig(kind="fixed", steps=3)))
         _, need = wrapper.reset(seed=0)
         start = env.ee_positions().copy()
         target = start + np.array([0.0, 0.0, 0.08])
@@ -242,7 +251,7 @@ def test_mujoco_arm_holds_still_until_the_delayed_chunk_arrives():
 def test_per_world_schedules_across_episode_ends():
     """Random delays and episodes of 7 steps: every non-hold action still equals its own step index."""
     env = CountingEnv(num_envs=3, length=7)
-    wrapper = DelayedChunkEnv(env, 6, 2, DelayModel(DelayConfig(kind="uniform", low=0, high=4, seed=3)))
+    wrapper = make_shell(env, 6, 2, DelayModel(DelayConfig(kind="uniform", low=0, high=4, seed=3)))
     wrapper.reset()
     truncations = 0
     for _ in range(60):
@@ -270,7 +279,7 @@ def test_chunk_transitions_sum_each_worlds_reward_since_its_own_request():
     step 3, so from then on the two worlds' requests fall in different calls.
     """
     env = CountingEnv(num_envs=2, length=[100, 3])
-    wrapper = DelayedChunkEnv(env, 4, 2, DelayModel(DelayConfig(kind="fixed", steps=1)))
+    wrapper = make_shell(env, 4, 2, DelayModel(DelayConfig(kind="fixed", steps=1)))
     wrapper.reset()
     chunk = lambda: ActionChunk(torch.zeros(2, 4, 1), wrapper.obs_step)  # the actions do not matter
 
@@ -296,7 +305,7 @@ def test_chunk_transitions_discount_each_step_from_their_own_request():
     """The same timeline with gamma = 0.5: world 0's transition from step 2 holds rewards 2 and 3,
     so 2 + 0.5 * 3 = 3.5 and discount 0.25; world 1's last-step-of-episode transition holds 2 alone."""
     env = CountingEnv(num_envs=2, length=[100, 3])
-    wrapper = DelayedChunkEnv(env, 4, 2, DelayModel(DelayConfig(kind="fixed", steps=1)), gamma=0.5)
+    wrapper = make_shell(env, 4, 2, DelayModel(DelayConfig(kind="fixed", steps=1)), gamma=0.5)
     wrapper.reset()
     chunk = lambda: ActionChunk(torch.zeros(2, 4, 1), wrapper.obs_step)
     _, _, _, _, info, _ = wrapper.step(chunk())  # steps 0, 1: rewards 0 and 1
@@ -310,13 +319,13 @@ def test_chunk_transitions_discount_each_step_from_their_own_request():
     assert t.ready.tolist() == [True, False]
     assert t.discounted_reward.tolist() == [3.5, 0.0] and t.discount.tolist() == [0.25, 0.5]
     with pytest.raises(ValueError, match="gamma must be in"):
-        DelayedChunkEnv(env, 4, 2, DelayModel(DelayConfig(kind="fixed", steps=1)), gamma=0.0)
+        make_shell(env, 4, 2, DelayModel(DelayConfig(kind="fixed", steps=1)), gamma=0.0)
 
 
 def test_chunk_transitions_do_not_change_the_per_call_results():
     """The transitions ride along: applied actions and per-call sums are what they were without them."""
     env = CountingEnv(num_envs=3, length=[7, 5, 9])
-    wrapper = DelayedChunkEnv(env, 6, 2, DelayModel(DelayConfig(kind="uniform", low=0, high=4, seed=3)))
+    wrapper = make_shell(env, 6, 2, DelayModel(DelayConfig(kind="uniform", low=0, high=4, seed=3)))
     wrapper.reset()
     call_rewards, transition_rewards = np.zeros(3), np.zeros(3)
     for _ in range(40):
@@ -343,7 +352,7 @@ def test_a_world_restarted_alone_forgets_its_chunks_and_opens_a_new_transition(h
     goes on from its queue (2, then chunk 1's 11); world 1's queue and step count are gone, so it holds
     (-1) until chunk 1, conditioned on its step 0, arrives (11). Rewards are the env's t of each step taken."""
     env = CountingEnv(num_envs=2)
-    wrapper = DelayedChunkEnv(env, 4, 2, DelayModel(DelayConfig(kind="fixed", steps=1)))
+    wrapper = make_shell(env, 4, 2, DelayModel(DelayConfig(kind="fixed", steps=1)))
     wrapper.reset(seed=0)
     chunk = lambda k: ActionChunk((10 * k + torch.arange(4.0)).reshape(1, 4, 1).repeat(2, 1, 1), wrapper.obs_step)
     _, _, _, _, _, need = wrapper.step(chunk(0))
@@ -372,7 +381,7 @@ def test_mid_inference_observation_waits_m_steps_into_the_window_and_the_chunk_s
     from vla_core.types import OBS_MID_STATE, OBS_MID_STEPS
 
     env = CountingEnv()
-    shell = DelayedChunkEnv(env, 12, 8, DelayModel(DelayConfig(kind="fixed", steps=4)), mid_fraction=0.5)
+    shell = make_shell(env, 12, 8, DelayModel(DelayConfig(kind="fixed", steps=4)), mid_fraction=0.5)
     obs, need = shell.reset(seed=0)
     assert need.tolist() == [False]  # not asked before the mid observation exists
     nothing = ActionChunk(torch.zeros(1, 12, 1), shell.obs_step)
@@ -403,7 +412,7 @@ def test_an_episode_that_ends_before_the_mid_observation_drops_its_request():
     from vla_core.types import OBS_MID_STATE
 
     env = CountingEnv(length=9)
-    shell = DelayedChunkEnv(env, 12, 8, DelayModel(DelayConfig(kind="fixed", steps=4)), mid_fraction=0.5)
+    shell = make_shell(env, 12, 8, DelayModel(DelayConfig(kind="fixed", steps=4)), mid_fraction=0.5)
     shell.reset(seed=0)
     shell.step(ActionChunk(torch.zeros(1, 12, 1), shell.obs_step))  # answered at step 2
     chunk0 = torch.arange(12, dtype=torch.float32).reshape(1, 12, 1)
@@ -426,7 +435,7 @@ def test_with_mid_observations_each_worlds_transition_ends_with_its_own_episode(
     complete and no policy is asked. The one after returns at step 10, where world 1 is asked about
     its request of step 8: its transition ran steps 2..9, world 0's new episode held meanwhile."""
     env = CountingEnv(num_envs=2, length=[9, 20])
-    shell = DelayedChunkEnv(env, 12, 8, DelayModel(DelayConfig(kind="fixed", steps=4)), mid_fraction=0.5)
+    shell = make_shell(env, 12, 8, DelayModel(DelayConfig(kind="fixed", steps=4)), mid_fraction=0.5)
     shell.reset(seed=0)
     shell.step(ActionChunk(torch.zeros(2, 12, 1), shell.obs_step))  # both answered at step 2
     chunk0 = torch.arange(12, dtype=torch.float32).reshape(1, 12, 1).expand(2, 12, 1)
@@ -468,7 +477,7 @@ def test_mid_inference_images_are_the_worlds_frames_m_steps_after_the_request():
     with make_env(EnvConfig(task="track", num_envs=2)) as real:
         env = Recording(real)
         delay = DelayModel(DelayConfig(kind="fixed", steps=6))
-        shell = DelayedChunkEnv(env, 16, 8, delay, mid_fraction=0.5, mid_cameras=["front"])
+        shell = make_shell(env, 16, 8, delay, mid_fraction=0.5, mid_cameras=["front"])
         shell.reset(seed=3)
         obs, _, _, _, _, need = shell.step(ActionChunk(torch.zeros(2, 16, 4), shell.obs_step))
         assert need.tolist() == [True, True] and len(env.seen) == 4  # the reset, then m = 3 held steps

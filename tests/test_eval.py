@@ -6,7 +6,8 @@ import torch
 
 from sim.config import EnvConfig
 from vla_core.runtime import ChunkingConfig
-from vla_rl.eval import EvalConfig, evaluate, wilson_interval
+from vla_rl.eval import EvalConfig, evaluate
+from vla_rl.statistics import wilson_interval
 
 
 def test_wilson_interval_hand_values():

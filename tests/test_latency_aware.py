@@ -38,21 +38,39 @@ def _obs(seed=0, delay=(2, 3, 0)):
     }
 
 
-def _aware(cameras=("front",)):
-    policy = make_policy("diffusion")
+def _aware(cameras=("front",), kind="diffusion"):
+    policy = make_policy(kind)
     policy.add_latency_head(D, 0.5, list(cameras))
     return policy
 
 
-def test_a_new_fast_head_leaves_the_imitation_policy_exactly_as_it_was():
-    plain, aware = make_policy("diffusion"), _aware()
+# Every policy with an RL actor takes a fast head: the small diffusion policy and the VLA, both objectives.
+KINDS = ["diffusion", "flow", "ddpm"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_new_fast_head_leaves_the_imitation_policy_exactly_as_it_was(kind):
+    plain, aware = make_policy(kind), _aware(kind=kind)
     obs, noise = _obs(), torch.randn(B, 6, 2, generator=torch.Generator().manual_seed(1))
     assert torch.equal(plain.predict_chunk(obs, noise=noise).actions, aware.predict_chunk(obs, noise=noise).actions)
     assert aware.config.latency_aware and aware.config.latency_max_delay == D and aware.config.mid_cameras == ["front"]
 
 
-def test_a_trained_fast_head_reads_the_mid_observation_and_the_committed_actions_but_not_the_padding():
-    policy = _aware()
+def test_a_policy_without_a_condition_has_no_fast_head():
+    from types import SimpleNamespace
+
+    from policies import PreTrainedPolicy
+
+    lerobot = SimpleNamespace(config=SimpleNamespace(type="lerobot"))
+    with pytest.raises(
+        ValueError, match="the 'lerobot' policy has no fast head .* fine-tune it without --latency_aware"
+    ):
+        PreTrainedPolicy.latency_head_inputs(lerobot)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_trained_fast_head_reads_the_mid_observation_and_the_committed_actions_but_not_the_padding(kind):
+    policy = _aware(kind=kind)
     with torch.no_grad():
         for p in policy.latency_head.mlp[-1].parameters():
             p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(2)) * 0.5)
@@ -91,10 +109,8 @@ def test_missing_keys_and_delays_past_the_head_are_refused_with_the_fix():
         policy.predict_chunk(too_long)
     with pytest.raises(ValueError, match="latency-aware already"):
         policy.add_latency_head(D, 0.5, [])
-    with pytest.raises(ValueError, match="has no fast head yet"):
-        make_policy("flow").add_latency_head(D, 0.5, [])
     plain = make_policy("diffusion")
-    with pytest.raises(ValueError, match=r"policy.mid_fraction=1.0 in \[0, 1\)"):
+    with pytest.raises(ValueError, match=r"policy.mid_fraction=1.0 must be in \[0, 1\)"):
         plain.add_latency_head(D, 1.0, [])
     assert plain.latency_head is None and not plain.config.latency_aware  # a refused head changes nothing
 
@@ -102,21 +118,30 @@ def test_missing_keys_and_delays_past_the_head_are_refused_with_the_fix():
 def test_the_shell_refuses_a_delay_past_what_the_policy_was_fine_tuned_for():
     from sim.config import EnvConfig
     from sim.factory import make_env
-    from vla_core.runtime import DelayConfig, DelayModel
+    from vla_core.runtime import ChunkingConfig, DelayConfig, DelayModel, LatencySpec
     from vla_core.runtime.delayed_env import DelayedChunkEnv
 
-    config = _aware().config
+    spec, chunking = LatencySpec.of(_aware()), ChunkingConfig(execute_steps=2)
     with make_env(EnvConfig(num_envs=1, cameras=[])) as env:
-        shell = DelayedChunkEnv.for_policy(env, config, 2, DelayModel(DelayConfig(kind="fixed", steps=D)))
-        assert shell.mid_fraction == 0.5 and shell.mid_cameras == ["front"] and shell.executor.max_delay == D
+        shell = DelayedChunkEnv(env, spec, chunking, DelayModel(DelayConfig(kind="fixed", steps=D)))
+        p = shell.protocol
+        assert p.mid_fraction == 0.5 and p.spec.mid_cameras == ("front",) and p.width == D
         with pytest.raises(ValueError, match=re.escape(f"fine-tuned for delays up to {D}; lower the delay")):
-            DelayedChunkEnv.for_policy(env, config, 2, DelayModel(DelayConfig(kind="fixed", steps=D + 1)))
+            DelayedChunkEnv(env, spec, chunking, DelayModel(DelayConfig(kind="fixed", steps=D + 1)))
+        # The robot's stricter rule holds in evaluation too: a latency-aware policy acts with latest only.
+        with pytest.raises(ValueError, match="chunking.merge=ensemble is not how a latency-aware policy acts"):
+            DelayedChunkEnv(env, spec, ChunkingConfig(merge="ensemble"), DelayModel(DelayConfig(kind="fixed", steps=D)))
 
 
-def test_the_slow_part_computed_before_the_mid_observation_gives_the_same_chunk():
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_slow_part_computed_before_the_mid_observation_gives_the_same_chunk(kind):
     """On a robot the request's observation is encoded before the mid-inference one exists
-    (`prepare_request`); the chunk is the one computed from everything at once."""
-    policy = _aware()
+    (`prepare_request`, `vla_core.types.LatencyAwarePolicy`); the chunk is the one computed from
+    everything at once."""
+    from vla_core.types import LatencyAwarePolicy
+
+    policy = _aware(kind=kind)
+    assert isinstance(policy, LatencyAwarePolicy)
     with torch.no_grad():
         for p in policy.latency_head.mlp[-1].parameters():
             p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(3)) * 0.5)
@@ -189,17 +214,17 @@ def test_a_demonstration_replayed_through_the_shell_gives_the_warm_up_its_sample
     state, committed actions, mask, mid state and mid steps are the sample of frame t, and each trained
     row j of the sample is the action the env then ran at step t + j. The request at step 28 dies with
     its 30-step episode before its mid observation: the shell drops it and the sample trains nothing."""
+    from shells import make_shell
     from test_delay import CountingEnv
 
     from vla_core.data import ChunkedDemos
     from vla_core.runtime import DelayConfig, DelayModel
-    from vla_core.runtime.delayed_env import DelayedChunkEnv
     from vla_core.types import ActionChunk
     from vla_rl.latency_warmup import delayed_sample
 
     length, horizon, d = 30, 8, 4
     env = CountingEnv(length=length)
-    shell = DelayedChunkEnv(env, horizon, 4, DelayModel(DelayConfig(kind="fixed", steps=d)), mid_fraction=0.5)
+    shell = make_shell(env, horizon, 4, DelayModel(DelayConfig(kind="fixed", steps=d)), mid_fraction=0.5)
     asked = {}
     obs, need = shell.reset(seed=0)
     while len(env.applied[0]) < length:

@@ -1,7 +1,9 @@
-"""One timeline of request latencies through both shells of the latency model: simulation's
-`vla_core.runtime.delayed_env.DelayedChunkEnv` and the robot node's `robot_bridge.chunk_scheduler.ChunkScheduler`
-(driven by a clock the test controls, with the real inference worker in thread mode). Step by step,
-the emitted actions, the announced delays, the delay augmentation and the RTC guidance must be equal.
+"""One end-to-end timeline of request latencies through each shell of the latency protocol (the object
+itself is unit-tested in `tests/test_latency_protocol.py`): simulation's `DelayedChunkEnv` and the
+robot node's `robot_bridge.chunk_scheduler.ChunkScheduler` (driven by a clock the test controls, with
+the real inference worker in thread mode). Each shell's timeline is checked against values worked out
+by hand, and, step by step, the emitted actions, the announced delays, the delay augmentation and the
+RTC guidance of the two are equal.
 
 The policy is a probe: chunk index j of a request conditioned on step t is
 ``[t + j, sum of committed actions' first column, number of committed rows, announced delay]``, and
@@ -17,6 +19,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from shells import make_shell
 
 from robot_bridge.chunk_scheduler import ChunkScheduler
 from robot_bridge.config import SIM_ACTION_NAMES, SIM_STATE_NAMES, CameraTopic, ServeConfig
@@ -24,8 +27,8 @@ from robot_bridge.diagnostics import BridgeDiagnostics
 from robot_bridge.inference import InferenceResult, WorkerStatus
 from robot_bridge.inputs import JOINT_STATES, BridgeInputs
 from robot_bridge.log_limit import LogLimiter
+from robot_bridge.policy_health import fit_protocol
 from vla_core.runtime import ChunkingConfig, DelayConfig
-from vla_core.runtime.delayed_env import DelayedChunkEnv
 from vla_core.types import (
     OBS_COMMITTED_ACTIONS,
     OBS_COMMITTED_MASK,
@@ -57,7 +60,10 @@ class ProbePolicy:
         self.seen: list[tuple] = []
         self.mid: list[tuple[float, int]] = []  # a latency-aware probe's (mid state[0], mid steps) per request
 
-    def predict_chunk(self, obs, obs_step=None, *, inpaint=None) -> ActionChunk:
+    def prepare_request(self, obs):  # the slow part of a latency-aware policy (`LatencyAwarePolicy`): nothing here
+        return {"prepared": True}
+
+    def predict_chunk(self, obs, obs_step=None, *, inpaint=None, prepared=None) -> ActionChunk:
         committed = torch.as_tensor(obs[OBS_COMMITTED_ACTIONS])[0].float()
         mask = torch.as_tensor(obs[OBS_COMMITTED_MASK])[0].bool()
         delay = int(torch.as_tensor(obs[OBS_DELAY_STEPS])[0])
@@ -105,7 +111,7 @@ class TimelineDelays:
     """The delay source of the simulation shell, replaying TIMELINE request by request."""
 
     def __init__(self):
-        self.config = DelayConfig(estimate="measured", estimate_window=WINDOW)
+        self.config = DelayConfig(estimate="measured")
         self.max_steps = max(TIMELINE)
         self._next = iter(TIMELINE)
 
@@ -171,9 +177,8 @@ class TimelineWorker:
 def run_sim(merge: str, latency_aware: bool = False) -> tuple[list, ProbePolicy]:
     policy, env = ProbePolicy(latency_aware), RecordingEnv()
     mid = 0.5 if latency_aware else None
-    shell = DelayedChunkEnv(
-        env, H, S, TimelineDelays(), merge=merge, ensemble_coeff=0.5, max_delay=D_MAX, mid_fraction=mid
-    )
+    shell = make_shell(env, H, S, TimelineDelays(), merge=merge, ensemble_coeff=0.5, window=WINDOW,
+                       committed_rows=0 if latency_aware else D_MAX, mid_fraction=mid)  # fmt: skip
     obs, need = shell.reset(seed=0)
     while len(env.applied) < STEPS:
         assert need.tolist() == [True]
@@ -189,7 +194,7 @@ def run_bridge(merge: str, latency_log: str, latency_aware: bool = False) -> tup
     config = ServeConfig(
         mid_inference=latency_aware,
         checkpoint="(probe)", inference="thread", inference_cpu=-1, control_hz=1 / DT, latency_log=latency_log,
-        chunking=ChunkingConfig(execute_steps=S, merge=merge, ensemble_coeff=0.5), delay_estimate_window=WINDOW,
+        chunking=ChunkingConfig(execute_steps=S, merge=merge, ensemble_coeff=0.5, estimate_window=WINDOW),
         cameras=[CameraTopic("front", "/camera/front/image_raw")],
     )  # fmt: skip
     logger = SimpleNamespace(info=lambda *_: None, error=lambda *_: None, warning=lambda *_: None)
@@ -206,10 +211,10 @@ def run_bridge(merge: str, latency_log: str, latency_aware: bool = False) -> tup
     try:
         for _ in range(500):  # wait for the worker to load the policy
             scheduler.prepare_next_action(None, clock.now)
-            if scheduler.executor is not None:
+            if scheduler.protocol is not None:
                 break
             threading.Event().wait(0.01)
-        assert scheduler.executor is not None, scheduler.worker_error
+        assert scheduler.protocol is not None, scheduler.health.worker_error
         emitted = []
         for tick in range(STEPS):  # tick k prepares the action of step k (published at the next tick)
             clock.now = tick * DT
@@ -277,18 +282,16 @@ def test_a_served_robots_latency_log_replays_in_evaluation(tiny_checkpoint, tmp_
 
 
 def test_serve_refuses_a_policy_trained_for_shorter_delays_than_the_robot_has():
-    info = {"horizon": H, "n_action_steps": S, "state_dim": len(SIM_STATE_NAMES), "action_dim": 4, "max_delay_steps": 4}
-    check = ChunkScheduler._check_policy  # the load-time check, on a bare holder of the config
-    robot = SimpleNamespace(config=ServeConfig(max_delay_steps=6))
-    assert check(robot, info) == (
+    info = {"horizon": H, "n_action_steps": S, "state_dim": len(SIM_STATE_NAMES), "action_dim": 4, "committed_rows": 4}
+    with pytest.raises(ValueError) as refused:
+        fit_protocol(ServeConfig(max_delay_steps=6), info)  # the load-time check
+    assert str(refused.value) == (
         "this robot's delays reach max_delay_steps=6 control steps but the policy was trained for delays up to 4; "
-        "retrain with --delay.kind=uniform --delay.high=6 or serve faster"
+        "serve faster or retrain with --delay.kind=uniform --delay.high=6"
     )
-    robot.config.max_delay_steps = 4
-    assert check(robot, info) is None
-    # A policy that does not read the augmentation serves under any delay.
-    robot.config.max_delay_steps = 6
-    assert check(robot, {**info, "max_delay_steps": 0}) is None
+    assert fit_protocol(ServeConfig(max_delay_steps=4), info).width == 4
+    # A policy that does not read the augmentation serves under any delay shorter than its chunk.
+    assert fit_protocol(ServeConfig(max_delay_steps=6), {**info, "committed_rows": 0}).width == 6
 
 
 def test_the_mid_inference_observation_is_the_same_in_simulation_and_on_the_robot(tmp_path):
@@ -311,14 +314,20 @@ def test_the_mid_inference_observation_is_the_same_in_simulation_and_on_the_robo
 
 def test_serve_refuses_a_latency_aware_policy_without_its_mid_inference_source():
     info = {"horizon": H, "n_action_steps": S, "state_dim": len(SIM_STATE_NAMES), "action_dim": 4,
-            "max_delay_steps": 0, "latency_aware": True, "latency_max_delay": 4}  # fmt: skip
-    robot = SimpleNamespace(config=ServeConfig())
-    assert ChunkScheduler._check_policy(robot, info).startswith(
-        "this checkpoint is latency-aware: it reads a mid-inference observation; set mid_inference: true"
-    )
-    robot.config.mid_inference = True
-    assert "set chunking.merge: latest" in ChunkScheduler._check_policy(robot, info)  # the serve default blends
-    robot.config.chunking = ChunkingConfig(merge="latest")
-    assert ChunkScheduler._check_policy(robot, info) is None
-    robot.config.max_delay_steps = 6
-    assert "fine-tuned for delays up to 4" in ChunkScheduler._check_policy(robot, info)
+            "latency_aware": True, "latency_max_delay": 4}  # fmt: skip
+    config = ServeConfig()
+    with pytest.raises(
+        ValueError,
+        match="this checkpoint is latency-aware: it reads a mid-inference observation; set mid_inference: true",
+    ):
+        fit_protocol(config, info)
+    config.mid_inference = True
+    with pytest.raises(
+        ValueError, match="chunking.merge=rtc is not how a latency-aware policy acts"
+    ):  # the serve default blends
+        fit_protocol(config, info)
+    config.chunking = ChunkingConfig(merge="latest")
+    assert fit_protocol(config, info).mid_fraction == 0.5
+    config.max_delay_steps = 6
+    with pytest.raises(ValueError, match="fine-tuned for delays up to 4; serve faster"):
+        fit_protocol(config, info)

@@ -106,7 +106,7 @@ def test_the_checks_catch_what_they_forbid(tmp_path):
                      "    def f(self):\n        import robot_bridge.codec\n")  # fmt: skip
     assert _project_imports(probe) == ["sim.arm", "robot_bridge.topics", "robot_bridge.codec"]
     assert _module_level_imports(probe) == ["sim.arm", "robot_bridge.topics"]
-    lines = lambda indent: "\n".join(f"{indent}x{i} = {i}" for i in range(60))  # noqa: E731
+    lines = lambda indent: "\n".join(f"{indent}x{i} = {i}" for i in range(60))
     # 1 + 60 + 1 + 60 + 1 + 1 = 124 lines, 62 of them in the nested function
     probe.write_text(f"def outer():\n{lines('    ')}\n    def inner():\n{lines('        ')}\n        return 1\n"
                      "    return inner\n")  # fmt: skip

@@ -27,7 +27,7 @@ def rollout_of(world, episode, reward, discount, done):
     m = len(world)
     return Rollout(
         obs={}, obs_step=torch.zeros(m, dtype=torch.long),
-        chain=DenoisingChain(latents=torch.zeros(m, 2, 1, 1), std=torch.ones(1), known=None),
+        decision=DenoisingChain(latents=torch.zeros(m, 2, 1, 1), std=torch.ones(1), known=None),
         world=torch.tensor(world), episode=torch.tensor(episode), task=torch.zeros(m, dtype=torch.long),
         reward=torch.tensor(reward),
         discount=torch.tensor(discount), steps=torch.ones(m, dtype=torch.long), done=torch.tensor(done),
@@ -106,6 +106,16 @@ def test_a_non_finite_loss_or_gradient_leaves_the_weights_as_they_were():
     assert not torch.equal(layer.weight, before[0])
 
 
+def _settings(minibatch_size: int, factors: slice = slice(None)):
+    """One epoch of one minibatch (the ratio is 1, nothing is clipped), the default clips."""
+    from vla_rl.rl.update import UpdateSettings
+
+    return UpdateSettings(
+        epochs=1, minibatch_size=minibatch_size, clip_low=0.2, clip_high=0.28, factors=factors, pcgrad=False,
+        max_grad_norm=0.0, lr=1e-4, head_lr=1e-4, generator=torch.Generator().manual_seed(0),
+    )  # fmt: skip
+
+
 def test_a_grpo_step_raises_the_log_prob_of_the_chains_that_succeeded(tiny_checkpoint):
     """One plain gradient step (SGD, one minibatch, so the ratio is 1 and nothing is clipped) moves
     the weights along the gradient of mean_ik r_ik A_i, so to first order sum_i A_i * (change in
@@ -113,27 +123,25 @@ def test_a_grpo_step_raises_the_log_prob_of_the_chains_that_succeeded(tiny_check
     less likely. Real rollouts of the tiny policy; success marked by hand (worlds 0 and 2 of groups
     {0, 1} and {2, 3})."""
     from sim.factory import make_env
-    from vla_core.runtime import DelayConfig, DelayModel
+    from vla_core.runtime import ChunkingConfig, DelayConfig, DelayModel, LatencySpec
     from vla_core.runtime.delayed_env import DelayedChunkEnv
     from vla_rl.checkpoint import load_policy
     from vla_rl.rl import grpo
     from vla_rl.rl.rollout import collect
-    from vla_rl.rl.update import batched_log_prob
+    from vla_rl.rl.update import batched_score
 
     policy, _ = load_policy(tiny_checkpoint[0])
-    noise = FinetuneConfig().noise
+    actor = policy.rl_actor(FinetuneConfig().noise)
     with make_env(EnvConfig(num_envs=4, max_episode_steps=8)) as env:
-        denv = DelayedChunkEnv(env, policy.config.horizon, 4, DelayModel(DelayConfig()))
-        rollout, _ = collect(policy, denv, noise, episodes_per_world=1, seed=grpo.group_seeds(4, 2, 0))
+        denv = DelayedChunkEnv(env, LatencySpec.of(policy), ChunkingConfig(execute_steps=4), DelayModel(DelayConfig()))
+        rollout, _ = collect(actor, denv, episodes_per_world=1, seed=grpo.group_seeds(4, 2, 0))
     rollout.success = rollout.world % 2 == 0
-    before = batched_log_prob(policy, rollout.obs, rollout.chain, 64)
+    before = batched_score(actor, rollout.obs, rollout.decision, 64)
     step = GradientStep(torch.optim.SGD(policy.parameters(), lr=1e-4), max_grad_norm=0)
-    stats = grpo.update(
-        policy, rollout, before, cfg=GRPOConfig(group_size=2), actor_step=step, epochs=1,
-        minibatch_size=len(rollout), clip_low=0.2, clip_high=0.28, generator=torch.Generator().manual_seed(0),
-    )  # fmt: skip
+    stats = grpo.update(actor, rollout, before, cfg=GRPOConfig(group_size=2), actor_step=step,
+                        settings=_settings(len(rollout)))  # fmt: skip
     assert stats["groups_dropped"] == 0 and stats["decisions"] == len(rollout)
-    change = (batched_log_prob(policy, rollout.obs, rollout.chain, 64) - before).sum(1)  # (M,)
+    change = (batched_score(actor, rollout.obs, rollout.decision, 64).values - before.values).sum(1)  # (M,)
     advantage = torch.where(rollout.success, 1.0, -1.0)  # each group: one success, one failure
     assert (advantage * change).sum() > 0
     assert change[rollout.success].mean() > change[~rollout.success].mean()
@@ -145,25 +153,26 @@ def test_training_only_the_last_denoising_steps_follows_only_their_gradient(tiny
     lr / (M * 2) * sum_i A_i * grad(log pi_{i,K-2} + log pi_{i,K-1}), worked out here from the
     policy's per-step log-probabilities. All K steps would move them elsewhere."""
     from sim.factory import make_env
-    from vla_core.runtime import DelayConfig, DelayModel
+    from vla_core.runtime import ChunkingConfig, DelayConfig, DelayModel, LatencySpec
     from vla_core.runtime.delayed_env import DelayedChunkEnv
     from vla_rl.checkpoint import load_policy
     from vla_rl.rl import grpo
     from vla_rl.rl.rollout import collect
-    from vla_rl.rl.update import batched_log_prob
+    from vla_rl.rl.update import batched_score
 
     policy, _ = load_policy(tiny_checkpoint[0])
+    actor = policy.rl_actor(FinetuneConfig().noise)
     k_total = policy.config.num_inference_steps
     last = slice(k_total - 2, k_total)
     with make_env(EnvConfig(num_envs=4, max_episode_steps=6)) as env:
-        denv = DelayedChunkEnv(env, policy.config.horizon, 4, DelayModel(DelayConfig()))
-        rollout, _ = collect(policy, denv, FinetuneConfig().noise, episodes_per_world=1, seed=grpo.group_seeds(4, 2, 0))
+        denv = DelayedChunkEnv(env, LatencySpec.of(policy), ChunkingConfig(execute_steps=4), DelayModel(DelayConfig()))
+        rollout, _ = collect(actor, denv, episodes_per_world=1, seed=grpo.group_seeds(4, 2, 0))
     rollout.success = rollout.world % 2 == 0
     advantage = torch.where(rollout.success, 1.0, -1.0)  # group-normalized: one success, one failure per group
     params = [p for p in policy.parameters() if p.requires_grad]
 
     def gradient_of(steps: slice) -> list[torch.Tensor]:
-        per_step = policy.log_prob(rollout.obs, rollout.chain, per_step=True)[:, steps]
+        per_step = policy.log_prob(rollout.obs, rollout.decision, per_step=True)[:, steps]
         objective = (advantage[:, None] * per_step).sum() / per_step.numel()
         return torch.autograd.grad(objective, params, allow_unused=True)
 
@@ -171,11 +180,9 @@ def test_training_only_the_last_denoising_steps_follows_only_their_gradient(tiny
     before = [p.detach().clone() for p in params]
     lr = 1e-3
     step = GradientStep(torch.optim.SGD(params, lr=lr), max_grad_norm=0)
-    old = batched_log_prob(policy, rollout.obs, rollout.chain, 64)[:, last]
-    grpo.update(
-        policy, rollout, old, cfg=GRPOConfig(group_size=2), actor_step=step, epochs=1, minibatch_size=len(rollout),
-        clip_low=0.2, clip_high=0.28, generator=torch.Generator().manual_seed(0), denoising_steps=last,
-    )  # fmt: skip
+    old = batched_score(actor, rollout.obs, rollout.decision, 64).columns(last)
+    grpo.update(actor, rollout, old, cfg=GRPOConfig(group_size=2), actor_step=step,
+                settings=_settings(len(rollout), factors=last))  # fmt: skip
     moved = torch.cat([(p.detach() - b).flatten() for p, b in zip(params, before, strict=True)])
     want = torch.cat(
         [(lr * g).flatten() if g is not None else torch.zeros(p.numel()) for g, p in zip(expected, params)]

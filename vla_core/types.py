@@ -92,7 +92,9 @@ class Policy(Protocol):
 
     ``policies.pretrained.PreTrainedPolicy`` implements it (construction from a dataset's features
     and statistics, ``save_pretrained`` / ``from_pretrained`` in LeRobot's format); test doubles and
-    the bridge's benchmark policy implement only what they need.
+    the bridge's benchmark policy implement only what they need. This is what evaluation and serving
+    need; RL fine-tuning needs an actor (`vla_core.rl.RLPolicy`), and a latency-aware policy splits its
+    work around the mid-inference observation (`LatencyAwarePolicy`).
     """
 
     config: PolicyConfigView
@@ -117,15 +119,22 @@ class Policy(Protocol):
         """The imitation loss of a batch (observation keys + ``action`` (B, H, A) + ``action_is_pad`` (B, H))."""
         ...
 
-    def sample_with_log_prob(
-        self, obs: Observation, obs_step: torch.Tensor | None = None, *, noise: Any
-    ) -> tuple[Any, ...]:
-        """(ActionChunk, sampling chain, log-probability (B,)), sampled with exploration ``noise``: RL fine-tuning."""
-        ...
 
-    def log_prob(self, obs: Observation, chain: Any, *, per_step: bool = False) -> torch.Tensor:
-        """Log-probability (B,) of a given sampling chain, with autograd ((B, K) per denoising step with per_step)."""
-        ...
+@runtime_checkable
+class LatencyAwarePolicy(Protocol):
+    """What a latency-aware policy (config ``latency_aware``) adds to `Policy`: its work splits around the
+    mid-inference observation (`vla_core.runtime.protocol`). On a robot the slow part runs on the
+    request's observation at once and the fast part once the mid observation is in.
+
+    ``prepare_request(obs)`` runs the slow part on a batch of requests' observations and returns what
+    ``predict_chunk(obs, obs_step, prepared=...)`` then needs; ``obs`` there is the same batch with
+    ``observation.mid.*`` added. Without ``prepared`` it runs both parts.
+    """
+
+    def prepare_request(self, obs: Observation) -> Any: ...
+
+    def predict_chunk(self, obs: Observation, obs_step: torch.Tensor | None = None, *, noise: torch.Tensor | None = None,
+                      inpaint: tuple[torch.Tensor, torch.Tensor] | None = None, prepared: Any = None) -> ActionChunk: ...  # fmt: skip
 
 
 WorldState = Any

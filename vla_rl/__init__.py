@@ -1,7 +1,8 @@
 """vla-rl: fine-tune vision-language-action policies in simulation and deploy them to robots.
 
-This package stays light: importing ``vla_rl`` or ``vla_core.types`` never pulls in
-trainers, simulators or ROS.
+This package holds the commands and compositions (record, train, eval, finetune, the benchmarks, the
+stages API); the low layer they build on is `vla_core`. Importing ``vla_rl`` stays light: it pulls
+in no trainer, simulator or ROS.
 """
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"

@@ -46,6 +46,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vla_core.runtime.protocol import DEFAULT_MID_FRACTION
+
 ARMS = ("imitation", "naive", "latency_aware", "warmup_only", "standard", "training_rtc")
 
 
@@ -60,7 +62,7 @@ class BenchLatencyRLConfig:
     horizon: int = 16
     n_action_steps: int = 4
     delays: list[int] = field(default_factory=lambda: [0, 3, 6])  # control steps (50 ms each)
-    mid_fraction: float = 0.5  # where the latency-aware arm's mid-inference observation is taken
+    mid_fraction: float = DEFAULT_MID_FRACTION  # where the latency-aware arm's mid observation is taken (0.5)
     # supervised steps of the latency-aware arm's fast head on the demonstrations before RL (0 = none)
     latency_warmup_steps: int = 1000
     num_envs: int = 16  # rollout worlds of fine-tuning
@@ -83,11 +85,8 @@ class BenchLatencyRLConfig:
 
 def bench_latency_rl(cfg: BenchLatencyRLConfig) -> dict[str, Any]:
     """Run the protocol of the module docstring; returns (and writes as ``latency_rl.json``) every cell."""
-    from sim.config import EnvConfig
-    from vla_core.runtime import DelayConfig
     from vla_rl.bench_stages import held_out, record_demos, train_imitation
-    from vla_rl.finetune import FinetuneConfig, finetune
-    from vla_rl.latency_warmup import LatencyWarmupConfig
+    from vla_rl.stages import DelayConfig, EnvConfig, FinetuneConfig, LatencyWarmupConfig, finetune
 
     cfg.apply_quick()
     if not cfg.delays or min(cfg.delays) != 0 or max(cfg.delays) >= cfg.horizon:

@@ -61,10 +61,8 @@ class BenchRLConfig:
 
 def bench_rl(cfg: BenchRLConfig) -> dict[str, Any]:
     """Run the protocol of the module docstring; returns (and writes as ``rl.json``) its results."""
-    from sim.config import EnvConfig
     from vla_rl.bench_stages import held_out, record_demos, train_imitation
-    from vla_rl.finetune import FinetuneConfig, finetune
-    from vla_rl.rl.grpo import GRPOConfig
+    from vla_rl.stages import EnvConfig, FinetuneConfig, GRPOConfig, finetune
 
     cfg.apply_quick()
     out = Path(cfg.output_dir) / "quick" if cfg.quick else Path(cfg.output_dir)

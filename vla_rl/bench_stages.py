@@ -1,6 +1,7 @@
 """The stages the learning benchmarks share (`bench delay`, `bench rl`, `bench latency-rl`): scripted
 demonstrations, an imitation policy trained on them, and one held-out evaluation cell. The first two
-are skipped or resumed when a killed run left them finished or part-done in the output folder.
+are skipped or resumed when a killed run left them finished or part-done in the output folder. Each
+runs through the stages API (`vla_rl.stages`).
 
 ``cfg`` is the benchmark's config; it names task, demos, num_envs, seed, train_steps, batch_size,
 horizon, n_action_steps and num_threads.
@@ -13,8 +14,7 @@ from pathlib import Path
 
 def record_demos(cfg, dataset: Path) -> None:
     """``cfg.demos`` scripted episodes of ``cfg.task`` into ``dataset``, unless it holds them already."""
-    from sim.config import EnvConfig
-    from vla_rl.record import RecordConfig, record
+    from vla_rl.stages import EnvConfig, RecordConfig, record
 
     if not (dataset / "meta" / "info.json").is_file():
         record(RecordConfig(
@@ -26,9 +26,7 @@ def record_demos(cfg, dataset: Path) -> None:
 def train_imitation(cfg, dataset: Path, output_dir: Path, delay=None) -> None:
     """A ``diffusion`` policy trained on ``dataset`` for ``cfg.train_steps`` steps into ``output_dir``
     (resumed when it has checkpoints); ``delay``: the delay augmentation (training-time RTC), None = none."""
-    from policies.diffusion.configuration_diffusion import DiffusionConfig
-    from vla_core.runtime import DelayConfig
-    from vla_rl.train import DatasetConfig, TrainConfig, train
+    from vla_rl.stages import DatasetConfig, DelayConfig, DiffusionConfig, TrainConfig, train
 
     train(TrainConfig(
         dataset=DatasetConfig(root=str(dataset)), output_dir=str(output_dir), steps=cfg.train_steps,
@@ -45,9 +43,7 @@ def held_out(
     """`vla-rl eval` of ``checkpoint`` on ``episodes`` held-out episodes of ``cfg.task`` from ``seed``,
     under a fixed delay of ``delay_steps`` and chunk merge ``merge``: its episodes, successes,
     success_rate, success_ci95 (Wilson) and mean_episode_length."""
-    from sim.config import EnvConfig
-    from vla_core.runtime import ChunkingConfig, DelayConfig
-    from vla_rl.eval import EvalConfig, evaluate
+    from vla_rl.stages import ChunkingConfig, DelayConfig, EnvConfig, EvalConfig, evaluate
 
     result = evaluate(EvalConfig(
         checkpoint=str(checkpoint), env=EnvConfig(task=cfg.task, num_envs=num_envs), num_episodes=episodes,

@@ -138,7 +138,7 @@ def _run_bench_sim(cfg):
 def _run_sim_robot(cfg):
     import json
 
-    from robot_bridge.sim_robot import run_sim_robot
+    from vla_rl.sim_robot import run_sim_robot
 
     summary = run_sim_robot(cfg)
     print(json.dumps({k: v for k, v in summary.items() if k != "config"}, indent=2))
@@ -186,7 +186,7 @@ COMMANDS: dict[str, Command] = {
     ),
     "sim-robot": Command(
         "a MuJoCo-simulated arm as a ROS 2 node (joint states, images, commands)",
-        "robot_bridge.sim_robot:SimRobotConfig",
+        "vla_rl.sim_robot:SimRobotConfig",
         _run_sim_robot,
     ),
     "record-ros": Command(
@@ -292,7 +292,8 @@ def parse_config(name: str, args: list[str]):
         draccus.parse(config_cls, args=["--help"], prog=f"vla-rl {name}", preferred_help="inline")
     try:
         args, config_path = _split_config_path(args)
-        base = _with_defaults(config_cls, config_path, args)
+        args = _renamed_args(config_cls, args, name)
+        base = _with_defaults(config_cls, config_path, args, name)
         with tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="vla-rl-defaults-") as layered:
             yaml.safe_dump(base, layered)
             layered.flush()
@@ -336,7 +337,46 @@ def _split_config_path(args: list[str]) -> tuple[list[str], str | None]:
     return rest, path
 
 
-def _with_defaults(config_cls: type, config_path: str | None, args: list[str]) -> dict:
+def _has_field(config: Any, dotted: str) -> bool:
+    """Whether the config (an instance) has the dotted field ``dotted``."""
+    import dataclasses
+
+    for part in dotted.split("."):
+        if not dataclasses.is_dataclass(config) or part not in {f.name for f in dataclasses.fields(config)}:
+            return False
+        config = getattr(config, part)
+    return True
+
+
+def _notice(name: str):
+    return lambda line: print(f"vla-rl {name}: {line}", file=sys.stderr)
+
+
+def _renamed_args(config_cls: type, args: list[str], name: str) -> list[str]:
+    """``args`` with the old name of a renamed field (`vla_core.renamed`) written as its new one. An old name
+    whose new field this command lacks (it never read it) is dropped, with a notice, for the same release."""
+    from vla_core.renamed import RENAMED, ignored_line, renamed_line
+
+    defaults, out, i = config_cls(), [], 0
+    while i < len(args):
+        arg, i = args[i], i + 1
+        key = arg[2:].partition("=")[0] if arg.startswith("--") else None
+        if key not in RENAMED or _has_field(defaults, key):
+            out.append(arg)
+            continue
+        new, until = RENAMED[key]
+        if _has_field(defaults, new):
+            _notice(name)(renamed_line(key, new, until))
+            out.append(f"--{new}" + (arg[arg.index("=") :] if "=" in arg else ""))
+        elif _has_field(defaults, key.rpartition(".")[0] or key):
+            _notice(name)(ignored_line(key, new, until))
+            i += "=" not in arg and i < len(args) and not args[i].startswith("--")  # its value, too
+        else:
+            out.append(arg)
+    return out
+
+
+def _with_defaults(config_cls: type, config_path: str | None, args: list[str], name: str = "") -> dict:
     """The command's defaults with the YAML file over them, as one nested dict for draccus to start from.
 
     draccus decodes a nested config from the keys it was given alone: ``--env.task=reach`` alone
@@ -352,8 +392,11 @@ def _with_defaults(config_cls: type, config_path: str | None, args: list[str]) -
     defaults = config_cls()
     base = _nested_configs_only(defaults, draccus.encode(defaults))
     if config_path is not None:
+        from vla_core.renamed import rename_tree
+
         with open(config_path, encoding="utf-8") as f:
-            base = _layer(base, yaml.safe_load(f) or {})
+            tree = rename_tree(yaml.safe_load(f) or {}, lambda f: _has_field(defaults, f), _notice(name))
+        base = _layer(base, tree)
     for key, value in _cli_pairs(args):
         *path, leaf = key.split(".")
         node = base

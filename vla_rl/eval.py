@@ -30,9 +30,10 @@ from tqdm import tqdm
 from sim.config import EnvConfig
 from vla_core import interrupt
 from vla_core.files import temporary_beside, write_text_atomic
-from vla_core.runtime import ChunkingConfig, DelayConfig, DelayModel
+from vla_core.runtime import ChunkingConfig, DelayConfig, DelayModel, LatencySpec
 from vla_core.types import TASK, ActionChunk, world_indices
 from vla_rl.checkpoint import load_policy
+from vla_rl.statistics import wilson_interval
 
 
 @dataclass
@@ -54,17 +55,6 @@ class EvalConfig:
     device: str = "cpu"  # torch device of the policy (cpu, cuda, cuda:1, ...)
 
 
-def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
-    """95% Wilson score interval of a binomial proportion."""
-    if n == 0:
-        return 0.0, 1.0
-    p = successes / n
-    denom = 1 + z * z / n
-    centre = (p + z * z / (2 * n)) / denom
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
-    return max(0.0, centre - half), min(1.0, centre + half)
-
-
 def evaluate(cfg: EvalConfig, policy=None) -> dict:
     """Evaluate ``cfg.checkpoint``; or, given ``policy`` (in eval mode), that policy as it is in memory,
     with ``cfg.checkpoint`` naming where it is saved (``vla-rl finetune``'s periodic evaluation)."""
@@ -77,7 +67,6 @@ def evaluate(cfg: EvalConfig, policy=None) -> dict:
         ckpt = cfg.checkpoint
     torch.manual_seed(cfg.seed)  # diffusion sampling noise: the same seed gives the same rollouts
     pcfg = policy.config
-    execute_steps = cfg.chunking.steps_per_chunk(pcfg.n_action_steps, pcfg.horizon)
     if cfg.env.image_size != pcfg.image_size or list(cfg.env.cameras) != list(pcfg.cameras):
         raise ValueError(
             f"the policy expects cameras {pcfg.cameras} at {pcfg.image_size}px but the env renders "
@@ -94,11 +83,9 @@ def evaluate(cfg: EvalConfig, policy=None) -> dict:
         # Chunks run through the same latency model as RL and the robot bridge; with the default
         # zero delay this is plain chunked execution. A delay the policy cannot take is refused here,
         # before any rollout and before any output.
-        delayed = DelayedChunkEnv.for_policy(
-            recorder, pcfg, execute_steps, delay, merge=cfg.chunking.merge, ensemble_coeff=cfg.chunking.ensemble_coeff
-        )
+        delayed = DelayedChunkEnv(recorder, LatencySpec.of(policy), cfg.chunking, delay)
+        execute_steps, guided = delayed.execute_steps, delayed.protocol.sends_guidance
         out.mkdir(parents=True, exist_ok=True)
-        guided = cfg.chunking.merge == "rtc" and policy.supports_inpainting
         bar = tqdm(total=cfg.num_episodes, desc="eval", unit="ep")
         # A stop signal ends the evaluation between env steps (vla_core.interrupt); an incomplete
         # evaluation writes no results, so eval.json always describes num_episodes episodes.
@@ -111,7 +98,7 @@ def evaluate(cfg: EvalConfig, policy=None) -> dict:
                 length = np.zeros(n, dtype=np.int64)
                 while not finished.all():
                     obs, _, terminated, truncated, info, need = delayed.step(
-                        _predict(policy, obs, need, delayed.obs_step, delayed.guidance if guided else None)
+                        _predict(policy, obs, need, delayed.obs_step, delayed.guidance)
                     )
                     length += np.where(finished, 0, info["steps"].cpu().numpy())
                     for d in info["delay_steps"][info["delay_steps"] >= 0].tolist():

@@ -31,6 +31,7 @@ Delays come from the run's own delay model (``--delay``), drawn from a generator
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -94,8 +95,8 @@ def warm_up_latency_head(
     pcfg = policy.config
     if policy.latency_head is None:
         raise ValueError("the policy has no fast head to warm up; add it first (add_latency_head)")
-    delays = DelayModel(delay, control_dt)
-    delays.generator.manual_seed(seed)
+    # The run's delay model with a stream of its own, from the run's seed: the rollouts' delays are untouched.
+    delays = DelayModel(dataclasses.replace(delay, seed=seed), control_dt)
     generator = torch.Generator().manual_seed(seed)  # frames
     device = policy.device
     noise = torch.Generator(device=device).manual_seed(seed)  # the denoising loss's noise and timesteps

@@ -7,9 +7,8 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vla_rl.eval import EvalConfig, evaluate
-from vla_rl.record import RecordConfig, record
-from vla_rl.train import TrainConfig, train
+from vla_rl import stages
+from vla_rl.stages import EvalConfig, RecordConfig, TrainConfig
 
 
 @dataclass
@@ -38,7 +37,7 @@ def quickstart(cfg: QuickstartConfig, log=print) -> dict:
         log(f"[1/3] reusing the dataset at {cfg.record.output_dir}")
     else:
         log(f"[1/3] recording {cfg.record.num_episodes} scripted episodes -> {cfg.record.output_dir}")
-        rec = record(cfg.record)
+        rec = stages.record(cfg.record)
         log(f"      {rec['episodes']} episodes, {rec['frames']} frames in {rec['seconds']} s")
 
     summary_file = Path(cfg.train.output_dir) / "train_summary.json"
@@ -51,11 +50,11 @@ def quickstart(cfg: QuickstartConfig, log=print) -> dict:
             f"[2/3] training for {cfg.train.steps} steps -> {cfg.train.output_dir}"
             + (" (resuming)" if cfg.train.resume else "")
         )
-        tr = train(cfg.train)
+        tr = stages.train(cfg.train)
         log(f"      final loss {tr['final_loss']:.4f} in {tr['seconds_this_run']} s")
 
     log(f"[3/3] evaluating {cfg.eval.num_episodes} episodes -> {cfg.eval.output_dir}")
-    result = evaluate(cfg.eval)
+    result = stages.evaluate(cfg.eval)
     lo, hi = result["success_ci95"]
     log(
         f"\nsuccess rate {result['success_rate']:.1%} ({result['successes']}/{result['episodes']}), "

@@ -17,6 +17,11 @@ inference delay d drawn from the delay model and the delay augmentation of its d
 chunk's first d actions as committed actions (``committed_prefix``); the policy is built with
 ``max_delay_steps`` = the model's largest delay and learns to continue a committed prefix. The
 default delay (fixed, 0 steps) adds nothing.
+
+The file reads top to bottom: the configs, the saved progress, the building blocks (batches, checks,
+the policy, the validation loss), then `train`, the run's outline, and its parts in the order it calls
+them: `start_run` (data, policy, optimizer, EMA, generators), `resume`, `start_logging`, `train_steps`
+(each `train_step`, then `log_loss`, `validate` and `checkpoint` on their periods) and `finish`.
 """
 
 from __future__ import annotations
@@ -29,9 +34,9 @@ import os
 import signal
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 import torch
 from tqdm import tqdm
@@ -39,8 +44,9 @@ from tqdm import tqdm
 from policies import DiffusionConfig, PolicyConfig
 from vla_core import interrupt
 from vla_core.files import temporary_beside, write_text_atomic
-from vla_core.runtime import DelayConfig, DelayModel, committed_prefix
+from vla_core.runtime import DelayConfig, DelayModel, LatencySpec, committed_prefix
 from vla_core.types import ACTION, OBS_IMAGES
+from vla_rl.accelerator import make_accelerator
 from vla_rl.checkpoint import (
     POLICY_DIR,
     TRAINING_STATE_DIR,
@@ -51,6 +57,7 @@ from vla_rl.checkpoint import (
     temporary_checkpoint_dir,
     write_policy,
 )
+from vla_rl.config_json import config_dict, flat_dict
 
 Sampling = Literal["task_balanced", "uniform"]
 
@@ -165,18 +172,6 @@ def random_shift(images: torch.Tensor, shift: int, generator: torch.Generator) -
     return torch.stack([padded[i, :, dy[i] : dy[i] + s, dx[i] : dx[i] + s] for i in range(b)])
 
 
-def make_accelerator(trackers: list[str], project_dir: Path):
-    """accelerate's Accelerator for a training command (``vla-rl train``, ``vla-rl finetune``).
-
-    Under ``accelerate launch`` it joins the launched processes into one data-parallel run. Without
-    a GPU, accelerate does that only when told to use the CPU; otherwise each process would run
-    alone, unaware of the others.
-    """
-    from accelerate import Accelerator
-
-    return Accelerator(cpu=not torch.cuda.is_available(), log_with=trackers or None, project_dir=str(project_dir))
-
-
 def check_delay(cfg: TrainConfig, control_dt: float | None, checkpoint: Path | None = None) -> DelayModel:
     """The delay model of ``cfg.delay``, checked before the policy is built.
 
@@ -187,7 +182,7 @@ def check_delay(cfg: TrainConfig, control_dt: float | None, checkpoint: Path | N
     ``--delay``); resuming a ``checkpoint`` trained for another largest delay (its network differs).
     """
     delay = DelayModel(cfg.delay, control_dt)
-    delay.check_fits(cfg.policy.horizon, None)
+    LatencySpec(horizon=cfg.policy.horizon).check_delay(delay.max_steps)  # a chunk must outlast every delay
     if cfg.policy.max_delay_steps not in (0, delay.max_steps):
         raise ValueError(
             f"policy.max_delay_steps={cfg.policy.max_delay_steps} but the delay model reaches {delay.max_steps} "
@@ -282,17 +277,63 @@ def validation_loss(
     return total / max(count, 1)
 
 
+@dataclass
+class Run:
+    """One training run's parts, assembled by `start_run` and shared by the steps, validation and checkpoints."""
+
+    cfg: TrainConfig
+    accelerator: Any
+    trackers: list[str]
+    out: Path  # cfg.output_dir
+    resume_from: Path | None  # the checkpoint `--resume=true` continues from (None: a new run)
+    dataset: Any  # the LeRobotDataset
+    demos: Any  # its frames as chunks (vla_core.data.ChunkedDemos)
+    sampler: Any  # draws the training frames (vla_core.data.FrameSampler)
+    val_frames: torch.Tensor  # the held-out frames of the validation loss (empty: no validation)
+    val_delays: torch.Tensor | None  # their fixed delays (None: training without the delay augmentation)
+    delay: DelayModel  # the delays of the delay augmentation; max_steps 0 = none
+    policy: Any  # as accelerate prepared it (DDP-wrapped with several processes): the one to step
+    raw_policy: Any  # the policy itself: what checkpoints and validation use
+    trainable: list  # its parameters that train (frozen ones need neither optimizer state nor an EMA copy)
+    optimizer: Any
+    scheduler: Any
+    ema: Any  # diffusers' EMAModel of the trainable weights, or None
+    progress: TrainingProgress
+    saved_step: int | None = None  # the step of the checkpoint on disk
+
+    @property
+    def ckpt_dir(self) -> Path:
+        return self.out / "checkpoints"
+
+
 def train(cfg: TrainConfig) -> dict:
-    from diffusers.optimization import get_scheduler
-    from diffusers.training_utils import EMAModel
-
-    from vla_core.data import ChunkedDemos, FrameSampler, open_dataset
-
+    """Train ``cfg.policy`` on ``cfg.dataset`` for ``cfg.steps`` steps; returns the summary, also written as
+    ``train_summary.json`` (keys: checkpoint, steps, final_loss, loss_curve, val_curve, train_seconds,
+    seconds_this_run, dataset_frames, dataset_episodes)."""
     frames_per_step = check_batching(cfg)
     torch.set_num_threads(cfg.num_threads or os.cpu_count() or 1)
+    run = start_run(cfg)
+    if cfg.resume:
+        resume(run)
+    start_logging(run)
+    start = time.time()
+    bar = tqdm(total=cfg.steps, initial=run.progress.step, desc="train", unit="step",
+               disable=not run.accelerator.is_main_process)  # fmt: skip
+    # SIGINT and SIGTERM are only noted during a step or a checkpoint write: the loop stops at the
+    # next step boundary and writes a checkpoint there (see vla_core.interrupt).
+    with interrupt.deferred():
+        step = train_steps(run, frames_per_step, bar)
+        summary = finish(run, step, start)
+    return summary
+
+
+def start_run(cfg: TrainConfig) -> Run:
+    """Check the run can start, then open the dataset and build the policy, optimizer, LR schedule, EMA
+    and sampling generators, each process seeded for its own streams."""
+    from vla_core.data import open_dataset
+
     out = Path(cfg.output_dir)
-    ckpt_dir = out / "checkpoints"
-    resumed = check_resume(ckpt_dir, cfg.resume)
+    resumed = check_resume(out / "checkpoints", cfg.resume)
     # A latency file needs the dataset's frame period; the other delay kinds are checked before any data is read.
     delay = None if cfg.delay.kind == "histogram" else check_delay(cfg, None, resumed)
 
@@ -300,10 +341,45 @@ def train(cfg: TrainConfig) -> dict:
     accelerator = make_accelerator(trackers, out)
     dataset = open_dataset(cfg.dataset.root, cfg.dataset.repo_id or None)
     delay = delay or check_delay(cfg, 1.0 / dataset.meta.fps, resumed)
-    max_delay = delay.max_steps
+    demos, sampler, val_frames = load_frames(cfg, dataset)
+    policy, raw_policy, trainable, optimizer, scheduler, ema = build_learner(
+        cfg, accelerator, demos, dataset, delay.max_steps
+    )
+    # Each process draws its own delays, as it draws its own frames; the stream resumes with `progress`.
+    delay.use_stream(accelerator.process_index)
+    progress = TrainingProgress(
+        generator=torch.Generator().manual_seed(cfg.seed + accelerator.process_index),
+        delay_generator=delay.generator if delay.max_steps else None,
+    )
+    # Validation frames get fixed delays of the same model, drawn from a stream of their own.
+    val_delays = DelayModel(cfg.delay, 1.0 / dataset.meta.fps).sample(len(val_frames)) if delay.max_steps else None
+    # accelerate's save_state / load_state keep the prepared model and optimizer, every process's
+    # RNG, and these registered objects; `progress` travels beside them (see TrainingProgress).
+    accelerator.register_for_checkpointing(scheduler, *([ema] if ema is not None else []))
+    return Run(
+        cfg=cfg, accelerator=accelerator, trackers=trackers, out=out, resume_from=resumed, dataset=dataset,
+        demos=demos, sampler=sampler, val_frames=val_frames, val_delays=val_delays, delay=delay, policy=policy,
+        raw_policy=raw_policy, trainable=trainable, optimizer=optimizer, scheduler=scheduler, ema=ema,
+        progress=progress,
+    )  # fmt: skip
+
+
+def load_frames(cfg: TrainConfig, dataset):
+    """(demos, sampler of the training frames, validation frames) of the opened ``dataset``."""
+    from vla_core.data import ChunkedDemos, FrameSampler
+
     demos = ChunkedDemos(dataset, cfg.dataset.cameras or None)
     train_frames, val_frames = split_episodes(demos, cfg.val_episodes, cfg.val_frames)
     sampler = FrameSampler(train_frames, demos.task_index, balanced=cfg.dataset.sampling == "task_balanced")
+    return demos, sampler, val_frames
+
+
+def build_learner(cfg: TrainConfig, accelerator, demos, dataset, max_delay: int):
+    """(prepared policy, raw policy, trainable parameters, optimizer, LR scheduler, EMA or None), the
+    weights initialized from ``cfg.seed``."""
+    from diffusers.optimization import get_scheduler
+    from diffusers.training_utils import EMAModel
+
     torch.manual_seed(cfg.seed)  # weight initialization; the same seed builds the same network
     policy = build_policy(cfg, demos, dataset, max_delay)
     # Frozen parameters (e.g. fixed encoder towers) need neither optimizer state nor an EMA copy.
@@ -318,191 +394,201 @@ def train(cfg: TrainConfig) -> dict:
     # first step (diffusers' default warm-up would average over far fewer steps early on); at the
     # first step the EMA takes the weights as they are.
     ema = EMAModel(trainable, decay=cfg.ema_decay, min_decay=cfg.ema_decay) if cfg.ema_decay > 0 else None
-    # Each process draws its own delays, as it draws its own frames; the stream resumes with `progress`.
-    delay.generator.manual_seed(cfg.delay.seed + accelerator.process_index)
-    progress = TrainingProgress(
-        generator=torch.Generator().manual_seed(cfg.seed + accelerator.process_index),
-        delay_generator=delay.generator if max_delay else None,
-    )
-    # Validation frames get fixed delays of the same model, drawn from a stream of their own.
-    val_delays = DelayModel(cfg.delay, 1.0 / dataset.meta.fps).sample(len(val_frames)) if max_delay else None
-    # accelerate's save_state / load_state keep the prepared model and optimizer, every process's
-    # RNG, and these registered objects; `progress` travels beside them (see TrainingProgress).
-    accelerator.register_for_checkpointing(scheduler, *([ema] if ema is not None else []))
+    return policy, raw_policy, trainable, optimizer, scheduler, ema
 
-    if cfg.resume:
-        ckpt = resumed
-        accelerator.load_state(str(ckpt / TRAINING_STATE_DIR))
-        was = progress.load(ckpt / TRAINING_STATE_DIR, accelerator.process_index)
-        if ema is not None:
-            ema.to(accelerator.device)  # accelerate loads registered objects onto the CPU
-            if ema.decay != cfg.ema_decay and accelerator.is_main_process:
-                print(f"--ema_decay={cfg.ema_decay:g} (the checkpoint ran at {ema.decay:g}): the EMA continues "
-                      f"with the new decay", file=sys.stderr)  # fmt: skip
-            ema.decay = ema.min_decay = cfg.ema_decay
-        # The schedule continues with this run's --lr as its peak: lowering --lr on resume is the fix
-        # the non-finite-loss stop names, and the loaded states would otherwise keep the old one.
-        scheduler.base_lrs = [cfg.lr] * len(optimizer.param_groups)
-        for group, lr_at in zip(optimizer.param_groups, scheduler.lr_lambdas, strict=True):
-            group["initial_lr"], group["lr"] = cfg.lr, cfg.lr * lr_at(scheduler.last_epoch)
-        scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
-        if was != cfg.lr and accelerator.is_main_process:
-            print(f"--lr={cfg.lr:g} (the checkpoint ran at {was:g}): the schedule continues from the new peak",
-                  file=sys.stderr)  # fmt: skip
-        if accelerator.is_main_process:
-            print(f"resumed from {ckpt} at step {progress.step}", file=sys.stderr)
-    generator, step = progress.generator, progress.step
 
-    if trackers:
-        accelerator.init_trackers("train", config=_flat(_config_dict(cfg)))
-    out.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(out / "train_config.json", json.dumps(_config_dict(cfg), indent=2))
-    saved_step = step if cfg.resume else None  # the step of the checkpoint on disk
+def resume(run: Run) -> None:
+    """Load ``run.resume_from``: weights, optimizer, schedule, EMA, every RNG and ``run.progress``; this
+    run's ``--lr`` and ``--ema_decay`` take over from the saved ones."""
+    cfg, accelerator, ema, optimizer, scheduler = run.cfg, run.accelerator, run.ema, run.optimizer, run.scheduler
+    ckpt = run.resume_from
+    accelerator.load_state(str(ckpt / TRAINING_STATE_DIR))
+    was = run.progress.load(ckpt / TRAINING_STATE_DIR, accelerator.process_index)
+    if ema is not None:
+        ema.to(accelerator.device)  # accelerate loads registered objects onto the CPU
+        if ema.decay != cfg.ema_decay and accelerator.is_main_process:
+            print(f"--ema_decay={cfg.ema_decay:g} (the checkpoint ran at {ema.decay:g}): the EMA continues "
+                  f"with the new decay", file=sys.stderr)  # fmt: skip
+        ema.decay = ema.min_decay = cfg.ema_decay
+    # The schedule continues with this run's --lr as its peak: lowering --lr on resume is the fix
+    # the non-finite-loss stop names, and the loaded states would otherwise keep the old one.
+    scheduler.base_lrs = [cfg.lr] * len(optimizer.param_groups)
+    for group, lr_at in zip(optimizer.param_groups, scheduler.lr_lambdas, strict=True):
+        group["initial_lr"], group["lr"] = cfg.lr, cfg.lr * lr_at(scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+    if was != cfg.lr and accelerator.is_main_process:
+        print(f"--lr={cfg.lr:g} (the checkpoint ran at {was:g}): the schedule continues from the new peak",
+              file=sys.stderr)  # fmt: skip
+    if accelerator.is_main_process:
+        print(f"resumed from {ckpt} at step {run.progress.step}", file=sys.stderr)
 
-    @contextlib.contextmanager
-    def ema_weights():
-        """Inside, the policy holds the EMA weights (when EMA is on): what checkpoints and validation use."""
-        if ema is None:
-            yield
-            return
-        ema.store(trainable)
-        ema.copy_to(trainable)
-        try:
-            yield
-        finally:
-            ema.restore(trainable)
 
-    def checkpoint(at_step: int) -> Path | None:
-        """Every process takes part (accelerate writes each one's RNG); the main one commits."""
-        nonlocal saved_step
-        if at_step == saved_step:  # already on disk: rewriting would briefly remove it
-            return resolve_checkpoint(ckpt_dir)
-        progress.step = at_step
-        generators = progress.gather_generators(accelerator)
-        if accelerator.is_main_process:
-            begin_checkpoint(ckpt_dir, at_step)
-        accelerator.wait_for_everyone()
-        tmp = temporary_checkpoint_dir(ckpt_dir, at_step)
-        accelerator.save_state(str(tmp / TRAINING_STATE_DIR))
-        path = None
-        if accelerator.is_main_process:
-            progress.save(tmp / TRAINING_STATE_DIR, lr=cfg.lr, generators=generators)
-            meta = {"step": at_step, "dataset": str(cfg.dataset.root), "dataset_frames": len(demos),
-                    "train_config": _config_dict(cfg)}  # fmt: skip
-            with ema_weights():
-                write_policy(tmp, raw_policy, meta)
-        accelerator.wait_for_everyone()
-        if accelerator.is_main_process:
-            path = commit_checkpoint(ckpt_dir, tmp, at_step)
-        saved_step = at_step
-        return path
+def start_logging(run: Run) -> None:
+    """Start the trackers and write ``train_config.json``; note which step is on disk already."""
+    cfg = run.cfg
+    if run.trackers:
+        run.accelerator.init_trackers("train", config=flat_dict(config_dict(cfg)))
+    run.out.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(run.out / "train_config.json", json.dumps(config_dict(cfg), indent=2))
+    run.saved_step = run.progress.step if cfg.resume else None
 
-    def validate() -> bool:
-        """Log the validation loss (EMA weights when EMA is on); True when it reached the stopping target."""
-        with ema_weights():
-            loss = validation_loss(raw_policy, demos, val_frames, raw_policy.config.horizon, delays=val_delays)
-        progress.val_history.append([step, round(progress.train_seconds, 3), loss])
-        if trackers:
-            accelerator.log({"val_loss": loss}, step=step)
-        return cfg.stop_at_val_loss > 0 and loss <= cfg.stop_at_val_loss
 
-    device = accelerator.device
-    start = time.time()
-    bar = tqdm(total=cfg.steps, initial=step, desc="train", unit="step", disable=not accelerator.is_main_process)
-    # SIGINT and SIGTERM are only noted during a step or a checkpoint write: the loop stops at the
-    # next step boundary and writes a checkpoint there (see vla_core.interrupt).
-    with interrupt.deferred():
-        try:
-            while step < cfg.steps:
-                step_start = time.perf_counter()
-                idx = sampler.sample(frames_per_step, generator)
-                batch = demos.batch(idx, raw_policy.config.horizon)
-                for key in [k for k in batch if k.startswith(OBS_IMAGES)]:
-                    batch[key] = random_shift(batch[key], raw_policy.config.crop_shift, generator)
-                if max_delay:
-                    batch = with_delay_augmentation(batch, delay.sample(frames_per_step), max_delay)
-                batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
-                policy.train()
-                loss = policy(
-                    batch, generator, copies=cfg.l2_copies
-                )  # forward() is the training loss, so DDP syncs gradients
-                if not math.isfinite(loss.item()):
-                    raise FloatingPointError(f"loss became {loss.item()} at step {step}; lower --lr and --resume=true")
-                optimizer.zero_grad(set_to_none=True)
-                accelerator.backward(loss)
-                accelerator.clip_grad_norm_(policy.parameters(), 1.0)
-                optimizer.step()
-                scheduler.step()
-                if ema is not None:
-                    ema.step(trainable)
-                step += 1
-                progress.train_seconds += time.perf_counter() - step_start
-                progress.loss_window.append(loss.item())
-                bar.update(1)
-                if step % cfg.log_every == 0 or step == cfg.steps:
-                    mean = sum(progress.loss_window) / len(progress.loss_window)
-                    progress.history.append([step, mean])
-                    progress.loss_window = []
-                    bar.set_postfix(loss=f"{mean:.4f}", lr=f"{scheduler.get_last_lr()[0]:.1e}")
-                    if trackers:
-                        accelerator.log({"loss": mean, "lr": scheduler.get_last_lr()[0]}, step=step)
-                if len(val_frames) and (step % cfg.val_every == 0 or step == cfg.steps) and validate():
-                    bar.set_postfix(val_loss=f"{progress.val_history[-1][2]:.4f}", stop="target reached")
-                    break
-                if step % cfg.save_every == 0 and step < cfg.steps:
-                    checkpoint(step)
-                # The step boundary: model, optimizer and RNG agree here. With several processes all stop
-                # at the same step, or the ones that got no signal would wait in DDP's all-reduce forever.
-                if accelerator.num_processes > 1:
-                    noted = torch.tensor([float(interrupt.received() is not None)], device=device)
-                    if accelerator.reduce(noted, reduction="max").item():
-                        raise interrupt.Interrupted(interrupt.received() or signal.SIGTERM)
-                interrupt.raise_if_stopped()
-        except KeyboardInterrupt:
-            bar.close()
-            path = checkpoint(step)
-            if accelerator.is_main_process:
-                print(
-                    f"\ninterrupted at step {step}; checkpoint written to {path}. Continue with --resume=true",
-                    file=sys.stderr,
-                )
-            raise
+def train_steps(run: Run, frames_per_step: int, bar) -> int:
+    """Step from ``run.progress.step`` to ``cfg.steps`` (or to the validation target), logging, validating and
+    checkpointing on their periods; returns the step reached. A stop signal ends it at a step boundary
+    with a checkpoint there (re-raised as KeyboardInterrupt)."""
+    cfg, accelerator, progress = run.cfg, run.accelerator, run.progress
+    step = progress.step
+    try:
+        while step < cfg.steps:
+            step_start = time.perf_counter()
+            loss = train_step(run, frames_per_step, step)
+            step += 1
+            progress.train_seconds += time.perf_counter() - step_start
+            progress.loss_window.append(loss.item())
+            bar.update(1)
+            if step % cfg.log_every == 0 or step == cfg.steps:
+                log_loss(run, step, bar)
+            if len(run.val_frames) and (step % cfg.val_every == 0 or step == cfg.steps) and validate(run, step):
+                bar.set_postfix(val_loss=f"{progress.val_history[-1][2]:.4f}", stop="target reached")
+                break
+            if step % cfg.save_every == 0 and step < cfg.steps:
+                checkpoint(run, step)
+            stop_if_signalled(accelerator)
+    except KeyboardInterrupt:
         bar.close()
-        final = checkpoint(step)
-        if trackers:
-            accelerator.end_training()
-        summary = {
-            "checkpoint": str(final),
-            "steps": step,
-            "final_loss": progress.history[-1][1] if progress.history else None,
-            "loss_curve": progress.history,
-            "val_curve": progress.val_history,  # [step, training seconds, validation loss]
-            "train_seconds": round(progress.train_seconds, 2),
-            "seconds_this_run": round(time.time() - start, 1),
-            "dataset_frames": len(demos),
-            "dataset_episodes": dataset.num_episodes,
-        }
+        path = checkpoint(run, step)
         if accelerator.is_main_process:
-            write_text_atomic(out / "train_summary.json", json.dumps(summary, indent=2))
-            _plot_loss(progress.history, out / "loss.png")
+            print(
+                f"\ninterrupted at step {step}; checkpoint written to {path}. Continue with --resume=true",
+                file=sys.stderr,
+            )
+        raise
+    bar.close()
+    return step
+
+
+def train_step(run: Run, frames_per_step: int, step: int) -> torch.Tensor:
+    """One optimizer step on a freshly drawn batch (image shifts, delay augmentation); returns its loss."""
+    cfg, accelerator, generator = run.cfg, run.accelerator, run.progress.generator
+    device, config, max_delay = accelerator.device, run.raw_policy.config, run.delay.max_steps
+    idx = run.sampler.sample(frames_per_step, generator)
+    batch = run.demos.batch(idx, config.horizon)
+    for key in [k for k in batch if k.startswith(OBS_IMAGES)]:
+        batch[key] = random_shift(batch[key], config.crop_shift, generator)
+    if max_delay:
+        batch = with_delay_augmentation(batch, run.delay.sample(frames_per_step), max_delay)
+    batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+    policy = run.policy
+    policy.train()
+    loss = policy(batch, generator, copies=cfg.l2_copies)  # forward() is the training loss, so DDP syncs gradients
+    if not math.isfinite(loss.item()):
+        raise FloatingPointError(f"loss became {loss.item()} at step {step}; lower --lr and --resume=true")
+    run.optimizer.zero_grad(set_to_none=True)
+    accelerator.backward(loss)
+    accelerator.clip_grad_norm_(policy.parameters(), 1.0)
+    run.optimizer.step()
+    run.scheduler.step()
+    if run.ema is not None:
+        run.ema.step(run.trainable)
+    return loss
+
+
+def log_loss(run: Run, step: int, bar) -> None:
+    """The mean loss since the last log step joins the loss curve (and the trackers)."""
+    progress, scheduler = run.progress, run.scheduler
+    mean = sum(progress.loss_window) / len(progress.loss_window)
+    progress.history.append([step, mean])
+    progress.loss_window = []
+    bar.set_postfix(loss=f"{mean:.4f}", lr=f"{scheduler.get_last_lr()[0]:.1e}")
+    if run.trackers:
+        run.accelerator.log({"loss": mean, "lr": scheduler.get_last_lr()[0]}, step=step)
+
+
+def stop_if_signalled(accelerator) -> None:
+    """The step boundary: model, optimizer and RNG agree here, so a noted stop signal is raised here."""
+    # With several processes all stop at the same step, or the ones that got no signal would wait in
+    # DDP's all-reduce forever.
+    if accelerator.num_processes > 1:
+        noted = torch.tensor([float(interrupt.received() is not None)], device=accelerator.device)
+        if accelerator.reduce(noted, reduction="max").item():
+            raise interrupt.Interrupted(interrupt.received() or signal.SIGTERM)
+    interrupt.raise_if_stopped()
+
+
+@contextlib.contextmanager
+def ema_weights(run: Run):
+    """Inside, the policy holds the EMA weights (when EMA is on): what checkpoints and validation use."""
+    ema, trainable = run.ema, run.trainable
+    if ema is None:
+        yield
+        return
+    ema.store(trainable)
+    ema.copy_to(trainable)
+    try:
+        yield
+    finally:
+        ema.restore(trainable)
+
+
+def validate(run: Run, step: int) -> bool:
+    """Log the validation loss (EMA weights when EMA is on); True when it reached the stopping target."""
+    cfg, raw_policy, progress = run.cfg, run.raw_policy, run.progress
+    with ema_weights(run):
+        loss = validation_loss(raw_policy, run.demos, run.val_frames, raw_policy.config.horizon, delays=run.val_delays)
+    progress.val_history.append([step, round(progress.train_seconds, 3), loss])
+    if run.trackers:
+        run.accelerator.log({"val_loss": loss}, step=step)
+    return cfg.stop_at_val_loss > 0 and loss <= cfg.stop_at_val_loss
+
+
+def checkpoint(run: Run, at_step: int) -> Path | None:
+    """Every process takes part (accelerate writes each one's RNG); the main one commits."""
+    cfg, accelerator, progress, ckpt_dir = run.cfg, run.accelerator, run.progress, run.ckpt_dir
+    if at_step == run.saved_step:  # already on disk: rewriting would briefly remove it
+        return resolve_checkpoint(ckpt_dir)
+    progress.step = at_step
+    generators = progress.gather_generators(accelerator)
+    if accelerator.is_main_process:
+        begin_checkpoint(ckpt_dir, at_step)
+    accelerator.wait_for_everyone()
+    tmp = temporary_checkpoint_dir(ckpt_dir, at_step)
+    accelerator.save_state(str(tmp / TRAINING_STATE_DIR))
+    path = None
+    if accelerator.is_main_process:
+        progress.save(tmp / TRAINING_STATE_DIR, lr=cfg.lr, generators=generators)
+        meta = {"step": at_step, "dataset": str(cfg.dataset.root), "dataset_frames": len(run.demos),
+                "train_config": config_dict(cfg)}  # fmt: skip
+        with ema_weights(run):
+            write_policy(tmp, run.raw_policy, meta)
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        path = commit_checkpoint(ckpt_dir, tmp, at_step)
+    run.saved_step = at_step
+    return path
+
+
+def finish(run: Run, step: int, start: float) -> dict:
+    """The final checkpoint, then the summary (written as ``train_summary.json``) and the loss plot."""
+    accelerator, progress = run.accelerator, run.progress
+    final = checkpoint(run, step)
+    if run.trackers:
+        accelerator.end_training()
+    summary = {
+        "checkpoint": str(final),
+        "steps": step,
+        "final_loss": progress.history[-1][1] if progress.history else None,
+        "loss_curve": progress.history,
+        "val_curve": progress.val_history,  # [step, training seconds, validation loss]
+        "train_seconds": round(progress.train_seconds, 2),
+        "seconds_this_run": round(time.time() - start, 1),
+        "dataset_frames": len(run.demos),
+        "dataset_episodes": run.dataset.num_episodes,
+    }
+    if accelerator.is_main_process:
+        write_text_atomic(run.out / "train_summary.json", json.dumps(summary, indent=2))
+        _plot_loss(progress.history, run.out / "loss.png")
     return summary
-
-
-def _config_dict(cfg: TrainConfig) -> dict:
-    """asdict(cfg) plus the policy's type, which asdict leaves out."""
-    d = asdict(cfg)
-    d["policy"] = {"type": cfg.policy.type, **d["policy"]}
-    return d
-
-
-def _flat(d: dict, prefix: str = "") -> dict:
-    flat = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            flat.update(_flat(v, f"{prefix}{k}."))
-        else:
-            flat[f"{prefix}{k}"] = v if isinstance(v, (int, float, str, bool)) else str(v)
-    return flat
 
 
 def _plot_loss(history: list, path: Path) -> None:

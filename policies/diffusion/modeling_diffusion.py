@@ -27,7 +27,6 @@ the statistics are buffers, so they travel inside every checkpoint's weights.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import torch
@@ -38,50 +37,18 @@ from torch import nn
 from policies.denoising_chain import (
     DDIMSteps,
     DenoisingChain,
+    DenoisingRL,
     ExplorationNoise,
     check_chain_shape,
     known_for_chain,
     sample_chain,
 )
 from policies.diffusion.configuration_diffusion import DiffusionConfig
-from policies.latency_head import LatencyHead
+from policies.keypoints import ImageEncoder, SpatialSoftmax  # noqa: F401 (SpatialSoftmax: this module's name for it)
 from policies.observation import check_observation
 from policies.pretrained import PreTrainedPolicy
 from policies.tokenizer import PAD_WORD, UNKNOWN_WORD, WordTokenizer
 from vla_core.types import ACTION, OBS_STATE, TASK, ActionChunk, image_key
-
-
-class SpatialSoftmax(nn.Module):
-    """(B, C, h, w) feature maps -> (B, 2K) expected image coordinates of K learned keypoints."""
-
-    def __init__(self, in_channels: int, num_keypoints: int):
-        super().__init__()
-        self.proj = nn.Conv2d(in_channels, num_keypoints, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, _, h, w = x.shape
-        attn = self.proj(x).flatten(2).softmax(-1)  # (B, K, h*w)
-        ys = torch.linspace(-1, 1, h, device=x.device)
-        xs = torch.linspace(-1, 1, w, device=x.device)
-        grid = torch.stack(torch.meshgrid(ys, xs, indexing="ij"), -1).reshape(h * w, 2)
-        return (attn @ grid).reshape(b, -1)
-
-
-class ImageEncoder(nn.Module):
-    """(B, 3, S, S) in [0, 1] -> (B, 2K) keypoint coordinates."""
-
-    def __init__(self, channels: int, num_keypoints: int):
-        super().__init__()
-        c = channels
-        self.net = nn.Sequential(
-            nn.Conv2d(3, c, 3, stride=2, padding=1), nn.GroupNorm(8, c), nn.Mish(),
-            nn.Conv2d(c, 2 * c, 3, stride=2, padding=1), nn.GroupNorm(8, 2 * c), nn.Mish(),
-            nn.Conv2d(2 * c, 2 * c, 3, padding=1), nn.GroupNorm(8, 2 * c), nn.Mish(),
-        )  # fmt: skip
-        self.keypoints = SpatialSoftmax(2 * c, num_keypoints)
-
-    def forward(self, image: torch.Tensor) -> torch.Tensor:
-        return self.keypoints(self.net(image * 2.0 - 1.0))
 
 
 def timestep_embedding(t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -106,7 +73,7 @@ class FiLMBlock(nn.Module):
         return x + self.fc2(F.mish(self.fc1(F.mish(h))))
 
 
-class DiffusionPolicy(PreTrainedPolicy):
+class DiffusionPolicy(DenoisingRL, PreTrainedPolicy):
     """Implements `vla_core.types.Policy`: observation batch -> ActionChunk of (B, horizon, action_dim)."""
 
     config_class = DiffusionConfig
@@ -134,7 +101,7 @@ class DiffusionPolicy(PreTrainedPolicy):
         self.output_proj = nn.Sequential(nn.LayerNorm(cfg.hidden_dim), nn.Linear(cfg.hidden_dim, flat))
 
         self.register_normalization(cfg.state_dim, cfg.action_dim)
-        self.latency_head = self._latency_head() if cfg.latency_aware else None
+        self.latency_head = self.build_latency_head() if cfg.latency_aware else None
 
         sched = {
             "num_train_timesteps": cfg.num_train_timesteps,
@@ -160,11 +127,8 @@ class DiffusionPolicy(PreTrainedPolicy):
         prepared: the slow part's output for this batch (``prepare_request``), if computed already.
         """
         slow = prepared if prepared is not None else self.prepare_request(obs)
-        cond = slow["cond"]
-        if self.latency_head is not None:
-            cond = cond + self.latency_head(obs, slow["state"], slow["keypoints"], self.normalize_state,
-                                            self.normalize_action)  # fmt: skip
-        return cond
+        correction = self.latency_correction(obs, slow)
+        return slow["cond"] if correction is None else slow["cond"] + correction
 
     def prepare_request(self, obs: dict) -> dict:
         """The slow part on the request's observation: image keypoints, the normalized state and the
@@ -177,24 +141,10 @@ class DiffusionPolicy(PreTrainedPolicy):
         feats = [*keypoints.values(), normalized, self._encode_text(list(obs[TASK]), state.device)]
         return {"cond": self.obs_proj(torch.cat(feats, -1)), "state": normalized, "keypoints": keypoints}
 
-    def _latency_head(self) -> LatencyHead:
+    def latency_head_inputs(self) -> tuple[dict[str, nn.Module], int, int]:
+        """See ``PreTrainedPolicy.latency_head_inputs``: the mid cameras' encoders start as copies of the slow ones."""
         cfg = self.config
-        return LatencyHead(
-            state_dim=cfg.state_dim, action_dim=cfg.action_dim, max_delay=cfg.latency_max_delay,
-            mid_cameras=cfg.mid_cameras, image_encoders=dict(self.image_encoders), keypoint_dim=2 * cfg.num_keypoints,
-            out_dim=cfg.hidden_dim, hidden_dim=cfg.hidden_dim,
-        )  # fmt: skip
-
-    def add_latency_head(self, max_delay: int, mid_fraction: float, mid_cameras: list[str]) -> None:
-        """See ``PreTrainedPolicy.add_latency_head``; the mid cameras' encoders start as copies of the slow ones."""
-        if self.latency_head is not None:
-            raise ValueError("this policy is latency-aware already; fine-tune it as it is")
-        fields = {"latency_aware": True, "latency_max_delay": max_delay, "mid_fraction": mid_fraction,
-                  "mid_cameras": list(mid_cameras)}  # fmt: skip
-        dataclasses.replace(self.config, **fields).validate()  # a bad value changes nothing
-        for name, value in fields.items():
-            setattr(self.config, name, value)
-        self.latency_head = self._latency_head().to(self.device)
+        return dict(self.image_encoders), 2 * cfg.num_keypoints, cfg.hidden_dim
 
     # -- training and inference ---------------------------------------------------------------
 
@@ -296,7 +246,7 @@ class DiffusionPolicy(PreTrainedPolicy):
         self, obs: dict, obs_step: torch.Tensor | None = None, *, noise: ExplorationNoise
     ) -> tuple[ActionChunk, DenoisingChain, torch.Tensor]:
         """DDIM sampling with eta = ``noise.eta`` and each step's std floored at ``noise.min_std``; see
-        ``PreTrainedPolicy.sample_with_log_prob``. eta = 0, min_std = 0 is ``predict_chunk``'s DDIM."""
+        `policies.denoising_chain.DenoisingRL`. eta = 0, min_std = 0 is ``predict_chunk``'s DDIM."""
         noise.validate()
         cond = self.encode_observation(obs)
         b = cond.shape[0]
@@ -318,7 +268,7 @@ class DiffusionPolicy(PreTrainedPolicy):
 
     def log_prob(self, obs: dict, chain: DenoisingChain, *, per_step: bool = False) -> torch.Tensor:
         """(B,) log-probability of a DDIM-with-eta chain, all K steps in one denoiser call; see
-        ``PreTrainedPolicy.log_prob``."""
+        `policies.denoising_chain.DenoisingRL`."""
         chain.check_density()
         if chain.eta is None:
             raise ValueError("the chain does not record its DDIM eta; sample it with sample_with_log_prob")

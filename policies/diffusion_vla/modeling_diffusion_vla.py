@@ -35,10 +35,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from diffusers import DDIMScheduler, DDPMScheduler
+from torch import nn
 
 from policies.denoising_chain import (
     DDIMSteps,
     DenoisingChain,
+    DenoisingRL,
     ExplorationNoise,
     check_chain_shape,
     known_for_chain,
@@ -47,12 +49,15 @@ from policies.denoising_chain import (
 from policies.diffusion_vla.condition_encoder import ConditionEncoder
 from policies.diffusion_vla.configuration_diffusion_vla import DiffusionVLAConfig
 from policies.diffusion_vla.dit import DiT
+from policies.keypoints import ImageEncoder
 from policies.observation import check_observation
 from policies.pretrained import PreTrainedPolicy
 from vla_core.types import ACTION, OBS_STATE, TASK, ActionChunk, image_key
 
+LATENCY_IMAGE_CHANNELS, LATENCY_KEYPOINTS = 16, 16  # the fast head's own image encoder (latency-aware only)
 
-class DiffusionVLAPolicy(PreTrainedPolicy):
+
+class DiffusionVLAPolicy(DenoisingRL, PreTrainedPolicy):
     """Implements `vla_core.types.Policy`: observation batch -> ActionChunk (B, horizon, action_dim)."""
 
     config_class = DiffusionVLAConfig
@@ -67,6 +72,7 @@ class DiffusionVLAPolicy(PreTrainedPolicy):
             known_tokens=cfg.max_delay_steps > 0,
         )  # fmt: skip
         self.register_normalization(cfg.state_dim, cfg.action_dim)
+        self.latency_head = self.build_latency_head() if cfg.latency_aware else None
         sched = {
             "num_train_timesteps": cfg.num_train_timesteps,
             "beta_schedule": cfg.beta_schedule,
@@ -83,12 +89,38 @@ class DiffusionVLAPolicy(PreTrainedPolicy):
 
     # -- conditioning -------------------------------------------------------------------------
 
-    def encode_observation(self, obs: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """Observation batch -> condition tokens (B, L, dim) and mask (B, L). Validates the input."""
+    def encode_observation(self, obs: dict, prepared: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Observation batch -> condition tokens (B, L, dim) and mask (B, L). Validates the input.
+
+        A latency-aware policy adds its fast head's correction (`policies.latency_head`) to every token:
+        the slow part (the towers) reads the request's observation, the fast part the committed actions
+        and the mid-inference one. prepared: ``prepare_request(obs)``, if computed already.
+        """
+        slow = prepared if prepared is not None else self.prepare_request(obs)
+        tokens, mask = slow["cond"]
+        correction = self.latency_correction(obs, slow)
+        return (tokens, mask) if correction is None else (tokens + correction[:, None], mask)
+
+    def prepare_request(self, obs: dict) -> dict:
+        """The slow part on the request's observation: the condition tokens before any fast-head correction,
+        the normalized state and, for a latency-aware policy, its head's keypoints of the request's images
+        (`vla_core.types.LatencyAwarePolicy`)."""
         check_observation(obs, self.config.state_dim, self.config.cameras, image_size=None)  # the encoder resizes
         state = self.normalize_state(obs[OBS_STATE])
         images = [obs[image_key(cam)] for cam in self.config.cameras]
-        return self.encoder(images, state, list(obs[TASK]))
+        keypoints = {}
+        if self.latency_head is not None:
+            keypoints = {
+                cam: self.latency_head.mid_encoders[cam](obs[image_key(cam)]) for cam in self.config.mid_cameras
+            }
+        return {"cond": self.encoder(images, state, list(obs[TASK])), "state": state, "keypoints": keypoints}
+
+    def latency_head_inputs(self) -> tuple[dict[str, nn.Module], int, int]:
+        """See ``PreTrainedPolicy.latency_head_inputs``. The SigLIP tower is the slow part, too slow to run on
+        the mid observation: the fast head encodes the request's and the mid images with a small keypoint
+        CNN of its own (`policies.keypoints`), so their difference is the world's motion in its features."""
+        encoders = {cam: ImageEncoder(LATENCY_IMAGE_CHANNELS, LATENCY_KEYPOINTS) for cam in self.config.cameras}
+        return encoders, 2 * LATENCY_KEYPOINTS, self.config.dim
 
     # -- training -----------------------------------------------------------------------------
 
@@ -155,6 +187,7 @@ class DiffusionVLAPolicy(PreTrainedPolicy):
         *,
         noise: torch.Tensor | None = None,
         inpaint: tuple[torch.Tensor, torch.Tensor] | None = None,
+        prepared: dict | None = None,
     ) -> ActionChunk:
         """obs batch of size B -> ActionChunk (B, horizon, action_dim) in dataset units.
 
@@ -165,8 +198,9 @@ class DiffusionVLAPolicy(PreTrainedPolicy):
         with the guidance weight clipped at ``rtc_max_guidance``).
         With max_delay_steps > 0, the committed actions of the delay augmentation are kept: the
         chunk's known steps equal them exactly (training-time RTC; see the module docstring).
+        prepared: ``prepare_request(obs)``'s output, computed before the mid-inference observation came.
         """
-        cond, cond_mask = self.encode_observation(obs)
+        cond, cond_mask = self.encode_observation(obs, prepared)
         b, cfg = cond.shape[0], self.config
         x = self._initial_noise(noise, b, cond.device)[:, None]  # (B, 1, H, A): one copy per condition
         prefix = self.committed_actions(obs)
@@ -253,7 +287,7 @@ class DiffusionVLAPolicy(PreTrainedPolicy):
     ) -> tuple[ActionChunk, DenoisingChain, torch.Tensor]:
         """Noisy sampling: ddpm takes DDIM steps with eta = ``noise.eta`` (whatever ``ddpm_sampler``
         is) and std max(eta * sigma_t, min_std); flow takes Euler steps with std ``noise.min_std``. See
-        ``PreTrainedPolicy.sample_with_log_prob``; noise 0 is ``predict_chunk``'s sampler (DDIM for ddpm)."""
+        `policies.denoising_chain.DenoisingRL`; noise 0 is ``predict_chunk``'s sampler (DDIM for ddpm)."""
         noise.validate()
         cond, cond_mask = self.encode_observation(obs)
         b, n = cond.shape[0], self.config.num_inference_steps
@@ -284,7 +318,7 @@ class DiffusionVLAPolicy(PreTrainedPolicy):
 
     def log_prob(self, obs: dict, chain: DenoisingChain, *, per_step: bool = False) -> torch.Tensor:
         """(B,) log-probability of a chain; the K steps are K copies of one DiT pass, the condition
-        encoded once. See ``PreTrainedPolicy.log_prob``."""
+        encoded once. See `policies.denoising_chain.DenoisingRL`."""
         chain.check_density()
         flow = self.config.objective == "flow"
         if not flow and chain.eta is None:

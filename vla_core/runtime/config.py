@@ -12,11 +12,13 @@ from vla_core.runtime.executor import MergeMode
 
 @dataclass
 class ChunkingConfig:
-    """Steps executed per chunk and how overlapping chunks merge (see `ActionChunkExecutor`).
+    """Steps executed per chunk, how overlapping chunks merge (see `ActionChunkExecutor`), and how far
+    back a request looks to announce the delay it expects (`vla_core.runtime.protocol`).
 
-    The inference delay is not set here: eval draws it from ``delay``, and serve measures it.
-    With ``merge=rtc`` a flow policy is also guided toward the queued actions (eval and serve);
-    its guidance clip is the policy's ``rtc_max_guidance``.
+    The inference delay is not set here: eval and finetune draw it from ``delay``, and serve measures
+    it. With ``merge=rtc`` a flow policy is also guided toward the queued actions (eval and serve);
+    its guidance clip is the policy's ``rtc_max_guidance``. Which merge a policy may run with is the
+    protocol's table (`vla_core.runtime.protocol.MERGES`).
     """
 
     # Steps of each chunk executed before the next request (more while an inference is still
@@ -24,6 +26,9 @@ class ChunkingConfig:
     execute_steps: int = 0
     merge: MergeMode = "latest"  # latest, ensemble (ACT temporal ensembling) or rtc (real-time chunking)
     ensemble_coeff: float = 0.01  # ensemble: weight exp(-c * i) of the i-th prediction of a step, i = 0 the oldest
+    # The measured delay estimate (the robot's, and eval's --delay.estimate=measured): a request announces
+    # the largest lag of the last this-many merged chunks.
+    estimate_window: int = 4
 
     def validate(self) -> None:
         """Raise ValueError naming the field (as ``--chunking.<name>``) for a value no run could use."""
@@ -38,6 +43,8 @@ class ChunkingConfig:
             )
         if not math.isfinite(self.ensemble_coeff):
             raise ValueError(f"chunking.ensemble_coeff must be finite, got {self.ensemble_coeff}")
+        if self.estimate_window < 1:
+            raise ValueError(f"chunking.estimate_window must be >= 1, got {self.estimate_window}")
 
     def steps_per_chunk(self, policy_steps: int | None, horizon: int) -> int:
         """``execute_steps``, or the policy's ``n_action_steps`` (``policy_steps``) when it is 0, checked against

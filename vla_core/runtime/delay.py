@@ -53,10 +53,9 @@ class DelayConfig:
     latencies_file: str = ""
     # What a request announces as its delay (observation.delay_steps, RTC guidance): oracle = the delay it
     # will get (simulation only), measured = the robot's estimate, the largest lag of the last
-    # estimate_window merged chunks (what `vla-rl serve` announces).
+    # chunking.estimate_window merged chunks (what `vla-rl serve` announces).
     estimate: DelayEstimate = "oracle"
-    estimate_window: int = 4
-    seed: int = 0  # seed of the delay draws
+    seed: int = 0  # seed of the delay draws (stream s of a run draws from seed + s; see DelayModel)
 
 
 class DelayModel:
@@ -64,16 +63,16 @@ class DelayModel:
 
     control_dt: seconds per control step where the delays are used (the env's, or the dataset's
     1 / fps); a latency file must have been measured at it. Only ``histogram`` needs it.
+    stream: which of a run's delay streams this is (a data-parallel process, a rollout worker): every
+    generator it owns, on the CPU and on any device, is seeded ``config.seed + stream`` (the one rule).
     """
 
-    def __init__(self, config: DelayConfig, control_dt: float | None = None):
+    def __init__(self, config: DelayConfig, control_dt: float | None = None, stream: int = 0):
         self.config = config
-        self.generator = torch.Generator().manual_seed(config.seed)  # draws on the CPU (training)
-        self._device_generators: dict[torch.device, torch.Generator] = {}
+        self.generator = torch.Generator()  # draws on the CPU (training)
+        self.use_stream(stream)
         if config.estimate not in ("oracle", "measured"):
             raise ValueError(f"delay.estimate must be oracle or measured, got {config.estimate!r}")
-        if config.estimate_window < 1:
-            raise ValueError(f"delay.estimate_window must be >= 1, got {config.estimate_window}")
         # A field of another kind would be ignored: say so, rather than run without the delay asked for.
         owner = {"steps": "fixed", "low": "uniform", "high": "uniform", "latencies_file": "histogram"}
         stray = [name for name, kind in owner.items() if kind != config.kind and getattr(config, name)]
@@ -98,10 +97,16 @@ class DelayModel:
         else:
             raise ValueError(f"unknown delay kind {config.kind!r}; set --delay.kind to fixed, uniform or histogram")
 
+    def use_stream(self, stream: int) -> None:
+        """Draw from the start of the run's delay stream ``stream``: every generator seeded ``config.seed + stream``."""
+        self.seed = self.config.seed + stream
+        self.generator.manual_seed(self.seed)
+        self._device_generators: dict[torch.device, torch.Generator] = {}
+
     def sample(self, n: int, device: torch.device | str | None = None) -> torch.Tensor:
         """(n,) long delays in control steps, drawn on ``device`` (None: the CPU, from ``generator``).
 
-        On another device the draws come from a generator of that device (seeded with ``seed``), so
+        On another device the draws come from a generator of that device (seeded like the CPU's), so
         a simulation on a GPU draws without copying from the host.
         """
         cfg = self.config
@@ -111,29 +116,12 @@ class DelayModel:
         generator = self.generator
         if device.type != "cpu":
             if device not in self._device_generators:
-                self._device_generators[device] = torch.Generator(device=device).manual_seed(cfg.seed)
+                self._device_generators[device] = torch.Generator(device=device).manual_seed(self.seed)
             generator = self._device_generators[device]
         if cfg.kind == "uniform":
             return torch.randint(cfg.low, cfg.high + 1, (n,), generator=generator, device=device)
         pick = torch.randint(0, len(self.latency_steps), (n,), generator=generator, device=device)
         return self.latency_steps.to(device)[pick]
-
-    def check_fits(self, horizon: int, max_delay_steps: int | None) -> None:
-        """Refuse, before any rollout, a delay no chunk survives or the policy was not trained for.
-
-        horizon: the chunk length; max_delay_steps: the largest delay the policy trained with (its
-        ``max_delay_steps``; 0 or None: it does not read the delay augmentation, so any delay runs).
-        """
-        if self.max_steps >= horizon:
-            raise ValueError(
-                f"the delay model reaches {self.max_steps} control steps but a chunk holds {horizon}: every "
-                f"chunk would arrive stale; lower the delay or train a policy with a longer --policy.horizon"
-            )
-        if max_delay_steps and self.max_steps > max_delay_steps:
-            raise ValueError(
-                f"the delay model reaches {self.max_steps} control steps but the policy was trained for delays up "
-                f"to {max_delay_steps}; lower the delay or retrain with --delay.kind=uniform --delay.high={self.max_steps}"
-            )
 
 
 def load_latencies(path: str | Path, control_dt: float) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""GRPO over chunk decisions of a diffusion or flow policy (SimpleVLA-RL style): no critic.
+"""GRPO over chunk decisions (SimpleVLA-RL style): no critic.
 
 The N worlds form N / G groups of G; the G worlds of a group start every episode from the same
 initial state (a reset with one seed per group: equal seeds, equal initial states) and differ
@@ -12,7 +12,8 @@ teaches nothing; it is dropped (and counted). Episodes whose world diverged are 
 their group's statistics computed without them.
 
 Loss: `vla_rl.rl.update.actor_loss` (the clipped surrogate) with the asymmetric clip (clip-higher, 0.2 / 0.28),
-per denoising step, averaged over every step of every kept decision. No KL, no entropy term.
+per factor of the decision (per denoising step of a chain), averaged over every factor of every kept
+decision. No KL, no entropy term.
 """
 
 from __future__ import annotations
@@ -21,8 +22,17 @@ from dataclasses import dataclass
 
 import torch
 
+from vla_core.rl import FactorLogProb, RLPolicy
 from vla_rl.rl.rollout import Rollout, select_rows, to_device
-from vla_rl.rl.update import GradientStep, Processes, actor_loss, actor_loss_per_task, minibatches
+from vla_rl.rl.update import (
+    GradientStep,
+    Processes,
+    UpdateSettings,
+    actor_loss,
+    actor_loss_per_task,
+    behaviour_log_prob,
+    minibatches,
+)
 
 
 @dataclass
@@ -72,27 +82,45 @@ def group_advantages(
     return advantages, kept, {"groups_dropped": dropped, "groups": int(group[valid].unique().numel())}
 
 
+class GRPO:
+    """The GRPO learner: the actor's optimizer; ``update`` takes a rollout of one episode per world."""
+
+    def __init__(self, actor: RLPolicy, cfg: GRPOConfig, settings: UpdateSettings, processes: Processes):
+        self.actor, self.cfg, self.settings, self.processes = actor, cfg, settings, processes
+        self.actor_step = settings.actor_step(actor, processes)
+
+    def update(self, rollout: Rollout, iteration: int) -> dict[str, float]:
+        old = behaviour_log_prob(self.actor, rollout, self.settings)
+        return update(self.actor, rollout, old, cfg=self.cfg, settings=self.settings, actor_step=self.actor_step,
+                      processes=self.processes)  # fmt: skip
+
+    @property
+    def skipped(self) -> dict[str, int]:
+        return {"actor": self.actor_step.skipped, "critic": 0}
+
+    def state_dict(self) -> dict:
+        """Its part of ``finetune_state.pt`` (the layout of every vla-rl version so far)."""
+        return {"actor_optimizer": self.actor_step.optimizer.state_dict(), "critic": None, "critic_optimizer": None}
+
+    def load_state_dict(self, state: dict, skipped: dict[str, int]) -> None:
+        self.actor_step.optimizer.load_state_dict(state["actor_optimizer"])
+        self.actor_step.skipped = skipped["actor"]
+
+
 def update(
-    policy,
+    actor: RLPolicy,
     rollout: Rollout,
-    old_log_prob: torch.Tensor,
+    old_log_prob: FactorLogProb,
     *,
     cfg: GRPOConfig,
+    settings: UpdateSettings,
     actor_step: GradientStep,
-    epochs: int,
-    minibatch_size: int,
-    clip_low: float,
-    clip_high: float,
-    generator: torch.Generator,
-    pcgrad: bool = False,
     processes: Processes | None = None,
-    denoising_steps: slice = slice(None),
 ) -> dict[str, float]:
-    """One GRPO update on a rollout of one episode per world. old_log_prob: (M, K') per denoising step
-    of ``denoising_steps`` (the K' steps the loss covers; all K by default). pcgrad: project the
-    tasks' gradients (multi-task rollouts, `vla_rl.rl.pcgrad`). processes: a data-parallel run's,
-    each computing its shard of every minibatch (`vla_rl.rl.update.Processes`)."""
-    processes = processes or Processes()
+    """One GRPO update on a rollout of one episode per world. old_log_prob: (M, F') per factor of
+    ``settings.factors`` (the F' factors the loss covers). processes: a data-parallel run's, each
+    computing its shard of every minibatch (`vla_rl.rl.update.Processes`)."""
+    processes, s = processes or Processes(), settings
     # Episode e of the rollout is world e's (one episode per world); its group is e // G. In a
     # multi-task rollout each task's worlds are numbered on (`Rollout.cat`), so groups stay in a task;
     # worlds of tasks not rolled out this time hold no episode and are left out.
@@ -110,24 +138,25 @@ def update(
         return stats  # every group was all-success or all-failure: nothing to learn from
     rollout, old_log_prob, decision_advantage = (
         rollout.select(keep),
-        old_log_prob[keep],
+        old_log_prob.select(keep),
         advantages[rollout.world][keep],
     )
     sums: dict[str, float] = {}
     count = 0
-    dev = policy.device
-    for _ in range(epochs):
-        for batch in minibatches(len(rollout), minibatch_size, generator):
+    dev = actor.device
+    for _ in range(s.epochs):
+        for batch in minibatches(len(rollout), s.minibatch_size, s.generator):
             rows, share = processes.shard(batch)
             if len(rows) == 0:  # more processes than rows: add nothing, but take part in the sums
-                actor_step(None, [None] * len(rollout.task[batch].unique()) if pcgrad else None)
+                actor_step(None, [None] * len(rollout.task[batch].unique()) if s.pcgrad else None)
                 continue
             obs = to_device(select_rows(rollout.obs, rows), dev)
-            new_log_prob = policy.log_prob(obs, rollout.chain.select(rows).to(dev), per_step=True)[:, denoising_steps]
-            old, adv = old_log_prob[rows].to(dev), decision_advantage[rows].to(dev)
-            loss, clip_stats = actor_loss(new_log_prob, old, adv, clip_low, clip_high)
+            new = actor.score(obs, rollout.decision.select(rows).to(dev)).columns(s.factors)
+            old, adv = old_log_prob.values[rows].to(dev), decision_advantage[rows].to(dev)
+            terms = (new.values, old, adv, s.clip_low, s.clip_high, None, 0.0, new.mask)
+            loss, clip_stats = actor_loss(*terms)
             tasks = (rollout.task[rows].to(dev), rollout.task[batch].to(dev))
-            per_task = actor_loss_per_task(*tasks, new_log_prob, old, adv, clip_low, clip_high) if pcgrad else None
+            per_task = actor_loss_per_task(*tasks, *terms) if s.pcgrad else None
             actor_step(loss * share, per_task)
             for k, v in {"policy_loss": loss.item(), **clip_stats}.items():
                 sums[k] = sums.get(k, 0.0) + v

@@ -1,9 +1,9 @@
-"""PPO over chunk decisions of a diffusion or flow policy (DPPO-style), with a value head.
+"""PPO over chunk decisions (DPPO-style for a denoising chain), with a value head.
 
-One decision is one chunk (`vla_rl.rl.rollout`); its action is the denoising chain, a Gaussian
-policy of K steps (``PreTrainedPolicy.sample_with_log_prob``). Per world and episode, decisions
-i = 0 .. L-1 with chunk reward R_i (sum_j gamma^j r_j over the steps the chunk ran), discount
-g_i = gamma^steps_i and done_i:
+One decision is one chunk (`vla_rl.rl.rollout`); the RL action behind it is the actor's decision,
+scored per factor (`vla_core.rl.RLPolicy`; for a diffusion or flow policy the denoising chain, a
+Gaussian policy of K steps). Per world and episode, decisions i = 0 .. L-1 with chunk reward R_i
+(sum_j gamma^j r_j over the steps the chunk ran), discount g_i = gamma^steps_i and done_i:
 
     delta_i = R_i + g_i (1 - done_i) V(s_{i+1}) - V(s_i)
     A_i     = delta_i + g_i lambda (1 - done_i) A_{i+1}          (GAE with gamma per control step)
@@ -12,15 +12,15 @@ g_i = gamma^steps_i and done_i:
 An episode that hits the time limit counts as ended (no bootstrap): the value head sees the
 episode's progress, so the value of a state with no time left is near zero anyway.
 
-Critic: a value head on the policy's condition features (``condition_features``, detached) plus
-the episode's progress. Not a separate critic on ``observation.state``: the state is the arm's
+Critic: a value head on the actor's value features (``value_features``, detached; a denoising
+policy's condition) plus the episode's progress. Not a separate critic on ``observation.state``: the state is the arm's
 own joints, and what decides success (where the ball or the object is) is only in the images,
 which the policy's encoder already reads. Detached, so the value loss never moves the actor's
 encoder. It warms up for ``critic_warmup_iterations`` before the actor's first update.
 
-Loss per minibatch (see `vla_rl.rl.update` for why the ratio is per denoising step):
+Loss per minibatch (see `vla_rl.rl.update` for why the ratio is per factor):
 
-    L_actor  = clipped_surrogate(log pi(chain), log pi_old(chain), normalized A)
+    L_actor  = clipped_surrogate(log pi(decision), log pi_old(decision), normalized A)
                + kl_coef * KL(pi || pi_imitation)                    (optional)
     L_critic = 1/2 max((V - G)^2, (V_old + clip(V - V_old, +-value_clip) - G)^2)
 
@@ -34,8 +34,17 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from vla_core.rl import FactorLogProb, RLPolicy
 from vla_rl.rl.rollout import Rollout, select_rows, to_device
-from vla_rl.rl.update import GradientStep, Processes, actor_loss, actor_loss_per_task, minibatches
+from vla_rl.rl.update import (
+    GradientStep,
+    Processes,
+    UpdateSettings,
+    actor_loss,
+    actor_loss_per_task,
+    behaviour_log_prob,
+    minibatches,
+)
 
 
 @dataclass
@@ -99,67 +108,110 @@ def gae(rollout: Rollout, values: torch.Tensor, lam: float) -> tuple[torch.Tenso
 
 
 @torch.no_grad()
-def values_of(policy, critic: ValueHead, rollout: Rollout, max_episode_steps: int, batch_size: int) -> torch.Tensor:
+def values_of(
+    actor: RLPolicy, critic: ValueHead, rollout: Rollout, max_episode_steps: int, batch_size: int
+) -> torch.Tensor:
     """(M,) V(s) of every decision, in batches."""
     out = []
     for start in range(0, len(rollout), batch_size):
         rows = torch.arange(start, min(start + batch_size, len(rollout)))
-        obs = to_device(select_rows(rollout.obs, rows), policy.device)
+        obs = to_device(select_rows(rollout.obs, rows), actor.device)
         progress = rollout.obs_step[rows].float() / max_episode_steps
-        out.append(critic(policy.condition_features(obs), progress.to(policy.device)).cpu())
+        out.append(critic(actor.value_features(obs), progress.to(actor.device)).cpu())
     return torch.cat(out)
 
 
+class PPO:
+    """The PPO learner: the actor's optimizer and, with it, the critic, its optimizer and the frozen imitation
+    policy the KL term pulls toward (``reference``, when ``cfg.kl_coef`` > 0). ``update`` takes one
+    rollout; ``state_dict`` is what a resumed run needs.
+
+    The critic is built here, from the global torch generator (the run seeds it once for the weights it
+    adds: the latency head first, then this). max_episode_steps: the env's time limit, the progress scale.
+    """
+
+    def __init__(self, actor: RLPolicy, cfg: PPOConfig, settings: UpdateSettings, processes: Processes,
+                 reference: RLPolicy | None, max_episode_steps: int):  # fmt: skip
+        self.actor, self.cfg, self.settings, self.processes = actor, cfg, settings, processes
+        self.reference, self.max_episode_steps = reference, max_episode_steps
+        self.actor_step = settings.actor_step(actor, processes)
+        self.critic = ValueHead(actor.value_dim, cfg.critic_hidden).to(actor.device)
+        self.critic_optimizer = torch.optim.Adam(self.critic.parameters(), lr=cfg.critic_lr)
+        self.critic_step = GradientStep(self.critic_optimizer, settings.max_grad_norm, processes=processes)
+
+    def update(self, rollout: Rollout, iteration: int) -> dict[str, float]:
+        """One PPO update on a rollout; the actor trains from iteration ``critic_warmup_iterations`` on."""
+        s = self.settings
+        old = behaviour_log_prob(self.actor, rollout, s)
+        reference = None
+        if self.reference is not None:
+            reference = behaviour_log_prob(self.reference, rollout, s, recorded=False)
+        return update(self.actor, self.critic, rollout, old, reference, cfg=self.cfg, settings=s,
+                      actor_step=self.actor_step, critic_step=self.critic_step, processes=self.processes,
+                      train_actor=iteration >= self.cfg.critic_warmup_iterations,
+                      max_episode_steps=self.max_episode_steps)  # fmt: skip
+
+    @property
+    def skipped(self) -> dict[str, int]:
+        return {"actor": self.actor_step.skipped, "critic": self.critic_step.skipped}
+
+    def state_dict(self) -> dict:
+        """Its part of ``finetune_state.pt`` (the layout of every vla-rl version so far)."""
+        return {"actor_optimizer": self.actor_step.optimizer.state_dict(), "critic": self.critic.state_dict(),
+                "critic_optimizer": self.critic_optimizer.state_dict()}  # fmt: skip
+
+    def load_state_dict(self, state: dict, skipped: dict[str, int]) -> None:
+        if state.get("critic") is None:
+            raise ValueError("is a GRPO run (no critic); resume it with --algo=grpo")
+        self.actor_step.optimizer.load_state_dict(state["actor_optimizer"])
+        self.critic.load_state_dict(state["critic"])
+        self.critic_optimizer.load_state_dict(state["critic_optimizer"])
+        self.actor_step.skipped, self.critic_step.skipped = skipped["actor"], skipped["critic"]
+
+
 def update(
-    policy,
+    actor: RLPolicy,
     critic: ValueHead,
     rollout: Rollout,
-    old_log_prob: torch.Tensor,
-    reference_log_prob: torch.Tensor | None,
+    old_log_prob: FactorLogProb,
+    reference_log_prob: FactorLogProb | None,
     *,
     cfg: PPOConfig,
+    settings: UpdateSettings,
     actor_step: GradientStep,
     critic_step: GradientStep,
     train_actor: bool,
-    epochs: int,
-    minibatch_size: int,
-    clip_low: float,
-    clip_high: float,
     max_episode_steps: int,
-    generator: torch.Generator,
-    pcgrad: bool = False,
     processes: Processes | None = None,
-    denoising_steps: slice = slice(None),
 ) -> dict[str, float]:
-    """One PPO update on a rollout. old_log_prob / reference_log_prob: (M, K') per denoising step of
-    ``denoising_steps`` (the K' steps the actor loss covers; all K by default).
-    pcgrad: project the tasks' actor gradients (multi-task rollouts, `vla_rl.rl.pcgrad`). processes:
-    a data-parallel run's, each computing its shard of every minibatch (`vla_rl.rl.update.Processes`)."""
-    processes = processes or Processes()
+    """One PPO update on a rollout. old_log_prob / reference_log_prob: (M, F') per factor of
+    ``settings.factors`` (the F' factors the actor loss covers). processes: a data-parallel run's, each
+    computing its shard of every minibatch (`vla_rl.rl.update.Processes`)."""
+    processes, s = processes or Processes(), settings
     keep = ~rollout.diverged
-    rollout, old_log_prob = rollout.select(keep), old_log_prob[keep]
+    rollout, old_log_prob = rollout.select(keep), old_log_prob.select(keep)
     if reference_log_prob is not None:
-        reference_log_prob = reference_log_prob[keep]
+        reference_log_prob = reference_log_prob.select(keep)
     if len(rollout) == 0:
         return {"decisions": 0}
-    old_values = values_of(policy, critic, rollout, max_episode_steps, minibatch_size)
+    old_values = values_of(actor, critic, rollout, max_episode_steps, s.minibatch_size)
     advantages, returns = gae(rollout, old_values, cfg.gae_lambda)
     normalized = (advantages - advantages.mean()) / (advantages.std(unbiased=False) + 1e-8)
     sums: dict[str, float] = {}
     count = 0
-    dev = policy.device
-    for _ in range(epochs):
-        for batch in minibatches(len(rollout), minibatch_size, generator):
+    dev = actor.device
+    for _ in range(s.epochs):
+        for batch in minibatches(len(rollout), s.minibatch_size, s.generator):
             rows, share = processes.shard(batch)
             if len(rows) == 0:  # more processes than rows: add nothing, but take part in the sums
                 critic_step(None)
                 if train_actor:
-                    actor_step(None, [None] * len(rollout.task[batch].unique()) if pcgrad else None)
+                    actor_step(None, [None] * len(rollout.task[batch].unique()) if s.pcgrad else None)
                 continue
             obs = to_device(select_rows(rollout.obs, rows), dev)
             progress = (rollout.obs_step[rows].float() / max_episode_steps).to(dev)
             with torch.no_grad():
-                features = policy.condition_features(obs)
+                features = actor.value_features(obs)
             value = critic(features, progress)
             target, before = returns[rows].to(dev), old_values[rows].to(dev)
             value_loss = (value - target) ** 2
@@ -170,14 +222,13 @@ def update(
             critic_step(value_loss * share)
             stats = {"value_loss": value_loss.item()}
             if train_actor:
-                chain = rollout.chain.select(rows).to(dev)
-                new_log_prob = policy.log_prob(obs, chain, per_step=True)[:, denoising_steps]
-                old, adv = old_log_prob[rows].to(dev), normalized[rows].to(dev)
-                reference = None if reference_log_prob is None else reference_log_prob[rows].to(dev)
-                terms = (new_log_prob, old, adv, clip_low, clip_high, reference, cfg.kl_coef)
+                new = actor.score(obs, rollout.decision.select(rows).to(dev)).columns(s.factors)
+                old, adv = old_log_prob.values[rows].to(dev), normalized[rows].to(dev)
+                reference = None if reference_log_prob is None else reference_log_prob.values[rows].to(dev)
+                terms = (new.values, old, adv, s.clip_low, s.clip_high, reference, cfg.kl_coef, new.mask)
                 loss, actor_stats = actor_loss(*terms)
                 tasks = (rollout.task[rows].to(dev), rollout.task[batch].to(dev))
-                per_task = actor_loss_per_task(*tasks, *terms) if pcgrad else None
+                per_task = actor_loss_per_task(*tasks, *terms) if s.pcgrad else None
                 actor_step(loss * share, per_task)
                 stats.update(policy_loss=loss.item(), **actor_stats)
             for k, v in stats.items():

@@ -10,7 +10,7 @@ end; ``--ray.address=host:port`` joins a running cluster instead (the same code)
 Versions: the learner's policy version counts its updates (a resumed run starts at its iteration).
 A worker rolls out with the newest weights the learner has published when the rollout starts, and
 every decision of that rollout carries that version (`Rollout.version`) and the per-denoising-step
-log-probabilities of its chain under those weights (`Rollout.behaviour_log_prob`).
+log-probabilities of its decisions under those weights (`Rollout.behaviour_log_prob`).
 
 Staleness, bounded and corrected. Bounded: the update that makes version v + 1 takes rollouts of
 version >= v - ``max_staleness`` and drops older ones, counted (``dropped_rollouts`` in the history).
@@ -77,32 +77,33 @@ def check_reachable(address: str, timeout_s: float = 3.0) -> None:
 class RolloutWorker:
     """One rollout worker (made a Ray actor by `AsyncRollouts`): an env batch, its delay shell, a policy copy."""
 
-    def __init__(self, policy, env_config, execute_steps: int, delay_config, delay_seed: int, gamma: float,
+    def __init__(self, policy, env_config, chunking, delay_config, delay_stream: int, gamma: float,
                  noise, version: int, num_threads: int = 1):  # fmt: skip
         from sim.factory import make_env
-        from vla_core.runtime import DelayModel
+        from vla_core.runtime import DelayModel, LatencySpec
         from vla_core.runtime.delayed_env import DelayedChunkEnv
 
         torch.set_num_threads(num_threads)
         self.policy = policy.eval()
+        self.actor = policy.rl_actor(noise)
         self.env = make_env(env_config)
-        delay = DelayModel(delay_config, control_dt=self.env.control_dt)
-        delay.generator.manual_seed(delay_seed)
-        self.shell = DelayedChunkEnv.for_policy(self.env, policy.config, execute_steps, delay, gamma=gamma)
-        self.noise, self.version = noise, version
+        delay = DelayModel(delay_config, control_dt=self.env.control_dt, stream=delay_stream)
+        spec = LatencySpec.of(policy)
+        self.shell = DelayedChunkEnv(self.env, spec, chunking, delay, use="finetune", gamma=gamma)
+        self.version = version
 
     def collect(self, version: int, weights: dict | None, seed, episodes_per_world: int, sampling_seed: int):
         """Roll out with the weights of ``version`` (``weights`` when they are new to this worker)."""
         from vla_rl.rl.rollout import collect
-        from vla_rl.rl.update import batched_log_prob
+        from vla_rl.rl.update import batched_score
 
         if weights is not None:
             self.policy.load_state_dict(weights)
         self.version = version
         torch.manual_seed(sampling_seed)
-        rollout, stats = collect(self.policy, self.shell, self.noise, episodes_per_world=episodes_per_world, seed=seed)
+        rollout, stats = collect(self.actor, self.shell, episodes_per_world=episodes_per_world, seed=seed)
         rollout.version = torch.full((len(rollout),), version, dtype=torch.long)
-        rollout.behaviour_log_prob = batched_log_prob(self.policy, rollout.obs, rollout.chain, 64)
+        rollout.behaviour_log_prob = batched_score(self.actor, rollout.obs, rollout.decision, 64)
         return rollout, stats
 
     def close(self) -> None:
@@ -116,7 +117,7 @@ class AsyncRollouts:
     the run started or resumed (every launch its own seeds, as the local runtime's iterations have).
     """
 
-    def __init__(self, policy, cfg, execute_steps: int, gamma: float, version: int, seeds):
+    def __init__(self, policy, cfg, gamma: float, version: int, seeds):
         import ray
 
         ray_cfg = cfg.ray
@@ -137,10 +138,10 @@ class AsyncRollouts:
         threads = max(1, (cfg.num_threads or os.cpu_count() or 1) // ray_cfg.num_workers)
         env_cfg = replace(cfg.env, render_threads=cfg.env.render_threads or threads)
         # Each worker its own delay stream, a new one on resume (version = the iteration resumed at).
-        delay_seeds = [cfg.delay.seed + 1 + i + 1000 * version for i in range(ray_cfg.num_workers)]
+        streams = [1 + i + 1000 * version for i in range(ray_cfg.num_workers)]
         self.workers = [
-            worker.remote(copy_on_cpu, env_cfg, execute_steps, cfg.delay, seed, gamma, cfg.noise, version, threads)
-            for seed in delay_seeds
+            worker.remote(copy_on_cpu, env_cfg, cfg.chunking, cfg.delay, stream, gamma, cfg.noise, version, threads)
+            for stream in streams
         ]
         self.version = version
         self.worker_version = [version] * len(self.workers)  # the weights each worker holds

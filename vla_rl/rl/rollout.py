@@ -1,9 +1,10 @@
 """Rollouts for RL fine-tuning: a policy samples chunks through the latency model, one decision per chunk.
 
 The decision is a chunk. Each world asks for a chunk when `vla_core.runtime.delayed_env.DelayedChunkEnv` says it
-does (the schedule, the delay and the queue of `vla_core.runtime`, exactly as in ``vla-rl eval``
-and on the robot); the policy samples it with ``sample_with_log_prob`` and the chunk's transition
-runs until the world's next request or the end of its episode. Its reward is the env's reward
+does (the latency protocol of `vla_core.runtime`, exactly as in ``vla-rl eval`` and on the robot);
+the actor (`vla_core.rl.RLPolicy`) samples it with ``act``, which also returns the decision behind
+it (a denoising chain, a token sequence, ...; the rollout never looks inside), and the chunk's
+transition runs until the world's next request or the end of its episode. Its reward is the env's reward
 summed over the control steps the chunk ran, discounted per control step
 (``ChunkTransition.discounted_reward``), and the next decision's value is worth ``discount``
 = gamma^steps of it.
@@ -24,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from policies.denoising_chain import DenoisingChain, ExplorationNoise
+from vla_core.rl import Decision, FactorLogProb, RLPolicy, cat_decisions
 from vla_core.types import TASK, ActionChunk
 
 
@@ -56,7 +57,7 @@ class Rollout:
 
     obs: observation batch of M rows (with the delay augmentation each request carried), on the CPU.
     obs_step: (M,) long, the control step each chunk was conditioned on.
-    chain: the M sampled denoising chains (the RL action), on the CPU.
+    decision: the M decisions behind the chunks (`vla_core.rl.Decision`: what the learner scores), on the CPU.
     world, episode: (M,) long, the world and that world's episode (0 .. episodes_per_world - 1);
         in a multi-task rollout (`cat`) each task's worlds are numbered after the previous task's.
     task: (M,) long, the index of the decision's task in the run's task list.
@@ -68,13 +69,13 @@ class Rollout:
     diverged: (M,) bool, the decision's episode ended because its world blew up (every decision of it).
     version: (M,) long, the policy version that sampled each decision (asynchronous rollouts,
         `vla_rl.rl.ray_runtime`); None for a rollout of the learner's own weights.
-    behaviour_log_prob: (M, K) the per-denoising-step log-probabilities of the chains under the
-        weights that sampled them (asynchronous rollouts); None: the learner scores them itself.
+    behaviour_log_prob: the per-factor log-probabilities of the decisions under the weights that
+        sampled them (asynchronous rollouts); None: the learner scores them itself.
     """
 
     obs: dict[str, Any]
     obs_step: torch.Tensor
-    chain: DenoisingChain
+    decision: Decision
     world: torch.Tensor
     episode: torch.Tensor
     task: torch.Tensor
@@ -85,7 +86,7 @@ class Rollout:
     success: torch.Tensor
     diverged: torch.Tensor
     version: torch.Tensor | None = None
-    behaviour_log_prob: torch.Tensor | None = None
+    behaviour_log_prob: FactorLogProb | None = None
 
     def __len__(self) -> int:
         return len(self.world)
@@ -98,7 +99,7 @@ class Rollout:
         for name, value in picked.items():
             if name == "obs":
                 picked[name] = select_rows(value, rows)
-            elif name == "chain":
+            elif name in ("decision", "behaviour_log_prob") and value is not None:
                 picked[name] = value.select(rows)
             elif value is not None:
                 picked[name] = value[rows]
@@ -113,8 +114,8 @@ class Rollout:
             if any(v is None for v in parts[name]):
                 parts[name] = None
         return Rollout(**{
-            name: v if v is None else cat_obs(v) if name == "obs" else DenoisingChain.cat(v) if name == "chain"
-            else torch.cat(v)
+            name: v if v is None else cat_obs(v) if name == "obs" else cat_decisions(v) if name == "decision"
+            else FactorLogProb.cat(v) if name == "behaviour_log_prob" else torch.cat(v)
             for name, v in parts.items()
         })  # fmt: skip
 
@@ -135,15 +136,14 @@ class RolloutStats:
 
 @torch.no_grad()
 def collect(
-    policy,
+    actor: RLPolicy,
     env,
-    noise: ExplorationNoise,
     *,
     episodes_per_world: int,
     seed: int | Sequence[int],
     task: int = 0,
 ) -> tuple[Rollout, RolloutStats]:
-    """Roll ``policy`` out in ``env`` (a `DelayedChunkEnv`) for ``episodes_per_world`` episodes per world.
+    """Roll ``actor`` out in ``env`` (a `DelayedChunkEnv`) for ``episodes_per_world`` episodes per world.
 
     seed: the reset's seed (`BatchedEnv.reset`: an int, or one per world; equal seeds give equal
     initial states, which is how GRPO makes its groups). task: the task's index in the run, stored with
@@ -155,13 +155,12 @@ def collect(
     done_episodes = np.zeros(n, dtype=np.int64)  # episodes each world has finished
     open_decision = np.full(n, -1)  # index into `records` of each world's running decision
     records: list[dict[str, Any]] = []  # one per decision, filled when its transition completes
-    chains: list[DenoisingChain] = []
+    decisions: list[Decision] = []
     observations: list[dict[str, Any]] = []
     episode_success = {}  # (world, episode) -> success
     episode_diverged = {}
     env_steps = simulated = 0
-    hold = getattr(env.env, "hold_actions", None)
-    horizon, action_dim = policy.config.horizon, policy.config.action_dim
+    horizon, action_dim = actor.policy.config.horizon, actor.policy.config.action_dim
     while (done_episodes < episodes_per_world).any():
         need_cpu = need.cpu().numpy()
         active = need_cpu & (done_episodes < episodes_per_world)
@@ -169,16 +168,17 @@ def collect(
         obs_step = env.obs_step
         actions = torch.zeros(n, horizon, action_dim)
         waiting = torch.from_numpy(need_cpu & ~active)  # done with their episodes: they wait in place
-        if hold is not None and waiting.any():
-            actions[waiting] = hold().to(torch.float32)[waiting][:, None]
+        hold = env.hold_actions() if waiting.any() else None
+        if hold is not None:
+            actions[waiting] = hold.to(torch.float32)[waiting][:, None]
         if len(rows):
             sub = select_rows(obs, rows)
-            chunk, chain, _ = policy.sample_with_log_prob(
-                to_device(sub, policy.device), obs_step[rows.to(obs_step.device)].to(policy.device), noise=noise
+            chunk, decision = actor.act(
+                to_device(sub, actor.device), obs_step[rows.to(obs_step.device)].to(actor.device)
             )
             actions[rows] = chunk.actions.to(actions)
             observations.append({k: v.cpu() if torch.is_tensor(v) else v for k, v in sub.items()})
-            chains.append(chain.to("cpu"))
+            decisions.append(decision.to("cpu"))
             for w in rows.tolist():
                 open_decision[w] = len(records)
                 records.append({"world": w, "episode": int(done_episodes[w]), "obs_step": int(obs_step[w])})
@@ -209,7 +209,7 @@ def collect(
     rollout = Rollout(
         obs=cat_obs(observations),
         obs_step=as_long("obs_step"),
-        chain=DenoisingChain.cat(chains),
+        decision=cat_decisions(decisions),
         world=as_long("world"),
         episode=as_long("episode"),
         task=torch.full((m,), task, dtype=torch.long),

@@ -1,28 +1,38 @@
-"""What PPO and GRPO share in an update: the clipped surrogate over denoising steps, minibatches, and a
-gradient step that skips non-finite losses and gradients.
+"""What PPO and GRPO share in an update: the clipped surrogate over a decision's factors, minibatches,
+and a gradient step that skips non-finite losses and gradients.
 
-Why the ratio is per denoising step: a chain's log-probability sums K steps x H x A Gaussian
-dimensions (10 x 16 x 4 = 640 for the default diffusion policy), so the ratio of whole chains
-leaves PPO's clip range after the smallest update and the clipped objective goes flat. DPPO's
-answer, taken here: each denoising step is its own action with its own ratio r_k, clipped on its
-own, and every step of a chunk gets the chunk's advantage. The chain's log-probability is still
-the sum of the per-step terms (``PreTrainedPolicy.log_prob``).
+Why the ratio is per factor: a decision's log-probability is a sum of factors (`vla_core.rl.FactorLogProb`),
+and for a denoising chain it sums K steps x H x A Gaussian dimensions (10 x 16 x 4 = 640 for the
+default diffusion policy), so the ratio of whole chains leaves PPO's clip range after the smallest
+update and the clipped objective goes flat. DPPO's answer, taken here for every kind of decision:
+each factor (a denoising step, a token) is its own action with its own ratio r_k, clipped on its
+own, and every factor of a decision gets the decision's advantage. Factors a decision lacks (the
+mask) are left out of every mean.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
+from vla_core.rl import FactorLogProb, RLPolicy, masked_mean
+
 
 def clipped_surrogate(
-    new_log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantage: torch.Tensor, clip_low: float, clip_high: float
+    new_log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantage: torch.Tensor,
+    clip_low: float,
+    clip_high: float,
+    mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """PPO's clipped objective, as a loss to minimize, over per-denoising-step ratios.
+    """PPO's clipped objective, as a loss to minimize, over per-factor ratios.
 
-    new_log_prob, old_log_prob: (B, K) per-step log-probabilities; advantage: (B,), shared by the
-    chunk's K steps. Asymmetric clip ("clip-higher"): r is kept in [1 - clip_low, 1 + clip_high].
+    new_log_prob, old_log_prob: (B, F) per-factor log-probabilities; advantage: (B,), shared by the
+    decision's F factors; mask: (B, F) the factors that exist (None: all). Asymmetric clip
+    ("clip-higher"): r is kept in [1 - clip_low, 1 + clip_high].
 
         r_bk = exp(new_bk - old_bk)
         loss = -mean_bk min(r_bk A_b, clip(r_bk, 1 - clip_low, 1 + clip_high) A_b)
@@ -32,20 +42,64 @@ def clipped_surrogate(
     adv = advantage[:, None]
     unclipped = ratio * adv
     clipped = ratio.clamp(1 - clip_low, 1 + clip_high) * adv
-    loss = -torch.minimum(unclipped, clipped).mean()
+    loss = -masked_mean(torch.minimum(unclipped, clipped), mask)
     with torch.no_grad():
         stats = {
-            "clip_fraction": float(((ratio < 1 - clip_low) | (ratio > 1 + clip_high)).float().mean()),
-            # k3 estimator of KL(old || new) per denoising step (Schulman's approximation)
-            "approx_kl": float(((ratio - 1) - log_ratio).mean()),
+            "clip_fraction": float(masked_mean(((ratio < 1 - clip_low) | (ratio > 1 + clip_high)).float(), mask)),
+            # k3 estimator of KL(old || new) per factor (Schulman's approximation)
+            "approx_kl": float(masked_mean((ratio - 1) - log_ratio, mask)),
         }
     return loss, stats
 
 
-def kl_to_reference(new_log_prob: torch.Tensor, reference_log_prob: torch.Tensor) -> torch.Tensor:
-    """Mean per-step KL(new || reference), k3 estimator on the sampled chains: e^(ref - new) - 1 - (ref - new)."""
+def kl_to_reference(
+    new_log_prob: torch.Tensor, reference_log_prob: torch.Tensor, mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Mean per-factor KL(new || reference), k3 estimator on the sampled decisions: e^(ref - new) - 1 - (ref - new)."""
     diff = reference_log_prob - new_log_prob
-    return (diff.exp() - 1 - diff).mean()
+    return masked_mean(diff.exp() - 1 - diff, mask)
+
+
+@dataclass
+class UpdateSettings:
+    """What PPO's and GRPO's updates share (``vla-rl finetune``'s flags of the same names).
+
+    factors: the factors of each decision the actor loss covers (``--train_last_steps``: the last k).
+    generator: the minibatch order, the same stream in every process (saved with every checkpoint).
+    head_lr: the latency head's learning rate (it starts at zero, or from its warm-up).
+    """
+
+    epochs: int
+    minibatch_size: int
+    clip_low: float
+    clip_high: float
+    factors: slice
+    pcgrad: bool
+    max_grad_norm: float
+    lr: float
+    head_lr: float
+    generator: torch.Generator
+    seed: int = 0  # PCGrad's order of the other tasks
+
+    def actor_step(self, actor: RLPolicy, processes: Processes) -> GradientStep:
+        """AdamW over the actor's trainable weights, the latency head (``latency_head.*``) in its own group
+        at ``head_lr``, guarded by `GradientStep`."""
+        named = [(name, p) for name, p in actor.module.named_parameters() if p.requires_grad]
+        head = [p for name, p in named if name.startswith("latency_head.")]
+        rest = [p for name, p in named if not name.startswith("latency_head.")]
+        groups = [{"params": rest, "lr": self.lr}] + ([{"params": head, "lr": self.head_lr}] if head else [])
+        optimizer = torch.optim.AdamW(groups, lr=self.lr, weight_decay=0.0)
+        return GradientStep(optimizer, self.max_grad_norm, seed=self.seed, processes=processes)
+
+
+def behaviour_log_prob(actor: RLPolicy, rollout, settings: UpdateSettings, recorded: bool = True) -> FactorLogProb:
+    """(M, F') the log-probabilities the ratios are taken against, on ``settings.factors``: those recorded by
+    the weights that sampled the rollout (asynchronous rollouts), else ``actor``'s now (``recorded=False``:
+    always ``actor``'s, e.g. the frozen imitation policy of the KL term)."""
+    scored = rollout.behaviour_log_prob if recorded else None
+    if scored is None:
+        scored = batched_score(actor, rollout.obs, rollout.decision, settings.minibatch_size)
+    return scored.columns(settings.factors)
 
 
 def minibatches(count: int, size: int, generator: torch.Generator) -> Iterator[torch.Tensor]:
@@ -56,16 +110,16 @@ def minibatches(count: int, size: int, generator: torch.Generator) -> Iterator[t
 
 
 @torch.no_grad()
-def batched_log_prob(policy, obs: dict, chain, batch_size: int) -> torch.Tensor:
-    """(M, K) per-step log-probabilities of M chains under ``policy``'s weights now, in batches."""
+def batched_score(actor: RLPolicy, obs: dict, decision, batch_size: int) -> FactorLogProb:
+    """Per-factor log-probabilities of M decisions under ``actor``'s weights now, in batches, on the CPU."""
     from vla_rl.rl.rollout import select_rows, to_device
 
     out = []
-    for start in range(0, len(chain), batch_size):
-        rows = torch.arange(start, min(start + batch_size, len(chain)))
-        sub = to_device(select_rows(obs, rows), policy.device)
-        out.append(policy.log_prob(sub, chain.select(rows).to(policy.device), per_step=True).cpu())
-    return torch.cat(out)
+    for start in range(0, len(decision), batch_size):
+        rows = torch.arange(start, min(start + batch_size, len(decision)))
+        sub = to_device(select_rows(obs, rows), actor.device)
+        out.append(actor.score(sub, decision.select(rows).to(actor.device)).to("cpu"))
+    return FactorLogProb.cat(out)
 
 
 def actor_loss(
@@ -76,18 +130,19 @@ def actor_loss(
     clip_high: float,
     reference_log_prob: torch.Tensor | None = None,
     kl_coef: float = 0.0,
+    mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The clipped surrogate, plus kl_coef * KL(pi || reference) when a reference is given."""
-    loss, stats = clipped_surrogate(new_log_prob, old_log_prob, advantage, clip_low, clip_high)
+    loss, stats = clipped_surrogate(new_log_prob, old_log_prob, advantage, clip_low, clip_high, mask)
     if reference_log_prob is not None and kl_coef > 0:
-        kl = kl_to_reference(new_log_prob, reference_log_prob)
+        kl = kl_to_reference(new_log_prob, reference_log_prob, mask)
         loss = loss + kl_coef * kl
         stats["kl_to_imitation"] = kl.item()
     return loss, stats
 
 
 def actor_loss_per_task(tasks: torch.Tensor, all_tasks: torch.Tensor, new_log_prob, old_log_prob, advantage,
-                        clip_low, clip_high, reference_log_prob=None, kl_coef=0.0) -> list[torch.Tensor | None]:  # fmt: skip
+                        clip_low, clip_high, reference_log_prob=None, kl_coef=0.0, mask=None) -> list[torch.Tensor | None]:  # fmt: skip
     """`actor_loss` of each task of a minibatch, for PCGrad: one entry per task in ``all_tasks`` (the
     whole minibatch's (R,) task ids), over this process's rows (``tasks``, with the other tensors),
     weighted by their share of the task's rows; None where this process holds none of them."""
@@ -98,8 +153,9 @@ def actor_loss_per_task(tasks: torch.Tensor, all_tasks: torch.Tensor, new_log_pr
             losses.append(None)
             continue
         reference = None if reference_log_prob is None else reference_log_prob[m]
-        loss = actor_loss(new_log_prob[m], old_log_prob[m], advantage[m], clip_low, clip_high, reference, kl_coef)[0]
-        losses.append(loss * (m.sum() / (all_tasks == t).sum()))
+        rows_mask = None if mask is None else mask[m]
+        terms = (new_log_prob[m], old_log_prob[m], advantage[m], clip_low, clip_high, reference, kl_coef, rows_mask)
+        losses.append(actor_loss(*terms)[0] * (m.sum() / (all_tasks == t).sum()))
     return losses
 
 

@@ -22,6 +22,9 @@ Commands: ``/command/joint_trajectory`` trajectory_msgs/JointTrajectory whose ``
 ``/command/array`` std_msgs/Float64MultiArray in ACTION_NAMES order. See :class:`CommandGate`
 for what is rejected and what the robot holds meanwhile. Topic names and types are those of
 `robot_bridge.topics`, the table `serve`, `record-ros` and `convert` use too.
+
+The simulated robot composes the simulator and the bridge, so it lives with the commands: like
+every command module it imports `robot_bridge` (and through it ROS) only inside its functions.
 """
 
 from __future__ import annotations
@@ -34,8 +37,6 @@ from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
-from robot_bridge import codec, topics
-from robot_bridge.codec import InputRejected
 from sim.config import EnvConfig
 from vla_core.types import ACTION, OBS_STATE, image_key
 
@@ -88,6 +89,9 @@ class CommandGate:
     def offer(self, msg, now_ns: int) -> str | None:
         """A JointTrajectory (its first point is the action; its header stamp is checked when set) or a
         Float64MultiArray (in action order, unstamped); the rejection reason, or None when accepted."""
+        from robot_bridge import codec
+        from robot_bridge.codec import InputRejected
+
         self.received += 1
         try:
             action = codec.command_action(msg, self.action_names)
@@ -136,6 +140,8 @@ class SimRobot:
         from rclpy.qos import DurabilityPolicy, QoSProfile
         from rclpy.task import Future
 
+        from robot_bridge import topics
+
         self.cfg, self.node, self.env = cfg, node, env
         self.log = node.get_logger()
         # The names the robot speaks are the env's own (its LeRobot features), so a dataset recorded
@@ -183,9 +189,13 @@ class SimRobot:
     # -- commands ---------------------------------------------------------------------------
 
     def _on_trajectory(self, msg) -> None:
+        from robot_bridge import topics
+
         self._after_command(topics.JOINT_TRAJECTORY.name, self.gate.offer(msg, self._now_ns()))
 
     def _on_array(self, msg) -> None:
+        from robot_bridge import topics
+
         self._after_command(topics.COMMAND_ARRAY.name, self.gate.offer(msg, self._now_ns()))
 
     def _after_command(self, topic: str, reason: str | None) -> None:
@@ -266,12 +276,16 @@ class SimRobot:
 
     def _next_stamp(self):
         """(builtin_interfaces/Time, ns) of now, strictly after the previous stamp, so each stamp names one state."""
+        from robot_bridge import codec
+
         ns = max(self._now_ns(), self._last_stamp_ns + 1)
         self._last_stamp_ns = ns
         return codec.time_msg(ns), ns
 
     def _publish_observation(self) -> None:
         """Images, joint state and status of ``self.obs`` (mid-episode: not done, not successful), stamped alike."""
+        from robot_bridge import codec
+
         stamp, ns = self._next_stamp()
         for cam, pub in self.image_pubs.items():
             frame = self.obs[image_key(cam)][0].permute(1, 2, 0).mul(255).round().byte().numpy()  # (H, W, 3)

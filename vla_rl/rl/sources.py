@@ -1,0 +1,115 @@
+"""Where a fine-tuning run's rollouts come from: this process's own batch of worlds (``LocalRollouts``,
+reproducible bit for bit, data parallel under ``accelerate launch``) or asynchronous Ray workers
+(``RayRollouts``, `vla_rl.rl.ray_runtime`). Both hand the learner one `RolloutBatch` per iteration.
+
+Seeds: rollout r of a run resets with seeds from ``seed + TRAINING_SEED_OFFSET`` upward, so they never
+meet an evaluation seed (``eval_seed``, 1000 by default, one per evaluation round as in ``vla-rl eval``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from vla_core.rl import RLPolicy
+from vla_rl.rl import grpo
+from vla_rl.rl.curriculum import TaskCurriculum
+from vla_rl.rl.rollout import Rollout, RolloutStats, collect
+from vla_rl.rl.update import Processes
+
+TRAINING_SEED_OFFSET = 1_000_000  # rollout seeds start here, far from every evaluation seed
+
+
+@dataclass
+class RolloutBatch:
+    """One iteration's rollouts: the union the update takes, the stats of every rollout collected (each
+    process's, each task's), the seconds the learner spent waiting for them, the tasks rolled out (indices
+    into the run's task list), every process's (rollout, stats), and the source's own bookkeeping."""
+
+    rollout: Rollout
+    stats: list[RolloutStats]
+    seconds: float
+    chosen: list[int]
+    everyone: list[tuple[Rollout, list[RolloutStats]]]
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def success(self) -> float:
+        return sum(st.successes for st in self.stats) / max(1, sum(st.episodes for st in self.stats))
+
+
+def reset_seeds(cfg, run: int) -> tuple[int | list[int], int]:
+    """(reset seed, episodes per world) of the ``run``-th rollout of a run: PPO's worlds each run
+    ``ppo.episodes_per_world`` episodes from one batch seed; GRPO's groups share a seed, one episode each."""
+    seed_base = cfg.seed + TRAINING_SEED_OFFSET + run * cfg.env.num_envs
+    if cfg.algo == "grpo":
+        return grpo.group_seeds(cfg.env.num_envs, cfg.grpo.group_size, seed_base), 1
+    return seed_base, cfg.ppo.episodes_per_world
+
+
+class LocalRollouts:
+    """This process's worlds: one delay shell per task (``shells``), rolled out between updates. Under
+    ``accelerate launch`` every process rolls out its own worlds (its own seeds, delays and sampling
+    noise) and the batch is the union of every process's, the same in each."""
+
+    def __init__(self, actor: RLPolicy, shells: list, cfg, curriculum: TaskCurriculum, processes: Processes):
+        self.actor, self.shells, self.cfg, self.curriculum, self.processes = actor, shells, cfg, curriculum, processes
+
+    def next(self, iteration: int) -> RolloutBatch:
+        cfg, processes, tasks = self.cfg, self.processes, len(self.shells)
+        chosen = self.curriculum.choose(cfg.curriculum_tasks or tasks)
+        parts, stats = [], []
+        for t in chosen:
+            # Distinct seeds for every (iteration, process, task).
+            seed, episodes = reset_seeds(cfg, (iteration * processes.count + processes.index) * tasks + t)
+            part, part_stats = collect(self.actor, self.shells[t], episodes_per_world=episodes, seed=seed, task=t)
+            parts.append(part)
+            stats.append(part_stats)
+        local = Rollout.cat(parts, cfg.env.num_envs)
+        seconds = sum(st.seconds for st in stats)
+        # Every process updates on the union of all processes' rollouts (each on its shard).
+        everyone = processes.gather((local, stats))
+        rollout = Rollout.cat([r for r, _ in everyone], tasks * cfg.env.num_envs)
+        for i, t in enumerate(chosen):  # the same curriculum update in every process: the union's success
+            task_stats = [process_stats[i] for _, process_stats in everyone]
+            episodes_t = sum(st.episodes for st in task_stats)
+            self.curriculum.update(t, sum(st.successes for st in task_stats) / max(1, episodes_t))
+        return RolloutBatch(rollout, [st for _, ps in everyone for st in ps], seconds, chosen, everyone)
+
+    def updated(self, actor: RLPolicy) -> None:
+        """The learner updated the weights: the next rollout samples with them (they are shared here)."""
+
+    def close(self) -> None:
+        """The shells' envs are closed by whoever opened them."""
+
+
+class RayRollouts:
+    """Ray workers that keep collecting while the learner updates (`vla_rl.rl.ray_runtime.AsyncRollouts`).
+    ``first_iteration``: where the run starts or resumes; launch k's reset seeds come from
+    TRAINING_SEED_OFFSET + (i * 10_000 + k) * num_envs, its sampling noise from the run's seed, i and k."""
+
+    def __init__(self, actor: RLPolicy, cfg, gamma: float, first_iteration: int, curriculum: TaskCurriculum):
+        from vla_rl.rl.ray_runtime import AsyncRollouts
+
+        def seeds(launch: int):
+            index = first_iteration * 10_000 + launch
+            seed, episodes = reset_seeds(cfg, index)
+            return seed, episodes, cfg.seed * 1_000_003 + index
+
+        self.curriculum = curriculum
+        self.workers = AsyncRollouts(actor.policy, cfg, gamma, version=first_iteration, seeds=seeds)
+
+    def next(self, iteration: int) -> RolloutBatch:
+        start = time.perf_counter()
+        rollout, stats, info = self.workers.next_batch()
+        seconds = time.perf_counter() - start  # the learner's wait: collection overlaps updates
+        self.curriculum.update(0, sum(st.successes for st in stats) / max(1, sum(st.episodes for st in stats)))
+        return RolloutBatch(rollout, stats, seconds, [0], [(rollout, stats)], info)
+
+    def updated(self, actor: RLPolicy) -> None:
+        """Publish the learner's new weights: version + 1, taken by every rollout launched from now on."""
+        self.workers.publish(actor.policy)
+
+    def close(self) -> None:
+        self.workers.close()

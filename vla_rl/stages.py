@@ -1,0 +1,138 @@
+"""The stages of the pipeline as functions, for compositions (``vla-rl quickstart``, the benchmarks):
+each takes its command's config and returns the summary that command returns.
+
+    from vla_rl import stages
+
+    data = stages.record(stages.RecordConfig(num_episodes=50, output_dir="out/dataset"))
+    run = stages.train(stages.TrainConfig(dataset=stages.DatasetConfig(root=data["dataset"]), output_dir="out/train"))
+    result = stages.evaluate(stages.EvalConfig(checkpoint="out/train", output_dir="out/eval"))
+
+A stage is the command's own entry point, called as it is: same seeds, same draws, same files
+written, so a composition gives the numbers the commands give one by one. Importing this module is
+light: each stage imports its command when called, and the config classes below are imported on
+first use (``from vla_rl.stages import TrainConfig`` imports ``vla_rl.train`` then).
+
+The keys a composition may rely on (every command also returns others, and writes its summary to
+its ``output_dir``):
+
+- ``record``: ``dataset`` (the directory written), ``episodes``, ``frames``, ``tasks``,
+  ``expert_success_rate``, ``mean_episode_length``, ``seconds``, ``config``.
+- ``train``: ``checkpoint`` (the final one), ``steps`` (reached; fewer than ``cfg.steps`` when
+  ``stop_at_val_loss`` was reached), ``final_loss`` (None if no step was logged), ``loss_curve``
+  ([step, mean loss]), ``val_curve`` ([step, training seconds, validation loss]), ``train_seconds``,
+  ``seconds_this_run``, ``dataset_frames``, ``dataset_episodes``. ``output_dir/train_config.json``
+  holds ``config_dict(cfg)``.
+- ``evaluate``: ``checkpoint``, ``task``, ``episodes``, ``successes``, ``success_rate``,
+  ``success_ci95`` ([low, high], Wilson), ``mean_episode_length``, ``mean_success_length``, ``seed``,
+  ``per_episode``, ``seconds``.
+- ``finetune``: ``algo``, ``tasks``, ``iterations``, ``env_steps``, ``skipped_updates``,
+  ``initial_success`` / ``final_success`` (None without periodic evaluations), ``evals`` (the
+  periodic evaluations), ``history`` (one entry per iteration, with ``rollout_success``),
+  ``rollout_env_steps_per_s``; ``output_dir/initial_checkpoint.txt`` names the policy it started from.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from policies.diffusion import DiffusionConfig
+    from policies.diffusion_vla import DiffusionVLAConfig
+    from sim.config import EnvConfig
+    from vla_core.runtime import ChunkingConfig, DelayConfig
+    from vla_rl.config_json import config_dict
+    from vla_rl.eval import EvalConfig
+    from vla_rl.finetune import FinetuneConfig
+    from vla_rl.latency_warmup import LatencyWarmupConfig
+    from vla_rl.record import RecordConfig
+    from vla_rl.rl.grpo import GRPOConfig
+    from vla_rl.rl.ppo import PPOConfig
+    from vla_rl.train import DatasetConfig, TrainConfig, build_policy
+
+
+def record(cfg: RecordConfig) -> dict[str, Any]:
+    """``vla-rl record``: scripted expert episodes written as a LeRobotDataset to ``cfg.output_dir``."""
+    from vla_rl.record import record as run
+
+    return run(cfg)
+
+
+def train(cfg: TrainConfig) -> dict[str, Any]:
+    """``vla-rl train``: imitation learning on ``cfg.dataset.root``, checkpoints in ``cfg.output_dir``."""
+    from vla_rl.train import train as run
+
+    return run(cfg)
+
+
+def evaluate(cfg: EvalConfig, policy=None) -> dict[str, Any]:
+    """``vla-rl eval`` of ``cfg.checkpoint``; or, given ``policy`` (in eval mode), of that policy as it is
+    in memory, ``cfg.checkpoint`` naming where it is saved."""
+    from vla_rl.eval import evaluate as run
+
+    return run(cfg, policy)
+
+
+def finetune(cfg: FinetuneConfig) -> dict[str, Any]:
+    """``vla-rl finetune``: RL fine-tuning of ``cfg.checkpoint`` in simulation, into ``cfg.output_dir``."""
+    from vla_rl.finetune import finetune as run
+
+    return run(cfg)
+
+
+# What a composition configures the stages with, by name -> the module defining it (imported on first use).
+_EXPORTS = {
+    "RecordConfig": "vla_rl.record",
+    "TrainConfig": "vla_rl.train",
+    "DatasetConfig": "vla_rl.train",
+    "EvalConfig": "vla_rl.eval",
+    "FinetuneConfig": "vla_rl.finetune",
+    "PPOConfig": "vla_rl.rl.ppo",
+    "GRPOConfig": "vla_rl.rl.grpo",
+    "LatencyWarmupConfig": "vla_rl.latency_warmup",
+    "EnvConfig": "sim.config",
+    "DelayConfig": "vla_core.runtime",
+    "ChunkingConfig": "vla_core.runtime",
+    "DiffusionConfig": "policies.diffusion",
+    "DiffusionVLAConfig": "policies.diffusion_vla",
+    # The JSON form of a TrainConfig that `train` saves as train_config.json: a composition reusing a
+    # finished run compares it with the config it would run.
+    "config_dict": "vla_rl.config_json",
+    # The policy `train` builds for a config and an opened dataset (seed torch first, as train does),
+    # for a composition that times training steps outside `train`.
+    "build_policy": "vla_rl.train",
+}
+
+__all__ = [
+    "ChunkingConfig",
+    "DatasetConfig",
+    "DelayConfig",
+    "DiffusionConfig",
+    "DiffusionVLAConfig",
+    "EnvConfig",
+    "EvalConfig",
+    "FinetuneConfig",
+    "GRPOConfig",
+    "LatencyWarmupConfig",
+    "PPOConfig",
+    "RecordConfig",
+    "TrainConfig",
+    "build_policy",
+    "config_dict",
+    "evaluate",
+    "finetune",
+    "record",
+    "train",
+]
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value  # the next lookup finds it directly
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
