@@ -38,6 +38,12 @@ class ExplorationNoise:
             if not math.isfinite(value) or value < 0:
                 raise ValueError(f"exploration noise {name}={value} must be a finite number >= 0; set {name} >= 0")
 
+    def check_density(self) -> None:
+        """Raise ValueError unless a chain sampled with this noise has a density, which RL needs."""
+        self.validate()
+        if self.min_std <= 0:
+            raise ValueError("--noise.min_std must be > 0: with no noise the chain has no log-probability")
+
 
 @dataclass
 class DenoisingChain:
@@ -275,9 +281,7 @@ class DenoisingActor:
     The policy itself trains; noise -> 0 is ``predict_chunk``, what evaluation and serving run."""
 
     def __init__(self, policy, noise: ExplorationNoise):
-        noise.validate()
-        if noise.min_std <= 0:
-            raise ValueError("--noise.min_std must be > 0: with no noise the chain has no log-probability")
+        noise.check_density()
         self.policy = self.module = policy
         self.noise = noise
         self.num_factors = policy.config.num_inference_steps

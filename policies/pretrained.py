@@ -365,7 +365,8 @@ class PreTrainedPolicy(NormalizationMixin, nn.Module):
         acts exactly as before. Sets the config fields, so checkpoints rebuild it."""
         if self.latency_head is not None:
             raise ValueError("this policy is latency-aware already; fine-tune it as it is")
-        self.latency_head_inputs()  # a policy without a fast head says so before anything changes
+        if type(self).latency_head_inputs is PreTrainedPolicy.latency_head_inputs:
+            self.latency_head_inputs()  # says, before anything changes, that this policy has no fast head
         fields = {"latency_aware": True, "latency_max_delay": max_delay, "mid_fraction": mid_fraction,
                   "mid_cameras": list(mid_cameras)}  # fmt: skip
         dataclasses.replace(self.config, **fields).validate()  # a bad value changes nothing

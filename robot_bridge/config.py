@@ -110,9 +110,10 @@ class ServeConfig:
     # steps executed per chunk (0 = the policy's n_action_steps), merge mode (default here: rtc), ensemble
     # weight, and estimate_window: the delay announced is the largest lag of the last this-many chunks
     chunking: ChunkingConfig = field(default_factory=lambda: ChunkingConfig(merge="rtc"))
-    # The largest inference delay expected on this robot, in control steps: a policy trained with the delay
-    # augmentation for less (its max_delay_steps) is refused at load. 0 = not checked. Longer measured
-    # delays are announced as the policy's largest and counted (delay_clamped).
+    # The largest inference delay expected on this robot, in control steps: a policy trained or fine-tuned
+    # for less is refused at load, and so is a whole chunk or more. 0 = not checked. The delay augmentation
+    # is as wide as the larger of this and what the policy reads; a longer measured delay is announced as
+    # that width and counted (delay_clamped).
     max_delay_steps: int = 0
     # Send the inference worker a mid-inference observation (the freshest joint state and images)
     # m = floor(mid_fraction * announced delay) ticks into each request, as latency-aware checkpoints

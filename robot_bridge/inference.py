@@ -31,7 +31,7 @@ import numpy as np
 
 from robot_bridge.scheduling import normal_scheduling, use_normal
 from vla_core.runtime.protocol import LatencySpec
-from vla_core.types import OBS_IMAGES, OBS_MID, TASK, Policy
+from vla_core.types import OBS_IMAGES, OBS_MID, TASK, LatencyAwarePolicy, Policy
 
 
 @dataclass
@@ -141,6 +141,7 @@ def policy_info(policy: Policy) -> dict[str, Any]:
         "state_dim": getattr(config, "state_dim", None),
         "action_dim": getattr(config, "action_dim", None),
         **LatencySpec.of(policy).as_dict(),
+        "splits_inference": isinstance(policy, LatencyAwarePolicy),  # has prepare_request (the slow part)
     }
 
 
@@ -187,7 +188,7 @@ def serve_requests(
             try:
                 with torch.no_grad():
                     prepared = policy.prepare_request(to_policy_batch(request.observation))
-            except Exception:  # noqa: BLE001 (reported below, where the whole request runs again)
+            except Exception:  # noqa: BLE001 (a failure here is reported below: the whole request runs again there)
                 prepared = None
             mid = conn.recv()
             while mid is not None and (not isinstance(mid, MidObservation) or mid.request_id != request.request_id):

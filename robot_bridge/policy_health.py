@@ -34,6 +34,11 @@ def fit_protocol(config: ServeConfig, info: dict[str, Any]) -> LatencyProtocol:
     spec = dataclasses.replace(spec, horizon=config.horizon or spec.horizon)
     if not spec.horizon:
         raise ValueError("the policy does not tell its chunk length; set horizon in the serve config")
+    if spec.latency_aware and not info.get("splits_inference", True):
+        raise ValueError(
+            "this latency-aware policy has no prepare_request (vla_core.types.LatencyAwarePolicy: the slow part, run "
+            "before the mid-inference observation arrives); implement it, or serve a policy that is not latency-aware"
+        )
     if spec.latency_aware and not config.mid_inference:
         raise ValueError(
             "this checkpoint is latency-aware: it reads a mid-inference observation; set mid_inference: true in the "

@@ -202,6 +202,14 @@ def test_a_renamed_field_keeps_its_old_name_for_one_release(tmp_path, capsys):
     train = parse_config("train", ["--delay.estimate_window", "7", "--steps", "4"])
     assert train.steps == 4 and not hasattr(train.delay, "estimate_window")
     assert "delay.estimate_window had no effect here and is ignored" in capsys.readouterr().err
+    # Given under both names, the new one wins.
+    assert (
+        parse_config("eval", ["--delay.estimate_window=7", "--chunking.estimate_window=2"]).chunking.estimate_window
+        == 2
+    )
+    serve_yaml.write_text("delay_estimate_window: 3\nchunking:\n  estimate_window: 5\n")
+    assert parse_config("serve", [f"--config_path={serve_yaml}"]).chunking.estimate_window == 5
+    assert "delay_estimate_window is ignored: chunking.estimate_window is given too" in capsys.readouterr().err
     # Under its new name it is a chunking field only: train has none.
     with pytest.raises(SystemExit, match="chunking"):
         parse_config("train", ["--chunking.estimate_window=4"])

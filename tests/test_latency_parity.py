@@ -328,6 +328,8 @@ def test_serve_refuses_a_latency_aware_policy_without_its_mid_inference_source()
         fit_protocol(config, info)
     config.chunking = ChunkingConfig(merge="latest")
     assert fit_protocol(config, info).mid_fraction == 0.5
+    with pytest.raises(ValueError, match="this latency-aware policy has no prepare_request"):  # the contract's split
+        fit_protocol(config, {**info, "splits_inference": False})
     config.max_delay_steps = 6
     with pytest.raises(ValueError, match="fine-tuned for delays up to 4; serve faster"):
         fit_protocol(config, info)

@@ -24,8 +24,9 @@ def ignored_line(old: str, new: str, until: str) -> str:
 
 
 def rename_tree(tree: dict, fields: Callable[[str], bool], warn: Callable[[str], None]) -> dict:
-    """A nested config mapping (a YAML file) with old names moved to their new place, as `rename_pairs`; an
-    old name whose new field the config lacks, where its old parent exists, is dropped with a notice."""
+    """A nested config mapping (a YAML file) with old names moved to their new place, each move told to
+    ``warn``; ``fields`` says whether the config has a dotted name. An old name is dropped, with a notice,
+    when its new name is given too or when the config lacks the new field but has the old one's parent."""
     for old, (new, until) in RENAMED.items():
         *parents, leaf = old.split(".")
         node = tree
@@ -39,10 +40,13 @@ def rename_tree(tree: dict, fields: Callable[[str], bool], warn: Callable[[str],
                 warn(ignored_line(old, new, until))
             continue
         value = node.pop(leaf)
-        warn(renamed_line(old, new, until))
         *new_parents, new_leaf = new.split(".")
         target = tree
         for part in new_parents:
             target = target.setdefault(part, {})
+        if new_leaf in target:  # given under its new name too: that wins
+            warn(f"{old} is ignored: {new} is given too")
+            continue
+        warn(renamed_line(old, new, until))
         target[new_leaf] = value
     return tree

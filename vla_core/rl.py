@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -61,10 +61,6 @@ class FactorLogProb:
     def __len__(self) -> int:
         return self.values.shape[0]
 
-    @property
-    def num_factors(self) -> int:
-        return self.values.shape[1]
-
     def columns(self, factors: slice) -> FactorLogProb:
         """The factors ``factors`` of every row (``--train_last_steps``: the last k)."""
         return FactorLogProb(self.values[:, factors], None if self.mask is None else self.mask[:, factors])
@@ -74,13 +70,6 @@ class FactorLogProb:
 
     def to(self, device: torch.device | str) -> FactorLogProb:
         return FactorLogProb(self.values.to(device), None if self.mask is None else self.mask.to(device))
-
-    def detach(self) -> FactorLogProb:
-        return FactorLogProb(self.values.detach(), self.mask)
-
-    def total(self) -> torch.Tensor:
-        """(B,) the log-probability of each whole decision: the sum over its factors."""
-        return self.values.sum(1) if self.mask is None else torch.where(self.mask, self.values, 0.0).sum(1)
 
     @staticmethod
     def cat(parts: Sequence[FactorLogProb]) -> FactorLogProb:
@@ -127,8 +116,3 @@ class RLPolicy(Protocol):
     def value_features(self, obs: Observation) -> torch.Tensor:
         """(B, value_dim) what a value head reads of the observation; with autograd when it is enabled."""
         ...
-
-
-Exploration = Any
-"""How an actor explores, in its decision kind's own terms (`policies.denoising_chain.ExplorationNoise`
-for a denoising chain)."""

@@ -365,7 +365,10 @@ def _renamed_args(config_cls: type, args: list[str], name: str) -> list[str]:
             out.append(arg)
             continue
         new, until = RENAMED[key]
-        if _has_field(defaults, new):
+        if any(a == f"--{new}" or a.startswith(f"--{new}=") for a in args):  # given under its new name: that wins
+            _notice(name)(f"{key} is ignored: {new} is given too")
+            i += "=" not in arg and i < len(args) and not args[i].startswith("--")
+        elif _has_field(defaults, new):
             _notice(name)(renamed_line(key, new, until))
             out.append(f"--{new}" + (arg[arg.index("=") :] if "=" in arg else ""))
         elif _has_field(defaults, key.rpartition(".")[0] or key):

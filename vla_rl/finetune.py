@@ -162,9 +162,7 @@ class FinetuneConfig:
             raise ValueError(f"--algo={self.algo!r} is unknown; choose --algo=ppo or --algo=grpo")
         self.chunking.validate()
         check_merge(self.chunking.merge, use="finetune")  # the latency protocol's table
-        self.noise.validate()
-        if self.noise.min_std <= 0:
-            raise ValueError("--noise.min_std must be > 0: with no noise the chain has no log-probability")
+        self.noise.check_density()  # RL needs the chain's log-probability
         self.ppo.validate()
         if self.algo == "grpo":
             self.grpo.validate(self.env.num_envs)
@@ -291,7 +289,9 @@ def finetune(cfg: FinetuneConfig) -> dict:
         envs = [closing.enter_context(make_env(env_cfg)) for env_cfg in env_cfgs]
         for env, env_cfg in zip(envs, env_cfgs, strict=True):
             check_policy_fits(policy, env, env_cfg)
-        run, policy_dir = _wire(cfg, tasks, env_cfgs, envs, out, accelerator, processes, actor, factors, policy_dir)
+        gamma = cfg.ppo.gamma if cfg.algo == "ppo" else 1.0  # the transitions' discount per control step
+        run, policy_dir = _wire(cfg, tasks, env_cfgs, envs, out, accelerator, processes, actor, factors, policy_dir,
+                                gamma)  # fmt: skip
         if run.logging:
             accelerator.init_trackers("finetune", config={"algo": cfg.algo, "lr": cfg.lr, "tasks": ",".join(tasks)})
         if accelerator.is_main_process:
@@ -301,7 +301,6 @@ def finetune(cfg: FinetuneConfig) -> dict:
                 write_text_atomic(out / "initial_checkpoint.txt", str(policy_dir))
             if not cfg.resume and cfg.eval_every:
                 run.evaluation(actor.policy, policy_dir, run.state)
-        gamma = cfg.ppo.gamma if cfg.algo == "ppo" else 1.0
         rollouts = (RayRollouts(actor, cfg, gamma, run.state["iteration"], run.curriculum) if cfg.runtime == "ray"
                     else LocalRollouts(actor, run.shells, cfg, run.curriculum, processes))  # fmt: skip
         closing.callback(rollouts.close)
@@ -326,7 +325,9 @@ def trained_factors(train_last_steps: int, num_factors: int) -> slice:
     return slice(num_factors - train_last_steps, num_factors) if train_last_steps else slice(None)
 
 
-def _wire(cfg, tasks, env_cfgs, envs, out, accelerator, processes, actor, factors, policy_dir) -> tuple[_Run, Path]:
+def _wire(
+    cfg, tasks, env_cfgs, envs, out, accelerator, processes, actor, factors, policy_dir, gamma
+) -> tuple[_Run, Path]:
     """The run's delay streams, latency head, shells, learner and random streams, resumed or freshly seeded;
     returns it and the checkpoint it starts from (a warmed-up latency head's, when there is one)."""
     from vla_rl.rl import grpo, ppo
@@ -340,7 +341,6 @@ def _wire(cfg, tasks, env_cfgs, envs, out, accelerator, processes, actor, factor
     torch.manual_seed(cfg.seed)  # the fast head's and the critic's initial weights: the same in every process
     policy_dir = make_latency_aware(cfg, policy, delay.max_steps, out, envs[0].control_dt, processes) or policy_dir
     spec = LatencySpec.of(policy)  # with its head, a latency-aware policy's mid observation
-    gamma = cfg.ppo.gamma if cfg.algo == "ppo" else 1.0
     shells = [DelayedChunkEnv(env, spec, cfg.chunking, delay, use="finetune", gamma=gamma) for env in envs]
     # Eval mode throughout (no dropout): sampling and the update then score decisions with the same network.
     policy.eval()

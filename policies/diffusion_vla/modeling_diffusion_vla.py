@@ -119,7 +119,7 @@ class DiffusionVLAPolicy(DenoisingRL, PreTrainedPolicy):
         """See ``PreTrainedPolicy.latency_head_inputs``. The SigLIP tower is the slow part, too slow to run on
         the mid observation: the fast head encodes the request's and the mid images with a small keypoint
         CNN of its own (`policies.keypoints`), so their difference is the world's motion in its features."""
-        encoders = {cam: ImageEncoder(LATENCY_IMAGE_CHANNELS, LATENCY_KEYPOINTS) for cam in self.config.cameras}
+        encoders = {cam: ImageEncoder(LATENCY_IMAGE_CHANNELS, LATENCY_KEYPOINTS) for cam in self.config.mid_cameras}
         return encoders, 2 * LATENCY_KEYPOINTS, self.config.dim
 
     # -- training -----------------------------------------------------------------------------

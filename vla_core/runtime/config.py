@@ -1,5 +1,6 @@
-"""How chunks execute: the one chunking config, embedded as ``chunking`` in the eval and serve configs
-(``--chunking.execute_steps``, ``--chunking.merge``, ``--chunking.ensemble_coeff``)."""
+"""How chunks execute: the one chunking config, embedded as ``chunking`` in the eval, finetune and serve
+configs (``--chunking.execute_steps``, ``--chunking.merge``, ``--chunking.ensemble_coeff``,
+``--chunking.estimate_window``)."""
 
 from __future__ import annotations
 

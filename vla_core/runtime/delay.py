@@ -201,7 +201,7 @@ def augmentation(
     - ``OBS_DELAY_STEPS``: (B,) long, ``delay_steps``
 
     ``validate=False`` skips the range check, which reads the device, for a caller that clamped the
-    delays itself (`ChunkSchedule`).
+    delays itself (`vla_core.runtime.LatencyProtocol`).
     """
     if delay_steps.ndim != 1 or delay_steps.is_floating_point():
         raise ValueError(

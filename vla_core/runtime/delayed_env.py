@@ -28,18 +28,14 @@ from vla_core.types import ActionChunk, BatchedEnv, Worlds, WorldState, world_in
 
 class DelayedChunkEnv:
     """``reset`` / ``step`` return an observation batch and ``need`` (N,) bool, the worlds whose policy is
-    asked for a chunk now: their rows hold the request's observation, its delay augmentation and (for a
-    latency-aware policy) ``observation.mid.*``; ``guidance`` holds RTC guidance when the policy takes it.
-    ``step`` takes the chunks of those worlds (other rows are ignored) and steps until some world is asked
-    again; a step with nothing queued sends the env's ``hold_actions()`` (else the last action).
-    gamma: the per-control-step discount of the transitions' ``discounted_reward``.
+    asked now: their rows hold the request's observation, its augmentation and (latency-aware)
+    ``observation.mid.*``. ``step`` takes their chunks and steps until some world is asked again; a
+    step with nothing queued sends the env's ``hold_actions()``. gamma: the transitions' discount per step.
     """
 
     def __init__(self, env: BatchedEnv, spec: LatencySpec, chunking: ChunkingConfig, delay: DelayModel, *,
                  use: Use = "eval", gamma: float = 1.0):  # fmt: skip
-        if not 0.0 < gamma <= 1.0:
-            raise ValueError(f"gamma must be in (0, 1], got {gamma}")
-        self.env, self.delay, self.gamma, self.num_envs = env, delay, gamma, env.num_envs
+        self.env, self.delay, self.num_envs = env, delay, env.num_envs
         self.device = dev = torch.device(env.device)
         self.protocol = LatencyProtocol(
             spec, chunking, use=use, num_worlds=env.num_envs, action_dim=env.action_dim, max_delay=delay.max_steps,
@@ -52,7 +48,7 @@ class DelayedChunkEnv:
         self._true_delay = torch.zeros(env.num_envs, dtype=torch.long, device=dev)  # of each open request
         self._flight: ActionChunk | None = None  # (N, H, A) the chunks in flight
         self._arrival = torch.zeros(env.num_envs, dtype=torch.long, device=dev)  # when each in-flight one lands
-        self._transition = ChunkTransition.zeros(env.num_envs, dev)  # each world's, since its latest request
+        self._transition = ChunkTransition.zeros(env.num_envs, dev, gamma)  # each world's, since its request
 
     @property
     def obs_step(self) -> torch.Tensor:
@@ -67,8 +63,7 @@ class DelayedChunkEnv:
 
     def hold_actions(self) -> torch.Tensor | None:
         """(N, A) the env's actions that keep each world still (None when it has none)."""
-        hold = getattr(self.env, "hold_actions", None)
-        return None if hold is None else hold()
+        return self.env.hold_actions() if hasattr(self.env, "hold_actions") else None
 
     def reset(self, seed: int | Sequence[int] | None = None, *, worlds: Worlds = None) -> tuple[dict, torch.Tensor]:
         """New episodes in ``worlds`` (all when None; ``seed`` as in `BatchedEnv.reset`), which request at
@@ -109,11 +104,9 @@ class DelayedChunkEnv:
         return {**self._request_obs, **self.protocol.augmentation, **self.protocol.mid_observation(self._obs)}
 
     def step(self, chunk: ActionChunk) -> tuple[dict, torch.Tensor, torch.Tensor, torch.Tensor, dict, torch.Tensor]:
-        """Submit the asked worlds' chunks (N, H, A), ``obs_step`` the step each row was conditioned on, then
-        step until some world is asked. Returns obs, reward (N,) summed over the steps taken, terminated,
-        truncated, info, need. ``info``: ``steps`` (N,) env steps taken, ``success`` (N,) an episode ended in
-        success, ``delay_steps`` (N,) the delay each submitted chunk got (-1: none submitted) and
-        ``transition``, each world's `ChunkTransition` since its own request, complete where ``ready``."""
+        """Submit the asked worlds' chunks (N, H, A) and step until some world is asked: obs, reward (N,) summed,
+        terminated, truncated, info, need. ``info``: ``steps`` (N,), ``success`` (N,) an episode ended in
+        success, ``delay_steps`` (N,) each submitted chunk's delay (-1: none) and ``transition``."""
         p, dev, submitted = self.protocol, self.device, self._need
         actions = chunk.actions.to(device=dev, dtype=torch.float32)
         if not (torch.isfinite(actions) | ~submitted[:, None, None]).all():
@@ -153,7 +146,7 @@ class DelayedChunkEnv:
             reward, steps = reward + r, steps + 1
             terminated, truncated = terminated | term, truncated | trunc
             diverged = info.get("diverged")
-            self._transition.add_step(r, term, trunc, None if diverged is None else diverged.to(dev), self.gamma)
+            self._transition.add_step(r, term, trunc, None if diverged is None else diverged.to(dev))
             success |= info["success"].to(dev)
             ended = term | trunc  # a new episode forgets the old one's queue, chunk in flight and open request
             p.restart(ended)

@@ -284,13 +284,6 @@ class LatencyProtocol:
         """The queue's actions (N, A) and valid (N,) for this step; advances every world one step."""
         return self.executor.next_action()
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """What carries from one rollout to the next of a resumed run: the measured lags."""
-        return {"lags": self.lags.cpu()}
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        self.lags = state["lags"].to(self.lags.device)
-
 
 def merge_rows(old: dict[str, Any], new: dict[str, Any], rows: torch.Tensor) -> dict[str, Any]:
     """``new``'s values in ``rows`` (N,) bool, ``old``'s elsewhere (all of ``new`` where ``old`` lacks a

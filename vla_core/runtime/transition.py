@@ -16,7 +16,7 @@ class ChunkTransition:
     steps: long, env steps taken since the request.
     reward: float32, the env's reward summed over those steps.
     discounted_reward: float32, the same rewards discounted per control step from the request:
-        sum_i gamma^i r_i (RL's chunk-level reward; ``gamma`` of `DelayedChunkEnv`).
+        sum_i gamma^i r_i (RL's chunk-level reward).
     discount: float32, gamma^steps: what the value of the next request is worth from this one.
     terminated, truncated: bool, the episode ended on the last of them (a transition never spans
         two episodes; the episode's last observation is then ``info["final_obs"]``).
@@ -34,15 +34,20 @@ class ChunkTransition:
     truncated: torch.Tensor
     diverged: torch.Tensor
     ready: torch.Tensor
+    gamma: float = 1.0  # the discount per control step, in (0, 1]
 
     @classmethod
-    def zeros(cls, n: int, device: torch.device | str = "cpu") -> ChunkTransition:
+    def zeros(cls, n: int, device: torch.device | str = "cpu", gamma: float = 1.0) -> ChunkTransition:
+        if not 0.0 < gamma <= 1.0:
+            raise ValueError(f"gamma must be in (0, 1], got {gamma}")
         long, flag = torch.zeros(n, dtype=torch.long, device=device), torch.zeros(n, dtype=torch.bool, device=device)
         real = torch.zeros(n, device=device)
-        return cls(long, long.clone(), real, real.clone(), real + 1, flag, flag.clone(), flag.clone(), flag.clone())
+        return cls(
+            long, long.clone(), real, real.clone(), real + 1, flag, flag.clone(), flag.clone(), flag.clone(), gamma
+        )
 
     def clone(self) -> ChunkTransition:
-        return ChunkTransition(*(t.clone() for t in vars(self).values()))
+        return ChunkTransition(*(t.clone() if torch.is_tensor(t) else t for t in vars(self).values()))
 
     def start(self, worlds: torch.Tensor, step: torch.Tensor) -> None:
         """Open a new transition in ``worlds`` ((N,) bool), requested at control step ``step`` (N,)."""
@@ -58,13 +63,12 @@ class ChunkTransition:
         terminated: torch.Tensor,
         truncated: torch.Tensor,
         diverged: torch.Tensor | None = None,
-        gamma: float = 1.0,
     ) -> None:
-        """Every world took one env step: (N,) each, float32 and bool; gamma discounts per step."""
+        """Every world took one env step: (N,) each, float32 and bool."""
         self.steps = self.steps + 1
         self.reward = self.reward + reward
         self.discounted_reward = self.discounted_reward + self.discount * reward
-        self.discount = self.discount * gamma
+        self.discount = self.discount * self.gamma
         self.terminated = self.terminated | terminated
         self.truncated = self.truncated | truncated
         if diverged is not None:

@@ -1,7 +1,9 @@
 """A fine-tuning run's checkpoints: ``checkpoints/step-<iteration>/`` holds the policy as ``vla-rl eval`` and
 ``vla-rl serve`` load it, and ``training_state/finetune_state.pt`` what ``--resume`` needs: the run's
 progress, the learner's optimizers (and critic), the curriculum, and every process's random streams
-and measured delay lags, so a resumed run reaches the same next update as one that was never stopped.
+and measured delay lags, so a resumed run reaches the same next update as one that was never stopped
+(on the CPU: the delay generators a simulation on an accelerator draws from are not saved yet, so a
+resumed GPU run draws its delays anew).
 Written atomically by the main process; every process takes part.
 """
 

@@ -2,8 +2,8 @@
 
 Layout: ``ray.num_workers`` rollout workers, each a Ray actor (one CPU) with its own batch of
 ``env.num_envs`` worlds behind the same delay shell as the local runtime
-(`vla_core.runtime.delayed_env.DelayedChunkEnv.for_policy`: the latency model of ``vla-rl eval`` and of the robot), and
-its own copy of the policy. The learner, the ``vla-rl finetune`` process, owns the weights, the
+(`vla_core.runtime.delayed_env.DelayedChunkEnv`: the latency protocol of ``vla-rl eval`` and of the
+robot), and its own copy of the policy and its RL actor. The learner, the ``vla-rl finetune`` process, owns the weights, the
 optimizer and the critic. On one machine the run starts a local Ray instance and stops it at the
 end; ``--ray.address=host:port`` joins a running cluster instead (the same code).
 
