@@ -292,3 +292,14 @@ def test_exploration_noise_validation_and_gaussian():
     expected = (Normal(mean, std).log_prob(x) * mask).sum((1, 2))
     torch.testing.assert_close(gaussian_log_prob(x, mean, std, mask), expected)
     torch.testing.assert_close(gaussian_log_prob(x, mean, 0.3), Normal(mean, 0.3).log_prob(x).sum((1, 2)))
+
+
+def test_rl_refuses_a_vla_whose_sampler_or_noise_it_would_not_train():
+    """RL scores DDIM-with-eta chains: a ddpm VLA that evaluates with the DDPM sampler would run another
+    policy than the one RL trains, and eta means nothing to a flow policy's Euler steps."""
+    with pytest.raises(ValueError, match="RL scores DDIM-with-eta chains, but this policy samples with DDPM"):
+        make_policy("ddpm-sampler").rl_actor(ExplorationNoise(eta=0.0, min_std=0.1))
+    with pytest.raises(ValueError, match=r"--noise.eta=0.5 does nothing for a flow policy"):
+        make_policy("flow").rl_actor(ExplorationNoise(eta=0.5, min_std=0.1))
+    assert make_policy("flow").rl_actor(ExplorationNoise(eta=0.0, min_std=0.1)).num_factors == 10  # K Euler steps
+    assert make_policy("ddpm").rl_actor(ExplorationNoise(eta=1.0, min_std=0.1)).noise.eta == 1.0

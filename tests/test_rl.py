@@ -344,12 +344,36 @@ def test_a_finetuned_checkpoint_loads_in_eval_and_its_summary_has_the_curve(tiny
         ({"latency_aware": True, "latency_warmup": LatencyWarmupConfig(steps=5)}, "--latency_warmup.dataset=<"),
         ({"latency_warmup": LatencyWarmupConfig(steps=5, dataset="d")}, "add --latency_aware=true"),
         ({"latency_aware": True, "latency_warmup": LatencyWarmupConfig(steps=-1)}, "--latency_warmup.steps=-1 must"),
+        # The other algorithm's settings would do nothing.
+        (
+            {"algo": "grpo", "grpo": GRPOConfig(group_size=2), "ppo": PPOConfig(kl_coef=0.5)},
+            "--ppo.kl_coef does nothing under --algo=grpo; drop the --ppo.* flags (kl_coef) or set --algo=ppo",
+        ),
+        ({"grpo": GRPOConfig(group_size=2)}, "--grpo.group_size does nothing under --algo=ppo"),
     ],
 )
 def test_bad_config_gets_one_line_naming_the_fix(tiny_checkpoint, tmp_path, overrides, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         finetune(small_run(tiny_checkpoint[0], tmp_path / "bad", **overrides))
     assert not (tmp_path / "bad").exists()  # refused before any output
+
+
+def test_a_latency_aware_checkpoint_refuses_the_flags_it_would_ignore(tiny_checkpoint, tmp_path):
+    """A checkpoint with a fast head acts and trains latency-aware whatever the flags say, at the mid point
+    it was built for: asking for a plain run, or another mid point, is refused before any output."""
+    from vla_rl.checkpoint import load_policy
+
+    policy, _ = load_policy(tiny_checkpoint[0])
+    policy.add_latency_head(3, 0.5, ["front"])
+    policy.save_pretrained(tmp_path / "aware")
+    delay = DelayConfig(kind="fixed", steps=3)
+    for overrides, message in [
+        ({}, "the checkpoint is latency-aware (it has a fast head); fine-tune it with --latency_aware=true"),
+        ({"latency_aware": True, "mid_fraction": 0.25}, "--mid_fraction=0.25 does nothing: the checkpoint's fast head"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            finetune(small_run(tmp_path / "aware", tmp_path / "bad", delay=delay, **overrides))
+        assert not (tmp_path / "bad").exists()
 
 
 def test_a_warmed_up_fast_head_starts_the_run_and_leaves_the_imitation_weights_alone(

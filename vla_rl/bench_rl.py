@@ -87,7 +87,7 @@ def bench_rl(cfg: BenchRLConfig) -> dict[str, Any]:
             eval_every=1 if cfg.quick else 10, eval_episodes=cfg.progress_eval_episodes,
             eval_seed=cfg.progress_eval_seed, num_threads=cfg.num_threads, log_with="none",
             resume=(run_dir / "checkpoints" / "last").exists(),
-            grpo=GRPOConfig(group_size=min(8, cfg.num_envs)),
+            **({"grpo": GRPOConfig(group_size=min(8, cfg.num_envs))} if algo == "grpo" else {}),
         ))  # fmt: skip
         runs[algo] = {
             "minutes": round((time.time() - t0) / 60, 2), "env_steps": summary["env_steps"],

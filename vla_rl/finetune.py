@@ -48,7 +48,7 @@ import os
 import random
 import sys
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -166,6 +166,15 @@ class FinetuneConfig:
         self.ppo.validate()
         if self.algo == "grpo":
             self.grpo.validate(self.env.num_envs)
+        # The other algorithm's settings would be ignored: refused, naming them.
+        unused, kind = (self.ppo, PPOConfig) if self.algo == "grpo" else (self.grpo, GRPOConfig)
+        changed = [f.name for f in fields(kind) if getattr(unused, f.name) != getattr(kind(), f.name)]
+        if changed:
+            other = "ppo" if self.algo == "grpo" else "grpo"
+            raise ValueError(
+                f"--{other}.{changed[0]} does nothing under --algo={self.algo}; drop the --{other}.* flags "
+                f"({', '.join(changed)}) or set --algo={other}"
+            )
         if self.iterations < 1 or self.update_epochs < 1 or self.minibatch_size < 1 or self.save_every < 1:
             raise ValueError("--iterations, --update_epochs, --minibatch_size and --save_every must be >= 1")
         if self.lr <= 0 or not 0 <= self.clip_low < 1 or self.clip_high < 0 or self.max_env_steps < 0:

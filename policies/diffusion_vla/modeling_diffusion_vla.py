@@ -276,6 +276,23 @@ class DiffusionVLAPolicy(DenoisingRL, PreTrainedPolicy):
         weights = cond_mask.to(cond)[..., None]
         return (cond * weights).sum(1) / weights.sum(1).clamp_min(1)
 
+    def rl_actor(self, noise: ExplorationNoise):
+        """The denoising actor (`policies.denoising_chain.DenoisingRL`), refused with the fix where RL would not
+        train what evaluation runs or a setting would do nothing."""
+        cfg = self.config
+        if cfg.objective == "ddpm" and cfg.ddpm_sampler == "ddpm":
+            raise ValueError(
+                "RL scores DDIM-with-eta chains, but this policy samples with DDPM (policy.ddpm_sampler=ddpm), so "
+                'evaluation and serving would not run the policy RL trains; set "ddpm_sampler": "ddim" in the '
+                "checkpoint's pretrained_model/config.json (the weights stay as they are) and fine-tune that"
+            )
+        if cfg.objective == "flow" and noise.eta != 0:
+            raise ValueError(
+                f"--noise.eta={noise.eta} does nothing for a flow policy (its Euler steps' std is --noise.min_std); "
+                f"drop --noise.eta"
+            )
+        return super().rl_actor(noise)
+
     def _flow_times(self, device) -> torch.Tensor:
         """(K,) the Euler steps' times, 1 - k / n, as ``_sample_flow`` takes them."""
         n = self.config.num_inference_steps

@@ -14,12 +14,20 @@ from vla_rl.checkpoint import load_policy
 def make_latency_aware(cfg, policy, max_delay: int, out: Path, control_dt: float, processes) -> Path | None:
     """Give ``policy`` its fast head for delays up to ``max_delay`` (unless a resumed checkpoint has it);
     returns the warmed-up checkpoint the run then starts from, or None when there is no warm-up."""
-    if cfg.resume and cfg.latency_aware and not policy.config.latency_aware:
+    pcfg = policy.config
+    if cfg.resume and cfg.latency_aware and not pcfg.latency_aware:
         raise ValueError(
             f"the run in {out} is not latency-aware; resume it without --latency_aware, or start the "
             f"latency-aware run in a new --output_dir"
         )
-    if not cfg.latency_aware or policy.config.latency_aware:  # a resumed run's checkpoint has its head already
+    if pcfg.latency_aware and not cfg.latency_aware:  # its head would act and train all the same
+        raise ValueError("the checkpoint is latency-aware (it has a fast head); fine-tune it with --latency_aware=true")
+    if pcfg.latency_aware and cfg.mid_fraction != pcfg.mid_fraction:
+        raise ValueError(
+            f"--mid_fraction={cfg.mid_fraction} does nothing: the checkpoint's fast head takes its mid observation at "
+            f"mid_fraction={pcfg.mid_fraction}; drop --mid_fraction (or set it to {pcfg.mid_fraction})"
+        )
+    if not cfg.latency_aware or pcfg.latency_aware:  # a resumed run's checkpoint has its head already
         return None
     policy.add_latency_head(max_delay, cfg.mid_fraction, list(cfg.env.cameras))
     return warm_up_head(cfg, policy, out, control_dt, processes) if cfg.latency_warmup.steps else None
