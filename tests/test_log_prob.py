@@ -96,14 +96,19 @@ def brute_force(policy, obs, chain, step_mean_std, delayed: bool):
 # -- 1, 2: the chain's density is the brute-force one ---------------------------------------------------
 
 
+@pytest.mark.parametrize(
+    ("eta", "min_std"),
+    [
+        (1.0, 0.01),  # the last DDIM step lands on alpha = 1 where DDIM's variance is 0: min_std floors it
+        (0.0, 0.1),  # vla-rl finetune's default: the deterministic DDIM step plus 0.1 of noise, every step
+    ],
+)
 @pytest.mark.parametrize("delayed", [False, True])
 @pytest.mark.parametrize("kind", EPSILON_KINDS)
-def test_epsilon_chain_density_is_ddim_with_eta(kind, delayed):
+def test_epsilon_chain_density_is_ddim_with_eta(kind, delayed, eta, min_std):
     policy = make_policy(kind, max_delay_steps=3 if delayed else 0)
     obs = observation(delayed)
     cfg = policy.config
-    # eta = 1; the last DDIM step lands on alpha = 1 where DDIM's variance is 0, so min_std floors it.
-    eta, min_std = 1.0, 0.01
     _, chain, log_prob = sample(policy, obs, ExplorationNoise(eta=eta, min_std=min_std))
     sched = DDIMScheduler(num_train_timesteps=cfg.num_train_timesteps, beta_schedule=cfg.beta_schedule,
                           clip_sample=True, prediction_type="epsilon")  # fmt: skip
@@ -122,7 +127,10 @@ def test_epsilon_chain_density_is_ddim_with_eta(kind, delayed):
 
     expected, residuals = brute_force(policy, obs, chain, step, delayed)
     floored = [s == min_std for s in stds]
-    assert floored == [False] * (len(stds) - 1) + [True], stds  # the floor applies, on the last step only
+    if eta > 0:
+        assert floored == [False] * (len(stds) - 1) + [True], stds  # the floor applies, on the last step only
+    else:
+        assert all(floored), stds  # eta = 0: every step's std is the floor
     torch.testing.assert_close(chain.std, torch.tensor(stds), rtol=1e-5, atol=1e-7)
     assert chain.eta == eta
     torch.testing.assert_close(log_prob, expected, rtol=1e-5, atol=1e-3)

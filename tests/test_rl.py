@@ -516,3 +516,137 @@ def test_two_processes_update_on_the_union_of_their_rollouts_and_stay_identical(
         assert first > 0 and second > 0 and h["decisions"] == first + second  # no world diverged here
         assert len(set(h["weights_checksum_per_process"])) == 1
     assert history[0]["weights_checksum_per_process"] != history[1]["weights_checksum_per_process"]
+
+
+# -- ppo.update against hand-worked numbers (a one-parameter actor and a constant critic) -------------
+
+
+class _Draws:
+    """A decision kind of one number per decision (the `vla_core.rl.Decision` protocol)."""
+
+    def __init__(self, x: torch.Tensor):
+        self.x = x
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def select(self, rows):
+        return _Draws(self.x[rows])
+
+    def to(self, device):
+        return self
+
+    @staticmethod
+    def cat(parts):
+        return _Draws(torch.cat([p.x for p in parts]))
+
+
+class _LinearActor:
+    """log pi(decision x) = theta * x, one factor; value features a constant 0."""
+
+    def __init__(self, theta: float):
+        from vla_core.rl import FactorLogProb
+
+        self.module = torch.nn.Module()
+        self.module.theta = torch.nn.Parameter(torch.tensor(theta))
+        self.policy, self.num_factors, self.value_dim, self.device = self.module, 1, 1, torch.device("cpu")
+        self._factor = FactorLogProb
+
+    def score(self, obs, decision):
+        return self._factor((self.module.theta * decision.x)[:, None])
+
+    def value_features(self, obs):
+        return torch.zeros(len(obs["observation.state"]), 1)
+
+
+class _ConstantValue(torch.nn.Module):
+    """V(s) = b for every state."""
+
+    def __init__(self):
+        super().__init__()
+        self.b = torch.nn.Parameter(torch.tensor(0.0))
+
+    def forward(self, features, progress):
+        return self.b.expand(len(features))
+
+
+def _two_world_rollout(x=(1.0, 2.0)) -> Rollout:
+    """Two worlds, one decision each that ends its episode, rewards 1 and 0."""
+    r = rollout_of([0, 1], [0, 0], [1.0, 0.0], [0.9, 0.9], [True, True])
+    r.obs = {"observation.state": torch.zeros(2, 1)}
+    r.decision = _Draws(torch.tensor(x))
+    return r
+
+
+def test_ppo_value_loss_is_clipped_around_the_old_values():
+    """V = b, b_old = 0; targets G = R = [1, 0] (one decision each, done). Epoch 1 at b = 0: loss
+    0.5 * mean(1, 0) = 0.25, gradient mean(b - G) = -0.5, SGD lr 1 -> b = 0.5. Epoch 2, value_clip 0.1:
+    unclipped (0.5 - G)^2 = [0.25, 0.25], clipped (0.1 - G)^2 = [0.81, 0.01], max [0.81, 0.25]: loss
+    0.265; the first row's max is the clipped term, flat in b, so the gradient is 0.5 * (0.5 - 0) = 0.25
+    -> b = 0.25 (unclipped, the gradient would be mean(0.5 - G) = 0 and b would stay 0.5)."""
+    from vla_core.rl import FactorLogProb
+    from vla_rl.rl import ppo
+    from vla_rl.rl.update import UpdateSettings
+
+    for value_clip, b_after, loss in [(0.1, 0.25, (0.25 + 0.265) / 2), (0.0, 0.5, (0.25 + 0.125) / 2)]:
+        actor, critic = _LinearActor(0.5), _ConstantValue()
+        settings = UpdateSettings(epochs=2, minibatch_size=2, clip_low=0.2, clip_high=0.28, factors=slice(None),
+                                  pcgrad=False, max_grad_norm=0, lr=1, head_lr=1, generator=torch.Generator())  # fmt: skip
+        stats = ppo.update(
+            actor, critic, _two_world_rollout(), FactorLogProb(torch.zeros(2, 1)), None,
+            cfg=PPOConfig(value_clip=value_clip), settings=settings,
+            actor_step=GradientStep(torch.optim.SGD(actor.module.parameters(), lr=1), 0),
+            critic_step=GradientStep(torch.optim.SGD(critic.parameters(), lr=1), 0),
+            train_actor=False, max_episode_steps=10,
+        )  # fmt: skip
+        assert critic.b.item() == pytest.approx(b_after) and stats["value_loss"] == pytest.approx(loss)
+        assert stats["advantage_mean"] == pytest.approx(0.5) and stats["value_mean"] == 0.0
+
+
+def test_ppo_actor_step_normalizes_advantages_and_pulls_toward_the_reference():
+    """log pi = theta x with x = [1, 2], theta = theta_old = 0.5, reference theta 0; A = R - V = [1, 0],
+    normalized [1, -1]. The ratio is 1: surrogate 0, its gradient -mean(A_n x) = 0.5. KL(pi || ref), k3
+    on d = ref - new = [-0.5, -1]: mean(e^d - 1 - d) = mean(0.106531, 0.367879) = 0.237205, gradient
+    mean(-(e^d - 1) x) = mean(0.393469, 1.264241) = 0.828855. kl_coef 0.5: loss 0.118603, gradient
+    0.5 + 0.414428 = 0.914428; SGD lr 0.1 -> theta = 0.5 - 0.0914428."""
+    from vla_core.rl import FactorLogProb
+    from vla_rl.rl import ppo
+    from vla_rl.rl.update import UpdateSettings
+
+    actor, critic = _LinearActor(0.5), _ConstantValue()
+    old = FactorLogProb(torch.tensor([[0.5], [1.0]]))
+    reference = FactorLogProb(torch.zeros(2, 1))
+    settings = UpdateSettings(epochs=1, minibatch_size=2, clip_low=0.2, clip_high=0.28, factors=slice(None),
+                              pcgrad=False, max_grad_norm=0, lr=0.1, head_lr=0.1, generator=torch.Generator())  # fmt: skip
+    stats = ppo.update(
+        actor, critic, _two_world_rollout(), old, reference, cfg=PPOConfig(kl_coef=0.5), settings=settings,
+        actor_step=GradientStep(torch.optim.SGD(actor.module.parameters(), lr=0.1), 0),
+        critic_step=GradientStep(torch.optim.SGD(critic.parameters(), lr=0.0), 0), train_actor=True,
+        max_episode_steps=10,
+    )  # fmt: skip
+    assert stats["kl_to_imitation"] == pytest.approx(0.237205, abs=1e-6)
+    assert stats["policy_loss"] == pytest.approx(0.5 * 0.237205, abs=1e-6)
+    assert stats["clip_fraction"] == 0.0 and stats["approx_kl"] == pytest.approx(0.0, abs=1e-7)
+    assert actor.module.theta.item() == pytest.approx(0.5 - 0.0914428, abs=1e-6)
+
+
+def test_the_kl_and_the_per_task_losses_by_hand():
+    """k3 KL of new = [0, 0] to reference [log 2, 0]: mean(2 - 1 - log 2, 0) = 0.153426. PCGrad's per-task
+    losses at ratio 1 for tasks [0, 0, 1], advantages [1, 3, -2]: each task's own mean, -mean(1, 3) = -2
+    and -(-2) = 2. A data-parallel process holding only row 0 adds its share of task 0, -1 * 1/2; the
+    other, holding rows 1 and 2, adds -3 * 1/2 and 2: summed across processes, each task's mean again."""
+    from vla_rl.rl.update import actor_loss, actor_loss_per_task, kl_to_reference
+
+    kl = kl_to_reference(torch.zeros(2, 1), torch.tensor([[math.log(2)], [0.0]]))
+    assert kl.item() == pytest.approx(0.153426, abs=1e-6)
+    tasks, adv, zero = torch.tensor([0, 0, 1]), torch.tensor([1.0, 3.0, -2.0]), torch.zeros(3, 1)
+    assert [t.item() for t in actor_loss_per_task(tasks, tasks, zero, zero, adv, 0.2, 0.28)] == [-2.0, 2.0]
+    first = actor_loss_per_task(tasks[:1], tasks, zero[:1], zero[:1], adv[:1], 0.2, 0.28)
+    second = actor_loss_per_task(tasks[1:], tasks, zero[1:], zero[1:], adv[1:], 0.2, 0.28)
+    assert first[0].item() == -0.5 and first[1] is None
+    assert (second[0].item(), second[1].item()) == (-1.5, 2.0)
+    # A factor a decision lacks (mask False) is left out of every mean: as if its row had one factor.
+    mask = torch.tensor([[True, False]] * 3)
+    assert actor_loss(torch.zeros(3, 2), torch.zeros(3, 2), adv, 0.2, 0.28, mask=mask)[0].item() == pytest.approx(
+        -2 / 3
+    )
