@@ -189,3 +189,16 @@ def test_every_delay_stream_of_a_run_is_seeded_by_one_rule():
     drawn = DelayModel(cfg, stream=3).sample(20)
     assert torch.equal(drawn, DelayModel(DelayConfig(kind="uniform", high=9, seed=8)).sample(20))
     assert not torch.equal(drawn, DelayModel(cfg).sample(20))
+
+
+def test_the_delay_streams_are_saved_and_restored():
+    """A resumed run draws on where it stopped: the state of every generator the model owns (the CPU's
+    here; an accelerator's in `benchmarks/gpu_smoke.py`) restores into a fresh model."""
+    model = DelayModel(DelayConfig(kind="uniform", high=9, seed=5), stream=2)
+    model.sample(7)
+    state = model.state_dict()
+    expected = model.sample(20)
+    fresh = DelayModel(DelayConfig(kind="uniform", high=9, seed=5))
+    assert not torch.equal(fresh.sample(20), expected)
+    fresh.load_state_dict(state)
+    assert list(state) == ["cpu"] and torch.equal(fresh.sample(20), expected)

@@ -244,6 +244,7 @@ class _Run:
     actor: Any  # `vla_core.rl.RLPolicy`
     learner: Any  # `vla_rl.rl.ppo.PPO` or `vla_rl.rl.grpo.GRPO`
     shells: list  # one `DelayedChunkEnv` per task
+    delay: Any  # the `DelayModel` every task draws from
     curriculum: Any
     streams: dict[str, torch.Generator]  # the run's own random streams, saved with every checkpoint
     state: dict  # iteration, env_steps, history, evals, skipped updates
@@ -260,8 +261,8 @@ class _Run:
 
     def save(self) -> None:
         protocols = [shell.protocol for shell in self.shells]
-        checkpointing.save(self.checkpoints, self.actor.policy, self.learner, self.streams, protocols, self.curriculum,
-                           self.state, self.cfg.algo, self.processes)  # fmt: skip
+        checkpointing.save(self.checkpoints, self.actor.policy, self.learner, self.streams, protocols, self.delay,
+                           self.curriculum, self.state, self.cfg.algo, self.processes)  # fmt: skip
 
 
 def finetune(cfg: FinetuneConfig) -> dict:
@@ -377,7 +378,9 @@ def _wire(
     if cfg.resume:
         protocols = [shell.protocol for shell in shells]
         resumed = Path(policy_dir).parent  # the checkpoint dir: pretrained_model/ and training_state/
-        state = checkpointing.load(resumed / TRAINING_STATE_DIR, learner, streams, protocols, curriculum, processes)
+        state = checkpointing.load(
+            resumed / TRAINING_STATE_DIR, learner, streams, protocols, delay, curriculum, processes
+        )
         if accelerator.is_main_process:
             print(f"resumed from {resumed} at iteration {state['iteration']}", file=sys.stderr)
     else:  # sampling noise: each process its own stream
@@ -386,7 +389,7 @@ def _wire(
         np.random.seed(cfg.seed + processes.index)
     logging = cfg.log_with != "none"
     evaluation = PeriodicEvaluation(cfg, tasks, env_cfgs, out, policy.device, accelerator.log if logging else None)
-    run = _Run(cfg, tasks, out, accelerator, processes, actor, learner, shells, curriculum, streams, state,
+    run = _Run(cfg, tasks, out, accelerator, processes, actor, learner, shells, delay, curriculum, streams, state,
                evaluation, logging)  # fmt: skip
     return run, policy_dir
 

@@ -103,6 +103,21 @@ class DelayModel:
         self.generator.manual_seed(self.seed)
         self._device_generators: dict[torch.device, torch.Generator] = {}
 
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Every generator's state, by device (``cpu``, and each accelerator the delays were drawn on), so a
+        resumed run draws on where it stopped, on the CPU and on a GPU alike."""
+        devices = {str(d): g.get_state() for d, g in self._device_generators.items()}
+        return {"cpu": self.generator.get_state(), **devices}
+
+    def load_state_dict(self, states: dict[str, torch.Tensor]) -> None:
+        """Restore the generators of ``states`` (any subset of `state_dict`'s), creating an accelerator's."""
+        for name, state in states.items():
+            if name == "cpu":
+                self.generator.set_state(state)
+            else:
+                device = torch.device(name)
+                self._device_generators.setdefault(device, torch.Generator(device=device)).set_state(state)
+
     def sample(self, n: int, device: torch.device | str | None = None) -> torch.Tensor:
         """(n,) long delays in control steps, drawn on ``device`` (None: the CPU, from ``generator``).
 

@@ -2,8 +2,7 @@
 ``vla-rl serve`` load it, and ``training_state/finetune_state.pt`` what ``--resume`` needs: the run's
 progress, the learner's optimizers (and critic), the curriculum, and every process's random streams
 and measured delay lags, so a resumed run reaches the same next update as one that was never stopped
-(on the CPU: the delay generators a simulation on an accelerator draws from are not saved yet, so a
-resumed GPU run draws its delays anew).
+(the delay model's generators on an accelerator included).
 Written atomically by the main process; every process takes part.
 """
 
@@ -25,10 +24,12 @@ def initial_checkpoint(out: Path) -> str:
     return (out / "initial_checkpoint.txt").read_text().strip()
 
 
-def random_state(streams: dict[str, torch.Generator], protocols: list) -> dict:
-    """This process's random streams (torch's, CUDA's, numpy's, Python's and the run's generators) and the
-    lags its latency protocols measured (the ``measured`` delay estimate reads them)."""
+def random_state(streams: dict[str, torch.Generator], protocols: list, delay) -> dict:
+    """This process's random streams (torch's, CUDA's, numpy's, Python's and the run's generators, the
+    delay model's on an accelerator too) and the lags its latency protocols measured (the ``measured``
+    delay estimate reads them)."""
     return {
+        "delay_devices": {name: state for name, state in delay.state_dict().items() if name != "cpu"},
         "streams": {name: g.get_state() for name, g in streams.items()},
         "torch_rng": torch.get_rng_state(),
         "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
@@ -38,9 +39,10 @@ def random_state(streams: dict[str, torch.Generator], protocols: list) -> dict:
     }
 
 
-def save(ckpt_dir: Path, policy, learner, streams, protocols, curriculum, state: dict, algo: str, processes) -> None:
+def save(ckpt_dir: Path, policy, learner, streams, protocols, delay, curriculum, state: dict, algo: str,
+         processes) -> None:  # fmt: skip
     """Checkpoint ``step-<iteration>`` of the run (see the module docstring)."""
-    random_states = processes.gather(random_state(streams, protocols))
+    random_states = processes.gather(random_state(streams, protocols, delay))
     if processes.index != 0:
         if processes.accelerator is not None:
             processes.accelerator.wait_for_everyone()
@@ -57,9 +59,9 @@ def save(ckpt_dir: Path, policy, learner, streams, protocols, curriculum, state:
         processes.accelerator.wait_for_everyone()
 
 
-def load(directory: Path, learner, streams, protocols, curriculum, processes) -> dict:
+def load(directory: Path, learner, streams, protocols, delay, curriculum, processes) -> dict:
     """Restore the run saved in ``directory`` (a ``training_state/``) into the learner, the streams, the
-    protocols and the curriculum; returns the run's progress (``state``)."""
+    protocols, the delay model and the curriculum; returns the run's progress (``state``)."""
     saved = torch.load(directory / STATE_FILE, weights_only=False)
     state = saved["state"]
     try:
@@ -82,6 +84,7 @@ def load(directory: Path, learner, streams, protocols, curriculum, processes) ->
         torch.cuda.set_rng_state_all(mine["cuda_rng"])
     for protocol, lags in zip(protocols, mine["lags"], strict=True):
         protocol.lags = lags.to(protocol.lags.device)
+    delay.load_state_dict(mine.get("delay_devices", {}))  # written since 0.3; the CPU one is a stream above
     np.random.set_state(mine["numpy_rng"])
     random.setstate(mine["python_rng"])
     return state

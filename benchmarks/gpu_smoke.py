@@ -1,0 +1,173 @@
+"""The checks of vla-rl's code written for GPUs, to run on a machine with a CUDA device (CI has none).
+
+    python benchmarks/gpu_smoke.py [--out gpu_smoke.json]
+
+Each check runs on its own and reports pass, fail (with the error) or not run (with the reason, e.g.
+MuJoCo Warp not installed); the JSON holds every check, the last line printed is
+``gpu_smoke=<pass|fail> passed=<n> failed=<k> not_run=<m>``, and the exit code is 1 when one fails.
+
+1. ``delay_streams``: the delay model's generators on the GPU follow the one seeding rule (stream s
+   draws what seed + s draws, different streams differ) and a saved state restores the draws.
+2. ``policy_on_gpu``: a small diffusion policy and a small flow VLA on the GPU give the chunk they give
+   on the CPU for the same observation and noise; the RL actor samples and scores a chain there; a
+   latency head added on the GPU leaves the chunk unchanged.
+3. ``shell_on_gpu``: the simulation's shell of the latency protocol over a MuJoCo Warp env on the GPU,
+   with uniform delays, runs whole episodes with the state on the device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+
+os.environ.setdefault("MUJOCO_GL", "egl")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+class NotRun(Exception):
+    """A check that cannot run here (a missing part), as opposed to one that fails."""
+
+
+def check_delay_streams(device) -> dict:
+    import torch
+
+    from vla_core.runtime import DelayConfig, DelayModel
+
+    cfg = DelayConfig(kind="uniform", high=9, seed=5)
+    a = DelayModel(cfg, stream=3).sample(64, device)
+    same = DelayModel(DelayConfig(kind="uniform", high=9, seed=8)).sample(64, device)
+    other = DelayModel(cfg, stream=4).sample(64, device)
+    assert a.device.type == device.type and torch.equal(a, same) and not torch.equal(a, other)
+    model = DelayModel(cfg, stream=1)
+    model.sample(10, device)
+    state = model.state_dict()
+    expected = model.sample(32, device)
+    fresh = DelayModel(cfg, stream=1)
+    fresh.load_state_dict(state)
+    assert device.type == "cpu" or any(name.startswith(device.type) for name in state), state.keys()
+    assert torch.equal(fresh.sample(32, device), expected)
+    return {"streams_differ": True, "restored": True}
+
+
+def _tiny_policy(kind: str):
+    import torch
+
+    from policies.diffusion import DiffusionConfig
+    from policies.diffusion.modeling_diffusion import DiffusionPolicy
+    from policies.diffusion_vla import DiffusionVLAConfig
+    from policies.diffusion_vla.modeling_diffusion_vla import DiffusionVLAPolicy
+
+    torch.manual_seed(0)
+    shared = {"state_dim": 3, "action_dim": 2, "cameras": ["front"], "image_size": 16, "horizon": 6,
+              "n_action_steps": 2, "vocabulary": ["<pad>", "<unk>", "go"]}  # fmt: skip
+    if kind == "diffusion":
+        policy = DiffusionPolicy(
+            DiffusionConfig(**shared, vision_channels=8, num_keypoints=4, text_dim=8, hidden_dim=32)
+        )
+    else:
+        policy = DiffusionVLAPolicy(DiffusionVLAConfig(**shared, patch_size=8, dim=32, depth=1, heads=2, vision_width=32,
+                                                       vision_layers=1, text_width=32, objective="flow"))  # fmt: skip
+    policy.set_normalization([0.0] * 3, [1.0] * 3, [-1.0, -1.0], [1.0, 1.0])
+    return policy.eval()
+
+
+def check_policy_on_gpu(device) -> dict:
+    import torch
+
+    from policies.denoising_chain import ExplorationNoise
+
+    g = torch.Generator().manual_seed(1)
+    obs = {"observation.images.front": torch.rand(4, 3, 16, 16, generator=g), "observation.state": torch.randn(4, 3, generator=g),
+           "task": ["go"] * 4}  # fmt: skip
+    noise = torch.randn(4, 6, 2, generator=g)
+    on = lambda o: {k: v.to(device) if torch.is_tensor(v) else v for k, v in o.items()}
+    gaps = {}
+    for kind in ("diffusion", "flow"):
+        policy = _tiny_policy(kind)
+        cpu = policy.predict_chunk(obs, noise=noise).actions
+        policy.to(device)
+        gpu = policy.predict_chunk(on(obs), noise=noise.to(device)).actions
+        gaps[kind] = float((gpu.cpu() - cpu).abs().max())
+        assert gaps[kind] < 1e-3, (kind, gaps[kind])
+        actor = policy.rl_actor(ExplorationNoise(eta=0.0, min_std=0.1))
+        chunk, chain = actor.act(on(obs), torch.zeros(4, dtype=torch.long, device=device))
+        scored = actor.score(on(obs), chain)
+        assert chunk.actions.device.type == device.type and torch.isfinite(scored.values).all()
+        policy.add_latency_head(2, 0.5, ["front"])
+        mid = {"observation.committed_actions": torch.zeros(4, 2, 2), "observation.committed_mask": torch.zeros(4, 2, dtype=torch.bool),
+               "observation.delay_steps": torch.zeros(4, dtype=torch.long), "observation.mid.state": obs["observation.state"],
+               "observation.mid.images.front": obs["observation.images.front"], "observation.mid.steps": torch.zeros(4, dtype=torch.long)}  # fmt: skip
+        aware = policy.predict_chunk(on({**obs, **mid}), noise=noise.to(device)).actions
+        assert torch.equal(aware, gpu), kind
+    return {"max_gap_to_cpu": gaps}
+
+
+def check_shell_on_gpu(device) -> dict:
+
+    try:
+        import mujoco_warp  # noqa: F401
+    except ImportError as err:
+        raise NotRun(f"MuJoCo Warp is not installed ({err}); pip install the gpu extra") from err
+    from sim.config import EnvConfig
+    from sim.factory import make_env
+    from vla_core.runtime import ChunkingConfig, DelayConfig, DelayModel, LatencySpec
+    from vla_core.runtime.delayed_env import DelayedChunkEnv
+    from vla_core.types import ActionChunk
+
+    with make_env(EnvConfig(task="reach", backend="warp", device=str(device), num_envs=64, cameras=[],
+                            max_episode_steps=30)) as env:  # fmt: skip
+        spec = LatencySpec(horizon=8, n_action_steps=4)
+        shell = DelayedChunkEnv(env, spec, ChunkingConfig(), DelayModel(DelayConfig(kind="uniform", high=3)))
+        shell.reset(seed=0)
+        ended, start = 0, time.perf_counter()
+        hold = env.hold_actions()
+        while ended < 64:
+            chunk = ActionChunk(hold[:, None].expand(-1, 8, -1).contiguous(), shell.obs_step)
+            _, _, terminated, truncated, info, need = shell.step(chunk)
+            assert need.device.type == device.type and info["transition"].reward.device.type == device.type
+            ended += int((terminated | truncated).sum())
+    return {"episodes": ended, "seconds": round(time.perf_counter() - start, 2)}
+
+
+CHECKS = {
+    "delay_streams": check_delay_streams,
+    "policy_on_gpu": check_policy_on_gpu,
+    "shell_on_gpu": check_shell_on_gpu,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="gpu_smoke.json", help="where the JSON of every check goes")
+    args = parser.parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("gpu_smoke: no CUDA device here; run this on a machine with one", file=sys.stderr)
+        return 2
+    device = torch.device("cuda")
+    results = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "checks": {}}
+    for name, check in CHECKS.items():
+        try:
+            results["checks"][name] = {"status": "pass", **check(device)}
+        except NotRun as err:
+            results["checks"][name] = {"status": "not_run", "reason": str(err)}
+        except Exception as err:  # noqa: BLE001 (every check reports; one failing does not stop the others)
+            results["checks"][name] = {"status": "fail", "error": f"{type(err).__name__}: {err}",
+                                       "traceback": traceback.format_exc()}  # fmt: skip
+        print(f"{name}: {results['checks'][name]['status']}", file=sys.stderr)
+    statuses = [c["status"] for c in results["checks"].values()]
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=2)
+    ok = "fail" not in statuses
+    print(f"gpu_smoke={'pass' if ok else 'fail'} passed={statuses.count('pass')} failed={statuses.count('fail')} "
+          f"not_run={statuses.count('not_run')}")  # fmt: skip
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,23 @@
+"""The GPU smoke script's checks stay runnable: on the CPU (the device they are handed), the delay
+streams and the policies pass, and without CUDA the script refuses with exit code 2. On a machine with
+a GPU the same checks run there (`python benchmarks/gpu_smoke.py`)."""
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import gpu_smoke
+
+
+def test_the_checks_pass_on_the_cpu():
+    assert gpu_smoke.check_delay_streams(torch.device("cpu")) == {"streams_differ": True, "restored": True}
+    gaps = gpu_smoke.check_policy_on_gpu(torch.device("cpu"))["max_gap_to_cpu"]
+    assert gaps == {"diffusion": 0.0, "flow": 0.0}  # the same device: the same chunk exactly
+
+
+def test_without_cuda_the_script_says_so(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert gpu_smoke.main(["--out", str(tmp_path / "out.json")]) == 2
+    assert "no CUDA device here" in capsys.readouterr().err
