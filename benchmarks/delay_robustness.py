@@ -1,7 +1,7 @@
 """Success under inference delay: a policy trained with the delay augmentation (training-time RTC)
 against a plain one, trained identically, on a task whose world moves while the policy thinks.
 
-The same code as `vla-rl bench delay` (``vla_rl.bench_delay``, whose docstring fixes the protocol).
+The same code as `vla-rl bench delay` (``vla_rl.bench_delay``, whose docstring states the protocol and its dated history).
 
 Usage: python benchmarks/delay_robustness.py [--quick=true] [--episodes=100] [--delays=[0,2,4,6,8]] [--help]
 Writes outputs/bench/delay/delay.json and delay.png; the last line printed is

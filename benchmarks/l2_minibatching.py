@@ -25,6 +25,29 @@ conventional = B frames x 1 copy; Level-2 = B/K frames x K noised copies, each f
 
 Results go to ``outputs/bench/l2_minibatching.json``; the last line reads
 ``time_ratio=<x> memory_ratio=<y> success_ratio=<z>``.
+
+Protocol history (runs as README.md reports them):
+
+- 2026-11-29: the first version: K = 8 and the ``large`` encoder (6 layers, 256 wide) by default,
+  grid small/base/large, towers frozen; memory was the rise over the footprint just before the
+  first step. One run (README.md, 2026-11-30), with K = 16: 0.27x the training time, 0.15x the
+  peak memory, 0.14x per step; 1 of 50 episodes in each arm.
+- 2026-11-30, chosen after that run was published: the ``xlarge`` encoder (8 layers, 384 wide) as
+  the main comparison and K = 16 by default; the grid gained ``xlarge``. Runs: the default run
+  (0.18x time, 0.16x memory, 0.11x per step; 2 of 50 each) and ``--steps 3000``
+  (``time_ratio=0.192 memory_ratio=0.148``; 3 of 50 against 2 of 50).
+- 2026-11-30: ``--towers trained`` added; the default, ``frozen``, keeps the protocol. Runs with
+  trained towers on 150 demonstrations: ``--encoder base --steps 2000``
+  (``time_ratio=0.438 memory_ratio=0.061``), ``--encoder small --steps 3000``
+  (``time_ratio=0.531 memory_ratio=0.132``), and two more small-encoder runs (25-29% success
+  trained on all 150 episodes, 2-4% with 15 held out), dropped from README.md later that day.
+- 2026-11-30, an amendment after those runs were published (the old memory figure read low for
+  Level-2): memory is a step's working memory, as above, measured with a fixed mmap threshold and
+  ``malloc_trim``; every memory ratio above is of the old measure. Runs: the default run (0.17x
+  time, 85 s against 488 s; per step 0.09x time, 0.23x memory) and
+  ``--encoder small --towers trained --steps 3000 --episodes 600 --eval-episodes 200``
+  (success: 30% conventional, 4% Level-2).
+- 2026-12-02: no protocol change (the script now calls `vla_rl.stages`).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Latency-aware RL (ARLI) on this machine: naive PPO under inference delay against PPO whose policy reads
 the committed actions and a mid-inference observation, with no-delay PPO and training-time RTC alongside.
 
-The same code as `vla-rl bench latency-rl` (``vla_rl.bench_latency_rl``, whose docstring fixes the protocol).
+The same code as `vla-rl bench latency-rl` (``vla_rl.bench_latency_rl``, whose docstring states the protocol and its dated history).
 
 Usage: python benchmarks/latency_rl.py [--quick=true] [--env_steps=36000] [--eval_episodes=100] [--help]
 Writes outputs/bench/latency_rl/latency_rl.json and latency_rl.png; the last line printed is

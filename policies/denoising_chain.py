@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 
 from vla_core.rl import FactorLogProb
+from vla_core.runtime.delay import augmentation_features
+from vla_core.types import OBS_MID_STATE, OBS_MID_STEPS
 
 
 @dataclass
@@ -278,13 +280,20 @@ class DenoisingActor:
     """The RL actor (`vla_core.rl.RLPolicy`) of a denoising policy: a decision is the denoising chain
     sampled with ``noise`` injected into every step (``sample_with_log_prob``), its factors the K steps
     (``log_prob(per_step=True)``), its value features the denoiser's condition (``condition_features``).
-    The policy itself trains; noise -> 0 is ``predict_chunk``, what evaluation and serving run."""
+    The policy itself trains; noise -> 0 is ``predict_chunk``, what evaluation and serving run.
 
-    def __init__(self, policy, noise: ExplorationNoise):
+    augmentation_width: the width of the delay augmentation the rollouts carry (their latency protocol's;
+    0: none). The value features then read it too, and a latency-aware policy's the mid observation's
+    state and steps: a plain or training-time-RTC policy reads the committed actions in its denoiser,
+    not its condition, so a value head on the condition alone would not see them.
+    """
+
+    def __init__(self, policy, noise: ExplorationNoise, augmentation_width: int = 0):
         noise.check_density()
         self.policy = self.module = policy
         self.noise = noise
         self.num_factors = policy.config.num_inference_steps
+        self.augmentation_width = augmentation_width
 
     @property
     def device(self) -> torch.device:
@@ -292,7 +301,12 @@ class DenoisingActor:
 
     @property
     def value_dim(self) -> int:
-        return self.policy.condition_dim
+        c, w = self.policy.config, self.augmentation_width
+        return (
+            self.policy.condition_dim
+            + (w * (c.action_dim + 1) + 1 if w else 0)
+            + (c.state_dim + 1 if c.latency_aware else 0)
+        )
 
     @torch.no_grad()
     def act(self, obs: dict, obs_step: torch.Tensor):
@@ -303,7 +317,15 @@ class DenoisingActor:
         return FactorLogProb(self.policy.log_prob(obs, chain, per_step=True))
 
     def value_features(self, obs: dict) -> torch.Tensor:
-        return self.policy.condition_features(obs)
+        """(B, value_dim): the condition, then the delay augmentation, then the mid observation's state and
+        steps (see the class docstring); the condition alone without an augmentation and a fast head."""
+        policy, w, features = self.policy, self.augmentation_width, [self.policy.condition_features(obs)]
+        if w:
+            features.append(augmentation_features(obs, w, policy.normalize_action))
+        if policy.config.latency_aware:
+            mid_steps = obs[OBS_MID_STEPS].to(features[0]).float()[:, None] / max(w, 1)
+            features += [policy.normalize_state(obs[OBS_MID_STATE].to(features[0])), mid_steps]
+        return torch.cat(features, -1)
 
 
 class DenoisingRL:
@@ -321,5 +343,5 @@ class DenoisingRL:
     - ``condition_features(obs)`` (B, ``condition_dim``): the denoiser's condition, for a value head.
     """
 
-    def rl_actor(self, noise: ExplorationNoise) -> DenoisingActor:
-        return DenoisingActor(self, noise)
+    def rl_actor(self, noise: ExplorationNoise, augmentation_width: int = 0) -> DenoisingActor:
+        return DenoisingActor(self, noise, augmentation_width)

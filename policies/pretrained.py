@@ -326,9 +326,10 @@ class PreTrainedPolicy(NormalizationMixin, nn.Module):
         Level-2 minibatching (``supports_copies``)."""
         raise NotImplementedError
 
-    def rl_actor(self, noise: ExplorationNoise):
-        """The RL actor of this policy (`vla_core.rl.RLPolicy`): what ``vla-rl finetune`` trains. Denoising
-        policies act with denoising chains (`policies.denoising_chain.DenoisingRL`)."""
+    def rl_actor(self, noise: ExplorationNoise, augmentation_width: int = 0):
+        """The RL actor of this policy (`vla_core.rl.RLPolicy`): what ``vla-rl finetune`` trains, on rollouts
+        whose delay augmentation is ``augmentation_width`` wide. Denoising policies act with denoising
+        chains (`policies.denoising_chain.DenoisingRL`)."""
         raise ValueError(
             f"the {self.config.type!r} policy has no RL actor (no exact log-probabilities), which RL needs; fine-tune "
             f"a diffusion or diffusion_vla checkpoint (any objective)"

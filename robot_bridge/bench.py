@@ -40,6 +40,34 @@ either was refused. The final line is ``deadline_misses=<n> added_latency_p99_ms
 jitter_p99_ms=<y> realtime_scheduling=<granted|refused> memory_locking=<granted|refused>``:
 misses summed over every run, latency and jitter the worst over the rates, and "granted" only
 when every serve process got it.
+
+Protocol history (runs as README.md reports them: figures over runs, not their final lines):
+
+- 2026-11-29: the first version: a miss was a command reaching the robot more than half a period
+  after its state was sent (10 ms at 50 Hz, 5 ms at 100 Hz); each state counted the last command
+  stamped with it; jitter ran over every command received; the final line had its first three
+  fields. The same day the bench's robot and serve processes took real-time scheduling, as
+  ``serve`` does (README.md: misses went from 1,200 to 16; the dates and final lines of those runs
+  are not recorded). One full default run, published 2026-11-30: 13 of 10,002 commands more than
+  5 ms late at 100 Hz, 2.1 ms added at p99.
+- 2026-11-30, an amendment after that run was published: each state counts its first command (the
+  watchdog's holds repeat its stamp), jitter runs between the commands of consecutive cycles, and
+  the node's own count starts at the state's callback; the serve process runs ``ros_executor``
+  (events by default) and, later that day, locks its memory. Runs: one full default run (no
+  command late), replaced the same day by three: in the best no command late, in the other two
+  one each, at 100 Hz; p99 0.91-1.28 ms at 100 Hz, 0.20-0.41 ms added. Whether those three
+  locked memory is not recorded. README.md's 3,000-cycle runs (p50/p99 1.00/2.79 to 0.53/1.05 ms
+  at 100 Hz) compare the node before and after that day's changes; their bench version is not
+  recorded.
+- 2026-12-01, an amendment after those runs were published: the limit is ``deadline_ms`` (5 ms)
+  at every rate, so at 50 Hz a miss counts from 5 ms where the runs above counted from 10; whether
+  real-time scheduling and memory locking were granted is recorded and ends the final line.
+- 2026-12-01, after a CI run printed ``added_latency_p99=nan``: the serve process starts without
+  real-time priority and takes it itself, as ``serve`` does; the ping baseline is measured once
+  the bridge has loaded its policy, and an empty one is refused. No run of this version or the
+  one before is in README.md.
+- 2026-12-02: no protocol change: the code was reorganized (imports from `vla_core`; the node's
+  config no longer sets ``max_delay_steps`` to the chunk length, which ``serve`` now refuses).
 """
 
 from __future__ import annotations

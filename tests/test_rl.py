@@ -259,9 +259,11 @@ def test_a_resumed_run_reaches_the_same_weights_as_an_uninterrupted_one(
     on demonstrations, with a KL term, so the resumed run must take its KL reference from the
     warmed policy (the imitation checkpoint has no head)."""
     checkpoint = tiny_suite_checkpoint if multitask else tiny_checkpoint[0]
-    extra = {"algo": algo, "grpo": GRPOConfig(group_size=2),
-             "ppo": PPOConfig(critic_warmup_iterations=0, episodes_per_world=1, kl_coef=0.5 if warmed else 0.0),
-             **(MULTITASK if multitask else {})}  # fmt: skip
+    extra = {"algo": algo, **(MULTITASK if multitask else {})}
+    if algo == "grpo":  # each algorithm gets only its own settings: the other's would be refused
+        extra["grpo"] = GRPOConfig(group_size=2)
+    else:
+        extra["ppo"] = PPOConfig(critic_warmup_iterations=0, episodes_per_world=1, kl_coef=0.5 if warmed else 0.0)
     if warmed:
         extra |= {"latency_aware": True, "delay": DelayConfig(kind="fixed", steps=2),
                   "latency_warmup": LatencyWarmupConfig(steps=10, dataset=str(tiny_dataset[0]), batch_size=8)}  # fmt: skip
@@ -650,3 +652,45 @@ def test_the_kl_and_the_per_task_losses_by_hand():
     assert actor_loss(torch.zeros(3, 2), torch.zeros(3, 2), adv, 0.2, 0.28, mask=mask)[0].item() == pytest.approx(
         -2 / 3
     )
+
+
+def test_the_value_head_sees_the_committed_actions():
+    """Two states that differ only in the actions already committed (a plain policy: it reads the
+    augmentation nowhere): its condition, all a value head read before, is the same for both, so a head
+    fitted to give them the values 0 and 1 gives both 0.5. The actor built for the run's 3-wide
+    augmentation adds it to the value features, and the same head then tells them apart."""
+    from tiny_policies import TASK, make_policy
+
+    from policies.denoising_chain import ExplorationNoise
+    from vla_core.types import OBS_COMMITTED_ACTIONS, OBS_COMMITTED_MASK, OBS_DELAY_STEPS
+    from vla_rl.rl.ppo import ValueHead
+
+    policy = make_policy("diffusion")
+    g = torch.Generator().manual_seed(0)
+    state = {"observation.images.front": torch.rand(1, 3, 16, 16, generator=g).expand(2, -1, -1, -1),
+             "observation.state": torch.randn(1, 3, generator=g).expand(2, -1), "task": [TASK] * 2}  # fmt: skip
+    committed = torch.zeros(2, 3, 2)
+    committed[1, :2] = torch.tensor([[1.5, 0.8], [1.5, 0.8]])  # the second state's arm is about to move
+    obs = {**state, OBS_COMMITTED_ACTIONS: committed, OBS_COMMITTED_MASK: torch.tensor([[True, True, False]] * 2),
+           OBS_DELAY_STEPS: torch.tensor([2, 2])}  # fmt: skip
+    noise = ExplorationNoise(eta=0.0, min_std=0.1)
+    target = torch.tensor([0.0, 1.0])
+
+    def fitted_values(actor) -> torch.Tensor:
+        with torch.no_grad():
+            features = actor.value_features(obs)
+        assert features.shape == (2, actor.value_dim)
+        torch.manual_seed(0)
+        head = ValueHead(actor.value_dim, 16)
+        opt = torch.optim.Adam(head.parameters(), lr=1e-2)
+        for _ in range(300):
+            loss = ((head(features, torch.zeros(2)) - target) ** 2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        return head(features, torch.zeros(2)).detach()
+
+    blind = fitted_values(policy.rl_actor(noise))
+    assert blind[0] == blind[1] and abs(float(blind[0]) - 0.5) < 0.05  # one value for both
+    seeing = fitted_values(policy.rl_actor(noise, augmentation_width=3))
+    assert (seeing - target).abs().max() < 0.05

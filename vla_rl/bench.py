@@ -40,6 +40,22 @@ measurement. Results go to JSON; the last line printed is
 
 With the camera, each backend is also measured rendering on one thread (method
 ``<backend>_serial_render``), the baseline the render threads are measured against.
+
+Protocol history (runs as README.md reports them: ranges over runs, not their final lines):
+
+- 2026-11-29: the first version: raw `mujoco.rollout` ran many control steps per call, and each
+  gymnasium worker ended its step with a full ``mj_forward``; the final line had the first two
+  ratios. Whether it was fixed before its first result is not recorded. Its figures (README.md of
+  2026-11-29, since replaced): ``sim_overhead_vs_rollout`` 1.2-1.3, ``speedup_vs_gym_async``
+  about 1.8; with the camera at N = 16, gymnasium the faster (about 920 against 790 env-steps/s).
+- 2026-12-01, an amendment after those figures were published: every side does the same MuJoCo
+  work per control step, as above (raw rollout: one call per control step, made as the cpu
+  backend makes it; gymnasium: the batched env's position pass). Four runs with
+  ``--include_render=false``: ``sim_overhead_vs_rollout`` 1.12-1.14, ``speedup_vs_gym_async``
+  1.76-1.91.
+- 2026-12-01, added after the camera figure above was published, with the render threads it
+  measures: ``render_speedup_vs_gym_async`` in the final line and the ``<backend>_serial_render``
+  baseline. Four runs at N = 16 with the camera: ``render_speedup_vs_gym_async`` 1.30-1.42.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """`vla-rl bench latency-rl` (also ``benchmarks/latency_rl.py``): does latency-aware RL work where naive RL under delay does not?
 
-The protocol, fixed before any result was seen:
+The protocol (its dated history is at the end of this docstring):
 
 1. Task ``track`` (a ball drifting across the table either way, so the world moves while the
    policy thinks). Control period 0.05 s (25 physics steps of 2 ms: a 20 Hz robot), so a delay of
@@ -35,6 +35,31 @@ The protocol, fixed before any result was seen:
    nothing then).
 
 ``--quick`` runs every stage at toy sizes (about a minute): it checks the plumbing, not the claim.
+
+Protocol history (runs numbered as README.md numbers them, each by its final line):
+
+- 2026-12-01: the first protocol: the arms above without ``warmup_only``, the latency-aware arm's
+  fast head starting from zero (no warm-up). Fixed before run 1 (delays 0, 3, 6):
+  ``latency_aware_over_naive=1.148 latency_aware_over_nodelay=0.899``.
+  Run 2: its setting, ``--delays=[0,5,10]``, was chosen after run 1 was published, and fixed
+  before it ran: ``latency_aware_over_naive=1.077 latency_aware_over_nodelay=0.203``.
+- 2026-12-01, an amendment after runs 1 and 2 were published (RL alone had barely moved the head):
+  the head's warm-up on the demonstrations, ``latency_warmup_steps`` (1,000 by default; 0 gives
+  the first protocol), and the ``warmup_only`` arm. The head's RL learning rate stayed
+  finetune's default (1e-4).
+- 2026-12-01, an amendment before any result of run 3, found in review: the warm-up's target was
+  the demonstrated chunk from t + d, shifted d rows from the simulation's shell (where row j of a
+  chunk requested at t is the action for step t + j); it became the chunk from t, its rows before
+  t + d out of the loss. Run 3's first launch was stopped in its imitation stage, before any
+  warm-up, and restarted (resuming that stage). Runs 3 (delays 0, 3, 6) and 4
+  (``--delays=[0,5,10]``) used this version, each fixed before it ran:
+  ``latency_aware_over_naive=0.963 latency_aware_over_nodelay=0.754`` (run 3),
+  ``latency_aware_over_naive=1.231 latency_aware_over_nodelay=0.232`` (run 4).
+- 2026-12-02: no protocol change: the code was reorganized (the stages call `vla_rl.stages`), and
+  ``mid_fraction``'s default is the one constant ``DEFAULT_MID_FRACTION`` (0.5, as before).
+- 2026-12-02, a change of the method, not of the protocol, made before any run of it: PPO's value
+  head reads the delay augmentation (and a latency-aware policy's mid-observation state) beside
+  the condition, so the ``naive``, ``latency_aware`` arms under delay differ from runs 1-4's.
 """
 
 from __future__ import annotations

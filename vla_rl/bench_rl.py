@@ -17,6 +17,17 @@ The protocol, fixed before any result was seen:
    where a gain is (success after - success before) in percentage points.
 
 ``--quick`` runs every stage at toy sizes (about a minute): it checks the plumbing, not the claim.
+
+Protocol history (runs as README.md reports them, each by its final line):
+
+- 2026-12-01: the protocol above. Its default imitation policy was chosen from ``bench delay``'s
+  runs (that benchmark's plain policy on the two-way ``track``, which succeeded about half the
+  time there). No result of this benchmark is known to have come first, but the module and its
+  one measured run were committed together, so the git history cannot show the order. Run 1:
+  ``ppo_gain=+16.0 grpo_gain=+15.0 env_steps=150983 minutes=53.5``.
+- 2026-12-02: no protocol change: the code was reorganized (the stages call `vla_rl.stages`), and
+  the GRPO group size (``min(8, num_envs)``) is passed to the GRPO run only; the PPO run never
+  read it.
 """
 
 from __future__ import annotations

@@ -291,8 +291,9 @@ def finetune(cfg: FinetuneConfig) -> dict:
         )
     device = accelerator.device if processes.count > 1 else cfg.device
     policy, policy_dir = load_policy(source, device=device)
-    actor = policy.rl_actor(cfg.noise)  # the RL contract: refused, with the fix, for a policy that has none
-    factors = trained_factors(cfg.train_last_steps, actor.num_factors)
+    # The RL contract: refused, with the fix, for a policy that has none (its actor is built for the run's
+    # latency protocol once the envs are open).
+    factors = trained_factors(cfg.train_last_steps, policy.rl_actor(cfg.noise).num_factors)
     tasks = cfg.task_list()
     env_cfgs = [replace(cfg.env, task=task) for task in tasks]
     with contextlib.ExitStack() as closing:
@@ -300,8 +301,9 @@ def finetune(cfg: FinetuneConfig) -> dict:
         for env, env_cfg in zip(envs, env_cfgs, strict=True):
             check_policy_fits(policy, env, env_cfg)
         gamma = cfg.ppo.gamma if cfg.algo == "ppo" else 1.0  # the transitions' discount per control step
-        run, policy_dir = _wire(cfg, tasks, env_cfgs, envs, out, accelerator, processes, actor, factors, policy_dir,
+        run, policy_dir = _wire(cfg, tasks, env_cfgs, envs, out, accelerator, processes, policy, factors, policy_dir,
                                 gamma)  # fmt: skip
+        actor = run.actor
         if run.logging:
             accelerator.init_trackers("finetune", config={"algo": cfg.algo, "lr": cfg.lr, "tasks": ",".join(tasks)})
         if accelerator.is_main_process:
@@ -336,7 +338,7 @@ def trained_factors(train_last_steps: int, num_factors: int) -> slice:
 
 
 def _wire(
-    cfg, tasks, env_cfgs, envs, out, accelerator, processes, actor, factors, policy_dir, gamma
+    cfg, tasks, env_cfgs, envs, out, accelerator, processes, policy, factors, policy_dir, gamma
 ) -> tuple[_Run, Path]:
     """The run's delay streams, latency head, shells, learner and random streams, resumed or freshly seeded;
     returns it and the checkpoint it starts from (a warmed-up latency head's, when there is one)."""
@@ -344,7 +346,6 @@ def _wire(
     from vla_rl.rl.curriculum import TaskCurriculum
     from vla_rl.rl.update import UpdateSettings
 
-    policy = actor.policy
     # One stream of delays for every task, each process its own.
     delay = DelayModel(cfg.delay, control_dt=envs[0].control_dt, stream=processes.index)
     LatencySpec.of(policy).check_delay(delay.max_steps)  # before a latency head is fitted to it
@@ -352,6 +353,8 @@ def _wire(
     policy_dir = make_latency_aware(cfg, policy, delay.max_steps, out, envs[0].control_dt, processes) or policy_dir
     spec = LatencySpec.of(policy)  # with its head, a latency-aware policy's mid observation
     shells = [DelayedChunkEnv(env, spec, cfg.chunking, delay, use="finetune", gamma=gamma) for env in envs]
+    width = shells[0].protocol.width  # the augmentation the rollouts carry, which the value features read
+    actor = policy.rl_actor(cfg.noise, augmentation_width=width)
     # Eval mode throughout (no dropout): sampling and the update then score decisions with the same network.
     policy.eval()
     settings = UpdateSettings(
@@ -365,7 +368,7 @@ def _wire(
             initial = (
                 load_policy(checkpointing.initial_checkpoint(out), device=policy.device)[0] if cfg.resume else policy
             )
-            reference = copy.deepcopy(initial).eval().requires_grad_(False).rl_actor(cfg.noise)
+            reference = copy.deepcopy(initial).eval().requires_grad_(False).rl_actor(cfg.noise, width)
         # The value head reads the episode's progress: step / the env's time limit (every backend has one).
         limit = max(int(getattr(env, "max_episode_steps", 0) or cfg.env.max_episode_steps or 1) for env in envs)
         learner = ppo.PPO(actor, cfg.ppo, settings, processes, reference, limit)

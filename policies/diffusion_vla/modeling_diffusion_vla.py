@@ -276,7 +276,7 @@ class DiffusionVLAPolicy(DenoisingRL, PreTrainedPolicy):
         weights = cond_mask.to(cond)[..., None]
         return (cond * weights).sum(1) / weights.sum(1).clamp_min(1)
 
-    def rl_actor(self, noise: ExplorationNoise):
+    def rl_actor(self, noise: ExplorationNoise, augmentation_width: int = 0):
         """The denoising actor (`policies.denoising_chain.DenoisingRL`), refused with the fix where RL would not
         train what evaluation runs or a setting would do nothing."""
         cfg = self.config
@@ -291,7 +291,7 @@ class DiffusionVLAPolicy(DenoisingRL, PreTrainedPolicy):
                 f"--noise.eta={noise.eta} does nothing for a flow policy (its Euler steps' std is --noise.min_std); "
                 f"drop --noise.eta"
             )
-        return super().rl_actor(noise)
+        return super().rl_actor(noise, augmentation_width)
 
     def _flow_times(self, device) -> torch.Tensor:
         """(K,) the Euler steps' times, 1 - k / n, as ``_sample_flow`` takes them."""

@@ -235,6 +235,18 @@ def augmentation(
     return {OBS_COMMITTED_ACTIONS: committed, OBS_COMMITTED_MASK: mask, OBS_DELAY_STEPS: delay_steps}
 
 
+def augmentation_features(obs: dict, width: int, normalize_action) -> torch.Tensor:
+    """(B, width * (A + 1) + 1) the delay augmentation as one flat vector, what a value head reads of it:
+    the committed actions (normalized by ``normalize_action``; 0 where not committed), the mask, and the
+    announced delay over ``width``. ``obs`` holds the augmentation of that width (`augmentation`)."""
+    mask = obs[OBS_COMMITTED_MASK][:, :width].bool()
+    actions = obs[OBS_COMMITTED_ACTIONS][:, :width].float()
+    # Rows outside the mask are padding: never read them, not even through the normalization.
+    committed = torch.where(mask[..., None], normalize_action(torch.where(mask[..., None], actions, 0.0)), 0.0)
+    delay = obs[OBS_DELAY_STEPS].float()[:, None] / max(width, 1)
+    return torch.cat([committed.flatten(1), mask.float(), delay], -1)
+
+
 def committed_prefix(
     actions: torch.Tensor, action_is_pad: torch.Tensor, delay_steps: torch.Tensor, max_delay: int
 ) -> dict[str, torch.Tensor]:

@@ -164,7 +164,13 @@ class PPO:
         if state.get("critic") is None:
             raise ValueError("is a GRPO run (no critic); resume it with --algo=grpo")
         self.actor_step.optimizer.load_state_dict(state["actor_optimizer"])
-        self.critic.load_state_dict(state["critic"])
+        try:
+            self.critic.load_state_dict(state["critic"])
+        except RuntimeError as err:  # another shape: written when the value head read other features
+            raise ValueError(
+                f"holds a value head of another input width ({' '.join(str(err).split())[:120]}...): vla-rl 0.2's "
+                f"critic did not read the delay augmentation; finish that run with vla-rl 0.2 or start it anew"
+            ) from None
         self.critic_optimizer.load_state_dict(state["critic_optimizer"])
         self.actor_step.skipped, self.critic_step.skipped = skipped["actor"], skipped["critic"]
 

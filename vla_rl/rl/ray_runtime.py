@@ -85,11 +85,11 @@ class RolloutWorker:
 
         torch.set_num_threads(num_threads)
         self.policy = policy.eval()
-        self.actor = policy.rl_actor(noise)
         self.env = make_env(env_config)
         delay = DelayModel(delay_config, control_dt=self.env.control_dt, stream=delay_stream)
         spec = LatencySpec.of(policy)
         self.shell = DelayedChunkEnv(self.env, spec, chunking, delay, use="finetune", gamma=gamma)
+        self.actor = policy.rl_actor(noise, augmentation_width=self.shell.protocol.width)
         self.version = version
 
     def collect(self, version: int, weights: dict | None, seed, episodes_per_world: int, sampling_seed: int):
