@@ -1,13 +1,15 @@
 """Do two runs of a command give the same results? Compares two output folders file by file.
 
-    python benchmarks/same_results.py outputs/before outputs/after
+    python benchmarks/same_results.py outputs/before outputs/after [--ignore=vla_rl_version,estimate_window]
 
 Every JSON file and every ``model.safetensors`` under the first folder must exist under the second
 with equal content: JSON values equal (per-episode outcomes, success counts, loss curves, every
 logged statistic), ignoring what a run cannot repeat (keys that hold times, rates, dates and the
 code revision) and the two folders' own paths; weights equal bit for bit. Datasets compare by their
-metadata and statistics JSON. Prints one line per file that differs, then the final line
-``same=<true|false> json_files=<n> weight_files=<m> differing=<k>``; exits 1 when anything differs.
+metadata and statistics JSON. ``--ignore`` names more keys to skip wherever they are (a config field
+renamed between the two versions, the version string), and the final line names them. Prints one
+line per file that differs, then the final line ``same=<true|false> json_files=<n> weight_files=<m>
+differing=<k> ignored_keys=<keys>``; exits 1 when anything differs.
 
 vla-rl's pipeline on the CPU is deterministic, so a refactor that keeps behaviour shows here as
 ``same=true`` on a full benchmark run before and after it.
@@ -23,8 +25,11 @@ from pathlib import Path
 VOLATILE = ("second", "minute", "per_s", "time", "date", "git", "revision", "hostname", "created")
 
 
+IGNORED: set[str] = set()  # keys skipped on request (--ignore)
+
+
 def _volatile(key: str) -> bool:
-    return any(word in key.lower() for word in VOLATILE)
+    return key in IGNORED or any(word in key.lower() for word in VOLATILE)
 
 
 def differences(a, b, where: str, roots: tuple[str, str]) -> list[str]:
@@ -76,14 +81,20 @@ def compare(first: Path, second: Path) -> tuple[list[str], int, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 2 or not all(Path(a).is_dir() for a in args):
-        print("usage: python benchmarks/same_results.py FIRST_OUTPUT_DIR SECOND_OUTPUT_DIR", file=sys.stderr)
+    args = list(sys.argv[1:] if argv is None else argv)
+    ignore = [a for a in args if a.startswith("--ignore=")]
+    folders = [a for a in args if not a.startswith("--ignore=")]
+    if len(folders) != 2 or not all(Path(a).is_dir() for a in folders):
+        print("usage: python benchmarks/same_results.py FIRST_OUTPUT_DIR SECOND_OUTPUT_DIR [--ignore=KEY,...]",
+              file=sys.stderr)  # fmt: skip
         return 2
-    lines, json_files, weight_files = compare(Path(args[0]), Path(args[1]))
+    IGNORED.clear()
+    IGNORED.update(k for a in ignore for k in a.partition("=")[2].split(",") if k)
+    lines, json_files, weight_files = compare(Path(folders[0]), Path(folders[1]))
     print("\n".join(lines))
     same = not lines and json_files + weight_files > 0
-    print(f"same={str(same).lower()} json_files={json_files} weight_files={weight_files} differing={len(lines)}")
+    print(f"same={str(same).lower()} json_files={json_files} weight_files={weight_files} differing={len(lines)} "
+          f"ignored_keys={','.join(sorted(IGNORED)) or '-'}")  # fmt: skip
     return 0 if same else 1
 
 
