@@ -305,6 +305,11 @@ def test_a_finetuned_checkpoint_loads_in_eval_and_its_summary_has_the_curve(tiny
     assert all(e["episodes"] == 4 for e in summary["evals"])
     saved = json.loads((out / "finetune_summary.json").read_text())
     assert saved["history"][-1]["env_steps"] == summary["env_steps"] > 0
+    # Throughput: executed steps over each iteration's wall-clock (rollout + update), and overall.
+    for h in saved["history"]:
+        assert h["iteration_seconds"] >= h["rollout_seconds"] + h["update_seconds"] - 0.002
+        assert h["env_steps_per_s"] == pytest.approx(h["executed_env_steps"] / h["iteration_seconds"], rel=0.01)
+    assert sum(h["executed_env_steps"] for h in saved["history"]) == summary["env_steps"]
     assert (out / "success.png").stat().st_size > 0
     env = EnvConfig(num_envs=4, max_episode_steps=12)
     result = evaluate(EvalConfig(checkpoint=str(out), env=env, num_episodes=4, delay=delay,

@@ -36,7 +36,8 @@ the evaluation seeds (``eval_seed``, 1000 by default, one per evaluation round a
 Writes into ``output_dir``: ``checkpoints/step-<iteration>/`` (the policy as ``vla-rl eval`` and
 ``vla-rl serve`` load it, plus ``training_state/`` for ``--resume``), ``eval/iter-<n>/`` (periodic
 evaluations through ``vla-rl eval``'s own code), ``finetune_summary.json`` (success curve, losses,
-rollout and update seconds per iteration, env-steps/s with the policy in the loop) and ``success.png``.
+rollout and update seconds per iteration, executed env-steps per second of the whole iteration (see
+`vla_rl.rl.report.iteration_record`)) and ``success.png``.
 """
 
 from __future__ import annotations
@@ -410,11 +411,13 @@ def _train(run: _Run, rollouts) -> None:
     with interrupt.deferred():
         while not run.finished():
             it = state["iteration"]
+            t_start = time.perf_counter()
             batch = rollouts.next(it)
             t_update = time.perf_counter()
             update_stats = {**run.learner.update(batch.rollout, it), **batch.info}
             rollouts.updated(run.actor)
             update_seconds = time.perf_counter() - t_update
+            iteration_seconds = time.perf_counter() - t_start  # rollout (or the wait for one) and update
             env_steps = sum(st.env_steps for st in batch.stats)
             skipped = run.learner.skipped
             state.update(iteration=it + 1, env_steps=state["env_steps"] + env_steps,
@@ -423,8 +426,8 @@ def _train(run: _Run, rollouts) -> None:
             if run.processes.count > 1:
                 modules = [run.actor.module] + ([run.learner.critic] if cfg.algo == "ppo" else [])
                 checksums = checkpointing.check_in_sync(modules, run.processes)
-            record = report.iteration_record(state, batch, update_seconds, update_stats, run.tasks, run.curriculum,
-                                             checksums)  # fmt: skip
+            record = report.iteration_record(state, batch, update_seconds, iteration_seconds, update_stats, run.tasks,
+                                             run.curriculum, checksums)  # fmt: skip
             state["history"].append(record)
             if run.logging:
                 run.accelerator.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=it + 1)

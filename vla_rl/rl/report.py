@@ -14,17 +14,26 @@ def _round(v):
     return round(v, 6) if isinstance(v, float) else v
 
 
-def iteration_record(state: dict, batch: RolloutBatch, update_seconds: float, update_stats: dict, tasks: list[str],
-                     curriculum, checksums: list[float] | None = None) -> dict:  # fmt: skip
+def iteration_record(state: dict, batch: RolloutBatch, update_seconds: float, iteration_seconds: float,
+                     update_stats: dict, tasks: list[str], curriculum, checksums: list[float] | None = None) -> dict:  # fmt: skip
     """The history entry of the iteration just done (``state`` already counts it): its rollouts, timings and
     the learner's statistics; each process's decisions and weights' checksums (``checksums``) in a
-    data-parallel run; per task and the curriculum's priorities in a multi-task run."""
+    data-parallel run; per task and the curriculum's priorities in a multi-task run.
+
+    Throughput: ``env_steps_per_s`` is the control steps the recorded episodes executed over the
+    iteration's wall-clock (rollout, or the wait for one under Ray, plus the update; evaluations and
+    checkpoints excluded), comparable between a local run and a Ray run. ``rollout_env_steps_per_s``
+    is the simulator's rate while rolling out: every simulated step, those of worlds holding while
+    the others finish included, over the rollout's seconds (under Ray, the learner's wait)."""
     stats = batch.stats
+    executed = sum(st.env_steps for st in stats)
     record = {
         "iteration": state["iteration"], "env_steps": state["env_steps"], "rollout_success": batch.success,
         "episodes": sum(st.episodes for st in stats), "diverged_episodes": sum(st.diverged for st in stats),
         "rollout_seconds": round(batch.seconds, 3), "update_seconds": round(update_seconds, 3),
         "rollout_env_steps_per_s": round(sum(st.simulated_steps for st in stats) / max(batch.seconds, 1e-9), 1),
+        "iteration_seconds": round(iteration_seconds, 3), "executed_env_steps": executed,
+        "env_steps_per_s": round(executed / max(iteration_seconds, 1e-9), 1),
         "skipped_updates": state["skipped_actor_updates"] + state["skipped_critic_updates"],
         **{k: _round(v) for k, v in update_stats.items()},
     }  # fmt: skip
@@ -60,6 +69,12 @@ def summary(cfg, tasks: list[str], state: dict, seconds: float) -> dict:
         "rollout_seconds": round(rollout_s, 1),
         "update_seconds": round(sum(h["update_seconds"] for h in history), 1),
         "rollout_env_steps_per_s": round(sim_steps / max(rollout_s, 1e-9), 1),
+        # Executed control steps over the iterations' wall-clock (rollout + update): local and Ray compare.
+        "env_steps_per_s": round(
+            sum(h.get("executed_env_steps", 0) for h in history)
+            / max(sum(h.get("iteration_seconds", 0) for h in history), 1e-9),
+            1,
+        ),
         "seconds_since_start_or_resume": round(seconds, 1),
         "history": history,
         "config": asdict(cfg),
