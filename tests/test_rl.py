@@ -18,7 +18,7 @@ from vla_rl.latency_warmup import LatencyWarmupConfig
 from vla_rl.rl.grpo import GRPOConfig, group_advantages, group_seeds
 from vla_rl.rl.ppo import PPOConfig, gae
 from vla_rl.rl.rollout import Rollout
-from vla_rl.rl.update import GradientStep, clipped_surrogate
+from vla_rl.rl.update import Anchors, GradientStep, clipped_surrogate
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -138,7 +138,7 @@ def test_a_grpo_step_raises_the_log_prob_of_the_chains_that_succeeded(tiny_check
     rollout.success = rollout.world % 2 == 0
     before = batched_score(actor, rollout.obs, rollout.decision, 64)
     step = GradientStep(torch.optim.SGD(policy.parameters(), lr=1e-4), max_grad_norm=0)
-    stats = grpo.update(actor, rollout, before, cfg=GRPOConfig(group_size=2), actor_step=step,
+    stats = grpo.update(actor, rollout, Anchors(before), cfg=GRPOConfig(group_size=2), actor_step=step,
                         settings=_settings(len(rollout)))  # fmt: skip
     assert stats["groups_dropped"] == 0 and stats["decisions"] == len(rollout)
     change = (batched_score(actor, rollout.obs, rollout.decision, 64).values - before.values).sum(1)  # (M,)
@@ -181,7 +181,7 @@ def test_training_only_the_last_denoising_steps_follows_only_their_gradient(tiny
     lr = 1e-3
     step = GradientStep(torch.optim.SGD(params, lr=lr), max_grad_norm=0)
     old = batched_score(actor, rollout.obs, rollout.decision, 64).columns(last)
-    grpo.update(actor, rollout, old, cfg=GRPOConfig(group_size=2), actor_step=step,
+    grpo.update(actor, rollout, Anchors(old), cfg=GRPOConfig(group_size=2), actor_step=step,
                 settings=_settings(len(rollout), factors=last))  # fmt: skip
     moved = torch.cat([(p.detach() - b).flatten() for p, b in zip(params, before, strict=True)])
     want = torch.cat(
@@ -600,7 +600,7 @@ def test_ppo_value_loss_is_clipped_around_the_old_values():
         settings = UpdateSettings(epochs=2, minibatch_size=2, clip_low=0.2, clip_high=0.28, factors=slice(None),
                                   pcgrad=False, max_grad_norm=0, lr=1, head_lr=1, generator=torch.Generator())  # fmt: skip
         stats = ppo.update(
-            actor, critic, _two_world_rollout(), FactorLogProb(torch.zeros(2, 1)), None,
+            actor, critic, _two_world_rollout(), Anchors(FactorLogProb(torch.zeros(2, 1))), None,
             cfg=PPOConfig(value_clip=value_clip), settings=settings,
             actor_step=GradientStep(torch.optim.SGD(actor.module.parameters(), lr=1), 0),
             critic_step=GradientStep(torch.optim.SGD(critic.parameters(), lr=1), 0),
@@ -626,7 +626,7 @@ def test_ppo_actor_step_normalizes_advantages_and_pulls_toward_the_reference():
     settings = UpdateSettings(epochs=1, minibatch_size=2, clip_low=0.2, clip_high=0.28, factors=slice(None),
                               pcgrad=False, max_grad_norm=0, lr=0.1, head_lr=0.1, generator=torch.Generator())  # fmt: skip
     stats = ppo.update(
-        actor, critic, _two_world_rollout(), old, reference, cfg=PPOConfig(kl_coef=0.5), settings=settings,
+        actor, critic, _two_world_rollout(), Anchors(old), reference, cfg=PPOConfig(kl_coef=0.5), settings=settings,
         actor_step=GradientStep(torch.optim.SGD(actor.module.parameters(), lr=0.1), 0),
         critic_step=GradientStep(torch.optim.SGD(critic.parameters(), lr=0.0), 0), train_actor=True,
         max_episode_steps=10,
@@ -699,3 +699,54 @@ def test_the_value_head_sees_the_committed_actions():
     assert blind[0] == blind[1] and abs(float(blind[0]) - 0.5) < 0.05  # one value for both
     seeing = fitted_values(policy.rl_actor(noise, augmentation_width=3))
     assert (seeing - target).abs().max() < 0.05
+
+
+# -- stale rollouts: decoupled PPO with truncated importance weights --------------------------------------
+
+
+def test_a_stale_rollout_is_weighed_against_the_proximal_policy_and_truncated():
+    """log pi = theta x, theta = 0.5, x = [1, 2]: the proximal policy scores [0.5, 1]. The weights that
+    sampled the rollout scored [-0.5, 1.5], so log(pi_prox / pi_behaviour) = [1, -0.5], weights
+    [e, e^-0.5] = [2.718, 0.607], truncated at rho_bar 1: [1, 0.607]. Staleness, apart from the update's
+    own statistics: k3 KL = mean(e - 1 - 1, e^-0.5 - 1 + 0.5) = mean(0.718282, 0.106531), one factor of
+    two truncated. At r = 1 with advantages [1, -1] the loss is -mean(1 * 1, 0.607 * -1) = -0.196735."""
+    from vla_core.rl import FactorLogProb
+    from vla_rl.rl.update import actor_loss, anchors
+
+    actor, rollout = _LinearActor(0.5), _two_world_rollout()
+    rollout.behaviour_log_prob = FactorLogProb(torch.tensor([[-0.5], [1.5]]))
+    a = anchors(actor, rollout, _settings(2), rho_bar=1.0)
+    assert a.proximal.values.flatten().tolist() == [0.5, 1.0]
+    assert a.weight.flatten().tolist() == pytest.approx([1.0, math.exp(-0.5)])
+    assert a.decision_ratio.tolist() == pytest.approx([1.0, math.exp(-0.5)])
+    assert a.stats["staleness_kl"] == pytest.approx((0.718282 + 0.106531) / 2, abs=1e-6)
+    assert a.stats["staleness_truncated"] == 0.5
+    adv = torch.tensor([1.0, -1.0])
+    loss, stats = actor_loss(a.proximal.values, a.proximal.values, adv, 0.2, 0.28, weight=a.weight)
+    assert loss.item() == pytest.approx(-(1 - math.exp(-0.5)) / 2, abs=1e-6) and stats["approx_kl"] == 0.0
+    assert anchors(actor, _two_world_rollout(), _settings(2)).weight is None  # on-policy: no weights at all
+
+
+def test_a_negative_advantage_on_a_stale_sample_is_bounded():
+    """The failure of taking ratios against the behaviour policy: a sample whose probability rose 20-fold
+    (e^3) since it was drawn, with A = -1, gives min(20 A, 1.28 A) = -20: the loss weighs it 20 times.
+    Against the proximal policy (r = 1) with the weight truncated at 1 it weighs 1."""
+    from vla_rl.rl.update import clipped_surrogate
+
+    now, behaviour, adv = torch.tensor([[3.0]]), torch.tensor([[0.0]]), torch.tensor([-1.0])
+    assert clipped_surrogate(now, behaviour, adv, 0.2, 0.28)[0].item() == pytest.approx(math.exp(3))
+    weight = (now - behaviour).exp().clamp(max=1.0)
+    assert clipped_surrogate(now, now, adv, 0.2, 0.28, weight=weight)[0].item() == pytest.approx(1.0)
+
+
+def test_gae_traces_a_stale_episode_with_truncated_weights():
+    """One world, two decisions, V = 0.5 everywhere, rewards [0, 1], done at the second, g = 0.9, lambda
+    0.5, weights rho = c = [0.5, 1]. A_1 = 1 * (1 - 0.5) = 0.5; delta_0 = 0 + 0.9 * 0.5 - 0.5 = -0.05,
+    A_0 = 0.5 * -0.05 + 0.9 * 0.5 * 0.5 * 0.5 = 0.0875 (on-policy GAE: -0.05 + 0.225 = 0.175)."""
+    r = rollout_of([0, 0], [0, 0], [0.0, 1.0], [0.9, 0.9], [False, True])
+    values = torch.tensor([0.5, 0.5])
+    advantages, returns = gae(r, values, 0.5, torch.tensor([0.5, 1.0]))
+    torch.testing.assert_close(advantages, torch.tensor([0.0875, 0.5]))
+    torch.testing.assert_close(returns, advantages + values)
+    torch.testing.assert_close(gae(r, values, 0.5)[0], torch.tensor([0.175, 0.5]))
+    assert torch.equal(gae(r, values, 0.5, torch.ones(2))[0], gae(r, values, 0.5)[0])  # weights 1: GAE exactly

@@ -362,6 +362,7 @@ def _wire(
         epochs=cfg.update_epochs, minibatch_size=cfg.minibatch_size, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
         factors=factors, pcgrad=cfg.pcgrad, max_grad_norm=cfg.max_grad_norm, lr=cfg.lr, head_lr=cfg.latency_head_lr,
         generator=torch.Generator().manual_seed(cfg.seed), seed=cfg.seed,  # minibatch order, the same in every process
+        rho_bar=cfg.ray.rho_bar,
     )  # fmt: skip
     if cfg.algo == "ppo":
         reference = None

@@ -22,15 +22,16 @@ from dataclasses import dataclass
 
 import torch
 
-from vla_core.rl import FactorLogProb, RLPolicy
+from vla_core.rl import RLPolicy
 from vla_rl.rl.rollout import Rollout, select_rows, to_device
 from vla_rl.rl.update import (
+    Anchors,
     GradientStep,
     Processes,
     UpdateSettings,
     actor_loss,
     actor_loss_per_task,
-    behaviour_log_prob,
+    anchors,
     minibatches,
 )
 
@@ -90,9 +91,10 @@ class GRPO:
         self.actor_step = settings.actor_step(actor, processes)
 
     def update(self, rollout: Rollout, iteration: int) -> dict[str, float]:
-        old = behaviour_log_prob(self.actor, rollout, self.settings)
-        return update(self.actor, rollout, old, cfg=self.cfg, settings=self.settings, actor_step=self.actor_step,
-                      processes=self.processes)  # fmt: skip
+        a = anchors(self.actor, rollout, self.settings, self.settings.rho_bar)
+        stats = update(self.actor, rollout, a, cfg=self.cfg, settings=self.settings, actor_step=self.actor_step,
+                       processes=self.processes)  # fmt: skip
+        return {**stats, **a.stats}
 
     @property
     def skipped(self) -> dict[str, int]:
@@ -110,16 +112,17 @@ class GRPO:
 def update(
     actor: RLPolicy,
     rollout: Rollout,
-    old_log_prob: FactorLogProb,
+    anchored: Anchors,
     *,
     cfg: GRPOConfig,
     settings: UpdateSettings,
     actor_step: GradientStep,
     processes: Processes | None = None,
 ) -> dict[str, float]:
-    """One GRPO update on a rollout of one episode per world. old_log_prob: (M, F') per factor of
-    ``settings.factors`` (the F' factors the loss covers). processes: a data-parallel run's, each
-    computing its shard of every minibatch (`vla_rl.rl.update.Processes`)."""
+    """One GRPO update on a rollout of one episode per world. anchored: what its ratios are taken against
+    (`vla_rl.rl.update.Anchors`: the proximal log-probabilities (M, F') of ``settings.factors``, the F'
+    factors the loss covers, and a stale rollout's truncated weights). processes: a data-parallel run's,
+    each computing its shard of every minibatch (`vla_rl.rl.update.Processes`)."""
     processes, s = processes or Processes(), settings
     # Episode e of the rollout is world e's (one episode per world); its group is e // G. In a
     # multi-task rollout each task's worlds are numbered on (`Rollout.cat`), so groups stay in a task;
@@ -138,9 +141,10 @@ def update(
         return stats  # every group was all-success or all-failure: nothing to learn from
     rollout, old_log_prob, decision_advantage = (
         rollout.select(keep),
-        old_log_prob.select(keep),
+        anchored.proximal.select(keep),
         advantages[rollout.world][keep],
     )
+    weight = None if anchored.weight is None else anchored.weight[keep]
     sums: dict[str, float] = {}
     count = 0
     dev = actor.device
@@ -153,7 +157,8 @@ def update(
             obs = to_device(select_rows(rollout.obs, rows), dev)
             new = actor.score(obs, rollout.decision.select(rows).to(dev)).columns(s.factors)
             old, adv = old_log_prob.values[rows].to(dev), decision_advantage[rows].to(dev)
-            terms = (new.values, old, adv, s.clip_low, s.clip_high, None, 0.0, new.mask)
+            stale = None if weight is None else weight[rows].to(dev)
+            terms = (new.values, old, adv, s.clip_low, s.clip_high, None, 0.0, new.mask, stale)
             loss, clip_stats = actor_loss(*terms)
             tasks = (rollout.task[rows].to(dev), rollout.task[batch].to(dev))
             per_task = actor_loss_per_task(*tasks, *terms) if s.pcgrad else None

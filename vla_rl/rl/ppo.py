@@ -6,22 +6,28 @@ Gaussian policy of K steps). Per world and episode, decisions i = 0 .. L-1 with 
 (sum_j gamma^j r_j over the steps the chunk ran), discount g_i = gamma^steps_i and done_i:
 
     delta_i = R_i + g_i (1 - done_i) V(s_{i+1}) - V(s_i)
-    A_i     = delta_i + g_i lambda (1 - done_i) A_{i+1}          (GAE with gamma per control step)
-    G_i     = A_i + V(s_i)                                        (the value target)
+    A_i     = rho_i delta_i + g_i lambda c_i (1 - done_i) A_{i+1}   (GAE with gamma per control step)
+    G_i     = A_i + V(s_i)                                          (the value target)
+
+rho_i = c_i = 1 on-policy; a stale decision (asynchronous rollouts) gets its truncated weight
+min(pi_prox / pi_behaviour, rho_bar) (V-trace; `vla_rl.rl.update.Anchors`).
 
 An episode that hits the time limit counts as ended (no bootstrap): the value head sees the
 episode's progress, so the value of a state with no time left is near zero anyway.
 
-Critic: a value head on the actor's value features (``value_features``, detached; a denoising
-policy's condition) plus the episode's progress. Not a separate critic on ``observation.state``: the state is the arm's
-own joints, and what decides success (where the ball or the object is) is only in the images,
-which the policy's encoder already reads. Detached, so the value loss never moves the actor's
+Critic: a value head on the actor's value features (``value_features``, detached: a denoising
+policy's condition, and under delay the committed actions) plus the episode's progress. Not a
+separate critic on ``observation.state``: the state is the arm's own joints, and what decides
+success (where the ball or the object is) is only in the images, which the policy's encoder
+already reads. Detached, so the value loss never moves the actor's
 encoder. It warms up for ``critic_warmup_iterations`` before the actor's first update.
 
 Loss per minibatch (see `vla_rl.rl.update` for why the ratio is per factor):
 
-    L_actor  = clipped_surrogate(log pi(decision), log pi_old(decision), normalized A)
+    L_actor  = clipped_surrogate(log pi(decision), log pi_prox(decision), normalized A, weight w)
                + kl_coef * KL(pi || pi_imitation)                    (optional)
+
+(pi_prox: the weights at the update's start; w: a stale sample's truncated weight, else 1.)
     L_critic = 1/2 max((V - G)^2, (V_old + clip(V - V_old, +-value_clip) - G)^2)
 
 Episodes whose world diverged are left out of the update.
@@ -37,13 +43,15 @@ from torch import nn
 from vla_core.rl import FactorLogProb, RLPolicy
 from vla_rl.rl.rollout import Rollout, select_rows, to_device
 from vla_rl.rl.update import (
+    Anchors,
     GradientStep,
     Processes,
     UpdateSettings,
     actor_loss,
     actor_loss_per_task,
-    behaviour_log_prob,
+    anchors,
     minibatches,
+    scored,
 )
 
 
@@ -87,9 +95,16 @@ class ValueHead(nn.Module):
         return self.net(torch.cat([features, progress[:, None].to(features)], -1)).squeeze(-1)
 
 
-def gae(rollout: Rollout, values: torch.Tensor, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+def gae(
+    rollout: Rollout, values: torch.Tensor, lam: float, ratio: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(advantages (M,), value targets (M,)) of a rollout whose decisions are grouped per world and
-    episode, in order (`collect` returns them so); values: (M,) V(s_i)."""
+    episode, in order (`collect` returns them so); values: (M,) V(s_i). ratio: (M,) each decision's
+    truncated importance weight for samples drawn by older weights (V-trace, Espeholt et al. 2018:
+    rho_i = c_i = min(prod pi_prox / pi_behaviour, rho_bar)); None (on-policy) is 1:
+
+        A_i = rho_i delta_i + g_i lambda c_i (1 - done_i) A_{i+1},     G_i = A_i + V(s_i)
+    """
     m = len(rollout)
     advantages = torch.zeros(m)
     next_value, next_advantage = 0.0, 0.0
@@ -101,8 +116,9 @@ def gae(rollout: Rollout, values: torch.Tensor, lam: float) -> tuple[torch.Tenso
             next_value, next_advantage = 0.0, 0.0
         going_on = 1.0 - float(rollout.done[i])
         g = float(rollout.discount[i])
+        rho = 1.0 if ratio is None else float(ratio[i])  # 1.0 * x == x: an on-policy rollout's numbers are GAE's
         delta = float(rollout.reward[i]) + g * going_on * next_value - float(values[i])
-        advantages[i] = delta + g * lam * going_on * next_advantage
+        advantages[i] = rho * delta + g * lam * rho * going_on * next_advantage
         next_value, next_advantage = float(values[i]), float(advantages[i])
     return advantages, advantages + values
 
@@ -142,14 +158,13 @@ class PPO:
     def update(self, rollout: Rollout, iteration: int) -> dict[str, float]:
         """One PPO update on a rollout; the actor trains from iteration ``critic_warmup_iterations`` on."""
         s = self.settings
-        old = behaviour_log_prob(self.actor, rollout, s)
-        reference = None
-        if self.reference is not None:
-            reference = behaviour_log_prob(self.reference, rollout, s, recorded=False)
-        return update(self.actor, self.critic, rollout, old, reference, cfg=self.cfg, settings=s,
-                      actor_step=self.actor_step, critic_step=self.critic_step, processes=self.processes,
-                      train_actor=iteration >= self.cfg.critic_warmup_iterations,
-                      max_episode_steps=self.max_episode_steps)  # fmt: skip
+        a = anchors(self.actor, rollout, s, s.rho_bar)
+        reference = None if self.reference is None else scored(self.reference, rollout, s)
+        stats = update(self.actor, self.critic, rollout, a, reference, cfg=self.cfg, settings=s,
+                       actor_step=self.actor_step, critic_step=self.critic_step, processes=self.processes,
+                       train_actor=iteration >= self.cfg.critic_warmup_iterations,
+                       max_episode_steps=self.max_episode_steps)  # fmt: skip
+        return {**stats, **a.stats}
 
     @property
     def skipped(self) -> dict[str, int]:
@@ -179,7 +194,7 @@ def update(
     actor: RLPolicy,
     critic: ValueHead,
     rollout: Rollout,
-    old_log_prob: FactorLogProb,
+    anchored: Anchors,
     reference_log_prob: FactorLogProb | None,
     *,
     cfg: PPOConfig,
@@ -190,18 +205,22 @@ def update(
     max_episode_steps: int,
     processes: Processes | None = None,
 ) -> dict[str, float]:
-    """One PPO update on a rollout. old_log_prob / reference_log_prob: (M, F') per factor of
-    ``settings.factors`` (the F' factors the actor loss covers). processes: a data-parallel run's, each
-    computing its shard of every minibatch (`vla_rl.rl.update.Processes`)."""
+    """One PPO update on a rollout. anchored: what its ratios are taken against (`vla_rl.rl.update.Anchors`:
+    the proximal log-probabilities (M, F') of ``settings.factors``, the F' factors the actor loss covers,
+    and a stale rollout's truncated weights); reference_log_prob: (M, F') the imitation policy's.
+    processes: a data-parallel run's, each computing its shard of every minibatch
+    (`vla_rl.rl.update.Processes`)."""
     processes, s = processes or Processes(), settings
     keep = ~rollout.diverged
-    rollout, old_log_prob = rollout.select(keep), old_log_prob.select(keep)
+    rollout, old_log_prob = rollout.select(keep), anchored.proximal.select(keep)
+    weight = None if anchored.weight is None else anchored.weight[keep]
+    ratio = None if anchored.decision_ratio is None else anchored.decision_ratio[keep]
     if reference_log_prob is not None:
         reference_log_prob = reference_log_prob.select(keep)
     if len(rollout) == 0:
         return {"decisions": 0}
     old_values = values_of(actor, critic, rollout, max_episode_steps, s.minibatch_size)
-    advantages, returns = gae(rollout, old_values, cfg.gae_lambda)
+    advantages, returns = gae(rollout, old_values, cfg.gae_lambda, ratio)
     normalized = (advantages - advantages.mean()) / (advantages.std(unbiased=False) + 1e-8)
     sums: dict[str, float] = {}
     count = 0
@@ -231,7 +250,8 @@ def update(
                 new = actor.score(obs, rollout.decision.select(rows).to(dev)).columns(s.factors)
                 old, adv = old_log_prob.values[rows].to(dev), normalized[rows].to(dev)
                 reference = None if reference_log_prob is None else reference_log_prob.values[rows].to(dev)
-                terms = (new.values, old, adv, s.clip_low, s.clip_high, reference, cfg.kl_coef, new.mask)
+                stale = None if weight is None else weight[rows].to(dev)
+                terms = (new.values, old, adv, s.clip_low, s.clip_high, reference, cfg.kl_coef, new.mask, stale)
                 loss, actor_stats = actor_loss(*terms)
                 tasks = (rollout.task[rows].to(dev), rollout.task[batch].to(dev))
                 per_task = actor_loss_per_task(*tasks, *terms) if s.pcgrad else None

@@ -14,10 +14,13 @@ log-probabilities of its decisions under those weights (`Rollout.behaviour_log_p
 
 Staleness, bounded and corrected. Bounded: the update that makes version v + 1 takes rollouts of
 version >= v - ``max_staleness`` and drops older ones, counted (``dropped_rollouts`` in the history).
-Corrected: the surrogate's ratios are taken against the recorded behaviour log-probabilities, not
-against the learner's weights of the moment, so a stale sample is weighted by
-pi_now / pi_behaviour and PPO's clip bounds that weight (the clip range sits around the policy
-that acted).
+Corrected (decoupled PPO, Hilton et al. 2021; `vla_rl.rl.update.Anchors`): the update's ratios are
+taken against the learner's weights at the start of the update (the proximal policy), so PPO's clip
+bounds how far the update moves the policy, however old the data; a stale sample is weighted by
+pi_prox / pi_behaviour per factor, truncated at ``rho_bar`` (1: a stale sample never weighs more
+than a fresh one, whatever the sign of its advantage), and PPO's GAE traces its episode with the
+same truncated weights of whole decisions (V-trace). ``staleness_kl`` and ``staleness_truncated``
+in the history measure the staleness apart from the update's own ``approx_kl`` and ``clip_fraction``.
 
 Flow: with ``max_staleness`` >= 1 a worker starts its next rollout the moment it hands one in, so it
 collects while the learner updates; an update takes the first ``num_workers`` usable rollouts to
@@ -48,12 +51,17 @@ class RayConfig:
     address: str = ""  # host:port of a running Ray cluster; empty = a local instance started for the run
     num_workers: int = 2  # rollout actors, each with env.num_envs worlds and one CPU
     max_staleness: int = 1  # an update takes rollouts at most this many versions old (0 = synchronous)
+    # The largest importance weight pi_now / pi_behaviour a stale sample gets in the update (V-trace's
+    # rho-bar; decoupled PPO, `vla_rl.rl.update.Anchors`).
+    rho_bar: float = 1.0
 
     def validate(self) -> None:
         if self.num_workers < 1 or self.max_staleness < 0:
             raise ValueError(
                 f"--ray.num_workers must be >= 1 and --ray.max_staleness >= 0, got {self.num_workers}, {self.max_staleness}"
             )
+        if not self.rho_bar > 0:
+            raise ValueError(f"--ray.rho_bar must be > 0 (the largest weight of a stale sample), got {self.rho_bar}")
 
 
 def usable(learner_version: int, rollout_version: int, max_staleness: int) -> bool:

@@ -13,7 +13,7 @@ mask) are left out of every mean.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,22 +27,26 @@ def clipped_surrogate(
     clip_low: float,
     clip_high: float,
     mask: torch.Tensor | None = None,
+    weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO's clipped objective, as a loss to minimize, over per-factor ratios.
 
-    new_log_prob, old_log_prob: (B, F) per-factor log-probabilities; advantage: (B,), shared by the
-    decision's F factors; mask: (B, F) the factors that exist (None: all). Asymmetric clip
-    ("clip-higher"): r is kept in [1 - clip_low, 1 + clip_high].
+    new_log_prob, old_log_prob: (B, F) per-factor log-probabilities, ``old`` the proximal policy's (the
+    weights at the start of the update); advantage: (B,), shared by the decision's F factors; mask:
+    (B, F) the factors that exist (None: all); weight: (B, F) a stale sample's truncated importance
+    weight w = min(pi_prox / pi_behaviour, rho_bar) (decoupled PPO, `Anchors`; None: on-policy, 1).
+    Asymmetric clip ("clip-higher"): r is kept in [1 - clip_low, 1 + clip_high].
 
         r_bk = exp(new_bk - old_bk)
-        loss = -mean_bk min(r_bk A_b, clip(r_bk, 1 - clip_low, 1 + clip_high) A_b)
+        loss = -mean_bk w_bk min(r_bk A_b, clip(r_bk, 1 - clip_low, 1 + clip_high) A_b)
     """
     log_ratio = new_log_prob - old_log_prob
     ratio = log_ratio.exp()
     adv = advantage[:, None]
     unclipped = ratio * adv
     clipped = ratio.clamp(1 - clip_low, 1 + clip_high) * adv
-    loss = -masked_mean(torch.minimum(unclipped, clipped), mask)
+    objective = torch.minimum(unclipped, clipped)
+    loss = -masked_mean(objective if weight is None else weight * objective, mask)
     with torch.no_grad():
         stats = {
             "clip_fraction": float(masked_mean(((ratio < 1 - clip_low) | (ratio > 1 + clip_high)).float(), mask)),
@@ -80,6 +84,7 @@ class UpdateSettings:
     head_lr: float
     generator: torch.Generator
     seed: int = 0  # PCGrad's order of the other tasks
+    rho_bar: float = 1.0  # the largest importance weight a stale sample gets (`Anchors`)
 
     def actor_step(self, actor: RLPolicy, processes: Processes) -> GradientStep:
         """AdamW over the actor's trainable weights, the latency head (``latency_head.*``) in its own group
@@ -92,14 +97,52 @@ class UpdateSettings:
         return GradientStep(optimizer, self.max_grad_norm, seed=self.seed, processes=processes)
 
 
-def behaviour_log_prob(actor: RLPolicy, rollout, settings: UpdateSettings, recorded: bool = True) -> FactorLogProb:
-    """(M, F') the log-probabilities the ratios are taken against, on ``settings.factors``: those recorded by
-    the weights that sampled the rollout (asynchronous rollouts), else ``actor``'s now (``recorded=False``:
-    always ``actor``'s, e.g. the frozen imitation policy of the KL term)."""
-    scored = rollout.behaviour_log_prob if recorded else None
-    if scored is None:
-        scored = batched_score(actor, rollout.obs, rollout.decision, settings.minibatch_size)
-    return scored.columns(settings.factors)
+def scored(actor: RLPolicy, rollout, settings: UpdateSettings) -> FactorLogProb:
+    """(M, F') the log-probabilities of the rollout's decisions under ``actor``'s weights now, on
+    ``settings.factors`` (e.g. the frozen imitation policy of the KL term)."""
+    return batched_score(actor, rollout.obs, rollout.decision, settings.minibatch_size).columns(settings.factors)
+
+
+@dataclass
+class Anchors:
+    """What an update's ratios are taken against (decoupled PPO, Hilton et al. 2021).
+
+    proximal: (M, F') the learner's weights at the start of the update: the clip's centre, so PPO bounds
+        how far the update moves the policy from where it is, however old the data.
+    weight: (M, F') min(pi_prox / pi_behaviour, rho_bar) per factor, the truncated importance weight of
+        a sample drawn by older weights (asynchronous rollouts; None: on-policy, every weight 1). The
+        truncation bounds a stale sample's weight, for positive and negative advantages alike.
+    decision_ratio: (M,) min(prod_k pi_prox / pi_behaviour, rho_bar) over a decision's factors (all of
+        them, not only ``settings.factors``), the V-trace weight of its step in GAE (`vla_rl.rl.ppo.gae`);
+        None on-policy.
+    stats: ``staleness_kl`` (k3 KL(behaviour || proximal) per factor) and ``staleness_truncated`` (the
+        fraction of factors whose weight was truncated), apart from the update's own approx_kl and
+        clip_fraction.
+    """
+
+    proximal: FactorLogProb
+    weight: torch.Tensor | None = None
+    decision_ratio: torch.Tensor | None = None
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+def anchors(actor: RLPolicy, rollout, settings: UpdateSettings, rho_bar: float = 1.0) -> Anchors:
+    """The `Anchors` of an update on ``rollout``: the actor scores it now (the proximal policy); a rollout
+    that recorded its behaviour log-probabilities (asynchronous workers) adds the truncated weights."""
+    now = batched_score(actor, rollout.obs, rollout.decision, settings.minibatch_size)
+    proximal = now.columns(settings.factors)
+    if rollout.behaviour_log_prob is None:
+        return Anchors(proximal)
+    log_w = now.values - rollout.behaviour_log_prob.values  # (M, F) log pi_prox / pi_behaviour
+    trained = log_w[:, settings.factors]
+    weight = trained.exp().clamp(max=rho_bar)
+    decision = log_w if now.mask is None else torch.where(now.mask, log_w, 0.0)
+    mask = proximal.mask
+    stats = {
+        "staleness_kl": float(masked_mean(trained.exp() - 1 - trained, mask)),  # k3 of KL(behaviour || proximal)
+        "staleness_truncated": float(masked_mean((trained.exp() > rho_bar).float(), mask)),
+    }
+    return Anchors(proximal, weight, decision.sum(1).exp().clamp(max=rho_bar), stats)
 
 
 def minibatches(count: int, size: int, generator: torch.Generator) -> Iterator[torch.Tensor]:
@@ -131,9 +174,11 @@ def actor_loss(
     reference_log_prob: torch.Tensor | None = None,
     kl_coef: float = 0.0,
     mask: torch.Tensor | None = None,
+    weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """The clipped surrogate, plus kl_coef * KL(pi || reference) when a reference is given."""
-    loss, stats = clipped_surrogate(new_log_prob, old_log_prob, advantage, clip_low, clip_high, mask)
+    """The clipped surrogate (with a stale sample's ``weight``), plus kl_coef * KL(pi || reference) when a
+    reference is given."""
+    loss, stats = clipped_surrogate(new_log_prob, old_log_prob, advantage, clip_low, clip_high, mask, weight)
     if reference_log_prob is not None and kl_coef > 0:
         kl = kl_to_reference(new_log_prob, reference_log_prob, mask)
         loss = loss + kl_coef * kl
@@ -142,7 +187,8 @@ def actor_loss(
 
 
 def actor_loss_per_task(tasks: torch.Tensor, all_tasks: torch.Tensor, new_log_prob, old_log_prob, advantage,
-                        clip_low, clip_high, reference_log_prob=None, kl_coef=0.0, mask=None) -> list[torch.Tensor | None]:  # fmt: skip
+                        clip_low, clip_high, reference_log_prob=None, kl_coef=0.0, mask=None,
+                        weight=None) -> list[torch.Tensor | None]:  # fmt: skip
     """`actor_loss` of each task of a minibatch, for PCGrad: one entry per task in ``all_tasks`` (the
     whole minibatch's (R,) task ids), over this process's rows (``tasks``, with the other tensors),
     weighted by their share of the task's rows; None where this process holds none of them."""
@@ -154,7 +200,9 @@ def actor_loss_per_task(tasks: torch.Tensor, all_tasks: torch.Tensor, new_log_pr
             continue
         reference = None if reference_log_prob is None else reference_log_prob[m]
         rows_mask = None if mask is None else mask[m]
-        terms = (new_log_prob[m], old_log_prob[m], advantage[m], clip_low, clip_high, reference, kl_coef, rows_mask)
+        rows_weight = None if weight is None else weight[m]
+        terms = (new_log_prob[m], old_log_prob[m], advantage[m], clip_low, clip_high, reference, kl_coef, rows_mask,
+                 rows_weight)  # fmt: skip
         losses.append(actor_loss(*terms)[0] * (m.sum() / (all_tasks == t).sum()))
     return losses
 
