@@ -750,3 +750,43 @@ def test_gae_traces_a_stale_episode_with_truncated_weights():
     torch.testing.assert_close(returns, advantages + values)
     torch.testing.assert_close(gae(r, values, 0.5)[0], torch.tensor([0.175, 0.5]))
     assert torch.equal(gae(r, values, 0.5, torch.ones(2))[0], gae(r, values, 0.5)[0])  # weights 1: GAE exactly
+
+
+def test_grpo_refills_until_the_batch_holds_informative_groups(monkeypatch):
+    """DAPO's dynamic sampling, with a stand-in for the rollout: 4 worlds in groups of 2, so a batch asks
+    for 2 informative groups. The first rollout's groups both succeed or both fail; the first refill
+    finds one mixed group (its group 0), the second another (its group 1): the batch keeps those two,
+    numbered as one batch, and counts the env steps of all three rollouts. Refills draw from seeds of
+    their own."""
+    from vla_rl.rl import sources
+    from vla_rl.rl.curriculum import TaskCurriculum
+    from vla_rl.rl.rollout import RolloutStats
+    from vla_rl.rl.update import Processes
+
+    outcomes = iter([[1, 1, 0, 0], [1, 0, 0, 0], [1, 1, 1, 0], [0, 0, 0, 0]])
+    seeds = []
+
+    def fake_collect(actor, shell, *, episodes_per_world, seed, task):
+        seeds.append(seed)
+        success = torch.tensor(next(outcomes), dtype=torch.bool)
+        r = rollout_of([0, 1, 2, 3], [0, 0, 0, 0], success.float().tolist(), [1.0] * 4, [True] * 4)
+        r.success, r.obs_step = success, torch.arange(4) + 10 * len(seeds)  # tells the rollouts apart
+        return r, RolloutStats(episodes=4, successes=int(success.sum()), diverged=0, env_steps=10, simulated_steps=12,
+                               seconds=1.0)  # fmt: skip
+
+    monkeypatch.setattr(sources, "collect", fake_collect)
+    cfg = FinetuneConfig(algo="grpo", env=EnvConfig(num_envs=4), grpo=GRPOConfig(group_size=2, max_refills=2))
+    local = sources.LocalRollouts(None, [None], cfg, TaskCurriculum(["lift"]), Processes())
+    batch = local.next(0)
+    r = batch.rollout
+    assert r.world.tolist() == [0, 1, 2, 3] and r.success.tolist() == [True, False, True, False]
+    assert r.obs_step.tolist() == [20, 21, 32, 33]  # the first refill's group 0, the second's group 1
+    assert batch.info == {"refills": 2}
+    assert (batch.stats[0].episodes, batch.stats[0].env_steps, batch.stats[0].simulated_steps) == (12, 30, 36)
+    base = cfg.seed + sources.REFILL_SEED_OFFSET
+    assert seeds[0][0] == cfg.seed + sources.TRAINING_SEED_OFFSET and seeds[1] == [base, base, base + 1, base + 1]
+    assert seeds[2][0] == base + 4  # the second refill of run 0
+    # A first rollout with enough informative groups is taken as it is.
+    outcomes = iter([[1, 0, 0, 1]])
+    batch = local.next(1)
+    assert batch.info == {"refills": 0} and batch.rollout.success.tolist() == [True, False, False, True]

@@ -28,6 +28,10 @@ Protocol history (runs as README.md reports them, each by its final line):
 - 2026-12-02: no protocol change: the code was reorganized (the stages call `vla_rl.stages`), and
   the GRPO group size (``min(8, num_envs)``) is passed to the GRPO run only; the PPO run never
   read it.
+- 2026-12-02, a method change (no result of the new method known when written): GRPO now refills
+  its batch (DAPO, ``grpo.max_refills=4`` by default), so within the same env-step budget (which
+  counts the refills) the GRPO arm makes fewer updates, each on informative groups only; its figures
+  are not comparable with run 1's. The PPO arm and the protocol above are unchanged.
 """
 
 from __future__ import annotations

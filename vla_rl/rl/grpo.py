@@ -8,8 +8,11 @@ R in {0, 1}, and the group's episodes are compared with each other:
     A_e = (R_e - mean_group R) / (std_group R + eps)        broadcast to every decision of episode e
 
 Dynamic sampling: a group where all G episodes succeeded, or all failed, has A = 0 everywhere and
-teaches nothing; it is dropped (and counted). Episodes whose world diverged are dropped with
-their group's statistics computed without them.
+teaches nothing; it is dropped (and counted). As in DAPO, the rollout is refilled first: the task is
+rolled out again from new initial states (up to ``max_refills`` times) until the batch holds
+N / G informative groups, every env step of it counted (`vla_rl.rl.sources.LocalRollouts`; Ray's
+asynchronous rollouts only drop). Episodes whose world diverged are dropped with their group's
+statistics computed without them.
 
 Loss: `vla_rl.rl.update.actor_loss` (the clipped surrogate) with the asymmetric clip (clip-higher, 0.2 / 0.28),
 per factor of the decision (per denoising step of a chain), averaged over every factor of every kept
@@ -42,8 +45,13 @@ class GRPOConfig:
 
     group_size: int = 8  # G: worlds that start from the same state; must divide env.num_envs
     dynamic_sampling: bool = True  # drop groups whose episodes all succeeded or all failed
+    # DAPO: with dynamic sampling, roll out again (new initial states) up to this many times until the
+    # batch holds env.num_envs / G informative groups; every env step of it counts. 0 = only drop.
+    max_refills: int = 4
 
     def validate(self, num_envs: int) -> None:
+        if self.max_refills < 0:
+            raise ValueError(f"grpo.max_refills must be >= 0 (0: drop uniform groups only), got {self.max_refills}")
         if self.group_size < 2:
             raise ValueError(f"grpo.group_size must be >= 2 (a group compares its episodes), got {self.group_size}")
         if num_envs % self.group_size:
@@ -56,6 +64,33 @@ class GRPOConfig:
 def group_seeds(num_envs: int, group_size: int, seed: int) -> list[int]:
     """One reset seed per world, equal within a group: world w belongs to group w // G."""
     return [seed + w // group_size for w in range(num_envs)]
+
+
+def informative_groups(rollout: Rollout, group_size: int) -> torch.Tensor:
+    """(groups,) bool over the groups of a rollout of one episode per world (group = world // G): True where
+    its episodes, diverged ones left out, neither all succeeded nor all failed (the only groups GRPO
+    learns from)."""
+    groups = (int(rollout.world.max()) + 1 + group_size - 1) // group_size
+    successes, counted = torch.zeros(groups), torch.zeros(groups)
+    first = torch.ones(len(rollout), dtype=torch.bool)  # one row per episode: each world's first decision
+    first[1:] = rollout.world[1:] != rollout.world[:-1]
+    episodes = rollout.select(first & ~rollout.diverged)
+    group = episodes.world // group_size
+    successes.index_add_(0, group, episodes.success.float())
+    counted.index_add_(0, group, torch.ones(len(episodes)))
+    return (successes > 0) & (successes < counted)
+
+
+def keep_groups(rollout: Rollout, groups: torch.Tensor, group_size: int) -> Rollout:
+    """The decisions of ``groups`` (k,) long, in that order, their worlds renumbered so group j is
+    worlds j G .. j G + G - 1 (a batch as if those groups had been rolled out together)."""
+    rank = torch.full((int(rollout.world.max()) // group_size + 1,), -1, dtype=torch.long)
+    rank[groups] = torch.arange(len(groups))
+    of_world = rank[rollout.world // group_size]
+    kept = rollout.select(of_world >= 0)
+    kept.world = of_world[of_world >= 0] * group_size + kept.world % group_size
+    order = torch.argsort(kept.world * (kept.episode.max() + 1) + kept.episode, stable=True)
+    return kept.select(order)
 
 
 def group_advantages(

@@ -19,6 +19,7 @@ from vla_rl.rl.rollout import Rollout, RolloutStats, collect
 from vla_rl.rl.update import Processes
 
 TRAINING_SEED_OFFSET = 1_000_000  # rollout seeds start here, far from every evaluation seed
+REFILL_SEED_OFFSET = 100_000_000  # GRPO's refills reset from here up (DAPO), apart from the rollouts' own
 
 
 @dataclass
@@ -48,6 +49,18 @@ def reset_seeds(cfg, run: int) -> tuple[int | list[int], int]:
     return seed_base, cfg.ppo.episodes_per_world
 
 
+def refill_seeds(cfg, run: int, refill: int) -> list[int]:
+    """The group seeds of GRPO's ``refill``-th (1, 2, ...) extra rollout for the ``run``-th rollout."""
+    seed_base = cfg.seed + REFILL_SEED_OFFSET + (run * cfg.grpo.max_refills + refill - 1) * cfg.env.num_envs
+    return grpo.group_seeds(cfg.env.num_envs, cfg.grpo.group_size, seed_base)
+
+
+def summed(stats: list[RolloutStats]) -> RolloutStats:
+    """The stats of several rollouts of one task, as one."""
+    return RolloutStats(*(sum(getattr(s, f) for s in stats) for f in
+                          ("episodes", "successes", "diverged", "env_steps", "simulated_steps", "seconds")))  # fmt: skip
+
+
 class LocalRollouts:
     """This process's worlds: one delay shell per task (``shells``), rolled out between updates. Under
     ``accelerate launch`` every process rolls out its own worlds (its own seeds, delays and sampling
@@ -59,11 +72,15 @@ class LocalRollouts:
     def next(self, iteration: int) -> RolloutBatch:
         cfg, processes, tasks = self.cfg, self.processes, len(self.shells)
         chosen = self.curriculum.choose(cfg.curriculum_tasks or tasks)
-        parts, stats = [], []
+        parts, stats, refills = [], [], 0
         for t in chosen:
             # Distinct seeds for every (iteration, process, task).
-            seed, episodes = reset_seeds(cfg, (iteration * processes.count + processes.index) * tasks + t)
+            run = (iteration * processes.count + processes.index) * tasks + t
+            seed, episodes = reset_seeds(cfg, run)
             part, part_stats = collect(self.actor, self.shells[t], episodes_per_world=episodes, seed=seed, task=t)
+            if cfg.algo == "grpo" and cfg.grpo.dynamic_sampling and cfg.grpo.max_refills:
+                part, part_stats, extra = self._refill(part, part_stats, run, t)
+                refills += extra
             parts.append(part)
             stats.append(part_stats)
         local = Rollout.cat(parts, cfg.env.num_envs)
@@ -75,7 +92,31 @@ class LocalRollouts:
             task_stats = [process_stats[i] for _, process_stats in everyone]
             episodes_t = sum(st.episodes for st in task_stats)
             self.curriculum.update(t, sum(st.successes for st in task_stats) / max(1, episodes_t))
-        return RolloutBatch(rollout, [st for _, ps in everyone for st in ps], seconds, chosen, everyone)
+        info = {"refills": int(sum(processes.gather(refills)))} if cfg.algo == "grpo" else {}
+        return RolloutBatch(rollout, [st for _, ps in everyone for st in ps], seconds, chosen, everyone, info)
+
+    def _refill(self, part: Rollout, stats: RolloutStats, run: int, task: int) -> tuple[Rollout, RolloutStats, int]:
+        """DAPO's dynamic sampling: roll task ``task`` out again, from new initial states, until the rollouts
+        hold ``num_envs / G`` informative groups (`grpo.informative_groups`) or ``grpo.max_refills`` are
+        spent; keep that many (the first found), numbered as one batch. Every env step counts in the stats.
+        Returns (the rollout, its stats, the refills taken)."""
+        cfg, g = self.cfg, self.cfg.grpo.group_size
+        target, parts, all_stats = cfg.env.num_envs // g, [part], [stats]
+        while len(all_stats) <= cfg.grpo.max_refills:
+            found = grpo.informative_groups(Rollout.cat(parts, cfg.env.num_envs), g)
+            if int(found.sum()) >= target:
+                break
+            seeds = refill_seeds(cfg, run, len(all_stats))
+            extra, extra_stats = collect(self.actor, self.shells[task], episodes_per_world=1, seed=seeds, task=task)
+            parts.append(extra)
+            all_stats.append(extra_stats)
+        batch = Rollout.cat(parts, cfg.env.num_envs)
+        found = grpo.informative_groups(batch, g).nonzero().flatten()[:target]
+        if len(parts) == 1 and len(found) == target:
+            return part, stats, 0  # nothing to refill: the rollout as it came
+        if len(found) == 0:  # every group uniform even after the refills: GRPO drops them all anyway
+            return part, summed(all_stats), len(parts) - 1
+        return grpo.keep_groups(batch, found, g), summed(all_stats), len(parts) - 1
 
     def updated(self, actor: RLPolicy) -> None:
         """The learner updated the weights: the next rollout samples with them (they are shared here)."""
