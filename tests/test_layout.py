@@ -23,14 +23,14 @@ PRODUCT = ("vla_core", "vla_rl", "policies", "sim", "robot_bridge")
 MAX_FUNCTION_LINES = 120
 
 
-def _imports(tree: ast.AST) -> list[str]:
+def _imports(tree: ast.AST, packages: tuple[str, ...] = PROJECT) -> list[str]:
     modules = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             modules += [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             modules.append(node.module)
-    return [m for m in modules if m.split(".")[0] in PROJECT]
+    return [m for m in modules if m.split(".")[0] in packages]
 
 
 def _project_imports(path: Path) -> list[str]:
@@ -85,6 +85,20 @@ def test_the_commands_load_ros_only_when_a_ros_command_runs():
     for path in sorted((ROOT / "vla_rl").rglob("*.py")):
         bad = [m for m in _module_level_imports(path) if m.split(".")[0] == "robot_bridge"]
         assert not bad, f"{path.relative_to(ROOT)} imports {bad} at module level"
+
+
+def test_ray_is_imported_only_inside_the_functions_of_its_two_modules():
+    """docs/ARCHITECTURE.md: Ray only inside the functions of vla_rl.rl.ray_runtime and vla_rl.bench_ray,
+    so every other command runs without the ray extra."""
+    homes = {"vla_rl/rl/ray_runtime.py", "vla_rl/bench_ray.py"}
+    for package in PRODUCT:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            tree, name = ast.parse(path.read_text()), str(path.relative_to(ROOT))
+            at_import = [
+                n for n in tree.body if not isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+            ]
+            assert not _imports(ast.Module(at_import, []), ("ray",)), f"{name} imports ray at module level"
+            assert name in homes or not _imports(tree, ("ray",)), f"{name} imports ray outside its two modules"
 
 
 @pytest.mark.parametrize("package", PRODUCT)

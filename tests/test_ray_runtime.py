@@ -1,13 +1,16 @@
-"""Asynchronous rollouts on Ray: two real rollout actors on CPU, the version bookkeeping and the staleness bound."""
+"""Asynchronous rollouts on Ray: two real rollout actors on CPU, the version bookkeeping, the staleness bound,
+the overlap of collection with updates, the behaviour log-probs the correction reads, and dead workers."""
 
+import json
 import re
 
 import pytest
+import torch
 from extras import require
 
 from sim.config import EnvConfig
 from vla_rl.finetune import FinetuneConfig, finetune
-from vla_rl.rl.ray_runtime import RayConfig, usable
+from vla_rl.rl.ray_runtime import AsyncRollouts, RayConfig, check_capacity, check_reachable, usable
 
 ray = require("ray", "ray")
 
@@ -43,6 +46,15 @@ def test_two_actors_collect_while_the_learner_updates_within_the_staleness_bound
         assert h["policy_version"] - 1 <= h["data_version_min"] <= h["data_version_max"] <= h["policy_version"]
         assert h["episodes"] >= 2 * 2 * 2  # both workers' 2 worlds, 2 episodes each (dropped rollouts counted too)
     assert history[-1]["data_version_max"] >= 1  # rollouts of published weights arrived
+    # Collection overlapped the updates: some rollout of version v was being collected while the
+    # update that makes v + 1 ran (on the same clock: one machine).
+    timeline = json.loads((tmp_path / "async" / "ray_timeline.json").read_text())
+    updates = {u["version"]: u for u in timeline["updates"]}
+    assert sorted(updates) == [0, 1, 2, 3] and timeline["nodes"] == 1 and timeline["lost_rollouts"] == []
+    overlapping = [r for r in timeline["rollouts"] if r["version"] in updates
+                   and r["started"] < updates[r["version"]]["ended"] and r["ended"] > updates[r["version"]]["started"]]  # fmt: skip
+    assert overlapping, timeline
+    assert all(r["cpu_seconds"] > 0 for r in timeline["rollouts"])
 
 
 def test_with_no_staleness_allowed_every_rollout_is_on_policy(tiny_checkpoint, tmp_path, local_ray):
@@ -51,6 +63,10 @@ def test_with_no_staleness_allowed_every_rollout_is_on_policy(tiny_checkpoint, t
         (0, 0, 0), (1, 1, 1), (2, 2, 2)
     ]  # fmt: skip
     assert all(h["dropped_rollouts"] == 0 for h in history)
+    # Synchronous: no rollout of version v is collected while the update that makes v + 1 runs.
+    timeline = json.loads((tmp_path / "sync" / "ray_timeline.json").read_text())
+    for u in timeline["updates"]:
+        assert all(r["ended"] <= u["started"] or r["started"] >= u["ended"] for r in timeline["rollouts"])
 
 
 def test_an_unreachable_cluster_is_named_before_anything_starts(tiny_checkpoint, tmp_path):
@@ -59,6 +75,100 @@ def test_an_unreachable_cluster_is_named_before_anything_starts(tiny_checkpoint,
     with pytest.raises(ValueError, match=re.escape("cannot reach the Ray cluster at --ray.address=127.0.0.1:1")):
         finetune(cfg)
     assert not (tmp_path / "x").exists()
+
+
+def _workers(checkpoint, tmp_path, **ray_fields) -> tuple:
+    """The learner's policy and an `AsyncRollouts` of two workers with two worlds, as finetune builds them."""
+    from vla_rl.checkpoint import load_policy
+
+    cfg = FinetuneConfig(checkpoint=str(checkpoint), env=EnvConfig(num_envs=2, max_episode_steps=8),
+                         output_dir=str(tmp_path), runtime="ray", ray=RayConfig(num_workers=2, **ray_fields))  # fmt: skip
+    policy = load_policy(checkpoint)[0].eval()
+    return policy, cfg, AsyncRollouts(policy, cfg, gamma=0.99, version=0, seeds=lambda k: (100 + 10 * k, 1, k))
+
+
+def test_the_behaviour_log_probs_are_the_sampling_weights_and_the_correction_reads_them(
+    tiny_checkpoint, tmp_path, local_ray
+):
+    """Version 0's rollouts carry the log-probs of version 0's weights (re-scored here); after the learner
+    publishes perturbed weights, the correction's weight of a version-0 row is min(pi_new / pi_0, rho_bar)
+    with pi_0 those carried log-probs, worked out here from two independent scorings."""
+    from vla_rl.rl.update import UpdateSettings, anchors, batched_score
+
+    policy, cfg, workers = _workers(tiny_checkpoint[0], tmp_path)
+    try:
+        actor = policy.rl_actor(cfg.noise, augmentation_width=0)
+        batch, _, info = workers.next_batch()
+        assert (info["data_version_min"], info["data_version_max"]) == (0, 0)
+        version0 = batched_score(actor, batch.obs, batch.decision, 64)
+        torch.testing.assert_close(batch.behaviour_log_prob.values, version0.values, rtol=0, atol=1e-4)
+        torch.manual_seed(0)
+        with torch.no_grad():
+            for p in policy.parameters():
+                p.add_(0.01 * torch.randn_like(p))
+        workers.publish(policy)
+        batch, _, _ = workers.next_batch()  # the rollouts in flight were launched with version 0
+        new = batched_score(actor, batch.obs, batch.decision, 64).values
+        settings = UpdateSettings(epochs=1, minibatch_size=16, clip_low=0.2, clip_high=0.2, factors=slice(None),
+                                  pcgrad=False, max_grad_norm=1.0, lr=1e-4, head_lr=1e-4,
+                                  generator=torch.Generator(), seed=0, rho_bar=1.0)  # fmt: skip
+        weight = anchors(actor, batch, settings, rho_bar=1.0).weight
+        stale = batch.version == 0
+        assert stale.any()
+        expected = (new - batch.behaviour_log_prob.values).exp().clamp(max=1.0)
+        torch.testing.assert_close(weight, expected)
+        assert (weight[stale] < 1).any()  # the perturbation moved the policy: some stale samples count less
+    finally:
+        workers.close()
+
+
+def test_a_worker_that_dies_is_restarted_and_its_rollout_collected_again(tiny_checkpoint, tmp_path, local_ray):
+    """Worker 0 is killed as by a crash while its first rollout (launch 0) is in flight: the launch is
+    collected again with its seeds by the next free worker, none is lost, Ray restarts worker 0 and it
+    hands in rollouts again."""
+    import ray
+
+    _, _, workers = _workers(tiny_checkpoint[0], tmp_path, max_restarts=1)
+    try:
+        ray.kill(workers.workers[0], no_restart=False)
+        restarts = 0
+        for _ in range(200):  # worker 1 hands in more rollouts while worker 0 restarts (seconds)
+            batch, stats, info = workers.next_batch()
+            restarts += info["worker_restarts"]
+            assert len(stats) == 2 and sorted(batch.world.unique().tolist()) == [0, 1, 2, 3]
+            if restarts and 0 in {r["worker"] for r in workers.timeline["rollouts"]}:
+                break
+        launches = [r["launch"] for r in workers.timeline["rollouts"]]
+        assert restarts == 1 and {d["launch"] for d in workers.timeline["interrupted"]} == {0}
+        assert 0 in launches and len(launches) == len(set(launches))  # launch 0 handed in once, after all
+        assert workers.lost() == [] and workers.alive == [True, True]
+    finally:
+        workers.close()
+
+
+def test_a_worker_that_cannot_start_ends_the_run_with_one_line(tiny_checkpoint, tmp_path, local_ray):
+    with pytest.raises(ValueError, match=r"^a rollout worker failed to start: .*unknown task 'nowhere'.*install"):
+        from vla_rl.checkpoint import load_policy
+
+        cfg = FinetuneConfig(checkpoint=str(tiny_checkpoint[0]), env=EnvConfig(task="nowhere", num_envs=2),
+                             runtime="ray", ray=RayConfig(num_workers=1))  # fmt: skip
+        AsyncRollouts(load_policy(tiny_checkpoint[0])[0], cfg, gamma=0.99, version=0, seeds=lambda k: (k, 1, k))
+    import ray
+
+    assert ray.is_initialized() and not ray.util.list_named_actors()  # nothing left running
+
+
+def test_addresses_and_capacity_are_checked_with_the_fix_named():
+    check_reachable("auto")  # left to ray.init, which finds the cluster or says it found none
+    with pytest.raises(ValueError, match=re.escape("--ray.address=ray://127.0.0.1:1 (") + ".*`ray start --head`"):
+        check_reachable("ray://127.0.0.1:1")
+    check_capacity(RayConfig(num_workers=2, worker_cpus=1.5), {"CPU": 3.0})
+    with pytest.raises(
+        ValueError, match=re.escape("has 2 CPUs but --ray.num_workers=2 workers of --ray.worker_cpus=1.5 need 3")
+    ):
+        check_capacity(RayConfig(num_workers=2, worker_cpus=1.5), {"CPU": 2.0})
+    with pytest.raises(ValueError, match=re.escape("has 0 GPUs but")):
+        check_capacity(RayConfig(num_workers=1, worker_gpus=1), {"CPU": 2.0})
 
 
 def test_ray_refuses_what_it_does_not_run():

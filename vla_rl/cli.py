@@ -129,6 +129,12 @@ def _run_bench_latency_rl(cfg):
     print(format_summary(bench_latency_rl(cfg)))
 
 
+def _run_bench_ray(cfg):
+    from vla_rl.bench_ray import bench_ray, format_summary
+
+    print(format_summary(bench_ray(cfg)))
+
+
 def _run_bench_sim(cfg):
     from vla_rl.bench import bench_sim, format_summary
 
@@ -204,7 +210,7 @@ COMMANDS: dict[str, Command] = {
     ),
     "bench": Command(
         "benchmarks: `bench sim` (env-steps/s), `bench bridge` (ROS 2 latency), `bench delay` (success under "
-        "delay), `bench rl` (RL fine-tuning gains)",
+        "delay), `bench rl` (RL fine-tuning gains), `bench latency-rl` (ARLI), `bench ray` (asynchronous Ray rollouts)",
         "",
         None,
         {
@@ -232,6 +238,11 @@ COMMANDS: dict[str, Command] = {
                 "latency-aware RL (ARLI) vs naive RL under inference delay, no-delay RL and training-time RTC",
                 "vla_rl.bench_latency_rl:BenchLatencyRLConfig",
                 _run_bench_latency_rl,
+            ),
+            "ray": Command(
+                "Ray on a two-node local cluster: asynchronous over synchronous rollouts, a worker killed mid-run",
+                "vla_rl.bench_ray:BenchRayConfig",
+                _run_bench_ray,
             ),
         },
     ),

@@ -298,7 +298,9 @@ def finetune(cfg: FinetuneConfig) -> dict:
     tasks = cfg.task_list()
     env_cfgs = [replace(cfg.env, task=task) for task in tasks]
     with contextlib.ExitStack() as closing:
-        envs = [closing.enter_context(make_env(env_cfg)) for env_cfg in env_cfgs]
+        # Under Ray the worlds are the workers'; this process keeps one, for the checks and the control period.
+        own = [replace(c, num_envs=1, render_threads=1) if cfg.runtime == "ray" else c for c in env_cfgs]
+        envs = [closing.enter_context(make_env(env_cfg)) for env_cfg in own]
         for env, env_cfg in zip(envs, env_cfgs, strict=True):
             check_policy_fits(policy, env, env_cfg)
         gamma = cfg.ppo.gamma if cfg.algo == "ppo" else 1.0  # the transitions' discount per control step

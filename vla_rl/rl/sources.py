@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from vla_core.rl import RLPolicy
@@ -138,7 +139,8 @@ class RayRollouts:
             seed, episodes = reset_seeds(cfg, index)
             return seed, episodes, cfg.seed * 1_000_003 + index
 
-        self.curriculum = curriculum
+        self.curriculum, self.first_iteration = curriculum, first_iteration
+        self.timeline = Path(cfg.output_dir) / "ray_timeline.json"
         self.workers = AsyncRollouts(actor.policy, cfg, gamma, version=first_iteration, seeds=seeds)
 
     def next(self, iteration: int) -> RolloutBatch:
@@ -153,4 +155,6 @@ class RayRollouts:
         self.workers.publish(actor.policy)
 
     def close(self) -> None:
+        """Stop the workers, after writing what they did (`ray_runtime.AsyncRollouts.write_timeline`)."""
+        self.workers.write_timeline(self.timeline, self.first_iteration)
         self.workers.close()
