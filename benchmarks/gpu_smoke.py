@@ -13,6 +13,8 @@ MuJoCo Warp not installed); the JSON holds every check, the last line printed is
    latency head added on the GPU leaves the chunk unchanged.
 3. ``shell_on_gpu``: the simulation's shell of the latency protocol over a MuJoCo Warp env on the GPU,
    with uniform delays, runs whole episodes with the state on the device.
+4. ``ray_worker_on_gpu``: a Ray rollout worker that declares a GPU runs its policy copy there and hands
+   the learner CPU tensors (``--ray.worker_gpus``).
 """
 
 from __future__ import annotations
@@ -133,10 +135,52 @@ def check_shell_on_gpu(device) -> dict:
     return {"episodes": ended, "seconds": round(time.perf_counter() - start, 2)}
 
 
+def check_ray_worker_on_gpu(device) -> dict:
+    """A Ray rollout worker declaring one GPU (none on the CPU) runs its policy copy there, collects
+    whole episodes, and hands back CPU tensors the learner can read."""
+    try:
+        import ray
+    except ImportError as err:
+        raise NotRun(f"Ray is not installed ({err}); pip install the ray extra") from err
+    import torch
+
+    from policies.denoising_chain import ExplorationNoise
+    from policies.diffusion import DiffusionConfig
+    from policies.diffusion.modeling_diffusion import DiffusionPolicy
+    from sim.config import EnvConfig
+    from sim.factory import make_env
+    from vla_core.runtime import ChunkingConfig, DelayConfig
+    from vla_rl.rl.ray_runtime import RolloutWorker
+
+    env_cfg = EnvConfig(task="reach", num_envs=2, image_size=16, max_episode_steps=8, render_threads=1)
+    with make_env(env_cfg) as env:
+        state_dim, action_dim = env.reset(seed=0)["observation.state"].shape[1], env.action_dim
+    torch.manual_seed(0)
+    policy = DiffusionPolicy(DiffusionConfig(state_dim=state_dim, action_dim=action_dim, cameras=["front"], image_size=16,
+                                             horizon=6, n_action_steps=2, vocabulary=["<pad>", "<unk>"], vision_channels=8,
+                                             num_keypoints=4, text_dim=8, hidden_dim=32))  # fmt: skip
+    policy.set_normalization([0.0] * state_dim, [1.0] * state_dim, [-1.0] * action_dim, [1.0] * action_dim)
+    gpus = 1 if device.type == "cuda" else 0
+    ray.init(address="local", num_cpus=2, num_gpus=gpus, include_dashboard=False, log_to_driver=False)
+    try:
+        worker = ray.remote(num_cpus=1, num_gpus=gpus)(RolloutWorker).remote(
+            policy.eval(), env_cfg, ChunkingConfig(), DelayConfig(), 1, 0.99, ExplorationNoise(eta=0.0, min_std=0.1), 0
+        )
+        placed = ray.get(worker.ready.remote())
+        assert placed["device"] == device.type, placed
+        rollout, stats, _ = ray.get(worker.collect.remote(0, None, 0, 1, 0))
+        log_prob = rollout.behaviour_log_prob.values
+        assert log_prob.device.type == "cpu" and torch.isfinite(log_prob).all() and stats.episodes == 2
+    finally:
+        ray.shutdown()
+    return {"worker_device": placed["device"], "decisions": len(rollout)}
+
+
 CHECKS = {
     "delay_streams": check_delay_streams,
     "policy_on_gpu": check_policy_on_gpu,
     "shell_on_gpu": check_shell_on_gpu,
+    "ray_worker_on_gpu": check_ray_worker_on_gpu,
 }
 
 

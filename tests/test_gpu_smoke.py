@@ -15,6 +15,10 @@ def test_the_checks_pass_on_the_cpu():
     assert gpu_smoke.check_delay_streams(torch.device("cpu")) == {"streams_differ": True, "restored": True}
     gaps = gpu_smoke.check_policy_on_gpu(torch.device("cpu"))["max_gap_to_cpu"]
     assert gaps == {"diffusion": 0.0, "flow": 0.0}  # the same device: the same chunk exactly
+    # A worker declaring no GPU stays on the CPU; two worlds of at most 8 steps, chunks of 2 actions: at most
+    # 4 decisions each, at least 1.
+    ray_check = gpu_smoke.check_ray_worker_on_gpu(torch.device("cpu"))
+    assert ray_check["worker_device"] == "cpu" and 2 <= ray_check["decisions"] <= 8
 
 
 def test_without_cuda_the_script_says_so(tmp_path, capsys, monkeypatch):
