@@ -111,3 +111,19 @@ def test_record_command_writes_dataset(tmp_path):
     summary = json.loads(res.stdout)
     assert summary["episodes"] == 2 and summary["frames"] > 20
     assert (tmp_path / "ds" / "meta" / "info.json").is_file()
+
+
+def test_a_native_crash_in_a_command_leaves_every_threads_python_stack_on_stderr():
+    """A command that dies in native code (here a read of address 0, as a renderer's segfault would) prints
+    the Python stack of the crash, not only the shell's "Segmentation fault"."""
+    crash = (
+        "import ctypes, sys\n"
+        "from vla_rl import cli\n"
+        "def crash_in_run(cfg):\n"
+        "    ctypes.string_at(0)\n"
+        "cli.COMMANDS['eval'].run = crash_in_run\n"
+        "sys.exit(cli.main(['eval', '--checkpoint=unused']))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", crash], check=False, capture_output=True, text=True, timeout=120)
+    assert done.returncode == -11  # SIGSEGV
+    assert "Fatal Python error: Segmentation fault" in done.stderr and " in crash_in_run" in done.stderr

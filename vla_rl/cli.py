@@ -8,6 +8,7 @@ Values come from the dataclass defaults, then the YAML file, then the command li
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import signal
 import sys
@@ -495,6 +496,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2  # a usage error, as for an unknown command
     from vla_core import interrupt
 
+    # A native crash (a segfault in a renderer, say) prints every thread's Python stack on stderr
+    # instead of nothing but the shell's "Segmentation fault".
+    faulthandler.enable(all_threads=True)
     # SIGINT and SIGTERM end every command the same way, however the process was started (a
     # background job inherits SIGINT as ignored; schedulers send SIGTERM): see vla_core.interrupt.
     with interrupt.handlers():
