@@ -35,7 +35,8 @@ not the claim.
 
 Protocol history (runs as README.md reports them, each by its final line):
 
-- 2026-12-02: the protocol above, written before any run.
+- 2026-12-02: the protocol above, written before any full-size run; only ``--quick`` runs (toy sizes,
+  a loaded machine) were seen while writing it, and no setting was changed after them.
 """
 
 from __future__ import annotations
