@@ -16,8 +16,9 @@ The protocol, fixed 2026-12-02 before any result was seen:
    arm's window after it has handed in its first rollout (0 in ``--quick``: its second in flight).
 4. Throughput of an arm: the env steps of every rollout handed in (dropped stale ones too: they were
    executed) over the wall-clock from its first rollout's start to its last update's end
-   (``ray_timeline.json``). CPU use: each rollout worker's CPU seconds over that window, and the
-   learner process's. A rollout interrupted by the kill and collected again is not lost; one never
+   (``ray_timeline.json``). CPU use: each rollout worker's CPU seconds in its rollouts over that
+   window, and the learner process's over the whole fine-tuning call (start-up included: an upper
+   bound) over the same window. A rollout interrupted by the kill and collected again is not lost; one never
    handed in afterwards is.
 5. Final line ``async_over_sync=<ratio> nodes=<n> worker_restarts=<k> lost_rollouts=<m>`` (the ratio
    of the async arm's throughput to the sync arm's). Targets: ``async_over_sync`` >= 1.2 with
