@@ -119,8 +119,7 @@ def bench_ray(cfg: BenchRayConfig) -> dict[str, Any]:
 
 def _arm(cfg: BenchRayConfig, out: Path, name: str, kill_at: float | None) -> dict[str, Any]:
     """One fine-tuning run on the cluster; ``kill_at``: seconds after its workers are up to kill one."""
-    from vla_rl.rl.ray_runtime import RayConfig
-    from vla_rl.stages import EnvConfig, FinetuneConfig, finetune
+    from vla_rl.stages import EnvConfig, FinetuneConfig, RayConfig, finetune
 
     run_dir = out / name
     if (run_dir / "arm.json").is_file():  # finished by an earlier, interrupted run of the benchmark
@@ -184,7 +183,7 @@ class WorkerKiller:
     def _run(self) -> None:
         import ray
 
-        from vla_rl.rl.ray_runtime import WORKER_NAME_PREFIX
+        from vla_rl.stages import WORKER_NAME_PREFIX
 
         names: list[str] = []
         while not self._stop.is_set() and not names:

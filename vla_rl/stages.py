@@ -48,6 +48,7 @@ if TYPE_CHECKING:
     from vla_rl.record import RecordConfig
     from vla_rl.rl.grpo import GRPOConfig
     from vla_rl.rl.ppo import PPOConfig
+    from vla_rl.rl.ray_runtime import WORKER_NAME_PREFIX, RayConfig
     from vla_rl.train import DatasetConfig, TrainConfig, build_policy
 
 
@@ -89,6 +90,10 @@ _EXPORTS = {
     "FinetuneConfig": "vla_rl.finetune",
     "PPOConfig": "vla_rl.rl.ppo",
     "GRPOConfig": "vla_rl.rl.grpo",
+    "RayConfig": "vla_rl.rl.ray_runtime",
+    # The name every Ray rollout worker's actor name starts with: a composition that watches or kills
+    # workers (`vla-rl bench ray`) finds them by it.
+    "WORKER_NAME_PREFIX": "vla_rl.rl.ray_runtime",
     "LatencyWarmupConfig": "vla_rl.latency_warmup",
     "EnvConfig": "sim.config",
     "DelayConfig": "vla_core.runtime",
@@ -104,6 +109,7 @@ _EXPORTS = {
 }
 
 __all__ = [
+    "WORKER_NAME_PREFIX",
     "ChunkingConfig",
     "DatasetConfig",
     "DelayConfig",
@@ -115,6 +121,7 @@ __all__ = [
     "GRPOConfig",
     "LatencyWarmupConfig",
     "PPOConfig",
+    "RayConfig",
     "RecordConfig",
     "TrainConfig",
     "build_policy",
