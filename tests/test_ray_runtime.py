@@ -3,6 +3,7 @@ the overlap of collection with updates, the behaviour log-probs the correction r
 
 import json
 import re
+import time
 
 import pytest
 import torch
@@ -142,6 +143,36 @@ def test_a_worker_that_dies_is_restarted_and_its_rollout_collected_again(tiny_ch
         assert restarts == 1 and {d["launch"] for d in workers.timeline["interrupted"]} == {0}
         assert 0 in launches and len(launches) == len(set(launches))  # launch 0 handed in once, after all
         assert workers.lost() == [] and workers.alive == [True, True]
+    finally:
+        workers.close()
+
+
+def test_a_worker_killed_between_rollouts_counts_as_restarted(tiny_checkpoint, tmp_path, local_ray):
+    """Worker 0 dies after finishing its rollout and is back before its next is launched (as while the
+    learner updates): nothing is interrupted, its next rollout runs in the new process, and that restart
+    is counted."""
+    import ray
+
+    _, _, workers = _workers(tiny_checkpoint[0], tmp_path, max_restarts=1)
+    try:
+        ray.wait(list(workers.in_flight), num_returns=2)  # both first rollouts done, none launched after them
+        ray.kill(workers.workers[0], no_restart=False)
+        for _ in range(600):  # the restart is over before the next launch: nothing fails, nothing is probed
+            try:
+                if ray.get(workers.workers[0].ready.remote())["pid"] != workers.pids[0]:
+                    break
+            except ray.exceptions.RayActorError:
+                time.sleep(0.1)
+        restarts = 0
+        for _ in range(200):
+            _, _, info = workers.next_batch()
+            restarts += info["worker_restarts"]
+            if restarts:
+                break
+        assert restarts == 1 and workers.lost() == [] and workers.alive == [True, True]
+        assert workers.timeline["interrupted"] == []
+        pids = [r["pid"] for r in workers.timeline["rollouts"] if r["worker"] == 0]
+        assert len(set(pids)) == 2 and workers.timeline["restarts"][0]["pid"] == pids[-1]
     finally:
         workers.close()
 

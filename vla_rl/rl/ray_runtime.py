@@ -332,11 +332,16 @@ class AsyncRollouts:
         if self.orphans and self.idle:  # on-policy: a waiting worker takes it now
             self._launch(self.idle.pop(0))
 
+    def _note_pid(self, i: int, pid: int) -> None:
+        """Worker ``i`` answered from process ``pid``: a new one means Ray restarted it (also when it died
+        between two rollouts, with nothing in flight)."""
+        if pid != self.pids[i]:
+            self.timeline["restarts"].append({"worker": i, "at": time.time(), "pid": pid})
+            self.pids[i] = pid
+
     def _back(self, i: int, answer: dict[str, Any]) -> None:
-        """Restarting worker ``i`` answered its probe: it is back (a new process: a restart) and collects."""
-        if answer["pid"] != self.pids[i]:
-            self.timeline["restarts"].append({"worker": i, "at": time.time(), "pid": answer["pid"]})
-            self.pids[i] = answer["pid"]
+        """Restarting worker ``i`` answered its probe: it is back and collects."""
+        self._note_pid(i, answer["pid"])
         self._launch(i)
 
     def _next_ready(self) -> tuple[Any | None, bool]:
@@ -375,6 +380,7 @@ class AsyncRollouts:
                 self._back(i, answer)
                 continue
             rollout, st, timing = answer
+            self._note_pid(i, timing["pid"])
             stats.append(st)
             use = usable(self.version, int(rollout.version[0]), self.cfg.max_staleness)
             if use:
