@@ -38,6 +38,14 @@ Protocol history (runs as README.md reports them, each by its final line):
 
 - 2026-12-02: the protocol above, written before any full-size run; only ``--quick`` runs (toy sizes,
   a loaded machine) were seen while writing it, and no setting was changed after them.
+  Run 1: ``async_over_sync=0.799 nodes=2 worker_restarts=0 lost_rollouts=0``. The killed worker did
+  restart (its rollouts came from two processes) but was not counted: the kill fell between two of
+  its rollouts, and only a rollout interrupted in flight led to a count. Fixed in the runtime (a new
+  process behind any rollout counts); the protocol is unchanged.
+  Run 2, the same settings after the fix: ``async_over_sync=0.813 nodes=2 worker_restarts=1
+  lost_rollouts=0``. Target missed: on this machine's two cores the workers and the learner already
+  kept 1.93 cores busy in the sync arm (0.33 + 0.33 + 1.27), and overlapping them slowed the mean
+  update from 4.1 s to 7.3 s and the mean rollout from 2.1 s to 2.9 s.
 """
 
 from __future__ import annotations
