@@ -149,13 +149,16 @@ def test_a_worker_that_dies_is_restarted_and_its_rollout_collected_again(tiny_ch
 
 def test_a_worker_killed_between_rollouts_counts_as_restarted(tiny_checkpoint, tmp_path, local_ray):
     """Worker 0 dies after finishing its rollout and is back before its next is launched (as while the
-    learner updates): nothing is interrupted, its next rollout runs in the new process, and that restart
-    is counted."""
+    learner updates): nothing is interrupted, its next rollout runs in the new process, that restart is
+    counted, and that rollout is labelled with the weights the new process really holds."""
     import ray
 
-    _, _, workers = _workers(tiny_checkpoint[0], tmp_path, max_restarts=1)
+    policy, _, workers = _workers(tiny_checkpoint[0], tmp_path, max_restarts=1)
     try:
-        ray.wait(list(workers.in_flight), num_returns=2)  # both first rollouts done, none launched after them
+        workers.next_batch()  # both relaunched with version 0's weights, which they hold
+        workers.publish(policy)  # version 1 (the same numbers; what matters is the label)
+        workers.next_batch()  # both relaunched with version 1's weights, sent to them
+        ray.wait(list(workers.in_flight), num_returns=2)  # both done, none launched after them
         ray.kill(workers.workers[0], no_restart=False)
         for _ in range(600):  # the restart is over before the next launch: nothing fails, nothing is probed
             try:
@@ -173,6 +176,10 @@ def test_a_worker_killed_between_rollouts_counts_as_restarted(tiny_checkpoint, t
         assert workers.timeline["interrupted"] == []
         pids = [r["pid"] for r in workers.timeline["rollouts"] if r["worker"] == 0]
         assert len(set(pids)) == 2 and workers.timeline["restarts"][0]["pid"] == pids[-1]
+        # Its first rollout in the new process was launched without weights (the learner thought it held
+        # version 1); it sampled with the weights it was built with, and says so. Its next launch sends them.
+        after = [r for r in workers.timeline["rollouts"] if r["worker"] == 0 and r["pid"] == pids[-1]]
+        assert after[0]["version"] == 0 and workers.worker_version[0] == 1
     finally:
         workers.close()
 

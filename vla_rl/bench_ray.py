@@ -45,7 +45,11 @@ Protocol history (runs as README.md reports them, each by its final line):
   Run 2, the same settings after the fix: ``async_over_sync=0.813 nodes=2 worker_restarts=1
   lost_rollouts=0``. Target missed: on this machine's two cores the workers and the learner already
   kept 1.93 cores busy in the sync arm (0.33 + 0.33 + 1.27), and overlapping them slowed the mean
-  update from 4.1 s to 7.3 s and the mean rollout from 2.1 s to 2.9 s.
+  update from 4.1 s to 7.3 s and the mean rollout from 2.1 s to 2.9 s. Found after run 2: the
+  restarted worker's first rollout was labelled with the learner's version though it sampled with the
+  weights it was built with (its behaviour log-probs were right). Fixed in the runtime: a rollout
+  carries the version its worker really holds, so such a rollout is now dropped as stale (its env
+  steps still count as executed).
 """
 
 from __future__ import annotations

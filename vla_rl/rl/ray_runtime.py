@@ -203,7 +203,7 @@ class RolloutWorker:
         spec = LatencySpec.of(policy)
         self.shell = DelayedChunkEnv(self.env, spec, chunking, delay, use="finetune", gamma=gamma)
         self.actor = policy.rl_actor(noise, augmentation_width=self.shell.protocol.width)
-        self.version = version
+        self.version = version  # of the weights it holds: the ones it was built with, until new ones come
 
     def ready(self) -> dict[str, Any]:
         """Where it runs: its node, threads and device (answered once it is built)."""
@@ -211,17 +211,19 @@ class RolloutWorker:
 
     def collect(self, version: int, weights: dict | None, seed, episodes_per_world: int, sampling_seed: int):
         """Roll out with the weights of ``version`` (``weights`` when they are new to this worker). Returns
-        the rollout, its stats and its timing (wall-clock interval, CPU seconds of this process)."""
+        the rollout, its stats and its timing (wall-clock interval, CPU seconds of this process). The
+        rollout carries the version of the weights that sampled it: after Ray restarted this worker
+        between two rollouts it holds the weights it was built with, whatever the learner thought."""
         from vla_rl.rl.rollout import collect
         from vla_rl.rl.update import batched_score
 
         started, cpu = time.time(), time.process_time()
         if weights is not None:
             self.policy.load_state_dict(weights)
-        self.version = version
+            self.version = version
         torch.manual_seed(sampling_seed)
         rollout, stats = collect(self.actor, self.shell, episodes_per_world=episodes_per_world, seed=seed)
-        rollout.version = torch.full((len(rollout),), version, dtype=torch.long)
+        rollout.version = torch.full((len(rollout),), self.version, dtype=torch.long)
         rollout.behaviour_log_prob = batched_score(self.actor, rollout.obs, rollout.decision, 64)
         timing = {"node": self.node, "pid": os.getpid(), "started": started, "ended": time.time(),
                   "cpu_seconds": time.process_time() - cpu}  # fmt: skip
@@ -338,6 +340,7 @@ class AsyncRollouts:
         if pid != self.pids[i]:
             self.timeline["restarts"].append({"worker": i, "at": time.time(), "pid": pid})
             self.pids[i] = pid
+            self.worker_version[i] = self.initial_version  # it was built again: its next launch gets the weights
 
     def _back(self, i: int, answer: dict[str, Any]) -> None:
         """Restarting worker ``i`` answered its probe: it is back and collects."""
