@@ -86,7 +86,7 @@ class BenchRayConfig:
     num_workers: int = 2  # rollout workers, one CPU each
     num_envs: int = 8  # worlds per worker
     env_steps: int = 20_000  # control steps of rollouts each arm may use
-    kill_after: float = 0.25  # of the sync arm's window, after the async arm's workers are up
+    kill_after: float = 0.25  # of the sync arm's window, once the worker killed has answered behind its first rollout
     seed: int = 0
     num_threads: int = 0  # the learner's torch threads; 0 = all cores
     output_dir: str = "outputs/bench/ray"  # quick runs go to <output_dir>/quick
@@ -118,14 +118,17 @@ def bench_ray(cfg: BenchRayConfig) -> dict[str, Any]:
             arms["async"] = _arm(cfg, out, "async", kill_at=kill_at)
             nodes = cluster.alive_nodes
     finally:
-        os.environ.pop("RAY_AUTH_MODE") if auth is None else os.environ.update(RAY_AUTH_MODE=auth)
+        if auth is None:
+            del os.environ["RAY_AUTH_MODE"]
+        else:
+            os.environ["RAY_AUTH_MODE"] = auth
     ratio = arms["async"]["env_steps_per_s"] / arms["sync"]["env_steps_per_s"]
     report = {
         "config": asdict(cfg), "arms": arms, "async_over_sync": round(ratio, 3), "cluster_nodes": nodes,
         "nodes": min(a["nodes"] for a in arms.values()), "worker_restarts": arms["async"]["worker_restarts"],
         "lost_rollouts": sum(a["lost_rollouts"] for a in arms.values()), "minutes": round((time.time() - start) / 60, 2),
     }  # fmt: skip
-    (out / "ray.json").write_text(json.dumps(report, indent=2))
+    write_text_atomic(out / "ray.json", json.dumps(report, indent=2))
     return report
 
 
@@ -204,11 +207,14 @@ class WorkerKiller:
             self._stop.wait(0.2)
         if not names:
             return  # the run ended first
-        worker = ray.get_actor(names[0])
-        ray.get(worker.ready.remote())
-        if self._stop.wait(self.after):
+        try:
+            worker = ray.get_actor(names[0])
+            ray.get(worker.ready.remote())
+            if self._stop.wait(self.after):
+                return
+            ray.kill(worker, no_restart=False)
+        except (ValueError, ray.exceptions.RayError):  # the run ended, and its workers with it
             return
-        ray.kill(worker, no_restart=False)
         self.killed = {"worker": names[0], "at": time.time()}
 
     def stop(self) -> None:
