@@ -3,6 +3,7 @@ the overlap of collection with updates, the behaviour log-probs the correction r
 
 import json
 import re
+import signal
 import time
 
 import pytest
@@ -18,10 +19,14 @@ ray = require("ray", "ray")
 
 @pytest.fixture(scope="module")
 def local_ray():
-    """One local Ray instance for the module (starting one takes seconds), shut down at the end."""
+    """One local Ray instance for the module (starting one takes seconds), shut down at the end, with the
+    signal handlers ray.init replaced given back."""
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
+    for signum, handler in handlers.items():
+        signal.signal(signum, handler)
 
 
 def _run(checkpoint, out, max_staleness, iterations=4):
@@ -30,6 +35,24 @@ def _run(checkpoint, out, max_staleness, iterations=4):
         update_epochs=1, minibatch_size=16, eval_every=0, output_dir=str(out), num_threads=1, log_with="none",
         runtime="ray", ray=RayConfig(num_workers=2, max_staleness=max_staleness),
     ))  # fmt: skip
+
+
+def test_starting_ray_keeps_the_commands_stop_handling():
+    """ray.init installs a SIGTERM handler of its own and leaves it; a run's SIGTERM must still reach the
+    command's handler (`vla_core.interrupt`: checkpoint, then exit 128 + 15). Runs before the module's
+    shared instance exists."""
+    from vla_rl.rl.ray_runtime import connect
+
+    def command_handler(signum, frame):
+        pass
+
+    previous = signal.signal(signal.SIGTERM, command_handler)
+    try:
+        assert connect(RayConfig(num_workers=1)) and ray.is_initialized()
+        assert signal.getsignal(signal.SIGTERM) is command_handler
+    finally:
+        ray.shutdown()
+        signal.signal(signal.SIGTERM, previous)
 
 
 def test_the_staleness_bound_counts_updates_between_sampling_and_learning():

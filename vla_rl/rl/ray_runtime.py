@@ -54,7 +54,9 @@ import copy
 import json
 import math
 import os
+import signal
 import socket
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field, replace
@@ -142,6 +144,9 @@ def connect(cfg: RayConfig) -> bool:
 
     if ray.is_initialized():
         return False
+    # ray.init installs its own SIGTERM handler and leaves it behind; the command's stop handling
+    # (`vla_core.interrupt`: a checkpoint at the iteration boundary, exit 128 + signal) must stay.
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         if cfg.address:
             ray.init(address=cfg.address, runtime_env=runtime_env(cfg), log_to_driver=False)
@@ -156,6 +161,10 @@ def connect(cfg: RayConfig) -> bool:
             "one with `ray start --head` (and `ray start --address=<head>:6379` on each other node), or drop "
             "--ray.address to run on a local instance"
         ) from err
+    finally:
+        if threading.current_thread() is threading.main_thread():
+            for signum, handler in handlers.items():
+                signal.signal(signum, handler)
     return True
 
 
