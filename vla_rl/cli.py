@@ -496,9 +496,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2  # a usage error, as for an unknown command
     from vla_core import interrupt
 
-    # A native crash (a segfault in a renderer, say) prints every thread's Python stack on stderr
-    # instead of nothing but the shell's "Segmentation fault".
-    faulthandler.enable(all_threads=True)
+    # A native crash (a segfault in a renderer, say) prints every thread's Python stack on the process's
+    # stderr instead of nothing but the shell's "Segmentation fault". The process's own stream: a caller
+    # that captured sys.stderr in memory has none with a file descriptor.
+    if sys.__stderr__ is not None:
+        faulthandler.enable(file=sys.__stderr__, all_threads=True)
     # SIGINT and SIGTERM end every command the same way, however the process was started (a
     # background job inherits SIGINT as ignored; schedulers send SIGTERM): see vla_core.interrupt.
     with interrupt.handlers():
