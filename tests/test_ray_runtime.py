@@ -185,7 +185,7 @@ def test_a_worker_killed_between_rollouts_counts_as_restarted(tiny_checkpoint, t
         ray.kill(workers.workers[0], no_restart=False)
         for _ in range(600):  # the restart is over before the next launch: nothing fails, nothing is probed
             try:
-                if ray.get(workers.workers[0].ready.remote())["pid"] != workers.pids[0]:
+                if ray.get(workers.workers[0].ready.remote())["pid"] != workers.processes[0][1]:
                     break
             except ray.exceptions.RayActorError:
                 time.sleep(0.1)

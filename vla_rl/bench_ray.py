@@ -109,19 +109,22 @@ def bench_ray(cfg: BenchRayConfig) -> dict[str, Any]:
     start = time.time()
     record_demos(cfg, out / "dataset")
     train_imitation(cfg, out / "dataset", out / "imitation")
-    auth = os.environ.get("RAY_AUTH_MODE")
+    saved = {k: os.environ.get(k) for k in ("RAY_AUTH_MODE", "RAY_ADDRESS")}
     os.environ["RAY_AUTH_MODE"] = "disabled"  # read by this process's ray.init too
     try:
         with LocalCluster(cfg.nodes, cfg.cpus_per_node, out / "cluster_logs") as cluster:
+            # --ray.address=auto reads RAY_ADDRESS first: this cluster, whatever else runs on the machine.
+            os.environ["RAY_ADDRESS"] = f"127.0.0.1:{cluster.port}"
             arms = {"sync": _arm(cfg, out, "sync", kill_at=None)}
             kill_at = cfg.kill_after * arms["sync"]["window_seconds"]
             arms["async"] = _arm(cfg, out, "async", kill_at=kill_at)
             nodes = cluster.alive_nodes
     finally:
-        if auth is None:
-            del os.environ["RAY_AUTH_MODE"]
-        else:
-            os.environ["RAY_AUTH_MODE"] = auth
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
     ratio = arms["async"]["env_steps_per_s"] / arms["sync"]["env_steps_per_s"]
     report = {
         "config": asdict(cfg), "arms": arms, "async_over_sync": round(ratio, 3), "cluster_nodes": nodes,
@@ -187,8 +190,8 @@ def _cpu_seconds(usage) -> float:
 
 class WorkerKiller:
     """Kills one rollout worker of this process's Ray job (`vla_rl.rl.ray_runtime.WORKER_NAME_PREFIX`),
-    restart allowed, as a crash would: ``after`` seconds once it has answered a call queued behind its
-    first rollout, so the kill meets a rollout in flight, not the worker's construction."""
+    restart allowed, as a crash would: ``after`` seconds once it has finished its first rollout (asked
+    with calls queued behind the running one), so the kill never meets the worker's construction."""
 
     def __init__(self, after: float):
         self.after, self.killed, self._stop = after, None, threading.Event()
@@ -209,7 +212,9 @@ class WorkerKiller:
             return  # the run ended first
         try:
             worker = ray.get_actor(names[0])
-            ray.get(worker.ready.remote())
+            while ray.get(worker.rollouts_collected.remote()) < 1:  # queued behind its running rollout
+                if self._stop.wait(0.2):
+                    return
             if self._stop.wait(self.after):
                 return
             ray.kill(worker, no_restart=False)
@@ -261,6 +266,7 @@ class LocalCluster:
             if exited:
                 raise RuntimeError(f"`ray start` exited while starting the benchmark's cluster; its output is in "
                                    f"{self.log_dir / f'ray_start_{exited[0]}.log'}")  # fmt: skip
+            handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}  # ray.init replaces SIGTERM's
             try:
                 ray.init(address=f"127.0.0.1:{self.port}", log_to_driver=False)
                 alive = sum(n["Alive"] for n in ray.nodes())
@@ -268,6 +274,8 @@ class LocalCluster:
                 alive = 0
             finally:
                 ray.shutdown()
+                for signum, handler in handlers.items():
+                    signal.signal(signum, handler)
             if alive >= count:
                 return alive
             time.sleep(1.0)

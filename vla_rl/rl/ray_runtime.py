@@ -138,8 +138,9 @@ def runtime_env(cfg: RayConfig) -> dict[str, Any]:
 
 
 def connect(cfg: RayConfig) -> bool:
-    """Join ``cfg.address`` or start a local instance (unless this process already joined one);
-    returns whether it started one. A cluster that does not answer raises one line naming the fix."""
+    """Join ``cfg.address`` or start a local instance (unless this process already joined one); returns
+    whether this call connected (the caller then disconnects at the end; a started local instance stops
+    with it). A cluster that does not answer raises one line naming the fix."""
     import ray
 
     if ray.is_initialized():
@@ -213,6 +214,7 @@ class RolloutWorker:
         self.shell = DelayedChunkEnv(self.env, spec, chunking, delay, use="finetune", gamma=gamma)
         self.actor = policy.rl_actor(noise, augmentation_width=self.shell.protocol.width)
         self.version = version  # of the weights it holds: the ones it was built with, until new ones come
+        self.collected = 0  # rollouts this process finished
 
     def ready(self) -> dict[str, Any]:
         """Where it runs: its node, threads and device (answered once it is built)."""
@@ -236,7 +238,12 @@ class RolloutWorker:
         rollout.behaviour_log_prob = batched_score(self.actor, rollout.obs, rollout.decision, 64)
         timing = {"node": self.node, "pid": os.getpid(), "started": started, "ended": time.time(),
                   "cpu_seconds": time.process_time() - cpu}  # fmt: skip
+        self.collected += 1
         return rollout, stats, timing
+
+    def rollouts_collected(self) -> int:
+        """Rollouts this process finished (a call queued behind a running rollout answers after it)."""
+        return self.collected
 
     def close(self) -> None:
         self.env.close()
@@ -280,7 +287,8 @@ class AsyncRollouts:
         self.alive = [True] * len(self.workers)
         self.probes: dict[Any, int] = {}  # ObjectRef of a `ready` call -> the restarting worker it asks
         self.probe_due: list[tuple[float, int]] = []  # (when, worker): the next ask of a restarting worker
-        self.pids = [p["pid"] for p in self.placement]  # a new pid: Ray restarted the worker
+        # The process behind each worker: a new one means Ray restarted it.
+        self.processes = [(p["node"], p["pid"]) for p in self.placement]
         self.weights = None  # ObjectRef of the newest published weights
         self.launches = 0
         self.in_flight: dict[Any, tuple[int, int]] = {}  # ObjectRef of a rollout -> (its worker, its launch)
@@ -343,18 +351,28 @@ class AsyncRollouts:
         if self.orphans and self.idle:  # on-policy: a waiting worker takes it now
             self._launch(self.idle.pop(0))
 
-    def _note_pid(self, i: int, pid: int) -> None:
-        """Worker ``i`` answered from process ``pid``: a new one means Ray restarted it (also when it died
+    def _free(self, i: int, dropped: bool = False) -> None:
+        """Worker ``i`` has nothing in flight. It collects an interrupted launch if one waits; otherwise,
+        asynchronous, its next rollout; synchronous, it waits for the update, unless the rollout it just
+        handed in was dropped as stale (then the batch still needs one, and a new one is on-policy)."""
+        if self.orphans or self.cfg.max_staleness >= 1 or dropped:
+            self._launch(i)
+        else:
+            self.idle.append(i)
+
+    def _note_process(self, i: int, answer: dict[str, Any]) -> None:
+        """Worker ``i`` answered from process (node, pid): a new one means Ray restarted it (also when it died
         between two rollouts, with nothing in flight)."""
-        if pid != self.pids[i]:
-            self.timeline["restarts"].append({"worker": i, "at": time.time(), "pid": pid})
-            self.pids[i] = pid
+        process = (answer["node"], answer["pid"])
+        if process != self.processes[i]:
+            self.timeline["restarts"].append({"worker": i, "at": time.time(), "node": process[0], "pid": process[1]})
+            self.processes[i] = process
             self.worker_version[i] = self.initial_version  # it was built again: its next launch gets the weights
 
     def _back(self, i: int, answer: dict[str, Any]) -> None:
-        """Restarting worker ``i`` answered its probe: it is back and collects."""
-        self._note_pid(i, answer["pid"])
-        self._launch(i)
+        """Restarting worker ``i`` answered its probe: it is back."""
+        self._note_process(i, answer)
+        self._free(i)
 
     def _next_ready(self) -> tuple[Any | None, bool]:
         """The next rollout or probe answer to arrive (ref, whether a probe), probing restarting workers when
@@ -366,6 +384,8 @@ class AsyncRollouts:
         waiting = [*self.in_flight, *self.probes]
         timeout = min((when for when, _ in self.probe_due), default=math.inf) - now
         if not waiting:
+            if math.isinf(timeout):
+                raise RuntimeError("no rollout in flight and no restarting worker to ask: the batch cannot fill")
             time.sleep(max(0.0, timeout))
             return None, False
         ready, _ = self.ray.wait(waiting, num_returns=1, timeout=None if math.isinf(timeout) else max(0.0, timeout))
@@ -392,7 +412,7 @@ class AsyncRollouts:
                 self._back(i, answer)
                 continue
             rollout, st, timing = answer
-            self._note_pid(i, timing["pid"])
+            self._note_process(i, timing)
             stats.append(st)
             use = usable(self.version, int(rollout.version[0]), self.cfg.max_staleness)
             if use:
@@ -401,10 +421,7 @@ class AsyncRollouts:
                 dropped += 1
             self.timeline["rollouts"].append({"launch": launch, "worker": i, "version": int(rollout.version[0]),
                                               "used": use, "env_steps": st.env_steps, **timing})  # fmt: skip
-            if self.cfg.max_staleness >= 1:
-                self._launch(i)  # collects while the learner updates
-            else:
-                self.idle.append(i)  # on-policy: waits for the update
+            self._free(i, dropped=not use)  # asynchronous: collects while the learner updates
         batch = Rollout.cat(parts, self.num_envs)
         versions = batch.version
         info = {"policy_version": self.version, "dropped_rollouts": dropped,
@@ -422,12 +439,10 @@ class AsyncRollouts:
             self._launch(self.idle.pop(0))
 
     def lost(self) -> list[int]:
-        """Launches interrupted by a failed worker that were never handed in, nor are in flight or waiting for
-        a free worker (as any rollout under way when the run ends, those are unfinished, not lost)."""
+        """Launches interrupted by a failed worker and not handed in since: at the end of a run, the ones whose
+        env steps vanished (still waiting, or being collected again, when the run ended)."""
         died = {d["launch"] for d in self.timeline["interrupted"]}
-        handed_in = {r["launch"] for r in self.timeline["rollouts"]}
-        unfinished = {launch for _, launch in self.in_flight.values()} | set(self.orphans)
-        return sorted(died - handed_in - unfinished)
+        return sorted(died - {r["launch"] for r in self.timeline["rollouts"]})
 
     def write_timeline(self, path: Path, first_iteration: int) -> None:
         timeline = {"first_iteration": first_iteration, "workers": self.placement,
