@@ -50,6 +50,13 @@ Protocol history (runs as README.md reports them, each by its final line):
   weights it was built with (its behaviour log-probs were right). Fixed in the runtime: a rollout
   carries the version its worker really holds, so such a rollout is now dropped as stale (its env
   steps still count as executed).
+- 2026-12-02, an amendment after runs 1 and 2 (a second reader's review): ``lost_rollouts`` counts
+  the interrupted launches not handed in by the end of the run (before, one still being collected
+  again was left out, so the count could not fail); the kill waits for the worker's first finished
+  rollout (before, it could come during construction); the arms join the benchmark's own cluster
+  through ``RAY_ADDRESS`` (``auto`` reads it first). Run 3: ``async_over_sync=0.827 nodes=2
+  worker_restarts=1 lost_rollouts=0``; this time the kill met a rollout in flight, which was
+  collected again. Mean update 4.2 s (sync) and 7.2 s (async), mean rollout 2.2 s and 2.9 s.
 """
 
 from __future__ import annotations
