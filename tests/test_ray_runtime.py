@@ -237,3 +237,91 @@ def test_ray_refuses_what_it_does_not_run():
         FinetuneConfig(runtime="ray", tasks=["lift", "reach"]).validate()
     with pytest.raises(ValueError, match="--ray.num_workers must be >= 1"):
         FinetuneConfig(runtime="ray", ray=RayConfig(num_workers=0)).validate()
+
+
+class _Ref:
+    """A fake ObjectRef: its answer (or error), and when it is done."""
+
+    def __init__(self, answer=None, error=None):
+        self.answer, self.error, self.done = answer, error, False
+
+
+class _FakeRay:
+    """The calls `AsyncRollouts` makes of Ray, with completions decided by the test (a ref's ``done``)."""
+
+    class exceptions:  # mirrors ray.exceptions
+        RayActorError = ray.exceptions.RayActorError
+        ActorUnavailableError = ray.exceptions.ActorUnavailableError
+
+    def wait(self, refs, num_returns=1, timeout=None):
+        done = [r for r in refs if r.done]
+        assert done, "the batch waits for something the test never finishes"
+        return done[:1], []
+
+    def get(self, ref):
+        if ref.error is not None:
+            raise ref.error
+        return ref.answer
+
+    def put(self, value):
+        return value
+
+
+class _FakeWorker:
+    def __init__(self, index, calls):
+        self.index, self.calls = index, calls
+        self.collect = type("M", (), {"remote": lambda _, *args: self._call("collect", args)})()
+        self.ready = type("M", (), {"remote": lambda _, *args: self._call("ready", args)})()
+
+    def _call(self, kind, args):
+        ref = _Ref()
+        self.calls.append((self.index, kind, args, ref))
+        return ref
+
+
+def test_synchronous_a_free_worker_collects_an_interrupted_launch(monkeypatch):
+    """max_staleness = 0, two workers, Ray faked so the order of events is the test's:
+    worker 1 fails mid-rollout (restarting) while worker 0 still collects; when worker 0 hands in, it takes
+    the interrupted launch at once (before: it waited for the update while the batch could not fill)."""
+    from types import SimpleNamespace
+
+    from vla_rl.rl import ray_runtime
+
+    monkeypatch.setattr(ray_runtime, "Rollout", SimpleNamespace(cat=lambda parts, n: SimpleNamespace(version=torch.cat([p.version for p in parts]))))  # fmt: skip
+    calls = []
+    rollouts = object.__new__(AsyncRollouts)
+    rollouts.ray, rollouts.cfg, rollouts.num_envs = _FakeRay(), RayConfig(num_workers=2, max_staleness=0), 2
+    rollouts.seeds = lambda launch: (launch, 1, launch)
+    rollouts.workers = [_FakeWorker(0, calls), _FakeWorker(1, calls)]
+    rollouts.placement = [{"node": "n", "pid": 10}, {"node": "n", "pid": 11}]
+    rollouts.initial_version = rollouts.version = 0
+    rollouts.worker_version, rollouts.alive = [0, 0], [True, True]
+    rollouts.probes, rollouts.probe_due, rollouts.processes = {}, [], [("n", 10), ("n", 11)]
+    rollouts.weights, rollouts.launches, rollouts.in_flight, rollouts.idle, rollouts.orphans = None, 0, {}, [], []
+    rollouts.timeline, rollouts.update_started = {"rollouts": [], "updates": [], "interrupted": [], "restarts": []}, 0.0
+    rollouts._launch(0)
+    rollouts._launch(1)
+
+    def answer(pid, version):
+        stats = SimpleNamespace(env_steps=4, episodes=1, successes=0)
+        timing = {"node": "n", "pid": pid, "started": 0.0, "ended": 1.0, "cpu_seconds": 0.5}
+        return SimpleNamespace(version=torch.tensor([version])), stats, timing
+
+    (_, _, _, ref0), (_, _, _, ref1) = calls
+    ref1.error, ref1.done = ray.exceptions.ActorUnavailableError("restarting", None), True  # worker 1 fails first
+    original_wait = rollouts.ray.wait
+
+    def wait(refs, num_returns=1, timeout=None):
+        if not ref0.done and not any(r.done for r in refs):  # then worker 0 hands in launch 0
+            ref0.answer, ref0.done = answer(10, 0), True
+        relaunch = [c for c in calls[2:] if c[1] == "collect"]
+        for _, _, _, ref in relaunch:  # whatever it was given next finishes too
+            if not ref.done:
+                ref.answer, ref.done = answer(10, 0), True
+        return original_wait(refs, num_returns, timeout)
+
+    rollouts.ray.wait = wait
+    _, stats, _ = rollouts.next_batch()
+    launches = [r["launch"] for r in rollouts.timeline["rollouts"]]
+    assert sorted(launches) == [0, 1] and len(stats) == 2  # launch 1, interrupted on worker 1, came from worker 0
+    assert [c[0] for c in calls if c[1] == "collect"] == [0, 1, 0] and rollouts.lost() == []
