@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import sys
 import time
 import traceback
@@ -150,6 +149,7 @@ def check_ray_worker_on_gpu(device) -> dict:
     from policies.diffusion.modeling_diffusion import DiffusionPolicy
     from sim.config import EnvConfig
     from sim.factory import make_env
+    from vla_core import interrupt
     from vla_core.runtime import ChunkingConfig, DelayConfig
     from vla_rl.rl.ray_runtime import RolloutWorker
 
@@ -162,8 +162,8 @@ def check_ray_worker_on_gpu(device) -> dict:
                                              num_keypoints=4, text_dim=8, hidden_dim=32))  # fmt: skip
     policy.set_normalization([0.0] * state_dim, [1.0] * state_dim, [-1.0] * action_dim, [1.0] * action_dim)
     gpus = 1 if device.type == "cuda" else 0
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}  # ray.init replaces SIGTERM's
-    ray.init(address="local", num_cpus=2, num_gpus=gpus, include_dashboard=False, log_to_driver=False)
+    with interrupt.kept():  # ray.init leaves a SIGTERM handler of its own
+        ray.init(address="local", num_cpus=2, num_gpus=gpus, include_dashboard=False, log_to_driver=False)
     try:
         worker = ray.remote(num_cpus=1, num_gpus=gpus)(RolloutWorker).remote(
             policy.eval(), env_cfg, ChunkingConfig(), DelayConfig(), 1, 0.99, ExplorationNoise(eta=0.0, min_std=0.1), 0
@@ -175,8 +175,6 @@ def check_ray_worker_on_gpu(device) -> dict:
         assert log_prob.device.type == "cpu" and torch.isfinite(log_prob).all() and stats.episodes == 2
     finally:
         ray.shutdown()
-        for signum, handler in handlers.items():
-            signal.signal(signum, handler)
     return {"worker_device": placed["device"], "decisions": len(rollout)}
 
 

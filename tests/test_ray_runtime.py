@@ -12,6 +12,7 @@ from extras import require
 
 from sim.config import EnvConfig
 from vla_rl.finetune import FinetuneConfig, finetune
+from vla_rl.rl.grpo import GRPOConfig
 from vla_rl.rl.ray_runtime import AsyncRollouts, RayConfig, check_capacity, check_reachable, usable
 
 ray = require("ray", "ray")
@@ -21,12 +22,12 @@ ray = require("ray", "ray")
 def local_ray():
     """One local Ray instance for the module (starting one takes seconds), shut down at the end, with the
     signal handlers ray.init replaced given back."""
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    from vla_core import interrupt
+
+    with interrupt.kept():
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
-    for signum, handler in handlers.items():
-        signal.signal(signum, handler)
 
 
 def _run(checkpoint, out, max_staleness, iterations=4):
@@ -237,6 +238,12 @@ def test_ray_refuses_what_it_does_not_run():
         FinetuneConfig(runtime="ray", tasks=["lift", "reach"]).validate()
     with pytest.raises(ValueError, match="--ray.num_workers must be >= 1"):
         FinetuneConfig(runtime="ray", ray=RayConfig(num_workers=0)).validate()
+    # Settings that would be ignored: GRPO's refills under Ray (it only drops), Ray's under the local runtime.
+    with pytest.raises(ValueError, match=re.escape("--runtime=ray does not refill GRPO batches")):
+        FinetuneConfig(runtime="ray", algo="grpo").validate()
+    FinetuneConfig(runtime="ray", algo="grpo", grpo=GRPOConfig(max_refills=0)).validate()
+    with pytest.raises(ValueError, match=re.escape("--ray.worker_cpus does nothing under --runtime=local")):
+        FinetuneConfig(ray=RayConfig(worker_cpus=2)).validate()
 
 
 class _Ref:

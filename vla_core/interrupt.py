@@ -85,6 +85,21 @@ def handlers() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def kept() -> Iterator[None]:
+    """Give SIGINT's and SIGTERM's handlers back after the block, whatever it installed (``ray.init``
+    installs its own SIGTERM handler and leaves it behind). Outside the main thread it does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {s: signal.getsignal(s) for s in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+@contextlib.contextmanager
 def deferred() -> Iterator[None]:
     """Within the block a stop signal only takes note; the block's loop calls :func:`raise_if_stopped`.
 

@@ -75,6 +75,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Self
 
+from vla_core import interrupt
 from vla_core.files import write_text_atomic
 
 
@@ -273,16 +274,14 @@ class LocalCluster:
             if exited:
                 raise RuntimeError(f"`ray start` exited while starting the benchmark's cluster; its output is in "
                                    f"{self.log_dir / f'ray_start_{exited[0]}.log'}")  # fmt: skip
-            handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}  # ray.init replaces SIGTERM's
             try:
-                ray.init(address=f"127.0.0.1:{self.port}", log_to_driver=False)
+                with interrupt.kept():  # ray.init leaves a SIGTERM handler of its own
+                    ray.init(address=f"127.0.0.1:{self.port}", log_to_driver=False)
                 alive = sum(n["Alive"] for n in ray.nodes())
             except (ConnectionError, RuntimeError):
                 alive = 0
             finally:
                 ray.shutdown()
-                for signum, handler in handlers.items():
-                    signal.signal(signum, handler)
             if alive >= count:
                 return alive
             time.sleep(1.0)

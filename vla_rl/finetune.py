@@ -197,6 +197,18 @@ class FinetuneConfig:
             self.ray.validate()
             if len(self.task_list()) > 1:
                 raise ValueError("--runtime=ray rolls out one task; drop --tasks or use --runtime=local")
+            if self.algo == "grpo" and self.grpo.dynamic_sampling and self.grpo.max_refills:
+                raise ValueError(
+                    "--runtime=ray does not refill GRPO batches (its rollouts arrive as they come; uniform groups "
+                    "are only dropped); pass --grpo.max_refills=0, or use --runtime=local"
+                )
+        else:  # Ray's settings would be ignored: refused, naming them
+            changed = [f.name for f in fields(RayConfig) if getattr(self.ray, f.name) != getattr(RayConfig(), f.name)]
+            if changed:
+                raise ValueError(
+                    f"--ray.{changed[0]} does nothing under --runtime={self.runtime}; drop the --ray.* flags "
+                    f"({', '.join(changed)}) or set --runtime=ray"
+                )
         if self.train_last_steps < 0:
             raise ValueError(f"--train_last_steps={self.train_last_steps} must be >= 0 (0 = every denoising step)")
 

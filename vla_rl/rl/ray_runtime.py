@@ -54,9 +54,7 @@ import copy
 import json
 import math
 import os
-import signal
 import socket
-import threading
 import time
 import uuid
 from dataclasses import dataclass, field, replace
@@ -145,27 +143,25 @@ def connect(cfg: RayConfig) -> bool:
 
     if ray.is_initialized():
         return False
-    # ray.init installs its own SIGTERM handler and leaves it behind; the command's stop handling
-    # (`vla_core.interrupt`: a checkpoint at the iteration boundary, exit 128 + signal) must stay.
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    from vla_core import interrupt
+
     try:
-        if cfg.address:
-            ray.init(address=cfg.address, runtime_env=runtime_env(cfg), log_to_driver=False)
-        else:
-            cpus = max(os.cpu_count() or 1, math.ceil(cfg.num_workers * cfg.worker_cpus))
-            # "local": a new instance even when this machine's `ray start` left an address file behind.
-            ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False,
-                     runtime_env=runtime_env(cfg))  # fmt: skip
+        # ray.init leaves a SIGTERM handler of its own; the command's stop handling (a checkpoint at the
+        # iteration boundary, exit 128 + signal) must stay.
+        with interrupt.kept():
+            if cfg.address:
+                ray.init(address=cfg.address, runtime_env=runtime_env(cfg), log_to_driver=False)
+            else:
+                cpus = max(os.cpu_count() or 1, math.ceil(cfg.num_workers * cfg.worker_cpus))
+                # "local": a new instance even when this machine's `ray start` left an address file behind.
+                ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False,
+                         runtime_env=runtime_env(cfg))  # fmt: skip
     except (ConnectionError, RuntimeError, ValueError) as err:
         raise ValueError(
             f"cannot join the Ray cluster at --ray.address={cfg.address or '(local)'}: {_first_line(err)}; start "
             "one with `ray start --head` (and `ray start --address=<head>:6379` on each other node), or drop "
             "--ray.address to run on a local instance"
         ) from err
-    finally:
-        if threading.current_thread() is threading.main_thread():
-            for signum, handler in handlers.items():
-                signal.signal(signum, handler)
     return True
 
 
