@@ -70,15 +70,14 @@ def informative_groups(rollout: Rollout, group_size: int) -> torch.Tensor:
     """(groups,) bool over the groups of a rollout of one episode per world (group = world // G): True where
     its episodes, diverged ones left out, neither all succeeded nor all failed (the only groups GRPO
     learns from)."""
-    groups = (int(rollout.world.max()) + 1 + group_size - 1) // group_size
-    successes, counted = torch.zeros(groups), torch.zeros(groups)
     first = torch.ones(len(rollout), dtype=torch.bool)  # one row per episode: each world's first decision
     first[1:] = rollout.world[1:] != rollout.world[:-1]
-    episodes = rollout.select(first & ~rollout.diverged)
+    episodes = rollout.select(first)
     group = episodes.world // group_size
-    successes.index_add_(0, group, episodes.success.float())
-    counted.index_add_(0, group, torch.ones(len(episodes)))
-    return (successes > 0) & (successes < counted)
+    _, kept, _ = group_advantages(episodes.success, group, ~episodes.diverged, dynamic_sampling=True)
+    informative = torch.zeros((int(rollout.world.max()) + group_size) // group_size, dtype=torch.bool)
+    informative[group[kept]] = True
+    return informative
 
 
 def keep_groups(rollout: Rollout, groups: torch.Tensor, group_size: int) -> Rollout:
