@@ -332,3 +332,41 @@ def test_synchronous_a_free_worker_collects_an_interrupted_launch(monkeypatch):
     launches = [r["launch"] for r in rollouts.timeline["rollouts"]]
     assert sorted(launches) == [0, 1] and len(stats) == 2  # launch 1, interrupted on worker 1, came from worker 0
     assert [c[0] for c in calls if c[1] == "collect"] == [0, 1, 0] and rollouts.lost() == []
+
+
+@pytest.mark.slow
+def test_two_learner_processes_each_update_on_their_own_ray_workers(tiny_checkpoint, tmp_path):
+    """`accelerate launch` with 2 learner processes (gloo) on one Ray cluster started by `ray start`: each
+    process has its own worker, whose rollouts only it updates on (no images cross processes), and both
+    end every update with the same, changing weights. Each worker's rollouts start from their own seeds."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from vla_rl.bench_ray import LocalCluster
+
+    out = tmp_path / "dp_ray"
+    with LocalCluster(nodes=1, cpus_per_node=2, log_dir=tmp_path / "cluster") as cluster:
+        env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_ADDRESS": f"127.0.0.1:{cluster.port}"}
+        launch = [
+            sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes=2", "--num_machines=1",
+            "--mixed_precision=no", "--dynamo_backend=no", "-m", "vla_rl.cli", "finetune",
+            f"--checkpoint={tiny_checkpoint[0]}", "--env.num_envs=2", "--env.max_episode_steps=8", "--iterations=2",
+            "--update_epochs=1", "--minibatch_size=8", "--eval_every=0", "--log_with=none", "--num_threads=1",
+            "--ppo.critic_warmup_iterations=0", "--ppo.episodes_per_world=1", "--runtime=ray", "--ray.address=auto",
+            "--ray.num_workers=1", "--ray.max_staleness=0", f"--output_dir={out}",
+        ]  # fmt: skip
+        proc = subprocess.run(launch, check=False, capture_output=True, text=True, timeout=900, env=env,
+                              cwd=Path(__file__).resolve().parents[1])  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    history = json.loads((out / "finetune_summary.json").read_text())["history"]
+    assert len(history) == 2
+    for h in history:
+        first, second = h["decisions_per_process"]
+        assert first > 0 and second > 0 and h["decisions"] == first + second
+        assert len(set(h["weights_checksum_per_process"])) == 1
+    assert history[0]["weights_checksum_per_process"] != history[1]["weights_checksum_per_process"]
+    timelines = [json.loads((out / name).read_text()) for name in ("ray_timeline.json", "ray_timeline.process1.json")]
+    workers = [{p["pid"] for p in t["workers"]} for t in timelines]
+    assert all(len(w) == 1 for w in workers) and workers[0] != workers[1]

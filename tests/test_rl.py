@@ -20,7 +20,7 @@ from vla_rl.latency_warmup import LatencyWarmupConfig
 from vla_rl.rl.grpo import GRPOConfig, group_advantages, group_seeds
 from vla_rl.rl.ppo import PPOConfig, gae
 from vla_rl.rl.rollout import Rollout
-from vla_rl.rl.update import Anchors, GradientStep, clipped_surrogate
+from vla_rl.rl.update import Anchors, GradientStep, Processes, clipped_surrogate
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -474,49 +474,123 @@ def test_pcgrad_gradients_round_trip_through_the_parameters():
     torch.testing.assert_close(layer.weight.grad, 2 * torch.arange(6.0).view(2, 3))
 
 
-class TwoProcesses:
-    """Process ``index`` of two, in one test process: ``sum`` adds what the other process contributes."""
+class ThreadedProcesses(Processes):
+    """Process ``index`` of ``count``, each a thread of this test: the collectives meet at a barrier."""
 
-    def __init__(self, index, other_gradient=None):
-        from vla_rl.rl.update import Processes
+    def __init__(self, index: int, count: int, hub: dict):
+        self.accelerator, self.index, self.count, self.hub = None, index, count, hub
 
-        self.index, self.count, self.accelerator = index, 2, None
-        self.shard = lambda rows: Processes.shard(self, rows)
-        self.other = other_gradient
-
-    def sum(self, tensor):
-        return tensor + self.other
-
-
-def test_sharded_gradients_summed_across_processes_are_the_whole_minibatchs():
-    """Two processes, each its shard of a 5-row minibatch weighted by its share (3/5 and 2/5): the
-    summed gradient, and so the step, equal one process's on all 5 rows."""
-    from vla_rl.rl.pcgrad import flat_grad
-
-    torch.manual_seed(0)
-    x, y = torch.randn(5, 3), torch.randn(5)
-    loss_of = lambda layer, rows: ((layer(x[rows]).squeeze(-1) - y[rows]) ** 2).mean()
-    whole = torch.nn.Linear(3, 1)
-    parts = [torch.nn.Linear(3, 1) for _ in range(2)]
-    for layer in parts:
-        layer.load_state_dict(whole.state_dict())
-    rows = torch.arange(5)
-    GradientStep(torch.optim.SGD(whole.parameters(), lr=0.1), max_grad_norm=0)(loss_of(whole, rows))
-    (mine1, share1) = TwoProcesses(1).shard(rows)
-    other = flat_grad(loss_of(parts[1], mine1) * share1, list(parts[1].parameters()))
-    mine0, share0 = TwoProcesses(0).shard(rows)
-    assert (mine0.tolist(), share0, mine1.tolist(), share1) == ([0, 2, 4], 0.6, [1, 3], 0.4)
-    step = GradientStep(
-        torch.optim.SGD(parts[0].parameters(), lr=0.1), max_grad_norm=0, processes=TwoProcesses(0, other)
-    )
-    step(loss_of(parts[0], mine0) * share0)
-    for p, q in zip(parts[0].parameters(), whole.parameters(), strict=True):
-        torch.testing.assert_close(p, q)
+    def reduce(self, tensor, op):
+        slots, barrier = self.hub["slots"], self.hub["barrier"]
+        slots[self.index] = tensor.clone()
+        barrier.wait()
+        stacked = torch.stack(slots)
+        out = stacked.sum(0) if op == "sum" else stacked.max(0).values
+        barrier.wait()  # nobody writes the next round's slot before everyone read this one
+        return out
 
 
-def test_two_processes_update_on_the_union_of_their_rollouts_and_stay_identical(tiny_checkpoint, tmp_path):
-    """`accelerate launch` with 2 CPU processes (gloo): each rolls out its own 2 worlds; every update
-    runs on the union (the decisions of both), and both processes end each update with the same
+def in_processes(count: int, work) -> list:
+    """``work(processes)`` in ``count`` threads, each one process of a data-parallel run; their results."""
+    import threading
+
+    hub = {"slots": [None] * count, "barrier": threading.Barrier(count, timeout=30)}
+    results, errors = [None] * count, []
+
+    def run(i):
+        try:
+            results[i] = work(ThreadedProcesses(i, count, hub))
+        except BaseException as err:  # noqa: BLE001 - re-raised below, in the test's own thread
+            errors.append(err)
+            hub["barrier"].abort()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
+def test_each_process_cuts_only_its_own_rows_into_every_minibatch():
+    """Two processes holding 5 and 3 rows, minibatches of 4: K = ceil(8 / 4) = 2 minibatches in both;
+    process 0 takes pieces of ceil(4 * 5 / 8) = 3 rows (3, then 2), process 1 of ceil(4 * 3 / 8) = 2 (2,
+    then 1), so the minibatches hold 5 and 3 rows. Each process's pieces are a permutation of its own
+    rows, and its generator ends where the other's does. One process: pieces of 4, 4 as before."""
+
+    def epoch(processes):
+        g = torch.Generator().manual_seed(0)
+        count = (5, 3)[processes.index]
+        pieces = [(rows.tolist(), total) for rows, total in processes.minibatches(count, 4, g)]
+        return pieces, g.get_state()
+
+    (p0, g0), (p1, g1) = in_processes(2, epoch)
+    assert [len(r) for r, _ in p0] == [3, 2] and [len(r) for r, _ in p1] == [2, 1]
+    assert [t for _, t in p0] == [t for _, t in p1] == [5, 3]
+    assert sorted(i for r, _ in p0 for i in r) == [0, 1, 2, 3, 4] and sorted(i for r, _ in p1 for i in r) == [0, 1, 2]
+    assert torch.equal(g0, g1)
+    one = list(Processes().minibatches(8, 4, torch.Generator().manual_seed(0)))
+    assert [len(r) for r, _ in one] == [4, 4] and sorted(torch.cat([r for r, _ in one]).tolist()) == list(range(8))
+
+
+def _sharded_and_whole(algo: str, pcgrad: bool, split: int):
+    """``algo``'s update on a 4-world rollout in one process, and on worlds [:split] and [split:] in two;
+    one minibatch per epoch, so both take the gradient of the same whole-batch loss. Returns the
+    parameters after (one process, then each of the two)."""
+    from vla_core.rl import FactorLogProb
+    from vla_rl.rl import grpo, ppo
+    from vla_rl.rl.update import UpdateSettings
+
+    x, reward, tasks = torch.tensor([1.0, 2.0, -1.0, 0.5]), [1.0, 0.0, 1.0, 0.0], torch.tensor([0, 1, 0, 1])
+
+    def part(worlds):
+        r = rollout_of(list(range(len(worlds))), [0] * len(worlds), [reward[w] for w in worlds], [0.9] * len(worlds),
+                       [True] * len(worlds))  # fmt: skip
+        r.obs, r.decision = {"observation.state": torch.zeros(len(worlds), 1)}, _Draws(x[worlds])
+        r.task, r.success = tasks[worlds], torch.tensor([reward[w] > 0 for w in worlds])
+        return r
+
+    def run(rollout, processes):
+        actor, critic = _LinearActor(0.3), _ConstantValue()
+        settings = UpdateSettings(epochs=2, minibatch_size=8, clip_low=0.2, clip_high=0.28, factors=slice(None),
+                                  pcgrad=pcgrad, max_grad_norm=0, lr=0.1, head_lr=0.1,
+                                  generator=torch.Generator())  # fmt: skip
+        old = Anchors(FactorLogProb(0.3 * rollout.decision.x[:, None]))
+        step = GradientStep(torch.optim.SGD(actor.module.parameters(), lr=0.1), 0, processes=processes)
+        if algo == "ppo":
+            critic_step = GradientStep(torch.optim.SGD(critic.parameters(), lr=0.5), 0, processes=processes)
+            ppo.update(actor, critic, rollout, old, None, cfg=PPOConfig(kl_coef=0.0), settings=settings,
+                       actor_step=step, critic_step=critic_step, train_actor=True, max_episode_steps=10,
+                       processes=processes)  # fmt: skip
+        else:
+            grpo.update(actor, rollout, old, cfg=GRPOConfig(group_size=2, dynamic_sampling=False), settings=settings,
+                        actor_step=step, processes=processes)  # fmt: skip
+        return actor.module.theta.item(), critic.b.item()
+
+    if algo == "grpo":  # groups of 2 worlds: each process holds whole groups
+        assert split % 2 == 0
+    whole = run(Rollout.cat([part([0, 1, 2, 3])], 4), Processes())
+    halves = [list(range(split)), list(range(split, 4))]
+    return whole, in_processes(2, lambda processes: run(part(halves[processes.index]), processes))
+
+
+@pytest.mark.parametrize("algo, pcgrad, split", [("ppo", False, 3), ("ppo", True, 1), ("grpo", False, 2),
+                                                 ("grpo", True, 2)])  # fmt: skip
+def test_processes_updating_on_their_own_rollouts_take_the_whole_batchs_step(algo, pcgrad, split):
+    """Two processes, each with only its own worlds (3 and 1, or 2 and 2), end with the weights one
+    process reaches on all four: advantages normalized over both (PPO), each row's loss weighted by its
+    share of the minibatch, each task's by its share of the task (PCGrad), gradients summed. The actor
+    does move (theta leaves 0.3), so equal weights are not equal starting points."""
+    whole, (first, second) = _sharded_and_whole(algo, pcgrad, split)
+    assert abs(whole[0] - 0.3) > 1e-3
+    assert first == pytest.approx(whole, abs=1e-6) and second == pytest.approx(whole, abs=1e-6)
+
+
+def test_two_processes_update_on_their_own_rollouts_and_stay_identical(tiny_checkpoint, tmp_path):
+    """`accelerate launch` with 2 CPU processes (gloo): each rolls out its own 2 worlds and updates on
+    them; an update counts the decisions of both, and both processes end each update with the same
     weights (their checksums, gathered after every update, are equal) which did change."""
     out = tmp_path / "dp"
     launch = [
@@ -659,9 +733,10 @@ def test_the_kl_and_the_per_task_losses_by_hand():
     kl = kl_to_reference(torch.zeros(2, 1), torch.tensor([[math.log(2)], [0.0]]))
     assert kl.item() == pytest.approx(0.153426, abs=1e-6)
     tasks, adv, zero = torch.tensor([0, 0, 1]), torch.tensor([1.0, 3.0, -2.0]), torch.zeros(3, 1)
-    assert [t.item() for t in actor_loss_per_task(tasks, tasks, zero, zero, adv, 0.2, 0.28)] == [-2.0, 2.0]
-    first = actor_loss_per_task(tasks[:1], tasks, zero[:1], zero[:1], adv[:1], 0.2, 0.28)
-    second = actor_loss_per_task(tasks[1:], tasks, zero[1:], zero[1:], adv[1:], 0.2, 0.28)
+    rows = torch.tensor([2, 1])  # the minibatch's rows of task 0 and task 1
+    assert [t.item() for t in actor_loss_per_task(tasks, rows, zero, zero, adv, 0.2, 0.28)] == [-2.0, 2.0]
+    first = actor_loss_per_task(tasks[:1], rows, zero[:1], zero[:1], adv[:1], 0.2, 0.28)
+    second = actor_loss_per_task(tasks[1:], rows, zero[1:], zero[1:], adv[1:], 0.2, 0.28)
     assert first[0].item() == -0.5 and first[1] is None
     assert (second[0].item(), second[1].item()) == (-1.5, 2.0)
     # A factor a decision lacks (mask False) is left out of every mean: as if its row had one factor.

@@ -298,9 +298,10 @@ def finetune(cfg: FinetuneConfig) -> dict:
     # each on the device the launcher gives it; a single process runs on --device.
     accelerator = make_accelerator([] if cfg.log_with == "none" else [cfg.log_with], out)
     processes = Processes(accelerator)
-    if cfg.runtime == "ray" and processes.count > 1:
+    if cfg.runtime == "ray" and processes.count > 1 and not cfg.ray.address:
         raise ValueError(
-            "--runtime=ray has one learner and its workers are the parallel part; run it without accelerate launch"
+            "--runtime=ray under accelerate launch joins one cluster from every learner process: start it with "
+            "`ray start --head` and pass --ray.address=auto"
         )
     device = accelerator.device if processes.count > 1 else cfg.device
     policy, policy_dir = load_policy(source, device=device)
@@ -328,8 +329,8 @@ def finetune(cfg: FinetuneConfig) -> dict:
                 write_text_atomic(out / "initial_checkpoint.txt", str(policy_dir))
             if not cfg.resume and cfg.eval_every:
                 run.evaluation(actor.policy, policy_dir, run.state)
-        rollouts = (RayRollouts(actor, cfg, gamma, run.state["iteration"], run.curriculum) if cfg.runtime == "ray"
-                    else LocalRollouts(actor, run.shells, cfg, run.curriculum, processes))  # fmt: skip
+        rollouts = (RayRollouts(actor, cfg, gamma, run.state["iteration"], run.curriculum, processes)
+                    if cfg.runtime == "ray" else LocalRollouts(actor, run.shells, cfg, run.curriculum, processes))  # fmt: skip
         closing.callback(rollouts.close)
         start = time.time()
         _train(run, rollouts)

@@ -35,7 +35,6 @@ from vla_rl.rl.update import (
     actor_loss,
     actor_loss_per_task,
     anchors,
-    minibatches,
 )
 
 
@@ -156,7 +155,7 @@ def update(
     """One GRPO update on a rollout of one episode per world. anchored: what its ratios are taken against
     (`vla_rl.rl.update.Anchors`: the proximal log-probabilities (M, F') of ``settings.factors``, the F'
     factors the loss covers, and a stale rollout's truncated weights). processes: a data-parallel run's,
-    each computing its shard of every minibatch (`vla_rl.rl.update.Processes`)."""
+    each updating on its own rollouts, whose groups are its own (`vla_rl.rl.update.Processes`)."""
     processes, s = processes or Processes(), settings
     # Episode e of the rollout is world e's (one episode per world); its group is e // G. In a
     # multi-task rollout each task's worlds are numbered on (`Rollout.cat`), so groups stay in a task;
@@ -170,9 +169,9 @@ def update(
         success, torch.arange(num_worlds) // cfg.group_size, present & ~diverged, cfg.dynamic_sampling
     )
     keep = kept[rollout.world]
-    stats: dict[str, float] = {**counts, "decisions": int(keep.sum())}
-    if not keep.any():
-        return stats  # every group was all-success or all-failure: nothing to learn from
+    stats: dict[str, float] = {**counts, "decisions": int(processes.sum_ints([int(keep.sum())])[0])}
+    if stats["decisions"] == 0:
+        return stats  # every group (of every process) was all-success or all-failure: nothing to learn from
     rollout, old_log_prob, decision_advantage = (
         rollout.select(keep),
         anchored.proximal.select(keep),
@@ -183,19 +182,19 @@ def update(
     count = 0
     dev = actor.device
     for _ in range(s.epochs):
-        for batch in minibatches(len(rollout), s.minibatch_size, s.generator):
-            rows, share = processes.shard(batch)
-            if len(rows) == 0:  # more processes than rows: add nothing, but take part in the sums
-                actor_step(None, [None] * len(rollout.task[batch].unique()) if s.pcgrad else None)
+        for rows, minibatch_rows in processes.minibatches(len(rollout), s.minibatch_size, s.generator):
+            task_rows = processes.task_rows(rollout.task[rows]) if s.pcgrad else None
+            if len(rows) == 0:  # none of this process's rows: add nothing, but take part in the sums
+                actor_step(None, [None] * int((task_rows > 0).sum()) if s.pcgrad else None)
                 continue
+            share = len(rows) / minibatch_rows
             obs = to_device(select_rows(rollout.obs, rows), dev)
             new = actor.score(obs, rollout.decision.select(rows).to(dev)).columns(s.factors)
             old, adv = old_log_prob.values[rows].to(dev), decision_advantage[rows].to(dev)
             stale = None if weight is None else weight[rows].to(dev)
             terms = (new.values, old, adv, s.clip_low, s.clip_high, None, 0.0, new.mask, stale)
             loss, clip_stats = actor_loss(*terms)
-            tasks = (rollout.task[rows].to(dev), rollout.task[batch].to(dev))
-            per_task = actor_loss_per_task(*tasks, *terms) if s.pcgrad else None
+            per_task = actor_loss_per_task(rollout.task[rows].to(dev), task_rows.to(dev), *terms) if s.pcgrad else None
             actor_step(loss * share, per_task)
             for k, v in {"policy_loss": loss.item(), **clip_stats}.items():
                 sums[k] = sums.get(k, 0.0) + v

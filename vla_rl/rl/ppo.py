@@ -50,7 +50,6 @@ from vla_rl.rl.update import (
     actor_loss,
     actor_loss_per_task,
     anchors,
-    minibatches,
     scored,
 )
 
@@ -208,8 +207,8 @@ def update(
     """One PPO update on a rollout. anchored: what its ratios are taken against (`vla_rl.rl.update.Anchors`:
     the proximal log-probabilities (M, F') of ``settings.factors``, the F' factors the actor loss covers,
     and a stale rollout's truncated weights); reference_log_prob: (M, F') the imitation policy's.
-    processes: a data-parallel run's, each computing its shard of every minibatch
-    (`vla_rl.rl.update.Processes`)."""
+    processes: a data-parallel run's, each updating on its own rollouts (`vla_rl.rl.update.Processes`); the
+    losses reported are this process's."""
     processes, s = processes or Processes(), settings
     keep = ~rollout.diverged
     rollout, old_log_prob = rollout.select(keep), anchored.proximal.select(keep)
@@ -217,22 +216,25 @@ def update(
     ratio = None if anchored.decision_ratio is None else anchored.decision_ratio[keep]
     if reference_log_prob is not None:
         reference_log_prob = reference_log_prob.select(keep)
-    if len(rollout) == 0:
+    decisions = int(processes.sum_ints([len(rollout)])[0])  # over every process
+    if decisions == 0:
         return {"decisions": 0}
     old_values = values_of(actor, critic, rollout, max_episode_steps, s.minibatch_size)
     advantages, returns = gae(rollout, old_values, cfg.gae_lambda, ratio)
-    normalized = (advantages - advantages.mean()) / (advantages.std(unbiased=False) + 1e-8)
+    mean, std = processes.mean_std(advantages)
+    normalized = (advantages - mean) / (std + 1e-8)
     sums: dict[str, float] = {}
     count = 0
     dev = actor.device
     for _ in range(s.epochs):
-        for batch in minibatches(len(rollout), s.minibatch_size, s.generator):
-            rows, share = processes.shard(batch)
-            if len(rows) == 0:  # more processes than rows: add nothing, but take part in the sums
+        for rows, minibatch_rows in processes.minibatches(len(rollout), s.minibatch_size, s.generator):
+            task_rows = processes.task_rows(rollout.task[rows]) if s.pcgrad and train_actor else None
+            if len(rows) == 0:  # none of this process's rows: add nothing, but take part in the sums
                 critic_step(None)
                 if train_actor:
-                    actor_step(None, [None] * len(rollout.task[batch].unique()) if s.pcgrad else None)
+                    actor_step(None, [None] * int((task_rows > 0).sum()) if s.pcgrad else None)
                 continue
+            share = len(rows) / minibatch_rows
             obs = to_device(select_rows(rollout.obs, rows), dev)
             progress = (rollout.obs_step[rows].float() / max_episode_steps).to(dev)
             with torch.no_grad():
@@ -253,13 +255,14 @@ def update(
                 stale = None if weight is None else weight[rows].to(dev)
                 terms = (new.values, old, adv, s.clip_low, s.clip_high, reference, cfg.kl_coef, new.mask, stale)
                 loss, actor_stats = actor_loss(*terms)
-                tasks = (rollout.task[rows].to(dev), rollout.task[batch].to(dev))
-                per_task = actor_loss_per_task(*tasks, *terms) if s.pcgrad else None
+                per_task = (
+                    actor_loss_per_task(rollout.task[rows].to(dev), task_rows.to(dev), *terms) if s.pcgrad else None
+                )
                 actor_step(loss * share, per_task)
                 stats.update(policy_loss=loss.item(), **actor_stats)
             for k, v in stats.items():
                 sums[k] = sums.get(k, 0.0) + v
             count += 1
     out = {k: v / max(1, count) for k, v in sums.items()}
-    out.update(decisions=len(rollout), advantage_mean=float(advantages.mean()), value_mean=float(old_values.mean()))
+    out.update(decisions=decisions, advantage_mean=float(advantages.mean()), value_mean=float(old_values.mean()))
     return out

@@ -165,14 +165,16 @@ def connect(cfg: RayConfig) -> bool:
     return True
 
 
-def check_capacity(cfg: RayConfig, total: dict[str, float]) -> None:
-    """Refuse workers the cluster (``total``: ``ray.cluster_resources()``) could never place all at once."""
-    need = {"CPU": cfg.num_workers * cfg.worker_cpus, "GPU": cfg.num_workers * cfg.worker_gpus}
+def check_capacity(cfg: RayConfig, total: dict[str, float], learners: int = 1) -> None:
+    """Refuse workers the cluster (``total``: ``ray.cluster_resources()``) could never place all at once,
+    ``cfg.num_workers`` for each of ``learners`` learner processes."""
+    need = {"CPU": learners * cfg.num_workers * cfg.worker_cpus, "GPU": learners * cfg.num_workers * cfg.worker_gpus}
     for kind, amount in need.items():
         if amount > total.get(kind, 0.0) + 1e-9:
+            each = f" for each of {learners} learner processes" if learners > 1 else ""
             raise ValueError(
                 f"the Ray cluster has {total.get(kind, 0.0):g} {kind}s but --ray.num_workers={cfg.num_workers} workers "
-                f"of --ray.worker_{kind.lower()}s={getattr(cfg, f'worker_{kind.lower()}s'):g} need {amount:g}; "
+                f"of --ray.worker_{kind.lower()}s={getattr(cfg, f'worker_{kind.lower()}s'):g}{each} need {amount:g}; "
                 "add nodes, or lower either flag"
             )
 
@@ -253,20 +255,21 @@ class AsyncRollouts:
     the run started or resumed (every launch its own seeds, as the local runtime's iterations have).
     """
 
-    def __init__(self, policy, cfg, gamma: float, version: int, seeds):
+    def __init__(self, policy, cfg, gamma: float, version: int, seeds, learner: tuple[int, int] = (0, 1)):
         import ray
 
         ray_cfg = cfg.ray
         self.ray, self.cfg, self.seeds, self.num_envs = ray, ray_cfg, seeds, cfg.env.num_envs
         self.started_ray = connect(ray_cfg)
+        index, learners = learner  # this learner process, of a data-parallel run's (each its own workers)
         try:
-            check_capacity(ray_cfg, ray.cluster_resources())
+            check_capacity(ray_cfg, ray.cluster_resources(), learners)
             worker = ray.remote(num_cpus=ray_cfg.worker_cpus, num_gpus=ray_cfg.worker_gpus,
                                 max_restarts=ray_cfg.max_restarts)(RolloutWorker)  # fmt: skip
             # Kept referenced for the run: a restarted worker is built again from it.
             self.initial_policy = copy_on_cpu = ray.put(copy.deepcopy(policy).to("cpu"))
             # Each worker its own delay stream, a new one on resume (version = the iteration resumed at).
-            streams = [1 + i + 1000 * version for i in range(ray_cfg.num_workers)]
+            streams = [1 + i + 1000 * version + 1_000_000_000 * index for i in range(ray_cfg.num_workers)]
             run = uuid.uuid4().hex[:8]
             self.workers = [
                 worker.options(name=f"{WORKER_NAME_PREFIX}{run}-{i}").remote(

@@ -38,11 +38,11 @@ def iteration_record(state: dict, batch: RolloutBatch, update_seconds: float, it
         **{k: _round(v) for k, v in update_stats.items()},
     }  # fmt: skip
     if checksums is not None:
-        record["decisions_per_process"] = [len(r) for r, _ in batch.everyone]
+        record["decisions_per_process"] = [n for n, _ in batch.per_process]
         record["weights_checksum_per_process"] = checksums
     if len(tasks) > 1:
         record["rollout_success_by_task"] = {
-            tasks[t]: sum(ps[i].successes for _, ps in batch.everyone) / max(1, sum(ps[i].episodes for _, ps in batch.everyone))
+            tasks[t]: sum(ps[i].successes for _, ps in batch.per_process) / max(1, sum(ps[i].episodes for _, ps in batch.per_process))
             for i, t in enumerate(batch.chosen)
         }  # fmt: skip
         record["curriculum_priorities"] = dict(

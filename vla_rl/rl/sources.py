@@ -25,15 +25,16 @@ REFILL_SEED_OFFSET = 100_000_000  # GRPO's refills reset from here up (DAPO), ap
 
 @dataclass
 class RolloutBatch:
-    """One iteration's rollouts: the union the update takes, the stats of every rollout collected (each
-    process's, each task's), the seconds the learner spent waiting for them, the tasks rolled out (indices
-    into the run's task list), every process's (rollout, stats), and the source's own bookkeeping."""
+    """One iteration's rollouts: this process's, which its update takes (`vla_rl.rl.update.Processes`), the
+    stats of every rollout collected (each process's, each task's), the seconds the learner spent waiting
+    for them, the tasks rolled out (indices into the run's task list), every process's (decisions, stats
+    per chosen task), and the source's own bookkeeping."""
 
     rollout: Rollout
     stats: list[RolloutStats]
     seconds: float
     chosen: list[int]
-    everyone: list[tuple[Rollout, list[RolloutStats]]]
+    per_process: list[tuple[int, list[RolloutStats]]]
     info: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -65,7 +66,7 @@ def summed(stats: list[RolloutStats]) -> RolloutStats:
 class LocalRollouts:
     """This process's worlds: one delay shell per task (``shells``), rolled out between updates. Under
     ``accelerate launch`` every process rolls out its own worlds (its own seeds, delays and sampling
-    noise) and the batch is the union of every process's, the same in each."""
+    noise) and updates on them; only their statistics are gathered."""
 
     def __init__(self, actor: RLPolicy, shells: list, cfg, curriculum: TaskCurriculum, processes: Processes):
         self.actor, self.shells, self.cfg, self.curriculum, self.processes = actor, shells, cfg, curriculum, processes
@@ -86,15 +87,14 @@ class LocalRollouts:
             stats.append(part_stats)
         local = Rollout.cat(parts, cfg.env.num_envs)
         seconds = sum(st.seconds for st in stats)
-        # Every process updates on the union of all processes' rollouts (each on its shard).
-        everyone = processes.gather((local, stats))
-        rollout = Rollout.cat([r for r, _ in everyone], tasks * cfg.env.num_envs)
-        for i, t in enumerate(chosen):  # the same curriculum update in every process: the union's success
-            task_stats = [process_stats[i] for _, process_stats in everyone]
+        # Each process updates on its own rollouts; the statistics are every process's.
+        per_process = processes.gather((len(local), stats))
+        for i, t in enumerate(chosen):  # the same curriculum update in every process: every process's success
+            task_stats = [process_stats[i] for _, process_stats in per_process]
             episodes_t = sum(st.episodes for st in task_stats)
             self.curriculum.update(t, sum(st.successes for st in task_stats) / max(1, episodes_t))
         info = {"refills": int(sum(processes.gather(refills)))} if cfg.algo == "grpo" else {}
-        return RolloutBatch(rollout, [st for _, ps in everyone for st in ps], seconds, chosen, everyone, info)
+        return RolloutBatch(local, [st for _, ps in per_process for st in ps], seconds, chosen, per_process, info)
 
     def _refill(self, part: Rollout, stats: RolloutStats, run: int, task: int) -> tuple[Rollout, RolloutStats, int]:
         """DAPO's dynamic sampling: roll task ``task`` out again, from new initial states, until the rollouts
@@ -129,26 +129,38 @@ class LocalRollouts:
 class RayRollouts:
     """Ray workers that keep collecting while the learner updates (`vla_rl.rl.ray_runtime.AsyncRollouts`).
     ``first_iteration``: where the run starts or resumes; launch k's reset seeds come from
-    TRAINING_SEED_OFFSET + (i * 10_000 + k) * num_envs, its sampling noise from the run's seed, i and k."""
+    TRAINING_SEED_OFFSET + ((i * 10_000 + k) * P + p) * num_envs, its sampling noise from the run's seed and
+    that index, for learner process p of P (under ``accelerate launch`` each process has workers of its own
+    and updates on their rollouts, `vla_rl.rl.update.Processes`)."""
 
-    def __init__(self, actor: RLPolicy, cfg, gamma: float, first_iteration: int, curriculum: TaskCurriculum):
+    def __init__(self, actor: RLPolicy, cfg, gamma: float, first_iteration: int, curriculum: TaskCurriculum,
+                 processes: Processes):  # fmt: skip
         from vla_rl.rl.ray_runtime import AsyncRollouts
 
         def seeds(launch: int):
-            index = first_iteration * 10_000 + launch
+            index = (first_iteration * 10_000 + launch) * processes.count + processes.index
             seed, episodes = reset_seeds(cfg, index)
             return seed, episodes, cfg.seed * 1_000_003 + index
 
-        self.curriculum, self.first_iteration = curriculum, first_iteration
-        self.timeline = Path(cfg.output_dir) / "ray_timeline.json"
-        self.workers = AsyncRollouts(actor.policy, cfg, gamma, version=first_iteration, seeds=seeds)
+        self.curriculum, self.first_iteration, self.processes = curriculum, first_iteration, processes
+        name = "ray_timeline.json" if processes.index == 0 else f"ray_timeline.process{processes.index}.json"
+        self.timeline = Path(cfg.output_dir) / name
+        self.workers = AsyncRollouts(actor.policy, cfg, gamma, version=first_iteration, seeds=seeds,
+                                     learner=(processes.index, processes.count))  # fmt: skip
 
     def next(self, iteration: int) -> RolloutBatch:
         start = time.perf_counter()
         rollout, stats, info = self.workers.next_batch()
         seconds = time.perf_counter() - start  # the learner's wait: collection overlaps updates
-        self.curriculum.update(0, sum(st.successes for st in stats) / max(1, sum(st.episodes for st in stats)))
-        return RolloutBatch(rollout, stats, seconds, [0], [(rollout, stats)], info)
+        per_process = self.processes.gather((len(rollout), stats))
+        every = [st for _, ps in per_process for st in ps]
+        self.curriculum.update(0, sum(st.successes for st in every) / max(1, sum(st.episodes for st in every)))
+        if self.processes.count > 1:  # over every process's workers
+            every_info = self.processes.gather(info)
+            info = {**info, "data_version_min": min(i["data_version_min"] for i in every_info),
+                    "data_version_max": max(i["data_version_max"] for i in every_info),
+                    **{k: sum(i[k] for i in every_info) for k in ("dropped_rollouts", "worker_restarts")}}  # fmt: skip
+        return RolloutBatch(rollout, every, seconds, [0], per_process, info)
 
     def updated(self, actor: RLPolicy) -> None:
         """Publish the learner's new weights: version + 1, taken by every rollout launched from now on."""

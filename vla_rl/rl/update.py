@@ -186,14 +186,15 @@ def actor_loss(
     return loss, stats
 
 
-def actor_loss_per_task(tasks: torch.Tensor, all_tasks: torch.Tensor, new_log_prob, old_log_prob, advantage,
+def actor_loss_per_task(tasks: torch.Tensor, task_rows: torch.Tensor, new_log_prob, old_log_prob, advantage,
                         clip_low, clip_high, reference_log_prob=None, kl_coef=0.0, mask=None,
                         weight=None) -> list[torch.Tensor | None]:  # fmt: skip
-    """`actor_loss` of each task of a minibatch, for PCGrad: one entry per task in ``all_tasks`` (the
-    whole minibatch's (R,) task ids), over this process's rows (``tasks``, with the other tensors),
-    weighted by their share of the task's rows; None where this process holds none of them."""
+    """`actor_loss` of each task of a minibatch, for PCGrad: one entry per task the minibatch holds
+    (``task_rows``: (T,) its rows of each task over every process, `Processes.task_rows`), over this
+    process's rows (``tasks``, with the other tensors), weighted by their share of the task's rows; None
+    where this process holds none of them."""
     losses: list[torch.Tensor | None] = []
-    for t in all_tasks.unique().tolist():
+    for t in task_rows.nonzero().flatten().tolist():
         m = tasks == t
         if not m.any():
             losses.append(None)
@@ -203,17 +204,19 @@ def actor_loss_per_task(tasks: torch.Tensor, all_tasks: torch.Tensor, new_log_pr
         rows_weight = None if weight is None else weight[m]
         terms = (new_log_prob[m], old_log_prob[m], advantage[m], clip_low, clip_high, reference, kl_coef, rows_mask,
                  rows_weight)  # fmt: skip
-        losses.append(actor_loss(*terms)[0] * (m.sum() / (all_tasks == t).sum()))
+        losses.append(actor_loss(*terms)[0] * (m.sum() / task_rows[t]))
     return losses
 
 
 class Processes:
     """The processes of a data-parallel run (``accelerate launch``), or the one process of a plain run.
 
-    Every process holds the same union of the rollouts (``gather``) and draws the same minibatches;
-    each computes the loss on its shard of a minibatch (``shard``), weighted by the shard's share,
-    and the gradients are summed across processes (``sum``): the gradient of the whole minibatch's
-    loss, the same in every process, so the weights stay identical.
+    Each process keeps its own rollouts: it scores them, takes their values and advantages, and cuts them
+    into its part of every minibatch (``minibatches``); no image crosses processes. Advantages are
+    normalized with the statistics of every process's (``mean_std``). Each process's loss on its part is
+    weighted by its share of the minibatch's rows, and the gradients are summed across processes
+    (``sum``): the gradient of the whole minibatch's loss, the same in every process, so the weights stay
+    identical. Only small numbers are exchanged: row counts, two moments, rollout statistics (``gather``).
     """
 
     def __init__(self, accelerator=None):
@@ -221,13 +224,66 @@ class Processes:
         self.index = accelerator.process_index if accelerator is not None else 0
         self.count = accelerator.num_processes if accelerator is not None else 1
 
-    def shard(self, rows: torch.Tensor) -> tuple[torch.Tensor, float]:
-        """This process's rows of a minibatch and their share of it."""
-        mine = rows[self.index :: self.count]
-        return mine, len(mine) / max(1, len(rows))
+    def minibatches(self, count: int, size: int, generator: torch.Generator) -> Iterator[tuple[torch.Tensor, int]]:
+        """This process's rows (of its ``count``) in each minibatch of one epoch, and the minibatch's rows
+        over every process.
+
+        One process: a random permutation of ``range(count)`` from ``generator``, cut into pieces of
+        ``size``. Several: the epoch has K = ceil(total / size) minibatches in every process; each process
+        permutes its own rows (from a seed drawn from ``generator``, so the stream advances alike in every
+        process) and cuts them into K pieces of ceil(size * count / total), the last ones shorter or empty.
+        """
+        if self.count == 1:
+            for rows in minibatches(count, size, generator):
+                yield rows, len(rows)
+            return
+        total = int(self.sum_ints([count])[0])
+        seed = int(torch.randint(2**62, (1,), generator=generator))
+        if total == 0:
+            return
+        order = torch.randperm(count, generator=torch.Generator().manual_seed(seed + self.index))
+        piece = -(-size * count // total)
+        for k in range(-(-total // size)):
+            rows = order[k * piece : (k + 1) * piece]
+            yield rows, int(self.sum_ints([len(rows)])[0])
+
+    def mean_std(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mean and population standard deviation of every process's ``x`` (1-D) together."""
+        if self.count == 1:
+            return x.mean(), x.std(unbiased=False)
+        x64 = x.double()
+        n, total, squares = self.sum(torch.stack([torch.tensor(float(len(x)), dtype=torch.float64), x64.sum(),
+                                                  (x64 * x64).sum()]).to(self.device)).cpu()  # fmt: skip
+        mean = total / n
+        return mean.to(x.dtype), (squares / n - mean * mean).clamp(min=0).sqrt().to(x.dtype)
+
+    def task_rows(self, tasks: torch.Tensor) -> torch.Tensor:
+        """(T,) rows of each task id in a minibatch over every process, from this process's (R,) ``tasks``."""
+        if self.count == 1:
+            return torch.bincount(tasks)
+        width = int(self.max_int(int(tasks.max()) + 1 if len(tasks) else 0))
+        return self.sum_ints(torch.bincount(tasks, minlength=width).tolist() if width else [])
+
+    def sum_ints(self, values: list[int]) -> torch.Tensor:
+        """(len(values),) long: each value summed over the processes."""
+        local = torch.tensor(values, dtype=torch.long)
+        return local if self.count == 1 or not len(values) else self.sum(local.to(self.device)).cpu()
+
+    def max_int(self, value: int) -> int:
+        if self.count == 1:
+            return value
+        return int(self.reduce(torch.tensor([value], device=self.device), "max")[0])
+
+    @property
+    def device(self) -> torch.device:
+        return self.accelerator.device if self.accelerator is not None else torch.device("cpu")
 
     def sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        return self.accelerator.reduce(tensor, reduction="sum") if self.count > 1 else tensor
+        return self.reduce(tensor, "sum") if self.count > 1 else tensor
+
+    def reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
+        """The one collective every other is made of: ``tensor`` reduced by ``op`` (sum, max) across processes."""
+        return self.accelerator.reduce(tensor, reduction=op)
 
     def gather(self, obj) -> list:
         """Every process's ``obj``, in process order (pickled through the process group)."""
