@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+FIXTURE_POLICY = ROOT / "tests" / "fixtures" / "v0_2" / "train" / "checkpoints" / "last" / "pretrained_model"
 
 
 def vla_rl(*args, cwd=None):
@@ -127,3 +128,43 @@ def test_a_native_crash_in_a_command_leaves_every_threads_python_stack_on_stderr
     done = subprocess.run([sys.executable, "-c", crash], check=False, capture_output=True, text=True, timeout=120)
     assert done.returncode == -11  # SIGSEGV
     assert "Fatal Python error: Segmentation fault" in done.stderr and " in crash_in_run" in done.stderr
+
+
+def test_a_native_crash_inside_a_run_leaves_its_python_stack_in_the_runs_folder(tmp_path):
+    """`vla-rl eval` dying in native code while its envs are open (a read of address 0 where a renderer
+    would segfault): the stack, down to the function that crashed, is in <output_dir>/native_crash.log."""
+    out = tmp_path / "eval"
+    crash = (
+        "import ctypes, sys\n"
+        "import sim.factory\n"
+        "def make_env_and_crash(cfg):\n"
+        "    ctypes.string_at(0)\n"
+        "sim.factory.make_env = make_env_and_crash\n"
+        "from vla_rl import cli\n"
+        f"sys.exit(cli.main(['eval', '--checkpoint={FIXTURE_POLICY}', '--env.image_size=32', '--output_dir={out}']))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", crash], check=False, capture_output=True, text=True, timeout=300)
+    assert done.returncode == -11, done.stderr[-2000:]  # SIGSEGV
+    log = (out / "native_crash.log").read_text()
+    assert "Fatal Python error: Segmentation fault" in log and " in make_env_and_crash" in log and " in evaluate" in log
+
+
+def test_a_run_without_a_crash_leaves_no_crash_log_and_no_folder_it_made(tmp_path):
+    """Outside ``into`` the stacks go back where they went (stderr, or nowhere); an empty log is removed,
+    and so is every folder ``into`` made that is still empty; a folder the run filled stays."""
+    import faulthandler
+
+    from vla_core import crash_log
+
+    was = faulthandler.is_enabled()
+    faulthandler.disable()
+    try:
+        with crash_log.into(tmp_path / "a" / "b") as path:
+            assert path == tmp_path / "a" / "b" / "native_crash.log" and path.is_file() and faulthandler.is_enabled()
+        assert not (tmp_path / "a").exists() and not faulthandler.is_enabled()
+        with crash_log.into(tmp_path / "c") as path:
+            (tmp_path / "c" / "result.json").write_text("{}")
+        assert not path.exists() and (tmp_path / "c" / "result.json").is_file()
+    finally:
+        if was:
+            crash_log.on_stderr()

@@ -8,12 +8,13 @@ Values come from the dataclass defaults, then the YAML file, then the command li
 
 from __future__ import annotations
 
-import faulthandler
+import contextlib
 import os
 import signal
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 # Headless rendering works out of the box with EGL (Mesa on CPU, the driver on a GPU machine).
@@ -494,18 +495,18 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(stop.code, file=sys.stderr)
         return 2  # a usage error, as for an unknown command
-    from vla_core import interrupt
+    from vla_core import crash_log, interrupt
 
     # A native crash (a segfault in a renderer, say) prints every thread's Python stack on the process's
-    # stderr instead of nothing but the shell's "Segmentation fault". The process's own stream: a caller
-    # that captured sys.stderr in memory has none with a file descriptor.
-    if sys.__stderr__ is not None:
-        faulthandler.enable(file=sys.__stderr__, all_threads=True)
+    # stderr instead of nothing but the shell's "Segmentation fault"; while a run writes into its output
+    # directory, into native_crash.log there (vla_core.crash_log).
+    crash_log.on_stderr()
     # SIGINT and SIGTERM end every command the same way, however the process was started (a
     # background job inherits SIGINT as ignored; schedulers send SIGTERM): see vla_core.interrupt.
     with interrupt.handlers():
         try:
-            _command(name).run(cfg)
+            with _crash_log(name, cfg, crash_log):
+                _command(name).run(cfg)
         except KeyboardInterrupt as err:
             signum = getattr(err, "signum", None) or interrupt.received() or signal.SIGINT
             print(f"\nvla-rl {name}: interrupted by {signal.Signals(signum).name}", file=sys.stderr)
@@ -517,6 +518,14 @@ def main(argv: list[str] | None = None) -> int:
         # summary; the exit code still says the run was stopped, and by which signal.
         signum = interrupt.received()
     return 128 + signum if signum else 0
+
+
+def _crash_log(name: str, cfg, crash_log):
+    """A benchmark's or the quickstart's native crash stacks go to its output directory (the stages it runs,
+    eval, train and finetune, send them to their own folders while they run)."""
+    if (name == "quickstart" or name.startswith("bench ")) and getattr(cfg, "output_dir", ""):
+        return crash_log.into(Path(cfg.output_dir))
+    return contextlib.nullcontext()
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ import torch
 from tqdm import tqdm
 
 from sim.config import EnvConfig
-from vla_core import interrupt
+from vla_core import crash_log, interrupt
 from vla_core.files import temporary_beside, write_text_atomic
 from vla_core.runtime import ChunkingConfig, DelayConfig, DelayModel, LatencySpec
 from vla_core.types import TASK, ActionChunk, world_indices
@@ -76,7 +76,7 @@ def evaluate(cfg: EvalConfig, policy=None) -> dict:
     episodes: list[dict] = []
     delays_seen: dict[int, int] = {}  # delay in control steps -> chunks that got it
     start = time.time()
-    with make_env(cfg.env) as env:
+    with crash_log.into(out), make_env(cfg.env) as env:
         delay = DelayModel(cfg.delay, control_dt=env.control_dt)
         n = env.num_envs
         recorder = FrameRecorder(env, min(cfg.video_episodes, n, cfg.num_episodes), cfg.video_size)

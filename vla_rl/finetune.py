@@ -59,7 +59,7 @@ from tqdm import tqdm
 
 from policies.denoising_chain import ExplorationNoise
 from sim.config import EnvConfig
-from vla_core import interrupt
+from vla_core import crash_log, interrupt
 from vla_core.files import write_text_atomic
 from vla_core.runtime import (
     DEFAULT_MID_FRACTION,
@@ -311,6 +311,7 @@ def finetune(cfg: FinetuneConfig) -> dict:
     tasks = cfg.task_list()
     env_cfgs = [replace(cfg.env, task=task) for task in tasks]
     with contextlib.ExitStack() as closing:
+        closing.enter_context(crash_log.into(out, crash_log.file_name(processes.index)))
         # Under Ray the worlds are the workers'; this process keeps one, for the checks and the control period.
         own = [replace(c, num_envs=1, render_threads=1) if cfg.runtime == "ray" else c for c in env_cfgs]
         envs = [closing.enter_context(make_env(env_cfg)) for env_cfg in own]

@@ -42,7 +42,7 @@ import torch
 from tqdm import tqdm
 
 from policies import DiffusionConfig, PolicyConfig
-from vla_core import interrupt
+from vla_core import crash_log, interrupt
 from vla_core.files import temporary_beside, write_text_atomic
 from vla_core.runtime import DelayConfig, DelayModel, LatencySpec, committed_prefix
 from vla_core.types import ACTION, OBS_IMAGES
@@ -321,7 +321,7 @@ def train(cfg: TrainConfig) -> dict:
                disable=not run.accelerator.is_main_process)  # fmt: skip
     # SIGINT and SIGTERM are only noted during a step or a checkpoint write: the loop stops at the
     # next step boundary and writes a checkpoint there (see vla_core.interrupt).
-    with interrupt.deferred():
+    with interrupt.deferred(), crash_log.into(run.out, crash_log.file_name(run.accelerator.process_index)):
         step = train_steps(run, frames_per_step, bar)
         summary = finish(run, step, start)
     return summary

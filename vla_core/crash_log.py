@@ -1,0 +1,66 @@
+"""Where a native crash's Python stacks go (`faulthandler`): the process's stderr, and while a run writes
+into its output directory, a file there, so the stack is kept with the run it ended.
+
+A segmentation fault in a C library (a renderer, a physics step) kills the process without a Python
+traceback; `faulthandler` prints every thread's Python stack from the signal handler instead. It writes to
+one file, so inside ``into(directory)`` it writes to ``directory / CRASH_LOG`` and the shell shows only
+"Segmentation fault": the stack is in the run's folder. The file is removed when the run leaves without a
+crash (it is empty then), and appended to, never replaced, so a resumed run keeps an earlier crash's stack.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO
+
+CRASH_LOG = "native_crash.log"
+
+
+def file_name(process_index: int) -> str:
+    """The crash log of a data-parallel run's process ``process_index`` (the first one's is ``CRASH_LOG``)."""
+    return CRASH_LOG if process_index == 0 else f"native_crash.process{process_index}.log"
+
+
+_files: list[IO[str]] = []  # the files faulthandler writes to, innermost last (a run inside a run)
+
+
+def on_stderr() -> None:
+    """Send a native crash's stacks to the process's own stderr (a caller that captured ``sys.stderr`` in
+    memory has no file descriptor there)."""
+    if sys.__stderr__ is not None:
+        faulthandler.enable(file=sys.__stderr__, all_threads=True)
+
+
+@contextlib.contextmanager
+def into(directory: Path, name: str = CRASH_LOG) -> Iterator[Path]:
+    """While inside, a native crash writes its stacks to ``directory / name`` (the directory is made, and
+    removed again if it is still empty at the end); afterwards they go where they went before. Yields the
+    file's path."""
+    made = [d for d in (directory, *directory.parents) if not d.exists()]  # left as found if nothing crashed
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / name
+    on_before = faulthandler.is_enabled()  # the outermost: on stderr (a command) or off (a library call)
+    log = open(path, "a")  # noqa: SIM115 - held open for the signal handler, closed below
+    _files.append(log)
+    faulthandler.enable(file=log, all_threads=True)
+    try:
+        yield path
+    finally:
+        _files.remove(log)
+        if _files:
+            faulthandler.enable(file=_files[-1], all_threads=True)
+        else:
+            faulthandler.disable()
+            if on_before:
+                on_stderr()
+        log.close()
+        with contextlib.suppress(FileNotFoundError):
+            if path.stat().st_size == 0:
+                path.unlink()
+        for d in made:  # innermost first; one the run filled stays
+            with contextlib.suppress(OSError):
+                d.rmdir()
