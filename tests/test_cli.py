@@ -131,27 +131,27 @@ def test_a_native_crash_in_a_command_leaves_every_threads_python_stack_on_stderr
 
 
 def test_a_native_crash_inside_a_run_leaves_its_python_stack_in_the_runs_folder(tmp_path):
-    """`vla-rl eval` dying in native code while its envs are open (a read of address 0 where a renderer
-    would segfault): the stack, down to the function that crashed, is in <output_dir>/native_crash.log."""
+    """`vla-rl eval` dying in native code while its envs step (a read of address 0 where a renderer would
+    segfault): the stack, down to the function that crashed, is in <output_dir>/native_crash.log."""
     out = tmp_path / "eval"
     crash = (
         "import ctypes, sys\n"
-        "import sim.factory\n"
-        "def make_env_and_crash(cfg):\n"
+        "from vla_core.runtime import delayed_env\n"
+        "def reset_and_crash(self, seed=None):\n"
         "    ctypes.string_at(0)\n"
-        "sim.factory.make_env = make_env_and_crash\n"
+        "delayed_env.DelayedChunkEnv.reset = reset_and_crash\n"
         "from vla_rl import cli\n"
         f"sys.exit(cli.main(['eval', '--checkpoint={FIXTURE_POLICY}', '--env.image_size=32', '--output_dir={out}']))\n"
     )
     done = subprocess.run([sys.executable, "-c", crash], check=False, capture_output=True, text=True, timeout=300)
     assert done.returncode == -11, done.stderr[-2000:]  # SIGSEGV
     log = (out / "native_crash.log").read_text()
-    assert "Fatal Python error: Segmentation fault" in log and " in make_env_and_crash" in log and " in evaluate" in log
+    assert "Fatal Python error: Segmentation fault" in log and " in reset_and_crash" in log and " in evaluate" in log
 
 
-def test_a_run_without_a_crash_leaves_no_crash_log_and_no_folder_it_made(tmp_path):
-    """Outside ``into`` the stacks go back where they went (stderr, or nowhere); an empty log is removed,
-    and so is every folder ``into`` made that is still empty; a folder the run filled stays."""
+def test_a_run_without_a_crash_leaves_no_crash_log(tmp_path):
+    """Outside ``into`` the stacks go back where they went (stderr, or nowhere), and an empty log is removed;
+    the folder stays, with what the run wrote into it. Nested, the inner folder gets them, then the outer."""
     import faulthandler
 
     from vla_core import crash_log
@@ -161,10 +161,11 @@ def test_a_run_without_a_crash_leaves_no_crash_log_and_no_folder_it_made(tmp_pat
     try:
         with crash_log.into(tmp_path / "a" / "b") as path:
             assert path == tmp_path / "a" / "b" / "native_crash.log" and path.is_file() and faulthandler.is_enabled()
-        assert not (tmp_path / "a").exists() and not faulthandler.is_enabled()
-        with crash_log.into(tmp_path / "c") as path:
-            (tmp_path / "c" / "result.json").write_text("{}")
-        assert not path.exists() and (tmp_path / "c" / "result.json").is_file()
+            (tmp_path / "a" / "b" / "result.json").write_text("{}")
+            with crash_log.into(tmp_path / "c") as inner:
+                assert inner.is_file()
+            assert faulthandler.is_enabled() and not inner.exists()
+        assert not faulthandler.is_enabled() and not path.exists() and (tmp_path / "a" / "b" / "result.json").is_file()
     finally:
         if was:
             crash_log.on_stderr()

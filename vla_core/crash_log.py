@@ -37,10 +37,9 @@ def on_stderr() -> None:
 
 @contextlib.contextmanager
 def into(directory: Path, name: str = CRASH_LOG) -> Iterator[Path]:
-    """While inside, a native crash writes its stacks to ``directory / name`` (the directory is made, and
-    removed again if it is still empty at the end); afterwards they go where they went before. Yields the
-    file's path."""
-    made = [d for d in (directory, *directory.parents) if not d.exists()]  # left as found if nothing crashed
+    """While inside, a native crash writes its stacks to ``directory / name`` (the directory is made if
+    missing: enter once the run has accepted its output directory); afterwards they go where they went
+    before. Yields the file's path."""
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / name
     on_before = faulthandler.is_enabled()  # the outermost: on stderr (a command) or off (a library call)
@@ -61,6 +60,3 @@ def into(directory: Path, name: str = CRASH_LOG) -> Iterator[Path]:
         with contextlib.suppress(FileNotFoundError):
             if path.stat().st_size == 0:
                 path.unlink()
-        for d in made:  # innermost first; one the run filled stays
-            with contextlib.suppress(OSError):
-                d.rmdir()

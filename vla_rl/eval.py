@@ -76,7 +76,7 @@ def evaluate(cfg: EvalConfig, policy=None) -> dict:
     episodes: list[dict] = []
     delays_seen: dict[int, int] = {}  # delay in control steps -> chunks that got it
     start = time.time()
-    with crash_log.into(out), make_env(cfg.env) as env:
+    with make_env(cfg.env) as env:
         delay = DelayModel(cfg.delay, control_dt=env.control_dt)
         n = env.num_envs
         recorder = FrameRecorder(env, min(cfg.video_episodes, n, cfg.num_episodes), cfg.video_size)
@@ -89,7 +89,7 @@ def evaluate(cfg: EvalConfig, policy=None) -> dict:
         bar = tqdm(total=cfg.num_episodes, desc="eval", unit="ep")
         # A stop signal ends the evaluation between env steps (vla_core.interrupt); an incomplete
         # evaluation writes no results, so eval.json always describes num_episodes episodes.
-        with interrupt.deferred():
+        with interrupt.deferred(), crash_log.into(out):
             for r in range(math.ceil(cfg.num_episodes / n)):
                 want = min(n, cfg.num_episodes - r * n)
                 recorder.enabled = r == 0

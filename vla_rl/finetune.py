@@ -311,7 +311,6 @@ def finetune(cfg: FinetuneConfig) -> dict:
     tasks = cfg.task_list()
     env_cfgs = [replace(cfg.env, task=task) for task in tasks]
     with contextlib.ExitStack() as closing:
-        closing.enter_context(crash_log.into(out, crash_log.file_name(processes.index)))
         # Under Ray the worlds are the workers'; this process keeps one, for the checks and the control period.
         own = [replace(c, num_envs=1, render_threads=1) if cfg.runtime == "ray" else c for c in env_cfgs]
         envs = [closing.enter_context(make_env(env_cfg)) for env_cfg in own]
@@ -325,6 +324,8 @@ def finetune(cfg: FinetuneConfig) -> dict:
             accelerator.init_trackers("finetune", config={"algo": cfg.algo, "lr": cfg.lr, "tasks": ",".join(tasks)})
         if accelerator.is_main_process:
             out.mkdir(parents=True, exist_ok=True)
+        closing.enter_context(crash_log.into(out, crash_log.file_name(processes.index)))
+        if accelerator.is_main_process:
             write_text_atomic(out / "finetune_config.json", json.dumps(asdict(cfg), indent=2))
             if not cfg.resume:
                 write_text_atomic(out / "initial_checkpoint.txt", str(policy_dir))
