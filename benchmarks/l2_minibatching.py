@@ -320,7 +320,7 @@ def success(args, arm: str) -> dict:
     result = evaluate(EvalConfig(
         checkpoint=str(out / arm), env=EnvConfig(task=args.task, num_envs=min(50, args.eval_episodes)),
         num_episodes=args.eval_episodes, seed=1000, video_episodes=0, output_dir=str(out / f"eval_{arm}"),
-        device=args.device,
+        device=args.device, overwrite=True,
     ))  # fmt: skip
     return {"success_rate": result["success_rate"], "ci95": result["success_ci95"]}
 

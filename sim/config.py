@@ -35,6 +35,10 @@ class EnvConfig:
     # 0 = one per CPU core, 1 = the calling thread only. Frames are identical for any count.
     render_threads: int = 0
     max_episode_steps: int = 0  # 0 = the task's own limit
+    # No-op control steps after each reset, before the first observation, while objects settle: -1 = the
+    # task's own (LIBERO: 10, LeRobot's; the other tasks start settled and take only 0 or -1).
+    # `vla-rl eval --protocol` sets it on LIBERO (`sim.libero_protocol`).
+    settle_steps: int = -1
 
 
 # -- what every backend shares: world selection, seeds, features ---------------------------------

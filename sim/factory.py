@@ -110,6 +110,11 @@ def make_env(config: EnvConfig):
     if config.backend == "cpu" and config.device != "cpu":
         raise ValueError(f"the cpu backend runs on device 'cpu', got {config.device!r}; use backend='warp'")
     family = env_family(config.task)
+    if config.settle_steps > 0 and family.prefix != LIBERO_PREFIX:
+        raise ValueError(
+            f"--env.settle_steps={config.settle_steps}: only LIBERO tasks settle after a reset; {config.task!r} "
+            "starts settled (drop the flag)"
+        )
     if config.backend not in family.builders:
         backends = " or ".join(family.builders)
         raise ValueError(

@@ -36,7 +36,8 @@ task). ``reset(seed)`` starts world k of the m worlds running a task at initial 
 walk through states 0, 1, ..., 49 without repeats. One seed per world picks the initial state
 itself: ``reset(seed=[s, ...], worlds=[w, ...])`` starts world w at state ``s mod 50``; no seed goes
 on to each world's next state; equal per-world seeds give equal starts. Each episode starts with
-LeRobot's 10 no-op settling steps. A world's saved state (``get_state``) includes the fixture
+LeRobot's 10 no-op settling steps (``EnvConfig.settle_steps``; `sim.libero_protocol` names the protocols
+that use other counts). A world's saved state (``get_state``) includes the fixture
 poses its scene drew (see `LiberoWorld`), so a loaded world steps exactly as its source.
 
 ``task_names`` are the config's tasks as task names (``libero_spatial/0`` ... ``libero_spatial/9``
@@ -66,6 +67,7 @@ from vla_core.types import Worlds, world_indices
 # Our camera names are LeRobot's LIBERO feature names (its default camera_name_mapping, inverted).
 CAMERAS = {"image": "agentview_image", "image2": "robot0_eye_in_hand_image"}
 CONTROL_FREQ = 20  # Hz; LIBERO's demonstrations and LeRobot's LiberoEnv run at 20 Hz
+DEFAULT_SETTLE_STEPS = 10  # LeRobot's LiberoEnv (num_steps_wait) and openpi: no-op steps after a reset
 
 
 def _lerobot_libero():
@@ -143,9 +145,10 @@ class LiberoWorld(gym.Wrapper):
 
 def make_libero_world(
     suite_name: str, task_id: int, first_init_state: int, init_state_stride: int, cameras: list[str], image_size: int,
-    episode_length: int,
+    episode_length: int, settle_steps: int = DEFAULT_SETTLE_STEPS,
 ) -> gym.Env:  # fmt: skip
-    """One world: LeRobot's ``LiberoEnv`` (runs in a worker; the simulator starts at the first reset)."""
+    """One world: LeRobot's ``LiberoEnv`` (runs in a worker; the simulator starts at the first reset), which
+    steps ``settle_steps`` no-op actions after each reset."""
     libero = _lerobot_libero()
     world = libero.LiberoEnv(
         task_suite=_suite(suite_name),
@@ -161,6 +164,7 @@ def make_libero_world(
         n_envs=init_state_stride,
         control_freq=CONTROL_FREQ,
         control_mode="relative",
+        num_steps_wait=settle_steps,
     )
     return LiberoWorld(world)
 
@@ -194,9 +198,10 @@ class LiberoBatchedEnv(SubprocessBatchedEnv):
         self._rank = np.array([(self.suite_task_ids[:i] == t).sum() for i, t in enumerate(self.suite_task_ids)])
         self._worlds_per_task = np.array([(self.suite_task_ids == t).sum() for t in self.suite_task_ids])
         max_steps = config.max_episode_steps or _lerobot_libero().TASK_SUITE_MAX_STEPS[tasks.suite]
+        settle = DEFAULT_SETTLE_STEPS if config.settle_steps < 0 else config.settle_steps
         make = partial(
             make_libero_world, tasks.suite, cameras=list(config.cameras), image_size=config.image_size,
-            episode_length=max_steps,
+            episode_length=max_steps, settle_steps=settle,
         )  # fmt: skip
         worlds = [
             partial(make, int(t), int(k), int(m))

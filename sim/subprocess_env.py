@@ -138,6 +138,11 @@ class SubprocessBatchedEnv:
 
     # -- public API --------------------------------------------------------------------------
 
+    @property
+    def world_tasks(self) -> torch.Tensor:
+        """(N,) long: each world's task, an index into ``task_names`` (a world keeps its task)."""
+        return self._task_id.clone()
+
     def reset(self, seed: int | Sequence[int] | None = None, *, worlds: Worlds = None) -> dict[str, Any]:
         """New episodes in ``worlds`` (all by default); returns every world's observation.
 

@@ -34,7 +34,10 @@ def test_eval_writes_results_and_is_reproducible(tiny_checkpoint, tmp_path):
     assert result["success_rate"] == result["successes"] / 5
     saved = json.loads((tmp_path / "a" / "eval.json").read_text())
     assert saved["success_ci95"] == list(wilson_interval(result["successes"], 5))
-    assert "95% CI" in (tmp_path / "a" / "summary.md").read_text()
+    assert f"| lift | {result['successes']}/5 |" in (tmp_path / "a" / "summary.md").read_text()
+    assert [(t["task"], t["episodes"]) for t in result["per_task"]] == [("lift", 5)]
+    lines = (tmp_path / "a" / "episodes.jsonl").read_text().splitlines()
+    assert sorted((json.loads(line) for line in lines), key=lambda e: (e["round"], e["world"])) == result["per_episode"]
     frames = imageio.mimread(tmp_path / "a" / "rollouts.mp4", memtest=False)
     # One frame after the reset, then one per step until every counted world of round 0 has finished.
     assert len(frames) == 1 + max(e["length"] for e in result["per_episode"] if e["round"] == 0)
@@ -155,3 +158,157 @@ def test_eval_refuses_delays_before_any_rollout(tiny_checkpoint, tmp_path, monke
     with pytest.raises(ValueError, match="trained for delays up to 3; .*--delay.kind=uniform --delay.high=4"):
         evaluate(cfg)
     assert not (tmp_path / "whole").exists()  # nothing written
+
+
+# -- the plan of episodes, the record, resume --------------------------------------------------------
+
+
+def test_a_protocol_plan_runs_exactly_the_asked_episodes_of_every_task_from_states_0_up():
+    """Five worlds on three tasks (worlds 0, 2 run task 0; 1, 3 task 1; 4 task 2), 3 episodes each.
+    Round 0: worlds 0, 2 take task 0's states 0, 1; worlds 1, 3 task 1's 0, 1; world 4 task 2's 0.
+    Round 1: world 0 takes task 0's state 2, world 1 task 1's state 2, world 4 task 2's state 1; worlds
+    2, 3 have nothing left (uncounted, reset to state 0). Round 2: only world 4, task 2's state 2."""
+    from vla_rl.eval_record import EpisodePlan
+
+    plan = EpisodePlan.per_task([0, 1, 0, 1, 2], ["a", "b", "c"], 3)
+    shown = [[None if e is None else (e["task"], e["initial_state"]) for e in r.episodes] for r in plan.rounds]
+    assert shown == [
+        [("a", 0), ("b", 0), ("a", 1), ("b", 1), ("c", 0)],
+        [("a", 2), ("b", 2), None, None, ("c", 1)],
+        [None, None, None, None, ("c", 2)],
+    ]
+    assert [r.seed for r in plan.rounds] == [[0, 0, 1, 1, 0], [2, 2, 0, 0, 1], [0, 0, 0, 0, 2]]
+    assert plan.num_episodes == 9
+    with pytest.raises(ValueError, match=r"no world runs task\(s\) \['c'\]: raise --env.num_envs to at least 3"):
+        EpisodePlan.per_task([0, 1], ["a", "b", "c"], 3)
+
+
+def test_a_plan_without_a_protocol_is_evals_rounds_of_batch_seeds():
+    """5 episodes on 2 worlds from seed 7: rounds of seeds 7, 8, 9; in the last only world 0 counts."""
+    from vla_rl.eval_record import EpisodePlan
+
+    plan = EpisodePlan.seeded(5, 2, 7)
+    assert [r.seed for r in plan.rounds] == [7, 8, 9]
+    assert [r.episodes for r in plan.rounds][-1] == [{"seed": 9}, None] and plan.num_episodes == 5
+
+
+def test_the_per_task_table_counts_each_tasks_episodes():
+    """Task a: 2 of 3 successes (lengths 10, 20, 30); task b: 0 of 1 (length 5); task c has none: no row."""
+    from vla_rl.eval_record import per_task_table
+
+    episodes = [{"task": "a", "success": s, "length": n} for s, n in [(True, 10), (False, 20), (True, 30)]]
+    rows = per_task_table([*episodes, {"task": "b", "success": False, "length": 5}], ["a", "b", "c"])
+    assert [(r["task"], r["episodes"], r["successes"], r["mean_episode_length"]) for r in rows] == [
+        ("a", 3, 2, 20.0), ("b", 1, 0, 5.0)
+    ]  # fmt: skip
+    assert rows[0]["success_ci95"] == list(wilson_interval(2, 3)) and rows[0]["success_rate"] == 2 / 3
+
+
+def test_libero_protocol_flags_are_refused_where_they_mean_nothing():
+    """--protocol off LIBERO; under a protocol, the flags it fixes; an unknown protocol; too many episodes."""
+    with pytest.raises(ValueError, match="'lift' is not a LIBERO task: drop them"):
+        EvalConfig(protocol="openpi").libero_protocol()
+    libero = EnvConfig(task="libero_spatial", cameras=["image", "image2"], image_size=256)
+    with pytest.raises(ValueError, match="fixes the episodes, step limits and settle steps: drop --num_episodes, "
+                                         "--env.max_episode_steps"):  # fmt: skip
+        EvalConfig(env=EnvConfig(**{**libero.__dict__, "max_episode_steps": 100}), num_episodes=10).libero_protocol()
+    with pytest.raises(ValueError, match="unknown LIBERO protocol 'openvla'; choose --protocol= one of openpi, "):
+        EvalConfig(env=libero, protocol="openvla").libero_protocol()
+    with pytest.raises(ValueError, match=r"--episodes_per_task must be in \[0, 50\]"):
+        EvalConfig(env=libero, episodes_per_task=51).libero_protocol()
+    chosen = EvalConfig(env=libero).libero_protocol()  # the default: openpi, 220 steps on Spatial, 10 settle
+    assert (chosen.name, chosen.limit("libero_spatial"), chosen.settle_steps, chosen.episodes_per_task) == (
+        "openpi", 220, 10, 50
+    )  # fmt: skip
+    rlinf = EvalConfig(env=libero, protocol="rlinf").libero_protocol()
+    assert (rlinf.limit("libero_10"), rlinf.settle_steps) == (512, 15)
+
+
+def test_an_evaluation_into_a_folder_holding_one_is_refused_unless_resumed_or_overwritten(tiny_checkpoint, tmp_path):
+    out, _ = tiny_checkpoint
+    cfg = EvalConfig(checkpoint=str(out), env=EnvConfig(num_envs=2, max_episode_steps=6), num_episodes=2,
+                     video_episodes=0, output_dir=str(tmp_path / "e"))  # fmt: skip
+    first = evaluate(cfg)
+    with pytest.raises(FileExistsError, match="holds an evaluation already; pass --resume=true to go on with it, "
+                                              "--overwrite=true"):  # fmt: skip
+        evaluate(cfg)
+    with pytest.raises(FileExistsError, match="holds a finished evaluation"):
+        evaluate(EvalConfig(**{**cfg.__dict__, "resume": True}))
+    assert json.loads((tmp_path / "e" / "eval.json").read_text())["per_episode"] == first["per_episode"]
+    again = evaluate(EvalConfig(**{**cfg.__dict__, "overwrite": True}))
+    assert again["per_episode"] == first["per_episode"]
+
+
+def test_a_killed_evaluation_resumes_to_the_same_episodes(tiny_checkpoint, tmp_path):
+    """`vla-rl eval` killed with SIGKILL once its second round has begun (random delays, the measured
+    estimate: the delay draws and lags carry across rounds), then run again with --resume=true: the
+    rounds done are kept, the cut one runs again, and every episode's outcome and length equal those of
+    a run that was never stopped. Resuming with another seed is refused, naming it."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    out, _ = tiny_checkpoint
+    args = [f"--checkpoint={out}", "--env.num_envs=2", "--env.max_episode_steps=10",
+            "--num_episodes=8", "--video_episodes=0", "--delay.kind=uniform", "--delay.low=0", "--delay.high=3",
+            "--delay.estimate=measured", "--seed=3"]  # fmt: skip
+    whole = evaluate_cli(args + [f"--output_dir={tmp_path / 'whole'}"])
+    assert whole.returncode == 0, whole.stderr[-2000:]
+    cut = tmp_path / "cut"
+    command = [sys.executable, "-m", "vla_rl.cli", "eval", *args, f"--output_dir={cut}"]
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            cwd=Path(__file__).resolve().parents[1])  # fmt: skip
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        lines = (cut / "episodes.jsonl").read_text().splitlines() if (cut / "episodes.jsonl").exists() else []
+        if len(lines) >= 3:  # round 0 done (2 episodes) and one of round 1's
+            proc.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.01)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "the evaluation finished before it could be killed"
+    assert not (cut / "eval.json").exists() and (cut / "eval_progress.pt").exists()
+    refused = evaluate_cli(args[:-1] + ["--seed=4", "--resume=true", f"--output_dir={cut}"])
+    assert refused.returncode == 2 and "differs in seed" in refused.stderr
+    resumed = evaluate_cli(args + ["--resume=true", f"--output_dir={cut}"])
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    a, b = (json.loads((tmp_path / d / "eval.json").read_text()) for d in ("whole", "cut"))
+    assert b["per_episode"] == a["per_episode"] and len(a["per_episode"]) == 8
+    # Chunks per delay: draws of the restored delay stream, sized by the restored lags, counted from the start.
+    assert b["delay_histogram"] == a["delay_histogram"] and sum(a["delay_histogram"].values()) > 8
+    assert not (cut / "eval_progress.pt").exists()
+    lines = [json.loads(line) for line in (cut / "episodes.jsonl").read_text().splitlines()]
+    assert sorted(lines, key=lambda e: (e["round"], e["world"])) == a["per_episode"]
+
+
+def test_the_saved_random_state_gives_back_the_draws_that_would_have_come(tmp_path):
+    """What a resumed round reads: torch's next draws, the delay model's next draws, the lags and the delay
+    counts, after a save and a load into a process that has drawn other numbers since, are those that
+    came next when saving."""
+    from types import SimpleNamespace
+
+    from vla_core.runtime import DelayConfig, DelayModel
+    from vla_rl.eval_record import load_random_state, random_state
+
+    torch.manual_seed(0)
+    delay = DelayModel(DelayConfig(kind="uniform", low=0, high=5, seed=2))
+    delay.sample(7)
+    saved = random_state(delay, torch.tensor([[1, 3]]), {2: 5})
+    expected = (torch.rand(3), delay.sample(7))
+    torch.manual_seed(9)
+    other = DelayModel(DelayConfig(kind="uniform", low=0, high=5, seed=2))
+    protocol, seen = SimpleNamespace(lags=torch.zeros(1, 2, dtype=torch.long)), {}
+    load_random_state(saved, other, protocol, seen)
+    assert torch.equal(torch.rand(3), expected[0]) and torch.equal(other.sample(7), expected[1])
+    assert protocol.lags.tolist() == [[1, 3]] and seen == {2: 5}
+
+
+def evaluate_cli(args):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    return subprocess.run([sys.executable, "-m", "vla_rl.cli", "eval", *args], check=False, capture_output=True, text=True,
+                          timeout=300, cwd=Path(__file__).resolve().parents[1])  # fmt: skip

@@ -154,3 +154,43 @@ def test_missing_libero_names_the_extra(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "libero" else find_spec(name, *a))
     with pytest.raises(ImportError, match=r'pip install -e "\.\[libero\]"'):
         make_env(EnvConfig(task="libero_spatial", cameras=["image"]))
+
+
+def test_a_world_settles_for_the_steps_its_config_asks():
+    """``EnvConfig.settle_steps`` reaches LeRobot's LiberoEnv (its no-op steps after a reset): 15 as RLinf
+    settles, LeRobot's 10 by default."""
+    for asked, expected in [(15, 15), (-1, 10)]:
+        with make_env(EnvConfig(task="libero_spatial/0", num_envs=1, cameras=["image"], image_size=SIZE,
+                                settle_steps=asked)) as one:  # fmt: skip
+            assert one._vector.get_attr("num_steps_wait") == (expected,)
+
+
+@pytest.mark.slow
+def test_an_openpi_evaluation_of_one_task_runs_its_initial_states_to_its_step_limit(tmp_path):
+    """`vla-rl eval` of an untrained LIBERO-shaped policy on libero_spatial/0 under the openpi protocol,
+    2 episodes on 2 worlds: initial states 0 and 1, each cut off at openpi's 220 steps on Spatial (LeRobot
+    would run 280) unless it succeeds first, one row for the task, the protocol recorded."""
+    from policies.diffusion import DiffusionConfig
+    from policies.diffusion.modeling_diffusion import DiffusionPolicy
+    from policies.tokenizer import word_vocabulary
+    from vla_rl.eval import EvalConfig, evaluate
+
+    instruction = resolve_libero_task("libero_spatial/0").instructions[0]
+    torch.manual_seed(0)
+    policy = DiffusionPolicy(DiffusionConfig(state_dim=8, action_dim=7, cameras=["image", "image2"],
+                                             image_size=SIZE, horizon=8, n_action_steps=4,
+                                             vocabulary=word_vocabulary([instruction]), vision_channels=8,
+                                             num_keypoints=4, text_dim=8, hidden_dim=32, num_blocks=2))  # fmt: skip
+    policy.set_normalization([0.0] * 8, [1.0] * 8, [-1.0] * 7, [1.0] * 7)
+    policy.save_pretrained(tmp_path / "policy")
+    result = evaluate(EvalConfig(
+        checkpoint=str(tmp_path / "policy"), output_dir=str(tmp_path / "eval"), episodes_per_task=2,
+        env=EnvConfig(task="libero_spatial/0", num_envs=2, cameras=["image", "image2"], image_size=SIZE),
+        video_episodes=0,
+    ))  # fmt: skip
+    assert result["protocol"]["name"] == "openpi" and result["protocol"]["max_episode_steps"] == 220
+    assert result["protocol"]["settle_steps"] == 10
+    episodes = result["per_episode"]
+    assert [(e["task"], e["initial_state"]) for e in episodes] == [("libero_spatial/0", 0), ("libero_spatial/0", 1)]
+    assert all(e["length"] == 220 for e in episodes if not e["success"])
+    assert [(r["task"], r["episodes"]) for r in result["per_task"]] == [("libero_spatial/0", 2)]

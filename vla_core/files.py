@@ -16,6 +16,13 @@ def write_text_atomic(path: str | Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def write_bytes_atomic(path: str | Path, data: bytes) -> None:
+    """Write ``data`` to a temporary file beside ``path``, then rename it over ``path``."""
+    tmp = temporary_beside(path)
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
 def temporary_beside(path: str | Path) -> Path:
     """A temporary name beside ``path`` (same suffix, so writers that go by it still work); rename it over after."""
     path = Path(path)

@@ -48,6 +48,6 @@ def held_out(
     result = evaluate(EvalConfig(
         checkpoint=str(checkpoint), env=EnvConfig(task=cfg.task, num_envs=num_envs), num_episodes=episodes,
         seed=seed, video_episodes=0, chunking=ChunkingConfig(merge=merge),
-        delay=DelayConfig(kind="fixed", steps=delay_steps), output_dir=str(output_dir),
+        delay=DelayConfig(kind="fixed", steps=delay_steps), output_dir=str(output_dir), overwrite=True,
     ))  # fmt: skip
     return {k: result[k] for k in ("episodes", "successes", "success_rate", "success_ci95", "mean_episode_length")}

@@ -17,10 +17,9 @@ Writes ``eval.json`` (per-episode results, success rate with a 95% Wilson interv
 from __future__ import annotations
 
 import json
-import math
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -33,7 +32,10 @@ from vla_core.files import temporary_beside, write_text_atomic
 from vla_core.runtime import ChunkingConfig, DelayConfig, DelayModel, LatencySpec
 from vla_core.types import TASK, ActionChunk, world_indices
 from vla_rl.checkpoint import load_policy
+from vla_rl.eval_record import EpisodePlan, EvalRecord, load_random_state, per_task_table, random_state
 from vla_rl.statistics import wilson_interval
+
+DEFAULT_EPISODES = 50  # episodes of an evaluation off LIBERO when --num_episodes is not given
 
 
 @dataclass
@@ -44,15 +46,48 @@ class EvalConfig:
     env: EnvConfig = field(
         default_factory=lambda: EnvConfig(num_envs=50)
     )  # simulated task; num_envs worlds per round (default here: 50)
-    num_episodes: int = 50  # episodes in total
+    num_episodes: int = 0  # episodes in total; 0 = 50, or under a LIBERO protocol episodes_per_task per task
     seed: int = 1000  # seed of the evaluation initial states (kept apart from the recording seed)
+    # LIBERO's evaluation protocol (`sim.libero_protocol`: openpi, lerobot, rlinf, simplevla): episodes per
+    # task, initial states, settle steps, step limits. "" = openpi on a LIBERO task; refused on other tasks.
+    protocol: str = ""
+    episodes_per_task: int = 0  # under a protocol: episodes of each task (0 = the protocol's, 50 for openpi)
+    resume: bool = False  # go on with the interrupted evaluation in output_dir (its episodes.jsonl)
+    overwrite: bool = False  # evaluate again into an output_dir that holds an evaluation
     # steps executed per chunk (0 = the policy's n_action_steps), merge mode, ensemble weight
     chunking: ChunkingConfig = field(default_factory=ChunkingConfig)
     delay: DelayConfig = field(default_factory=DelayConfig)  # inference delay in control steps (0 = none)
     video_episodes: int = 4  # episodes shown in rollouts.mp4 (0 = no video)
     video_size: int = 192  # pixels per episode tile in the video
-    output_dir: str = "outputs/quickstart/eval"  # eval.json, summary.md and rollouts.mp4 go here
+    output_dir: str = "outputs/quickstart/eval"  # eval.json, episodes.jsonl, summary.md and rollouts.mp4 go here
     device: str = "cpu"  # torch device of the policy (cpu, cuda, cuda:1, ...)
+
+    def libero_protocol(self):
+        """The `sim.libero_protocol.LiberoProtocol` this evaluation runs (None off LIBERO), its flags checked."""
+        from sim.libero_protocol import DEFAULT_PROTOCOL, INITIAL_STATES_PER_TASK, is_libero_task, protocol
+
+        if not is_libero_task(self.env.task):
+            if self.protocol or self.episodes_per_task:
+                raise ValueError(
+                    f"--protocol and --episodes_per_task are LIBERO's evaluation protocols; {self.env.task!r} is "
+                    "not a LIBERO task: drop them (--num_episodes sets how many episodes run)"
+                )
+            return None
+        chosen = protocol(self.protocol or DEFAULT_PROTOCOL)
+        fixed = {"--num_episodes": self.num_episodes, "--env.max_episode_steps": self.env.max_episode_steps,
+                 "--env.settle_steps": self.env.settle_steps + 1}  # fmt: skip
+        if any(fixed.values()):
+            raise ValueError(
+                f"the LIBERO protocol {chosen.name!r} fixes the episodes, step limits and settle steps: drop "
+                f"{', '.join(k for k, v in fixed.items() if v)} (--episodes_per_task sets episodes per task; "
+                f"--protocol chooses another protocol)"
+            )
+        if not 0 <= self.episodes_per_task <= INITIAL_STATES_PER_TASK:
+            raise ValueError(
+                f"--episodes_per_task must be in [0, {INITIAL_STATES_PER_TASK}] (LIBERO's initial states per task; "
+                f"0 = the protocol's), got {self.episodes_per_task}"
+            )
+        return chosen
 
 
 def evaluate(cfg: EvalConfig, policy=None) -> dict:
@@ -61,6 +96,11 @@ def evaluate(cfg: EvalConfig, policy=None) -> dict:
     from sim.factory import make_env
     from vla_core.runtime.delayed_env import DelayedChunkEnv
 
+    libero = cfg.libero_protocol()
+    env_cfg = cfg.env
+    if libero is not None:
+        suite = cfg.env.task.partition("/")[0]
+        env_cfg = replace(cfg.env, max_episode_steps=libero.limit(suite), settle_steps=libero.settle_steps)
     if policy is None:
         policy, ckpt = load_policy(cfg.checkpoint, device=cfg.device)
     else:
@@ -73,28 +113,37 @@ def evaluate(cfg: EvalConfig, policy=None) -> dict:
             f"{cfg.env.cameras} at {cfg.env.image_size}px; set --env.image_size={pcfg.image_size}"
         )
     out = Path(cfg.output_dir)
-    episodes: list[dict] = []
     delays_seen: dict[int, int] = {}  # delay in control steps -> chunks that got it
     start = time.time()
-    with make_env(cfg.env) as env:
+    with make_env(env_cfg) as env:
         delay = DelayModel(cfg.delay, control_dt=env.control_dt)
         n = env.num_envs
-        recorder = FrameRecorder(env, min(cfg.video_episodes, n, cfg.num_episodes), cfg.video_size)
+        if libero is not None:
+            plan = EpisodePlan.per_task(env.world_tasks.tolist(), env.task_names,
+                                        cfg.episodes_per_task or libero.episodes_per_task)  # fmt: skip
+        else:
+            plan = EpisodePlan.seeded(cfg.num_episodes or DEFAULT_EPISODES, n, cfg.seed)
+        recorder = FrameRecorder(env, min(cfg.video_episodes, n, plan.num_episodes), cfg.video_size)
         # Chunks run through the same latency model as RL and the robot bridge; with the default
         # zero delay this is plain chunked execution. A delay the policy cannot take is refused here,
         # before any rollout and before any output.
         delayed = DelayedChunkEnv(recorder, LatencySpec.of(policy), cfg.chunking, delay)
         execute_steps, guided = delayed.execute_steps, delayed.protocol.sends_guidance
-        out.mkdir(parents=True, exist_ok=True)
-        bar = tqdm(total=cfg.num_episodes, desc="eval", unit="ep")
-        # A stop signal ends the evaluation between env steps (vla_core.interrupt); an incomplete
-        # evaluation writes no results, so eval.json always describes num_episodes episodes.
+        identity = {k: v for k, v in asdict(cfg).items() if k not in ("resume", "overwrite", "output_dir", "video_episodes",
+                                                                      "video_size")}  # fmt: skip
+        record = EvalRecord(out, identity, cfg.resume, cfg.overwrite)
+        if record.saved_state is not None:
+            load_random_state(record.saved_state, delay, delayed.protocol, delays_seen)
+        bar = tqdm(total=plan.num_episodes, initial=len(record.episodes), desc="eval", unit="ep")
+        # A stop signal ends the evaluation between env steps (vla_core.interrupt); the rounds done are
+        # kept (episodes.jsonl, eval_progress.pt) and --resume=true goes on from there. eval.json is
+        # written only once every episode has run.
         with interrupt.deferred(), crash_log.into(out):
-            for r in range(math.ceil(cfg.num_episodes / n)):
-                want = min(n, cfg.num_episodes - r * n)
+            for r in range(record.rounds_done, len(plan.rounds)):
+                this = plan.rounds[r]
                 recorder.enabled = r == 0
-                obs, need = delayed.reset(seed=cfg.seed + r)
-                finished = np.arange(n) >= want  # worlds beyond the episode quota run but are not counted
+                obs, need = delayed.reset(seed=this.seed)
+                finished = np.array([e is None for e in this.episodes])  # uncounted worlds run but are not kept
                 length = np.zeros(n, dtype=np.int64)
                 while not finished.all():
                     obs, _, terminated, truncated, info, need = delayed.step(
@@ -105,25 +154,34 @@ def evaluate(cfg: EvalConfig, policy=None) -> dict:
                         delays_seen[d] = delays_seen.get(d, 0) + 1
                     done = (terminated | truncated).cpu().numpy() & ~finished
                     for i in np.flatnonzero(done):
-                        episodes.append({"round": r, "world": int(i), "seed": cfg.seed + r,
-                                         "success": bool(info["success"][i]), "length": int(length[i])})  # fmt: skip
+                        task = env.task_names[int(info["task_id"][i])]
+                        record.append({"round": r, "world": int(i), "task": task, **this.episodes[i],
+                                       "success": bool(info["success"][i]), "length": int(length[i])})  # fmt: skip
                         bar.update(1)
                     finished |= done
                     interrupt.raise_if_stopped()
+                record.round_done(r + 1, random_state(delay, delayed.protocol.lags, delays_seen))
         bar.close()
-    episodes.sort(key=lambda e: (e["round"], e["world"]))
+    episodes = sorted(record.episodes, key=lambda e: (e["round"], e["world"]))
+    protocol_record = None
+    if libero is not None:
+        protocol_record = {"name": libero.name, "source": libero.source, "settle_steps": libero.settle_steps,
+                           "episodes_per_task": cfg.episodes_per_task or libero.episodes_per_task,
+                           "max_episode_steps": env_cfg.max_episode_steps}  # fmt: skip
     successes = sum(e["success"] for e in episodes)
     lo, hi = wilson_interval(successes, len(episodes))
     lengths = [e["length"] for e in episodes]
     result = {
         "checkpoint": str(ckpt),
         "task": cfg.env.task,
+        "protocol": protocol_record,
         "episodes": len(episodes),
         "successes": successes,
         "success_rate": successes / len(episodes),
         "success_ci95": [lo, hi],
         "mean_episode_length": float(np.mean(lengths)),
         "mean_success_length": float(np.mean([e["length"] for e in episodes if e["success"]] or [0])),
+        "per_task": per_task_table(episodes, env.task_names),
         "seed": cfg.seed,
         "execute_steps": execute_steps,
         "merge": cfg.chunking.merge,
@@ -142,6 +200,7 @@ def evaluate(cfg: EvalConfig, policy=None) -> dict:
             result["video"] = str(out / "rollouts.mp4")
         write_text_atomic(out / "eval.json", json.dumps(result, indent=2))
         write_text_atomic(out / "summary.md", _summary_md(result))
+        record.finished()
     return result
 
 
@@ -225,5 +284,12 @@ def _summary_md(r: dict) -> str:
         f"- mean episode length: {r['mean_episode_length']:.1f} steps "
         f"(successful: {r['mean_success_length']:.1f})\n"
         f"- seed {r['seed']}, {r['execute_steps']} steps executed per chunk, merge `{r['merge']}`\n"
-        f"- time: {r['seconds']} s\n"
-    )
+        + (f"- protocol `{r['protocol']['name']}` ({r['protocol']['source']}): {r['protocol']['episodes_per_task']} "
+           f"episodes per task, {r['protocol']['settle_steps']} settle steps, at most "
+           f"{r['protocol']['max_episode_steps']} steps\n" if r["protocol"] else "")
+        + f"- time: {r['seconds']} s\n"
+        + "\n| task | successes | rate | 95% CI | mean length |\n|---|---|---|---|---|\n"
+        + "".join(f"| {t['task']} | {t['successes']}/{t['episodes']} | {t['success_rate']:.1%} | "
+                  f"[{t['success_ci95'][0]:.1%}, {t['success_ci95'][1]:.1%}] | {t['mean_episode_length']:.1f} |\n"
+                  for t in r["per_task"])
+    )  # fmt: skip

@@ -32,6 +32,7 @@ def quickstart(cfg: QuickstartConfig, log=print) -> dict:
     cfg.train.output_dir = str(root / "train")
     cfg.eval.checkpoint = cfg.train.output_dir
     cfg.eval.output_dir = str(root / "eval")
+    cfg.eval.overwrite = True  # every quickstart run evaluates the policy it ends with
 
     if (root / "dataset" / "meta" / "info.json").is_file():
         log(f"[1/3] reusing the dataset at {cfg.record.output_dir}")

@@ -31,6 +31,7 @@ class PeriodicEvaluation:
                     checkpoint=str(checkpoint), env=replace(env_cfg, num_envs=min(env_cfg.num_envs * 2, cfg.eval_episodes)),
                     num_episodes=cfg.eval_episodes, seed=cfg.eval_seed, chunking=cfg.chunking, delay=cfg.delay,
                     video_episodes=0, device=str(self.device), output_dir=str(folder / task if len(self.tasks) > 1 else folder),
+                    overwrite=True,  # a resumed run evaluates again an iteration whose checkpoint was never written
                 ),
                 policy=policy,
             )  # fmt: skip

@@ -1,0 +1,197 @@
+"""What `vla-rl eval` runs and keeps: the plan of its episodes, round by round, and its record on disk, which
+an interrupted evaluation resumes from.
+
+The plan. Every world runs one episode per round, all worlds reset together, so a round's episodes
+sample from one stream of policy noise whatever ran before.
+- Without a protocol, round r resets every world with the batch seed ``seed + r`` and the first
+  ``num_episodes - r * N`` worlds count (what `vla-rl eval` always did).
+- Under a LIBERO protocol (`sim.libero_protocol`) each task runs exactly ``episodes_per_task`` episodes,
+  episode i from the task's fixed initial state i. A world keeps its task (a LIBERO world is one task's
+  scene): in round r the worlds of a task take its next episodes in order, and a world whose task has
+  none left runs uncounted. Rounds: the largest ceil(episodes_per_task / worlds of a task); with N a
+  multiple of the suite's task count every world is busy to the end.
+
+The record, in the output directory:
+- ``episodes.jsonl``: one line per finished episode, appended as it finishes (round, world, task, seed
+  or initial state, success, length);
+- ``eval_progress.pt``: after each whole round, the rounds done and every random state the next
+  round reads (torch's, the delay model's, the measured lags), written atomically;
+- ``eval.json``: the result, written at the end.
+``--resume=true`` keeps the episodes of the rounds done, drops those of the round that was cut, restores
+the states and goes on: the same episodes, with the same outcomes, as a run that was never stopped. A
+record written under another config is refused with one line.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from vla_core.files import write_bytes_atomic, write_text_atomic
+
+EPISODES = "episodes.jsonl"
+PROGRESS = "eval_progress.pt"
+RESULT = "eval.json"
+RECORD_VERSION = 1  # of episodes.jsonl and eval_progress.pt; another one is refused on resume
+
+
+@dataclass
+class Round:
+    """One round: the reset seed (one int for the batch, or one per world) and, per world, its episode
+    (a dict of what identifies it) or None when the world runs uncounted."""
+
+    seed: int | list[int]
+    episodes: list[dict[str, Any] | None]
+
+
+class EpisodePlan:
+    """The rounds of an evaluation (see the module doc)."""
+
+    def __init__(self, rounds: list[Round]):
+        self.rounds = rounds
+
+    @classmethod
+    def seeded(cls, num_episodes: int, num_worlds: int, seed: int) -> EpisodePlan:
+        """Round r: batch seed ``seed + r``; worlds below the episodes still wanted count."""
+        rounds = []
+        for r in range(math.ceil(num_episodes / num_worlds)):
+            want = min(num_worlds, num_episodes - r * num_worlds)
+            rounds.append(Round(seed + r, [{"seed": seed + r} if w < want else None for w in range(num_worlds)]))
+        return cls(rounds)
+
+    @classmethod
+    def per_task(cls, world_tasks: list[int], task_names: list[str], episodes_per_task: int) -> EpisodePlan:
+        """``episodes_per_task`` episodes of every task, episode i from initial state i; ``world_tasks``
+        (N,) each world's task, an index into ``task_names``. A world without an episode is reset to its
+        task's state 0 (any state would do: it is not counted)."""
+        missing = sorted(set(range(len(task_names))) - set(world_tasks))
+        if missing:
+            raise ValueError(
+                f"no world runs task(s) {[task_names[t] for t in missing]}: raise --env.num_envs to at least "
+                f"{len(task_names)}, a multiple of the suite's {len(task_names)} tasks"
+            )
+        taken = dict.fromkeys(range(len(task_names)), 0)
+        rounds = []
+        while any(n < episodes_per_task for n in taken.values()):
+            seeds, episodes = [], []
+            for t in world_tasks:
+                if taken[t] < episodes_per_task:
+                    state = taken[t]
+                    taken[t] += 1
+                    episodes.append({"task": task_names[t], "initial_state": state})
+                else:
+                    state = 0
+                    episodes.append(None)
+                seeds.append(state)
+            rounds.append(Round(seeds, episodes))
+        return cls(rounds)
+
+    @property
+    def num_episodes(self) -> int:
+        return sum(e is not None for r in self.rounds for e in r.episodes)
+
+
+def random_state(delay, lags: torch.Tensor, delays_seen: dict[int, int]) -> dict[str, Any]:
+    """Every state an evaluation round reads or adds to: torch's random state (CPU and CUDA), the delay
+    model's generators, the measured lags the delay estimate keeps across episodes, and the count of
+    chunks per delay so far."""
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
+    return {"torch": torch.get_rng_state(), "cuda": cuda, "delay": delay.state_dict(), "lags": lags.cpu(),
+            "delays_seen": dict(delays_seen)}  # fmt: skip
+
+
+def load_random_state(state: dict[str, Any], delay, protocol, delays_seen: dict[int, int]) -> None:
+    """Give back what `random_state` saved (``delays_seen`` is filled in place)."""
+    torch.set_rng_state(state["torch"])
+    if state["cuda"]:
+        torch.cuda.set_rng_state_all(state["cuda"])
+    delay.load_state_dict(state["delay"])
+    protocol.lags = state["lags"].to(protocol.lags.device)
+    delays_seen.update(state["delays_seen"])
+
+
+class EvalRecord:
+    """The record of one evaluation in ``out`` (see the module doc). ``identity``: what must match for a
+    record to be resumed (the config without what does not change the episodes)."""
+
+    def __init__(self, out: Path, identity: dict[str, Any], resume: bool, overwrite: bool):
+        self.out, self.identity = out, identity
+        self.episodes_path, self.progress_path = out / EPISODES, out / PROGRESS
+        self.rounds_done, self.episodes, self.saved_state = 0, [], None
+        if resume:
+            self._load()
+        elif self.episodes_path.exists() or self.progress_path.exists() or (out / RESULT).exists():
+            if not overwrite:
+                raise FileExistsError(
+                    f"{out} holds an evaluation already; pass --resume=true to go on with it, --overwrite=true to "
+                    "evaluate again over it, or choose another --output_dir"
+                )
+            self.progress_path.unlink(missing_ok=True)
+        if not self.episodes:
+            out.mkdir(parents=True, exist_ok=True)
+            write_text_atomic(self.episodes_path, "")
+
+    def _load(self) -> None:
+        if (self.out / RESULT).exists() and not self.progress_path.exists():
+            raise FileExistsError(f"{self.out} holds a finished evaluation ({RESULT}); choose another --output_dir")
+        if not self.progress_path.exists():
+            return  # nothing saved yet (stopped in its first round): start from the beginning
+        saved = torch.load(self.progress_path, weights_only=False)
+        if saved.get("version") != RECORD_VERSION:
+            raise ValueError(
+                f"{self.progress_path} was written by another version of vla-rl eval (record version "
+                f"{saved.get('version')}, this one reads {RECORD_VERSION}); evaluate into another --output_dir"
+            )
+        if saved["identity"] != self.identity:
+            changed = sorted(k for k in self.identity.keys() | saved["identity"].keys()
+                             if self.identity.get(k) != saved["identity"].get(k))  # fmt: skip
+            raise ValueError(
+                f"{self.out} holds an evaluation of another config (differs in {', '.join(changed)}); resume it "
+                "with its own flags (see its eval_progress.pt) or choose another --output_dir"
+            )
+        self.rounds_done, self.saved_state = saved["rounds_done"], saved["random_state"]
+        lines = self.episodes_path.read_text().splitlines() if self.episodes_path.exists() else []
+        # Lines of the round that was cut are dropped: that round runs again, whole.
+        self.episodes = [e for e in map(json.loads, lines) if e["round"] < self.rounds_done]
+        write_text_atomic(self.episodes_path, "".join(json.dumps(e) + "\n" for e in self.episodes))
+
+    def append(self, episode: dict[str, Any]) -> None:
+        """One finished episode: kept, and appended to episodes.jsonl at once (flushed)."""
+        self.episodes.append(episode)
+        with open(self.episodes_path, "a") as f:
+            f.write(json.dumps(episode) + "\n")
+
+    def round_done(self, rounds_done: int, state: dict[str, Any]) -> None:
+        buffer = io.BytesIO()
+        torch.save({"version": RECORD_VERSION, "identity": self.identity, "rounds_done": rounds_done,
+                    "random_state": state}, buffer)  # fmt: skip
+        write_bytes_atomic(self.progress_path, buffer.getvalue())
+        self.rounds_done = rounds_done
+
+    def finished(self) -> None:
+        """The result is written: nothing is left to resume."""
+        self.progress_path.unlink(missing_ok=True)
+
+
+def per_task_table(episodes: list[dict[str, Any]], task_names: list[str]) -> list[dict[str, Any]]:
+    """One row per task (in ``task_names`` order, tasks without episodes left out): episodes, successes,
+    success rate with its 95% Wilson interval, mean episode length."""
+    from vla_rl.statistics import wilson_interval
+
+    rows = []
+    for name in task_names:
+        mine = [e for e in episodes if e["task"] == name]
+        if not mine:
+            continue
+        successes = sum(e["success"] for e in mine)
+        rows.append({"task": name, "episodes": len(mine), "successes": successes,
+                     "success_rate": successes / len(mine), "success_ci95": list(wilson_interval(successes, len(mine))),
+                     "mean_episode_length": float(np.mean([e["length"] for e in mine]))})  # fmt: skip
+    return rows
