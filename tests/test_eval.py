@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from sim.config import EnvConfig
-from vla_core.runtime import ChunkingConfig
+from vla_core.runtime import ChunkingConfig, DelayConfig
 from vla_rl.eval import EvalConfig, evaluate
 from vla_rl.statistics import wilson_interval
 
@@ -303,6 +303,45 @@ def test_the_saved_random_state_gives_back_the_draws_that_would_have_come(tmp_pa
     load_random_state(saved, other, protocol, seen)
     assert torch.equal(torch.rand(3), expected[0]) and torch.equal(other.sample(7), expected[1])
     assert protocol.lags.tolist() == [[1, 3]] and seen == {2: 5}
+
+
+def test_a_record_reruns_to_the_same_episodes_and_refuses_other_weights(tiny_checkpoint, tmp_path):
+    """`--rerun=<eval.json>` runs the record's own config (seed, delays, episodes) into a new folder: every
+    episode's outcome and length, and the delay counts, come out the same. A record whose weights hash
+    is not the checkpoint's, or one without provenance (an older vla-rl), is refused with one line."""
+    out, _ = tiny_checkpoint
+    first = evaluate(EvalConfig(
+        checkpoint=str(out), env=EnvConfig(num_envs=2, max_episode_steps=8), num_episodes=3, seed=11, video_episodes=0,
+        delay=DelayConfig(kind="uniform", low=0, high=2), output_dir=str(tmp_path / "a"),
+    ))  # fmt: skip
+    assert len(first["provenance"]["weights_sha256"]) == 64 and "torch" in first["provenance"]["versions"]
+    record = tmp_path / "a" / "eval.json"
+    again = evaluate(EvalConfig(rerun=str(record), output_dir=str(tmp_path / "b")))
+    assert again["rerun"]["same_outcomes"] and again["per_episode"] == first["per_episode"]
+    assert again["delay_histogram"] == first["delay_histogram"] and again["config"]["seed"] == 11
+    tampered = json.loads(record.read_text())
+    tampered["provenance"]["weights_sha256"] = "0" * 64
+    (tmp_path / "t.json").write_text(json.dumps(tampered))
+    with pytest.raises(ValueError, match="does not hold the weights the record measured"):
+        evaluate(EvalConfig(rerun=str(tmp_path / "t.json"), output_dir=str(tmp_path / "c")))
+    del tampered["provenance"]
+    (tmp_path / "old.json").write_text(json.dumps(tampered))
+    with pytest.raises(ValueError, match="written by an older vla-rl eval"):
+        evaluate(EvalConfig(rerun=str(tmp_path / "old.json"), output_dir=str(tmp_path / "d")))
+
+
+def test_the_weights_hash_changes_with_any_weight_and_not_with_the_order_of_the_dict():
+    """One bit of one weight changes the hash; the same weights in another module instance give the same."""
+    from vla_rl.eval_record import weights_sha256
+
+    torch.manual_seed(0)
+    a = torch.nn.Linear(3, 2)
+    b = torch.nn.Linear(3, 2)
+    b.load_state_dict(a.state_dict())
+    assert weights_sha256(a) == weights_sha256(b)
+    with torch.no_grad():
+        b.bias[0] = torch.nextafter(b.bias[0], torch.tensor(1.0))
+    assert weights_sha256(a) != weights_sha256(b)
 
 
 def evaluate_cli(args):

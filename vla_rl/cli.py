@@ -87,8 +87,22 @@ def _run_eval(cfg):
 
     from vla_rl.eval import evaluate
 
-    evaluate(cfg)
+    result = evaluate(cfg)
     print((Path(cfg.output_dir) / "summary.md").read_text())
+    if "rerun" in result:
+        again = result["rerun"]
+        same = len(result["per_episode"]) - len(again["differing"])
+        print(f"rerun of {again['record']}: {same} of {len(result['per_episode'])} episodes with the same outcome and "
+              f"length; packages that differ: {again['versions_differ'] or 'none'}")  # fmt: skip
+
+
+def _run_report(cfg):
+    from pathlib import Path
+
+    from vla_rl.eval_report import report
+
+    report(cfg)
+    print((Path(cfg.output_dir) / "report.md").read_text())
 
 
 def _run_finetune(cfg):
@@ -189,6 +203,11 @@ COMMANDS: dict[str, Command] = {
         _run_finetune,
     ),
     "eval": Command("closed-loop success rate, video and JSON of a checkpoint", "vla_rl.eval:EvalConfig", _run_eval),
+    "report": Command(
+        "evaluation records side by side per suite and task, beside published LIBERO figures; two compared paired",
+        "vla_rl.eval_report:ReportConfig",
+        _run_report,
+    ),
     "quickstart": Command(
         "record -> train -> eval on the default lift task", "vla_rl.quickstart:QuickstartConfig", _run_quickstart
     ),

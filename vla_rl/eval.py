@@ -32,7 +32,16 @@ from vla_core.files import temporary_beside, write_text_atomic
 from vla_core.runtime import ChunkingConfig, DelayConfig, DelayModel, LatencySpec
 from vla_core.types import TASK, ActionChunk, world_indices
 from vla_rl.checkpoint import load_policy
-from vla_rl.eval_record import EpisodePlan, EvalRecord, load_random_state, per_task_table, random_state
+from vla_rl.eval_record import (
+    EpisodePlan,
+    EvalRecord,
+    compare_episodes,
+    load_random_state,
+    per_task_table,
+    provenance,
+    random_state,
+    rerun_config,
+)
 from vla_rl.statistics import wilson_interval
 
 DEFAULT_EPISODES = 50  # episodes of an evaluation off LIBERO when --num_episodes is not given
@@ -53,6 +62,9 @@ class EvalConfig:
     protocol: str = ""
     episodes_per_task: int = 0  # under a protocol: episodes of each task (0 = the protocol's, 50 for openpi)
     resume: bool = False  # go on with the interrupted evaluation in output_dir (its episodes.jsonl)
+    # An eval.json to evaluate again, with its own config (its checkpoint, which must hold the weights it
+    # measured, tasks, seeds, protocol, delays) into output_dir; every episode's outcome is compared.
+    rerun: str = ""
     overwrite: bool = False  # evaluate again into an output_dir that holds an evaluation
     # steps executed per chunk (0 = the policy's n_action_steps), merge mode, ensemble weight
     chunking: ChunkingConfig = field(default_factory=ChunkingConfig)
@@ -90,9 +102,12 @@ class EvalConfig:
         return chosen
 
 
-def evaluate(cfg: EvalConfig, policy=None) -> dict:
+def evaluate(cfg: EvalConfig, policy=None, expected_weights: str | None = None) -> dict:
     """Evaluate ``cfg.checkpoint``; or, given ``policy`` (in eval mode), that policy as it is in memory,
-    with ``cfg.checkpoint`` naming where it is saved (``vla-rl finetune``'s periodic evaluation)."""
+    with ``cfg.checkpoint`` naming where it is saved (``vla-rl finetune``'s periodic evaluation).
+    ``expected_weights``: the sha256 the weights must have (`eval_record.weights_sha256`)."""
+    if cfg.rerun:
+        return rerun(cfg)
     from sim.factory import make_env
     from vla_core.runtime.delayed_env import DelayedChunkEnv
 
@@ -105,6 +120,12 @@ def evaluate(cfg: EvalConfig, policy=None) -> dict:
         policy, ckpt = load_policy(cfg.checkpoint, device=cfg.device)
     else:
         ckpt = cfg.checkpoint
+    origin = provenance(policy)
+    if expected_weights is not None and origin["weights_sha256"] != expected_weights:
+        raise ValueError(
+            f"{ckpt} does not hold the weights the record measured (sha256 {origin['weights_sha256'][:12]}... "
+            f"against {expected_weights[:12]}...): point the record's checkpoint at them"
+        )
     torch.manual_seed(cfg.seed)  # diffusion sampling noise: the same seed gives the same rollouts
     pcfg = policy.config
     if cfg.env.image_size != pcfg.image_size or list(cfg.env.cameras) != list(pcfg.cameras):
@@ -129,7 +150,7 @@ def evaluate(cfg: EvalConfig, policy=None) -> dict:
         # before any rollout and before any output.
         delayed = DelayedChunkEnv(recorder, LatencySpec.of(policy), cfg.chunking, delay)
         execute_steps, guided = delayed.execute_steps, delayed.protocol.sends_guidance
-        identity = {k: v for k, v in asdict(cfg).items() if k not in ("resume", "overwrite", "output_dir", "video_episodes",
+        identity = {k: v for k, v in asdict(cfg).items() if k not in ("resume", "overwrite", "rerun", "output_dir", "video_episodes",
                                                                       "video_size")}  # fmt: skip
         record = EvalRecord(out, identity, cfg.resume, cfg.overwrite)
         if record.saved_state is not None:
@@ -192,6 +213,7 @@ def evaluate(cfg: EvalConfig, policy=None) -> dict:
         "seconds": round(time.time() - start, 1),
         "per_episode": episodes,
         "config": asdict(cfg),
+        "provenance": origin,
     }
     # Each file is whole or absent: a stop signal while writing is acted on once all three are written.
     with interrupt.deferred():
@@ -201,6 +223,20 @@ def evaluate(cfg: EvalConfig, policy=None) -> dict:
         write_text_atomic(out / "eval.json", json.dumps(result, indent=2))
         write_text_atomic(out / "summary.md", _summary_md(result))
         record.finished()
+    return result
+
+
+def rerun(cfg: EvalConfig) -> dict:
+    """Evaluate again what the record ``cfg.rerun`` ran, into ``cfg.output_dir``; the result adds ``rerun``:
+    the record, whether every episode's outcome and length came out the same, and those that did not."""
+    again_cfg, record = rerun_config(Path(cfg.rerun), cfg.output_dir, cfg.overwrite)
+    result = evaluate(again_cfg, expected_weights=record["provenance"]["weights_sha256"])
+    differing = compare_episodes(record["per_episode"], result["per_episode"])
+    result["rerun"] = {"record": str(cfg.rerun), "same_outcomes": not differing, "differing": differing,
+                       "versions_differ": {k: [v, result["provenance"]["versions"].get(k)]
+                                           for k, v in record["provenance"]["versions"].items()
+                                           if v != result["provenance"]["versions"].get(k)}}  # fmt: skip
+    write_text_atomic(Path(cfg.output_dir) / "eval.json", json.dumps(result, indent=2))
     return result
 
 

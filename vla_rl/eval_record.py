@@ -180,6 +180,73 @@ class EvalRecord:
         self.progress_path.unlink(missing_ok=True)
 
 
+PROVENANCE_PACKAGES = ("vla-rl", "torch", "numpy", "mujoco", "gymnasium", "lerobot", "hf-libero", "robosuite",
+                       "transformers", "diffusers")  # fmt: skip
+
+
+def weights_sha256(module: torch.nn.Module) -> str:
+    """sha256 over the module's state dict (names, dtypes, shapes and bytes, in name order): the weights a
+    record measured, whether they came from a checkpoint or from memory."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for name, tensor in sorted(module.state_dict().items()):
+        t = tensor.detach().cpu().contiguous().reshape(-1)
+        digest.update(f"{name}:{t.dtype}:{tuple(tensor.shape)};".encode())
+        digest.update(t.view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def provenance(policy: torch.nn.Module) -> dict[str, Any]:
+    """What a re-run needs to know besides the config: the weights' hash, the versions of the packages the
+    numbers depend on, the code revision, the renderer."""
+    import os
+    import platform
+    from importlib import metadata
+
+    from vla_rl.checkpoint import git_revision
+
+    versions = {}
+    for name in PROVENANCE_PACKAGES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return {"weights_sha256": weights_sha256(policy), "versions": versions, "python": platform.python_version(),
+            "git_revision": git_revision(), "renderer": {k: os.environ.get(k) for k in ("MUJOCO_GL", "PYOPENGL_PLATFORM")},
+            "record_version": RECORD_VERSION}  # fmt: skip
+
+
+def rerun_config(record_path: Path, output_dir: str, overwrite: bool):
+    """The `EvalConfig` a record (``eval.json``) ran, evaluating into ``output_dir``; its weights' hash. A
+    record of another version, or not an evaluation record, is refused with one line."""
+    import draccus
+
+    from vla_rl.eval import EvalConfig
+
+    try:
+        record = json.loads(Path(record_path).read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"--rerun={record_path}: not a readable eval.json ({err})") from None
+    version = record.get("provenance", {}).get("record_version")
+    if version != RECORD_VERSION:
+        raise ValueError(
+            f"--rerun={record_path} was written by {'an older' if version is None else 'another'} vla-rl eval (record "
+            f"version {version}, this one reads {RECORD_VERSION}): re-run it with its own flags (its config is in it)"
+        )
+    config = {**record["config"], "output_dir": output_dir, "overwrite": overwrite, "resume": False, "rerun": ""}
+    return draccus.decode(EvalConfig, config), record
+
+
+def compare_episodes(record: list[dict[str, Any]], again: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The episodes (by round and world) whose outcome or length differ between two runs of one plan."""
+    keyed = {(e["round"], e["world"]): e for e in again}
+    return [{"round": e["round"], "world": e["world"], "record": [e["success"], e["length"]],
+             "again": [keyed.get((e["round"], e["world"]), {}).get(k) for k in ("success", "length")]}
+            for e in record
+            if [e["success"], e["length"]] != [keyed.get((e["round"], e["world"]), {}).get(k) for k in ("success", "length")]]  # fmt: skip
+
+
 def per_task_table(episodes: list[dict[str, Any]], task_names: list[str]) -> list[dict[str, Any]]:
     """One row per task (in ``task_names`` order, tasks without episodes left out): episodes, successes,
     success rate with its 95% Wilson interval, mean episode length."""

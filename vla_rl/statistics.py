@@ -14,3 +14,16 @@ def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, flo
     centre = (p + z * z / (2 * n)) / denom
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
     return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def mcnemar_exact(only_first: int, only_second: int) -> float:
+    """Two-sided exact McNemar p-value of paired binary outcomes: ``only_first`` pairs where the first
+    succeeded and the second failed, ``only_second`` the reverse. Under the null each discordant pair goes
+    either way with probability 1/2: p = min(1, 2 * P(Binomial(b + c, 1/2) <= min(b, c))); 1 when there is
+    no discordant pair."""
+    n = only_first + only_second
+    if n == 0:
+        return 1.0
+    k = min(only_first, only_second)
+    tail = sum(math.comb(n, i) for i in range(k + 1)) / 2**n
+    return min(1.0, 2 * tail)
