@@ -19,10 +19,13 @@ run that goes on after a success would differ. RLinf evaluates pi0.5 on LIBERO-L
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from sim.config import EnvConfig
 from sim.factory import LIBERO_PREFIX
 
+LIBERO_CAMERAS = ["image", "image2"]  # agentview and wrist, as the lerobot/libero datasets hold them
+LIBERO_IMAGE_SIZE = 256  # their image side, pixels
 SUITES = ("libero_spatial", "libero_object", "libero_goal", "libero_10", "libero_90")
 INITIAL_STATES_PER_TASK = 50  # LIBERO's fixed initial states of each task
 
@@ -64,6 +67,16 @@ def protocol(name: str) -> LiberoProtocol:
     if name not in PROTOCOLS:
         raise ValueError(f"unknown LIBERO protocol {name!r}; choose --protocol= one of {', '.join(PROTOCOLS)}")
     return PROTOCOLS[name]
+
+
+def with_libero_cameras(env: EnvConfig) -> EnvConfig:
+    """The cameras LIBERO policies expect, where ``env`` still has the MuJoCo tasks' default camera (front,
+    which LIBERO lacks): both cameras, at 256 px unless an image size was given."""
+    default = EnvConfig()
+    if list(env.cameras) != list(default.cameras):
+        return env
+    size = LIBERO_IMAGE_SIZE if env.image_size == default.image_size else env.image_size
+    return replace(env, cameras=list(LIBERO_CAMERAS), image_size=size)
 
 
 def is_libero_task(task: str) -> bool:

@@ -224,6 +224,18 @@ def test_libero_protocol_flags_are_refused_where_they_mean_nothing():
     assert (rlinf.limit("libero_10"), rlinf.settle_steps) == (512, 15)
 
 
+def test_libero_gets_the_cameras_its_policies_expect_unless_others_are_asked():
+    """The MuJoCo default (front at 64 px, a camera LIBERO lacks) becomes both LIBERO cameras at 256 px; a
+    size given is kept; cameras given are kept as they are."""
+    from sim.libero_protocol import with_libero_cameras
+
+    preset = with_libero_cameras(EnvConfig(task="libero_goal"))
+    assert (preset.cameras, preset.image_size) == (["image", "image2"], 256)
+    assert with_libero_cameras(EnvConfig(task="libero_goal", image_size=128)).image_size == 128
+    mine = with_libero_cameras(EnvConfig(task="libero_goal", cameras=["image"], image_size=64))
+    assert (mine.cameras, mine.image_size) == (["image"], 64)
+
+
 def test_an_evaluation_into_a_folder_holding_one_is_refused_unless_resumed_or_overwritten(tiny_checkpoint, tmp_path):
     out, _ = tiny_checkpoint
     cfg = EvalConfig(checkpoint=str(out), env=EnvConfig(num_envs=2, max_episode_steps=6), num_episodes=2,
@@ -351,3 +363,29 @@ def evaluate_cli(args):
 
     return subprocess.run([sys.executable, "-m", "vla_rl.cli", "eval", *args], check=False, capture_output=True, text=True,
                           timeout=300, cwd=Path(__file__).resolve().parents[1])  # fmt: skip
+
+
+def test_several_tasks_in_one_run_and_their_record_reruns(tiny_checkpoint, tmp_path):
+    """--tasks=[lift,reach]: each task into its own folder, one eval.json over all (per task, per suite,
+    every episode with its task); resumed, a finished task is reused as it is; the combined record reruns
+    to the same episodes. A task named twice is refused."""
+    out, _ = tiny_checkpoint
+    base = {"checkpoint": str(out), "env": EnvConfig(num_envs=2, max_episode_steps=6), "num_episodes": 2,
+            "video_episodes": 0, "output_dir": str(tmp_path / "both"), "tasks": ["lift", "reach"]}  # fmt: skip
+    with pytest.raises(ValueError, match="--env.task=push and --tasks both name what to evaluate"):
+        evaluate(EvalConfig(**{**base, "env": EnvConfig(task="push")}))
+    with pytest.raises(ValueError, match="names a task twice"):
+        evaluate(EvalConfig(**{**base, "tasks": ["lift", "lift"]}))
+    result = evaluate(EvalConfig(**base))
+    assert result["episodes"] == 4 and [(t["task"], t["episodes"]) for t in result["per_task"]] == [
+        ("lift", 2),
+        ("reach", 2),
+    ]
+    assert [(s["suite"], s["episodes"]) for s in result["per_suite"]] == [("lift", 2), ("reach", 2)]
+    assert (tmp_path / "both" / "lift" / "eval.json").exists()
+    mtime = (tmp_path / "both" / "lift" / "eval.json").stat().st_mtime_ns
+    resumed = evaluate(EvalConfig(**{**base, "resume": True}))
+    assert resumed["per_episode"] == result["per_episode"]
+    assert (tmp_path / "both" / "lift" / "eval.json").stat().st_mtime_ns == mtime  # reused, not run again
+    again = evaluate(EvalConfig(rerun=str(tmp_path / "both" / "eval.json"), output_dir=str(tmp_path / "again")))
+    assert again["rerun"]["same_outcomes"] and again["per_episode"] == result["per_episode"]

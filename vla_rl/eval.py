@@ -27,6 +27,7 @@ import torch
 from tqdm import tqdm
 
 from sim.config import EnvConfig
+from sim.libero_protocol import with_libero_cameras
 from vla_core import crash_log, interrupt
 from vla_core.files import temporary_beside, write_text_atomic
 from vla_core.runtime import ChunkingConfig, DelayConfig, DelayModel, LatencySpec
@@ -66,6 +67,9 @@ class EvalConfig:
     # measured, tasks, seeds, protocol, delays) into output_dir; every episode's outcome is compared.
     rerun: str = ""
     overwrite: bool = False  # evaluate again into an output_dir that holds an evaluation
+    # Several tasks or LIBERO suites in one run (each in its place of --env.task, into output_dir/<task>,
+    # each resumable), with one eval.json over all of them; e.g. '[libero_spatial,libero_object]'.
+    tasks: list[str] = field(default_factory=list)
     # steps executed per chunk (0 = the policy's n_action_steps), merge mode, ensemble weight
     chunking: ChunkingConfig = field(default_factory=ChunkingConfig)
     delay: DelayConfig = field(default_factory=DelayConfig)  # inference delay in control steps (0 = none)
@@ -108,6 +112,8 @@ def evaluate(cfg: EvalConfig, policy=None, expected_weights: str | None = None) 
     ``expected_weights``: the sha256 the weights must have (`eval_record.weights_sha256`)."""
     if cfg.rerun:
         return rerun(cfg)
+    if cfg.tasks:
+        return evaluate_tasks(cfg, policy)
     from sim.factory import make_env
     from vla_core.runtime.delayed_env import DelayedChunkEnv
 
@@ -115,7 +121,8 @@ def evaluate(cfg: EvalConfig, policy=None, expected_weights: str | None = None) 
     env_cfg = cfg.env
     if libero is not None:
         suite = cfg.env.task.partition("/")[0]
-        env_cfg = replace(cfg.env, max_episode_steps=libero.limit(suite), settle_steps=libero.settle_steps)
+        env_cfg = replace(with_libero_cameras(cfg.env), max_episode_steps=libero.limit(suite),
+                          settle_steps=libero.settle_steps)  # fmt: skip
     if policy is None:
         policy, ckpt = load_policy(cfg.checkpoint, device=cfg.device)
     else:
@@ -128,10 +135,11 @@ def evaluate(cfg: EvalConfig, policy=None, expected_weights: str | None = None) 
         )
     torch.manual_seed(cfg.seed)  # diffusion sampling noise: the same seed gives the same rollouts
     pcfg = policy.config
-    if cfg.env.image_size != pcfg.image_size or list(cfg.env.cameras) != list(pcfg.cameras):
+    if env_cfg.image_size != pcfg.image_size or list(env_cfg.cameras) != list(pcfg.cameras):
         raise ValueError(
             f"the policy expects cameras {pcfg.cameras} at {pcfg.image_size}px but the env renders "
-            f"{cfg.env.cameras} at {cfg.env.image_size}px; set --env.image_size={pcfg.image_size}"
+            f"{env_cfg.cameras} at {env_cfg.image_size}px; set --env.cameras='[{','.join(pcfg.cameras)}]' "
+            f"--env.image_size={pcfg.image_size}"
         )
     out = Path(cfg.output_dir)
     delays_seen: dict[int, int] = {}  # delay in control steps -> chunks that got it
@@ -223,6 +231,56 @@ def evaluate(cfg: EvalConfig, policy=None, expected_weights: str | None = None) 
         write_text_atomic(out / "eval.json", json.dumps(result, indent=2))
         write_text_atomic(out / "summary.md", _summary_md(result))
         record.finished()
+    return result
+
+
+def evaluate_tasks(cfg: EvalConfig, policy=None) -> dict:
+    """``cfg.tasks`` one after the other, each into ``output_dir/<task>`` (a finished one is reused on
+    --resume=true), then one result over all: ``per_task`` and ``per_episode`` of every task, ``per_suite``,
+    the overall rate. Each task's own eval.json stays where it ran."""
+    if cfg.env.task != EnvConfig().task and cfg.env.task not in cfg.tasks:
+        raise ValueError(f"--env.task={cfg.env.task} and --tasks both name what to evaluate: keep --tasks only")
+    if len(set(cfg.tasks)) != len(cfg.tasks):
+        raise ValueError(f"--tasks names a task twice ({cfg.tasks}): name each once")
+    out = Path(cfg.output_dir)
+    if (out / "eval.json").exists() and not (cfg.resume or cfg.overwrite):
+        raise FileExistsError(
+            f"{out} holds an evaluation already; pass --resume=true to go on with it, --overwrite=true to evaluate "
+            "again over it, or choose another --output_dir"
+        )
+    parts = []
+    for task in cfg.tasks:
+        folder = out / task.replace("/", "_")
+        one = replace(cfg, env=replace(cfg.env, task=task), tasks=[], output_dir=str(folder))
+        done = folder / "eval.json"
+        if cfg.resume and done.exists() and not (folder / "eval_progress.pt").exists():
+            parts.append(json.loads(done.read_text()))  # finished before the stop
+        else:
+            parts.append(evaluate(one, policy))
+    episodes = [e for part in parts for e in part["per_episode"]]
+    successes = sum(e["success"] for e in episodes)
+    suites = {}
+    for e in episodes:
+        suites.setdefault(e["task"].partition("/")[0], []).append(e)
+    result = {
+        "checkpoint": parts[0]["checkpoint"], "tasks": list(cfg.tasks), "protocol": parts[0]["protocol"],
+        "episodes": len(episodes), "successes": successes, "success_rate": successes / len(episodes),
+        "success_ci95": list(wilson_interval(successes, len(episodes))),
+        "mean_episode_length": float(np.mean([e["length"] for e in episodes])),
+        "per_suite": [row | {"suite": row.pop("task")} for row in per_task_table(
+            [{**e, "task": e["task"].partition("/")[0]} for e in episodes], list(suites))],
+        "per_task": [row for part in parts for row in part["per_task"]],
+        "parts": {task: str(out / task.replace("/", "_") / "eval.json") for task in cfg.tasks},
+        "per_episode": episodes, "config": asdict(cfg), "provenance": parts[0]["provenance"],
+    }  # fmt: skip
+    write_text_atomic(out / "eval.json", json.dumps(result, indent=2))
+    lines = [f"# Evaluation: {', '.join(cfg.tasks)}", "", f"- checkpoint: `{result['checkpoint']}`",
+             (f"- success: **{result['success_rate']:.1%}** ({successes}/{len(episodes)}), 95% CI "
+             f"[{result['success_ci95'][0]:.1%}, {result['success_ci95'][1]:.1%}]"), "",
+             "| suite | successes | rate | 95% CI |", "|---|---|---|---|"]  # fmt: skip
+    lines += [f"| {s['suite']} | {s['successes']}/{s['episodes']} | {s['success_rate']:.1%} | "
+              f"[{s['success_ci95'][0]:.1%}, {s['success_ci95'][1]:.1%}] |" for s in result["per_suite"]]  # fmt: skip
+    write_text_atomic(out / "summary.md", "\n".join(lines) + "\n")
     return result
 
 

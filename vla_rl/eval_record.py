@@ -239,12 +239,18 @@ def rerun_config(record_path: Path, output_dir: str, overwrite: bool):
 
 
 def compare_episodes(record: list[dict[str, Any]], again: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The episodes (by round and world) whose outcome or length differ between two runs of one plan."""
-    keyed = {(e["round"], e["world"]): e for e in again}
-    return [{"round": e["round"], "world": e["world"], "record": [e["success"], e["length"]],
-             "again": [keyed.get((e["round"], e["world"]), {}).get(k) for k in ("success", "length")]}
-            for e in record
-            if [e["success"], e["length"]] != [keyed.get((e["round"], e["world"]), {}).get(k) for k in ("success", "length")]]  # fmt: skip
+    """The episodes (by task, round and world) whose outcome or length differ between two runs of one plan."""
+
+    def key(e: dict[str, Any]) -> tuple:
+        return e["task"], e["round"], e["world"]
+
+    def outcome(e: dict[str, Any] | None) -> list:
+        return [None, None] if e is None else [e["success"], e["length"]]
+
+    keyed = {key(e): e for e in again}
+    return [{"task": e["task"], "round": e["round"], "world": e["world"], "record": outcome(e),
+             "again": outcome(keyed.get(key(e)))}
+            for e in record if outcome(e) != outcome(keyed.get(key(e)))]  # fmt: skip
 
 
 def per_task_table(episodes: list[dict[str, Any]], task_names: list[str]) -> list[dict[str, Any]]:
