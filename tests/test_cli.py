@@ -41,7 +41,7 @@ def test_unknown_key_is_one_line_error():
 
 def test_unknown_command():
     res = vla_rl("fly")
-    assert res.returncode == 2 and "choose one of: record, train, finetune, eval, quickstart" in res.stderr
+    assert res.returncode == 2 and "choose one of: record, train, finetune, eval, report, quickstart" in res.stderr
 
 
 def test_missing_dataset_is_one_line_error(tmp_path):

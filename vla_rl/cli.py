@@ -151,6 +151,12 @@ def _run_bench_ray(cfg):
     print(format_summary(bench_ray(cfg)))
 
 
+def _run_bench_libero(cfg):
+    from vla_rl.bench_libero import bench_libero, format_summary
+
+    print(format_summary(bench_libero(cfg)))
+
+
 def _run_bench_sim(cfg):
     from vla_rl.bench import bench_sim, format_summary
 
@@ -264,6 +270,11 @@ COMMANDS: dict[str, Command] = {
                 "Ray on a two-node local cluster: asynchronous over synchronous rollouts, a worker killed mid-run",
                 "vla_rl.bench_ray:BenchRayConfig",
                 _run_bench_ray,
+            ),
+            "libero": Command(
+                "vla-rl eval against LeRobot's evaluator on LIBERO, step by step: agreement and throughput",
+                "vla_rl.bench_libero:BenchLiberoConfig",
+                _run_bench_libero,
             ),
         },
     ),
