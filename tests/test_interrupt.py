@@ -209,7 +209,12 @@ def test_a_signal_while_eval_writes_its_results_leaves_them_whole(sig, tiny_chec
     assert result["episodes"] == 2 and result["video"] == str(out / "rollouts.mp4")
     assert f"({result['successes']}/2)" in (out / "summary.md").read_text()
     assert (out / "rollouts.mp4").stat().st_size > 1000
-    assert sorted(p.name for p in out.iterdir()) == ["eval.json", "rollouts.mp4", "summary.md"]  # no temporaries
+    assert sorted(p.name for p in out.iterdir()) == [
+        "episodes.jsonl",
+        "eval.json",
+        "rollouts.mp4",
+        "summary.md",
+    ]  # no temporaries
 
 
 def test_a_signal_while_train_writes_its_summary_leaves_it_whole(tiny_dataset, tmp_path, monkeypatch):

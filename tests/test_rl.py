@@ -531,6 +531,10 @@ def test_each_process_cuts_only_its_own_rows_into_every_minibatch():
     assert [t for _, t in p0] == [t for _, t in p1] == [5, 3]
     assert sorted(i for r, _ in p0 for i in r) == [0, 1, 2, 3, 4] and sorted(i for r, _ in p1 for i in r) == [0, 1, 2]
     assert torch.equal(g0, g1)
+    # Four processes of 5 rows, minibatches of 5: K = 4, pieces of ceil(5 * 5 / 20) = 2, so 2, 2, 1, 0 rows
+    # each; the fourth minibatch is empty everywhere and not taken (no optimizer step on nothing).
+    totals = in_processes(4, lambda p: [t for _, t in p.minibatches(5, 5, torch.Generator().manual_seed(0))])
+    assert totals == [[8, 8, 4]] * 4
     one = list(Processes().minibatches(8, 4, torch.Generator().manual_seed(0)))
     assert [len(r) for r, _ in one] == [4, 4] and sorted(torch.cat([r for r, _ in one]).tolist()) == list(range(8))
 

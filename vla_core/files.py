@@ -17,9 +17,12 @@ def write_text_atomic(path: str | Path, text: str) -> None:
 
 
 def write_bytes_atomic(path: str | Path, data: bytes) -> None:
-    """Write ``data`` to a temporary file beside ``path``, then rename it over ``path``."""
+    """Write ``data`` to a temporary file beside ``path``, flushed to the disk, then rename it over ``path``."""
     tmp = temporary_beside(path)
-    tmp.write_bytes(data)
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
 
 

@@ -37,6 +37,7 @@ Protocol history:
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import time
@@ -113,18 +114,22 @@ def run_ours(policy_dir: Path, cfg: BenchLiberoConfig, task_id: int, out: Path) 
     clock: dict[str, float] = {}
     real_reset, real_step = SubprocessBatchedEnv.reset, SubprocessBatchedEnv.step
 
+    def kept(obs: dict[str, Any]) -> dict[str, torch.Tensor]:
+        return {k: obs[k].clone() for k in COMPARED_KEYS}  # hashed after the run, outside the timed window
+
     def reset(self, *args, **kwargs):
         obs = real_reset(self, *args, **kwargs)
         clock.setdefault("start", time.perf_counter())
-        steps.append({"obs": [digest(obs, w) for w in range(self.num_envs)], "success": [False] * self.num_envs})
+        steps.append({"obs": [kept(obs)] * self.num_envs, "success": [False] * self.num_envs})
         return obs
 
     def step(self, actions):
         obs, reward, terminated, truncated, info = real_step(self, actions)
         final = info.get("final_obs", obs)
         done = (terminated | truncated).numpy()
-        seen = [digest(final if done[w] else obs, w) for w in range(self.num_envs)]
-        steps.append({"obs": seen, "success": info["success"].tolist()})
+        seen = [kept(final) if done[w] else None for w in range(self.num_envs)]
+        now = kept(obs)
+        steps.append({"obs": [s if s is not None else now for s in seen], "success": info["success"].tolist()})
         clock["end"] = time.perf_counter()
         return obs, reward, terminated, truncated, info
 
@@ -138,6 +143,8 @@ def run_ours(policy_dir: Path, cfg: BenchLiberoConfig, task_id: int, out: Path) 
         ))  # fmt: skip
     finally:
         SubprocessBatchedEnv.reset, SubprocessBatchedEnv.step = real_reset, real_step
+    for s in steps:
+        s["obs"] = [digest(o, w) for w, o in enumerate(s["obs"])]
     lengths = [e["length"] for e in sorted(result["per_episode"], key=lambda e: e["world"])]
     successes = [e["success"] for e in sorted(result["per_episode"], key=lambda e: e["world"])]
     return {"steps": steps, "lengths": lengths, "successes": successes,
@@ -153,15 +160,24 @@ class RecordingVectorEnv:
         from lerobot.envs.utils import preprocess_observation
         from lerobot.processor.env_processor import LiberoProcessorStep
 
-        self._env, self._worlds, self.steps = env, worlds, []
+        self._env, self._worlds, self._raw, self._successes = env, worlds, [], []
         self._process = lambda raw: LiberoProcessorStep().observation(preprocess_observation(raw))
 
     def __getattr__(self, name):
         return getattr(self._env, name)
 
     def _record(self, raw, success) -> None:
-        obs = self._process(raw)
-        self.steps.append({"obs": [digest(obs, w) for w in range(self._worlds)], "success": success})
+        self._raw.append(copy.deepcopy(raw))  # processed and hashed after the run, outside the timed window
+        self._successes.append(success)
+
+    @property
+    def steps(self) -> list[dict[str, Any]]:
+        """Per reset and step: each world's observation digest and success flag."""
+        out = []
+        for raw, success in zip(self._raw, self._successes, strict=True):
+            obs = self._process(raw)
+            out.append({"obs": [digest(obs, w) for w in range(self._worlds)], "success": success})
+        return out
 
     def reset(self, *args, **kwargs):
         raw, info = self._env.reset(*args, **kwargs)
@@ -214,14 +230,16 @@ def compare(ours: dict[str, Any], theirs: dict[str, Any], worlds: int) -> dict[s
     first_difference = []
     for w in range(worlds):
         last = min(ours["lengths"][w], theirs["lengths"][w])
+        differed = False
         for t in range(last + 1):
             compared += 1
             recorded = t < len(ours["steps"]) and t < len(theirs["steps"])  # a step one side never took differs
             same = recorded and (ours["steps"][t]["obs"][w] == theirs["steps"][t]["obs"][w]
                                  and bool(ours["steps"][t]["success"][w]) == bool(theirs["steps"][t]["success"][w]))  # fmt: skip
             equal += same
-            if not same and len(first_difference) <= w:
+            if not same and not differed:
                 first_difference.append({"world": w, "step": t})
+                differed = True
     episodes_same = sum(
         ours["lengths"][w] == theirs["lengths"][w] and ours["successes"][w] == theirs["successes"][w]
         for w in range(worlds)

@@ -22,6 +22,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+import draccus
 import numpy as np
 import torch
 from tqdm import tqdm
@@ -113,7 +114,7 @@ def evaluate(cfg: EvalConfig, policy=None, expected_weights: str | None = None) 
     if cfg.rerun:
         return rerun(cfg)
     if cfg.tasks:
-        return evaluate_tasks(cfg, policy)
+        return evaluate_tasks(cfg, policy, expected_weights)
     from sim.factory import make_env
     from vla_core.runtime.delayed_env import DelayedChunkEnv
 
@@ -158,9 +159,8 @@ def evaluate(cfg: EvalConfig, policy=None, expected_weights: str | None = None) 
         # before any rollout and before any output.
         delayed = DelayedChunkEnv(recorder, LatencySpec.of(policy), cfg.chunking, delay)
         execute_steps, guided = delayed.execute_steps, delayed.protocol.sends_guidance
-        identity = {k: v for k, v in asdict(cfg).items() if k not in ("resume", "overwrite", "rerun", "output_dir", "video_episodes",
-                                                                      "video_size")}  # fmt: skip
-        record = EvalRecord(out, identity, cfg.resume, cfg.overwrite)
+        record = EvalRecord(out, identity(cfg, origin["weights_sha256"]), cfg.resume, cfg.overwrite)
+        record.check_rounds(plan)
         if record.saved_state is not None:
             load_random_state(record.saved_state, delay, delayed.protocol, delays_seen)
         bar = tqdm(total=plan.num_episodes, initial=len(record.episodes), desc="eval", unit="ep")
@@ -168,28 +168,7 @@ def evaluate(cfg: EvalConfig, policy=None, expected_weights: str | None = None) 
         # kept (episodes.jsonl, eval_progress.pt) and --resume=true goes on from there. eval.json is
         # written only once every episode has run.
         with interrupt.deferred(), crash_log.into(out):
-            for r in range(record.rounds_done, len(plan.rounds)):
-                this = plan.rounds[r]
-                recorder.enabled = r == 0
-                obs, need = delayed.reset(seed=this.seed)
-                finished = np.array([e is None for e in this.episodes])  # uncounted worlds run but are not kept
-                length = np.zeros(n, dtype=np.int64)
-                while not finished.all():
-                    obs, _, terminated, truncated, info, need = delayed.step(
-                        _predict(policy, obs, need, delayed.obs_step, delayed.guidance)
-                    )
-                    length += np.where(finished, 0, info["steps"].cpu().numpy())
-                    for d in info["delay_steps"][info["delay_steps"] >= 0].tolist():
-                        delays_seen[d] = delays_seen.get(d, 0) + 1
-                    done = (terminated | truncated).cpu().numpy() & ~finished
-                    for i in np.flatnonzero(done):
-                        task = env.task_names[int(info["task_id"][i])]
-                        record.append({"round": r, "world": int(i), "task": task, **this.episodes[i],
-                                       "success": bool(info["success"][i]), "length": int(length[i])})  # fmt: skip
-                        bar.update(1)
-                    finished |= done
-                    interrupt.raise_if_stopped()
-                record.round_done(r + 1, random_state(delay, delayed.protocol.lags, delays_seen))
+            _run_rounds(plan, record, delayed, recorder, policy, delays_seen, bar)
         bar.close()
     episodes = sorted(record.episodes, key=lambda e: (e["round"], e["world"]))
     protocol_record = None
@@ -234,7 +213,42 @@ def evaluate(cfg: EvalConfig, policy=None, expected_weights: str | None = None) 
     return result
 
 
-def evaluate_tasks(cfg: EvalConfig, policy=None) -> dict:
+def identity(cfg: EvalConfig, weights_sha256: str) -> dict:
+    """What must match for a record to be resumed or reused: the config without what does not change the
+    episodes, and the weights."""
+    skip = ("resume", "overwrite", "rerun", "output_dir", "video_episodes", "video_size")
+    return {**{k: v for k, v in asdict(cfg).items() if k not in skip}, "weights_sha256": weights_sha256}
+
+
+def _run_rounds(plan: EpisodePlan, record: EvalRecord, delayed, recorder, policy, delays_seen: dict, bar) -> None:
+    """Run the rounds of ``plan`` the record has not done, appending each episode as it ends and saving the
+    progress after each round (see `vla_rl.eval_record`)."""
+    env, n = recorder.env, delayed.num_envs
+    for r in range(record.rounds_done, len(plan.rounds)):
+        this = plan.rounds[r]
+        recorder.enabled = r == 0
+        obs, need = delayed.reset(seed=this.seed)
+        finished = np.array([e is None for e in this.episodes])  # uncounted worlds run but are not kept
+        length = np.zeros(n, dtype=np.int64)
+        while not finished.all():
+            obs, _, terminated, truncated, info, need = delayed.step(
+                _predict(policy, obs, need, delayed.obs_step, delayed.guidance)
+            )
+            length += np.where(finished, 0, info["steps"].cpu().numpy())
+            for d in info["delay_steps"][info["delay_steps"] >= 0].tolist():
+                delays_seen[d] = delays_seen.get(d, 0) + 1
+            done = (terminated | truncated).cpu().numpy() & ~finished
+            for i in np.flatnonzero(done):
+                task = env.task_names[int(info["task_id"][i])]
+                record.append({"round": r, "world": int(i), "task": task, **this.episodes[i],
+                               "success": bool(info["success"][i]), "length": int(length[i])})  # fmt: skip
+                bar.update(1)
+            finished |= done
+            interrupt.raise_if_stopped()
+        record.round_done(r + 1, random_state(delayed.delay, delayed.protocol.lags, delays_seen))
+
+
+def evaluate_tasks(cfg: EvalConfig, policy=None, expected_weights: str | None = None) -> dict:
     """``cfg.tasks`` one after the other, each into ``output_dir/<task>`` (a finished one is reused on
     --resume=true), then one result over all: ``per_task`` and ``per_episode`` of every task, ``per_suite``,
     the overall rate. Each task's own eval.json stays where it ran."""
@@ -253,10 +267,17 @@ def evaluate_tasks(cfg: EvalConfig, policy=None) -> dict:
         folder = out / task.replace("/", "_")
         one = replace(cfg, env=replace(cfg.env, task=task), tasks=[], output_dir=str(folder))
         done = folder / "eval.json"
-        if cfg.resume and done.exists() and not (folder / "eval_progress.pt").exists():
-            parts.append(json.loads(done.read_text()))  # finished before the stop
+        if cfg.resume and done.exists() and not (folder / "eval_progress.pt").exists():  # finished before the stop
+            part = json.loads(done.read_text())
+            ran = draccus.decode(EvalConfig, part["config"])
+            if identity(ran, part["provenance"]["weights_sha256"]) != identity(one, ran_weights(one, policy)):
+                raise ValueError(
+                    f"{folder} holds an evaluation of {task} under another config or other weights; resume with "
+                    "the run's own flags, or pass --overwrite=true"
+                )
+            parts.append(part)
         else:
-            parts.append(evaluate(one, policy))
+            parts.append(evaluate(one, policy, expected_weights))
     episodes = [e for part in parts for e in part["per_episode"]]
     successes = sum(e["success"] for e in episodes)
     suites = {}
@@ -282,6 +303,13 @@ def evaluate_tasks(cfg: EvalConfig, policy=None) -> dict:
               f"[{s['success_ci95'][0]:.1%}, {s['success_ci95'][1]:.1%}] |" for s in result["per_suite"]]  # fmt: skip
     write_text_atomic(out / "summary.md", "\n".join(lines) + "\n")
     return result
+
+
+def ran_weights(cfg: EvalConfig, policy=None) -> str:
+    """The sha256 of the weights ``cfg`` evaluates (``policy``'s when given, else its checkpoint's)."""
+    from vla_rl.eval_record import weights_sha256
+
+    return weights_sha256(policy if policy is not None else load_policy(cfg.checkpoint, device="cpu")[0])
 
 
 def rerun(cfg: EvalConfig) -> dict:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -98,6 +99,13 @@ class EpisodePlan:
         return sum(e is not None for r in self.rounds for e in r.episodes)
 
 
+def _parsed(line: str) -> dict[str, Any] | None:
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError:
+        return None
+
+
 def random_state(delay, lags: torch.Tensor, delays_seen: dict[int, int]) -> dict[str, Any]:
     """Every state an evaluation round reads or adds to: torch's random state (CPU and CUDA), the delay
     model's generators, the measured lags the delay estimate keeps across episodes, and the count of
@@ -133,7 +141,8 @@ class EvalRecord:
                     f"{out} holds an evaluation already; pass --resume=true to go on with it, --overwrite=true to "
                     "evaluate again over it, or choose another --output_dir"
                 )
-            self.progress_path.unlink(missing_ok=True)
+            for name in (PROGRESS, RESULT, "summary.md", "rollouts.mp4"):  # nothing of the old run is left
+                (out / name).unlink(missing_ok=True)
         if not self.episodes:
             out.mkdir(parents=True, exist_ok=True)
             write_text_atomic(self.episodes_path, "")
@@ -158,15 +167,28 @@ class EvalRecord:
             )
         self.rounds_done, self.saved_state = saved["rounds_done"], saved["random_state"]
         lines = self.episodes_path.read_text().splitlines() if self.episodes_path.exists() else []
-        # Lines of the round that was cut are dropped: that round runs again, whole.
-        self.episodes = [e for e in map(json.loads, lines) if e["round"] < self.rounds_done]
+        # Lines of the round that was cut are dropped (a line cut short by the stop can only be one of
+        # them): that round runs again, whole.
+        self.episodes = [e for e in map(_parsed, lines) if e is not None and e["round"] < self.rounds_done]
         write_text_atomic(self.episodes_path, "".join(json.dumps(e) + "\n" for e in self.episodes))
 
+    def check_rounds(self, plan: EpisodePlan) -> None:
+        """The episodes kept are all those of the rounds done (a record whose lines were lost is refused)."""
+        expected = sum(e is not None for r in plan.rounds[: self.rounds_done] for e in r.episodes)
+        if len(self.episodes) != expected or self.rounds_done > len(plan.rounds):
+            raise ValueError(
+                f"{self.episodes_path} holds {len(self.episodes)} episodes of the {self.rounds_done} rounds done, "
+                f"which ran {expected}: the record is damaged; evaluate again with --overwrite=true"
+            )
+
     def append(self, episode: dict[str, Any]) -> None:
-        """One finished episode: kept, and appended to episodes.jsonl at once (flushed)."""
+        """One finished episode: kept, and appended to episodes.jsonl at once (on the disk before the round's
+        progress can name it)."""
         self.episodes.append(episode)
         with open(self.episodes_path, "a") as f:
             f.write(json.dumps(episode) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
 
     def round_done(self, rounds_done: int, state: dict[str, Any]) -> None:
         buffer = io.BytesIO()

@@ -169,7 +169,9 @@ def update(
         success, torch.arange(num_worlds) // cfg.group_size, present & ~diverged, cfg.dynamic_sampling
     )
     keep = kept[rollout.world]
-    stats: dict[str, float] = {**counts, "decisions": int(processes.sum_ints([int(keep.sum())])[0])}
+    # Every process's: its groups, and its decisions kept.
+    summed = processes.sum_ints([*counts.values(), int(keep.sum())]).tolist()
+    stats: dict[str, float] = {**dict(zip(counts, summed[:-1], strict=True)), "decisions": summed[-1]}
     if stats["decisions"] == 0:
         return stats  # every group (of every process) was all-success or all-failure: nothing to learn from
     rollout, old_log_prob, decision_advantage = (

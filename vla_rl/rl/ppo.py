@@ -126,8 +126,8 @@ def gae(
 def values_of(
     actor: RLPolicy, critic: ValueHead, rollout: Rollout, max_episode_steps: int, batch_size: int
 ) -> torch.Tensor:
-    """(M,) V(s) of every decision, in batches."""
-    out = []
+    """(M,) V(s) of every decision, in batches (M may be 0: a data-parallel process whose worlds all diverged)."""
+    out = [torch.zeros(0)]
     for start in range(0, len(rollout), batch_size):
         rows = torch.arange(start, min(start + batch_size, len(rollout)))
         obs = to_device(select_rows(rollout.obs, rows), actor.device)
@@ -264,5 +264,7 @@ def update(
                 sums[k] = sums.get(k, 0.0) + v
             count += 1
     out = {k: v / max(1, count) for k, v in sums.items()}
-    out.update(decisions=decisions, advantage_mean=float(advantages.mean()), value_mean=float(old_values.mean()))
+    out.update(decisions=decisions)
+    if len(rollout):  # this process's
+        out.update(advantage_mean=float(advantages.mean()), value_mean=float(old_values.mean()))
     return out

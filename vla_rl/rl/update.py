@@ -245,7 +245,9 @@ class Processes:
         piece = -(-size * count // total)
         for k in range(-(-total // size)):
             rows = order[k * piece : (k + 1) * piece]
-            yield rows, int(self.sum_ints([len(rows)])[0])
+            rows_everywhere = int(self.sum_ints([len(rows)])[0])
+            if rows_everywhere:  # every process's pieces ran out (the rounding up): no step, in every process
+                yield rows, rows_everywhere
 
     def mean_std(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Mean and population standard deviation of every process's ``x`` (1-D) together."""
@@ -324,7 +326,7 @@ class GradientStep:
 
         def gradient(term: torch.Tensor | None) -> torch.Tensor:
             if term is None:
-                local = torch.zeros(size)
+                local = torch.zeros(size, dtype=trainable[0].dtype)
             elif not torch.isfinite(term):  # skipped everywhere: the sum of a NaN is NaN in every process
                 local = torch.full((size,), float("nan"))
             else:
