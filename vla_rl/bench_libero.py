@@ -33,6 +33,13 @@ Protocol history:
   timing now starts after each evaluator's own first reset. Quick run after the fixes:
   ``state_agreement=1.000 outcome_agreement=1.000 throughput_ratio=0.933`` (one world of
   libero_spatial/0, 281 of 281 steps equal).
+- 2026-12-02, run 1 (defaults): ``state_agreement=1.000 outcome_agreement=1.000 throughput_ratio=0.924``
+  (1,124 of 1,124 steps equal; 9.42 against 10.20 env-steps/s).
+- 2026-12-02, amendment after run 1: a second reader found that LeRobot's side processed and hashed each
+  observation for the comparison inside its timed window (ours hashed inside its own). Both now keep copies
+  and hash after the run; the protocol's timing rule (construction and first reset excluded) is unchanged.
+  Run 2 (defaults): ``state_agreement=1.000 outcome_agreement=1.000 throughput_ratio=0.935`` (1,124 of
+  1,124 steps equal; 118.5 s against 110.8 s of rollouts).
 """
 
 from __future__ import annotations
