@@ -8,10 +8,13 @@ one the robot bridge drives; ``--chunking.*`` sets the steps executed per chunk 
 served robot measured (``--delay.kind=histogram --delay.latencies_file=...``), announced to the
 policy by the oracle or by the robot's own estimate (``--delay.estimate=measured``). Each world
 runs one episode per round; round r resets with seed ``seed + r``, so the same seed always
-evaluates the same initial states.
+evaluates the same initial states. On LIBERO a named protocol (``--protocol``, `sim.libero_protocol`)
+fixes the episodes of each task, their initial states, settle steps and step limits instead.
 
-Writes ``eval.json`` (per-episode results, success rate with a 95% Wilson interval),
-``summary.md`` and ``rollouts.mp4`` (a grid of the first few episodes).
+Writes ``eval.json`` (per-episode results, success rate with a 95% Wilson interval, a row per task,
+the provenance a re-run needs), ``episodes.jsonl`` (each episode as it ends), ``summary.md`` and
+``rollouts.mp4`` (a grid of the first few episodes). A stopped evaluation goes on with ``--resume=true``;
+``--rerun=<eval.json>`` runs a record again (`vla_rl.eval_record`).
 """
 
 from __future__ import annotations
