@@ -16,11 +16,11 @@ def test_mcnemar_exact_by_hand():
     assert mcnemar_exact(1, 1) == 1.0 and mcnemar_exact(0, 0) == 1.0
 
 
-def _record(path, successes: dict[tuple[str, int], bool]):
+def _record(path, successes: dict[tuple[str, int], bool], checkpoint="ckpt", delay=None):
     episodes = [{"round": i, "world": 0, "task": task, "initial_state": state, "success": ok, "length": 100 + i}
                 for i, ((task, state), ok) in enumerate(successes.items())]  # fmt: skip
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"checkpoint": "ckpt", "protocol": {"name": "openpi"}, "delay": {},
+    path.write_text(json.dumps({"checkpoint": checkpoint, "protocol": {"name": "openpi"}, "delay": delay or {},
                                 "per_episode": episodes}))  # fmt: skip
     return str(path)
 
@@ -61,3 +61,34 @@ def test_records_of_other_episodes_are_not_paired_and_bad_records_are_named(tmp_
         report(ReportConfig(records=[str(tmp_path / "old.json")], output_dir=str(tmp_path / "out")))
     with pytest.raises(ValueError, match="not a readable evaluation record"):
         report(ReportConfig(records=[str(tmp_path / "missing.json")], output_dir=str(tmp_path / "out")))
+
+
+def test_success_by_delay_and_learning_curves(tmp_path):
+    """One checkpoint under no delay (3/4) and a fixed delay of 4 (1/4), another under none (2/4): a by-delay
+    table of the three. A fine-tuning run's evaluations (0.25 of 8 at 0 env steps, 0.75 at 1000) become a
+    curve, in the markdown and as a plot."""
+    from vla_rl.eval_report import delay_label
+
+    def outcomes(wins):
+        return {("lift", s): s < wins for s in range(4)}
+
+    records = [_record(tmp_path / "a0" / "eval.json", outcomes(3), "A", {"kind": "fixed", "steps": 0}),
+               _record(tmp_path / "a4" / "eval.json", outcomes(1), "A", {"kind": "fixed", "steps": 4}),
+               _record(tmp_path / "b0" / "eval.json", outcomes(2), "B")]  # fmt: skip
+    run = tmp_path / "ppo"
+    run.mkdir()
+    (run / "finetune_summary.json").write_text(json.dumps({"algo": "ppo", "evals": [
+        {"iteration": 0, "env_steps": 0, "success_rate": 0.25, "success_ci95": [0.07, 0.59], "episodes": 8},
+        {"iteration": 5, "env_steps": 1000, "success_rate": 0.75, "success_ci95": [0.41, 0.93], "episodes": 8}]}))  # fmt: skip
+    result = report(ReportConfig(records=records, learning_curves=[str(run)], paired=False,
+                                 output_dir=str(tmp_path / "out")))  # fmt: skip
+    assert [(r["checkpoint"], r["delay"], r["successes"]) for r in result["by_delay"]] == [
+        ("A", "none", 3), ("A", "fixed 4", 1), ("B", "none", 2)
+    ]  # fmt: skip
+    assert [p["success_rate"] for p in result["learning_curves"][0]["points"]] == [0.25, 0.75]
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "| A | fixed 4 | 25.0% (1/4)" in md and "| 5 | 1000 | 75.0% (6/8)" in md
+    assert (tmp_path / "out" / "learning_curves.png").stat().st_size > 0
+    assert delay_label({"kind": "uniform", "low": 2, "high": 5}) == "uniform 2-5"
+    with pytest.raises(ValueError, match="not a readable finetune_summary.json"):
+        report(ReportConfig(learning_curves=[str(tmp_path / "nothing")], output_dir=str(tmp_path / "out2")))

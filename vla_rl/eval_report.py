@@ -8,8 +8,11 @@ one succeeds where the other fails more often than chance allows: McNemar's exac
 pairs, which is what comparing two checkpoints on one set of initial states calls for. Records of other
 episodes are refused for pairing with one line.
 
-Writes ``report.md``, ``report.json`` and ``report.png`` (success per suite with 95% Wilson intervals,
-the published figures of the same suites as markers).
+Where one checkpoint was evaluated under several delays, a table of its success by delay; given
+fine-tuning runs (``--learning_curves``), their held-out success against env steps.
+
+Writes ``report.md``, ``report.json``, ``report.png`` (success per suite with 95% Wilson intervals, the
+published figures of the same suites as markers) and ``learning_curves.png``.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ class ReportConfig:
     """Evaluation records side by side, and two of them compared paired."""
 
     records: list[str] = field(default_factory=list)  # eval.json files (or the folders holding them)
+    # finetune_summary.json files (or their run folders): success against env steps, one curve each
+    learning_curves: list[str] = field(default_factory=list)
     names: list[str] = field(default_factory=list)  # a name per record (default: its folder's name)
     output_dir: str = "outputs/report"  # report.md, report.json, report.png go here
     # Compare the first two records paired (McNemar per task and overall): they must have run the same episodes.
@@ -122,7 +127,7 @@ def paired(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
 
 def report(cfg: ReportConfig) -> dict[str, Any]:
     """Build the report (see the module doc); returns what report.json holds."""
-    if not cfg.records:
+    if not cfg.records and not cfg.learning_curves:
         raise ValueError("--records is empty: name eval.json files, e.g. --records='[a/eval.json,b/eval.json]'")
     if cfg.names and len(cfg.names) != len(cfg.records):
         raise ValueError(f"--names has {len(cfg.names)} names for {len(cfg.records)} records: give one each, or none")
@@ -136,7 +141,8 @@ def report(cfg: ReportConfig) -> dict[str, Any]:
                      "delay": record.get("delay"), "overall": rates(episodes, lambda e: "overall")["overall"],
                      "suites": rates(episodes, lambda e: suite_of(e["task"])),
                      "tasks": rates(episodes, lambda e: e["task"])})  # fmt: skip
-    result: dict[str, Any] = {"records": rows}
+    result: dict[str, Any] = {"records": rows, "by_delay": by_delay(rows),
+                              "learning_curves": [load_curve(p) for p in cfg.learning_curves]}  # fmt: skip
     if cfg.paired and len(records) >= 2:
         result["paired"] = {"first": names[0], "second": names[1], "tests": paired(records[0], records[1])}
     suites = sorted({s for row in rows for s in row["suites"]})
@@ -149,8 +155,69 @@ def report(cfg: ReportConfig) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     write_text_atomic(out / "report.json", json.dumps(result, indent=2))
     write_text_atomic(out / "report.md", markdown(result, suites))
-    plot(result, suites, out / "report.png")
+    if rows:
+        plot(result, suites, out / "report.png")
+    if result["learning_curves"]:
+        plot_curves(result["learning_curves"], out / "learning_curves.png")
     return result
+
+
+def delay_label(delay: dict[str, Any] | None) -> str:
+    """A record's delay as one label: none, fixed d, uniform lo-hi, histogram <file>."""
+    if not delay or (delay.get("kind") == "fixed" and not delay.get("steps")):
+        return "none"
+    if delay["kind"] == "fixed":
+        return f"fixed {delay['steps']}"
+    if delay["kind"] == "uniform":
+        return f"uniform {delay['low']}-{delay['high']}"
+    return f"histogram {Path(delay.get('latencies_file', '')).name}"
+
+
+def by_delay(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each checkpoint's success under each delay its records ran (only when some checkpoint ran several)."""
+    table: dict[str, dict[str, dict[str, Any]]] = {}
+    for row in rows:
+        table.setdefault(row["checkpoint"], {})[delay_label(row["delay"])] = row["overall"]
+    if all(len(delays) < 2 for delays in table.values()):
+        return []
+    return [{"checkpoint": c, "delay": d, **r} for c, delays in table.items() for d, r in delays.items()]
+
+
+def load_curve(path: str) -> dict[str, Any]:
+    """A fine-tuning run's periodic evaluations (``finetune_summary.json``): success against env steps."""
+    file = Path(path) / "finetune_summary.json" if Path(path).is_dir() else Path(path)
+    try:
+        summary = json.loads(file.read_text())
+        evals = summary["evals"]
+    except (OSError, json.JSONDecodeError, KeyError) as err:
+        raise ValueError(f"{path}: not a readable finetune_summary.json with evaluations ({err})") from None
+    return {"name": file.parent.name, "algo": summary.get("algo"),
+            "points": [{k: e[k] for k in ("iteration", "env_steps", "success_rate", "success_ci95", "episodes")}
+                       for e in evals]}  # fmt: skip
+
+
+def plot_curves(curves: list[dict[str, Any]], path: Path) -> None:
+    """Held-out success against env steps, one line per run, its 95% intervals shaded."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    for curve in curves:
+        xs = [p["env_steps"] for p in curve["points"]]
+        ax.plot(
+            xs, [p["success_rate"] for p in curve["points"]], marker="o", label=f"{curve['name']} ({curve['algo']})"
+        )
+        ax.fill_between(xs, [p["success_ci95"][0] for p in curve["points"]], [p["success_ci95"][1] for p in curve["points"]],
+                        alpha=0.2)  # fmt: skip
+    ax.set_xlabel("env steps")
+    ax.set_ylabel("held-out success")
+    ax.set_ylim(0, 1.05)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def _rate(r: dict[str, Any] | None) -> str:
@@ -162,6 +229,8 @@ def _rate(r: dict[str, Any] | None) -> str:
 
 def markdown(result: dict[str, Any], suites: list[str]) -> str:
     rows = result["records"]
+    if not rows:
+        suites = []
     lines = ["# Evaluation report", "", "## By suite (success, successes/episodes, 95% Wilson interval)", "",
              "| record | protocol | " + " | ".join(suites) + " | overall |", "|---" * (len(suites) + 3) + "|"]  # fmt: skip
     for row in rows:
@@ -188,6 +257,14 @@ def markdown(result: dict[str, Any], suites: list[str]) -> str:
     ]
     for t in tasks:
         lines.append(f"| {t} | " + " | ".join(_rate(r["tasks"].get(t)) for r in rows) + " |")
+    if result["by_delay"]:
+        lines += ["", "## By delay", "", "| checkpoint | delay | success |", "|---|---|---|"]
+        lines += [f"| {r['checkpoint']} | {r['delay']} | {_rate(r)} |" for r in result["by_delay"]]
+    for curve in result["learning_curves"]:
+        lines += ["", f"## Learning curve: {curve['name']} ({curve['algo']})", "", "| iteration | env steps | success |",
+                  "|---|---|---|"]  # fmt: skip
+        lines += [f"| {p['iteration']} | {p['env_steps']} | {_rate({**p, 'successes': round(p['success_rate'] * p['episodes'])})} |"
+                  for p in curve["points"]]  # fmt: skip
     if "paired" in result:
         pair = result["paired"]
         lines += ["", f"## Paired: {pair['first']} against {pair['second']} (McNemar, exact, two-sided)", "",
