@@ -246,6 +246,8 @@ def test_an_evaluation_into_a_folder_holding_one_is_refused_unless_resumed_or_ov
         evaluate(cfg)
     with pytest.raises(FileExistsError, match="holds a finished evaluation"):
         evaluate(EvalConfig(**{**cfg.__dict__, "resume": True}))
+    with pytest.raises(ValueError, match="--overwrite=true replaces it: pass one"):
+        evaluate(EvalConfig(**{**cfg.__dict__, "resume": True, "overwrite": True}))
     assert json.loads((tmp_path / "e" / "eval.json").read_text())["per_episode"] == first["per_episode"]
     again = evaluate(EvalConfig(**{**cfg.__dict__, "overwrite": True}))
     assert again["per_episode"] == first["per_episode"]
@@ -331,6 +333,8 @@ def test_a_record_reruns_to_the_same_episodes_and_refuses_other_weights(tiny_che
     again = evaluate(EvalConfig(rerun=str(record), output_dir=str(tmp_path / "b")))
     assert again["rerun"]["same_outcomes"] and again["per_episode"] == first["per_episode"]
     assert again["delay_histogram"] == first["delay_histogram"] and again["config"]["seed"] == 11
+    with pytest.raises(FileExistsError, match="holds a finished evaluation"):  # --resume reaches the rerun
+        evaluate(EvalConfig(rerun=str(record), output_dir=str(tmp_path / "b"), resume=True))
     tampered = json.loads(record.read_text())
     tampered["provenance"]["weights_sha256"] = "0" * 64
     (tmp_path / "t.json").write_text(json.dumps(tampered))

@@ -42,10 +42,13 @@ from vla_rl.eval_record import (
     EvalRecord,
     compare_episodes,
     load_random_state,
+    occupied,
     per_task_table,
     provenance,
     random_state,
-    rerun_config,
+    rates,
+    read_record,
+    suite_of,
 )
 from vla_rl.statistics import wilson_interval
 
@@ -114,6 +117,10 @@ def evaluate(cfg: EvalConfig, policy=None, expected_weights: str | None = None) 
     """Evaluate ``cfg.checkpoint``; or, given ``policy`` (in eval mode), that policy as it is in memory,
     with ``cfg.checkpoint`` naming where it is saved (``vla-rl finetune``'s periodic evaluation).
     ``expected_weights``: the sha256 the weights must have (`eval_record.weights_sha256`)."""
+    if cfg.resume and cfg.overwrite:
+        raise ValueError(
+            "--resume=true goes on with the evaluation in output_dir, --overwrite=true replaces it: pass one"
+        )
     if cfg.rerun:
         return rerun(cfg)
     if cfg.tasks:
@@ -124,8 +131,7 @@ def evaluate(cfg: EvalConfig, policy=None, expected_weights: str | None = None) 
     libero = cfg.libero_protocol()
     env_cfg = cfg.env
     if libero is not None:
-        suite = cfg.env.task.partition("/")[0]
-        env_cfg = replace(with_libero_cameras(cfg.env), max_episode_steps=libero.limit(suite),
+        env_cfg = replace(with_libero_cameras(cfg.env), max_episode_steps=libero.limit(suite_of(cfg.env.task)),
                           settle_steps=libero.settle_steps)  # fmt: skip
     if policy is None:
         policy, ckpt = load_policy(cfg.checkpoint, device=cfg.device)
@@ -261,11 +267,8 @@ def evaluate_tasks(cfg: EvalConfig, policy=None, expected_weights: str | None = 
         raise ValueError(f"--tasks names a task twice ({cfg.tasks}): name each once")
     out = Path(cfg.output_dir)
     if (out / "eval.json").exists() and not (cfg.resume or cfg.overwrite):
-        raise FileExistsError(
-            f"{out} holds an evaluation already; pass --resume=true to go on with it, --overwrite=true to evaluate "
-            "again over it, or choose another --output_dir"
-        )
-    parts = []
+        raise occupied(out)
+    parts, weights = [], None
     for task in cfg.tasks:
         folder = out / task.replace("/", "_")
         one = replace(cfg, env=replace(cfg.env, task=task), tasks=[], output_dir=str(folder))
@@ -273,7 +276,8 @@ def evaluate_tasks(cfg: EvalConfig, policy=None, expected_weights: str | None = 
         if cfg.resume and done.exists() and not (folder / "eval_progress.pt").exists():  # finished before the stop
             part = json.loads(done.read_text())
             ran = draccus.decode(EvalConfig, part["config"])
-            if identity(ran, part["provenance"]["weights_sha256"]) != identity(one, ran_weights(one, policy)):
+            weights = weights or ran_weights(one, policy)  # every part evaluates the same weights: hashed once
+            if identity(ran, part["provenance"]["weights_sha256"]) != identity(one, weights):
                 raise ValueError(
                     f"{folder} holds an evaluation of {task} under another config or other weights; resume with "
                     "the run's own flags, or pass --overwrite=true"
@@ -283,16 +287,12 @@ def evaluate_tasks(cfg: EvalConfig, policy=None, expected_weights: str | None = 
             parts.append(evaluate(one, policy, expected_weights))
     episodes = [e for part in parts for e in part["per_episode"]]
     successes = sum(e["success"] for e in episodes)
-    suites = {}
-    for e in episodes:
-        suites.setdefault(e["task"].partition("/")[0], []).append(e)
     result = {
         "checkpoint": parts[0]["checkpoint"], "tasks": list(cfg.tasks), "protocol": parts[0]["protocol"],
         "episodes": len(episodes), "successes": successes, "success_rate": successes / len(episodes),
         "success_ci95": list(wilson_interval(successes, len(episodes))),
         "mean_episode_length": float(np.mean([e["length"] for e in episodes])),
-        "per_suite": [row | {"suite": row.pop("task")} for row in per_task_table(
-            [{**e, "task": e["task"].partition("/")[0]} for e in episodes], list(suites))],
+        "per_suite": [{"suite": name, **row} for name, row in rates(episodes, lambda e: suite_of(e["task"])).items()],
         "per_task": [row for part in parts for row in part["per_task"]],
         "parts": {task: str(out / task.replace("/", "_") / "eval.json") for task in cfg.tasks},
         "per_episode": episodes, "config": asdict(cfg), "provenance": parts[0]["provenance"],
@@ -318,7 +318,9 @@ def ran_weights(cfg: EvalConfig, policy=None) -> str:
 def rerun(cfg: EvalConfig) -> dict:
     """Evaluate again what the record ``cfg.rerun`` ran, into ``cfg.output_dir``; the result adds ``rerun``:
     the record, whether every episode's outcome and length came out the same, and those that did not."""
-    again_cfg, record = rerun_config(Path(cfg.rerun), cfg.output_dir, cfg.overwrite)
+    record = read_record(Path(cfg.rerun))
+    again_cfg = draccus.decode(EvalConfig, {**record["config"], "output_dir": cfg.output_dir, "rerun": "",
+                                            "overwrite": cfg.overwrite, "resume": cfg.resume})  # fmt: skip
     result = evaluate(again_cfg, expected_weights=record["provenance"]["weights_sha256"])
     differing = compare_episodes(record["per_episode"], result["per_episode"])
     result["rerun"] = {"record": str(cfg.rerun), "same_outcomes": not differing, "differing": differing,

@@ -125,6 +125,14 @@ def load_random_state(state: dict[str, Any], delay, protocol, delays_seen: dict[
     delays_seen.update(state["delays_seen"])
 
 
+def occupied(out: Path) -> FileExistsError:
+    """The one-line refusal of an evaluation into a folder that holds one."""
+    return FileExistsError(
+        f"{out} holds an evaluation already; pass --resume=true to go on with it, --overwrite=true to evaluate "
+        "again over it, or choose another --output_dir"
+    )
+
+
 class EvalRecord:
     """The record of one evaluation in ``out`` (see the module doc). ``identity``: what must match for a
     record to be resumed (the config without what does not change the episodes)."""
@@ -137,10 +145,7 @@ class EvalRecord:
             self._load()
         elif self.episodes_path.exists() or self.progress_path.exists() or (out / RESULT).exists():
             if not overwrite:
-                raise FileExistsError(
-                    f"{out} holds an evaluation already; pass --resume=true to go on with it, --overwrite=true to "
-                    "evaluate again over it, or choose another --output_dir"
-                )
+                raise occupied(out)
             for name in (PROGRESS, RESULT, "summary.md", "rollouts.mp4"):  # nothing of the old run is left
                 (out / name).unlink(missing_ok=True)
         if not self.episodes:
@@ -239,13 +244,9 @@ def provenance(policy: torch.nn.Module) -> dict[str, Any]:
             "record_version": RECORD_VERSION}  # fmt: skip
 
 
-def rerun_config(record_path: Path, output_dir: str, overwrite: bool):
-    """The `EvalConfig` a record (``eval.json``) ran, evaluating into ``output_dir``; its weights' hash. A
-    record of another version, or not an evaluation record, is refused with one line."""
-    import draccus
-
-    from vla_rl.eval import EvalConfig
-
+def read_record(record_path: Path) -> dict[str, Any]:
+    """A record (``eval.json``) to run again; one of another version, or not an evaluation record, is refused
+    with one line."""
     try:
         record = json.loads(Path(record_path).read_text())
     except (OSError, json.JSONDecodeError) as err:
@@ -256,8 +257,7 @@ def rerun_config(record_path: Path, output_dir: str, overwrite: bool):
             f"--rerun={record_path} was written by {'an older' if version is None else 'another'} vla-rl eval (record "
             f"version {version}, this one reads {RECORD_VERSION}): re-run it with its own flags (its config is in it)"
         )
-    config = {**record["config"], "output_dir": output_dir, "overwrite": overwrite, "resume": False, "rerun": ""}
-    return draccus.decode(EvalConfig, config), record
+    return record
 
 
 def compare_episodes(record: list[dict[str, Any]], again: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -275,18 +275,29 @@ def compare_episodes(record: list[dict[str, Any]], again: list[dict[str, Any]]) 
             for e in record if outcome(e) != outcome(keyed.get(key(e)))]  # fmt: skip
 
 
-def per_task_table(episodes: list[dict[str, Any]], task_names: list[str]) -> list[dict[str, Any]]:
-    """One row per task (in ``task_names`` order, tasks without episodes left out): episodes, successes,
-    success rate with its 95% Wilson interval, mean episode length."""
+def suite_of(task: str) -> str:
+    """A task's suite by its name: ``libero_spatial/3`` is in ``libero_spatial``; a task without one is its own."""
+    return task.partition("/")[0]
+
+
+def rates(episodes: list[dict[str, Any]], key) -> dict[str, dict[str, Any]]:
+    """Episodes grouped by ``key(episode)``, in order of first appearance: episodes, successes, success rate
+    with its 95% Wilson interval, mean episode length."""
     from vla_rl.statistics import wilson_interval
 
-    rows = []
-    for name in task_names:
-        mine = [e for e in episodes if e["task"] == name]
-        if not mine:
-            continue
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for e in episodes:
+        groups.setdefault(key(e), []).append(e)
+    out = {}
+    for name, mine in groups.items():
         successes = sum(e["success"] for e in mine)
-        rows.append({"task": name, "episodes": len(mine), "successes": successes,
-                     "success_rate": successes / len(mine), "success_ci95": list(wilson_interval(successes, len(mine))),
-                     "mean_episode_length": float(np.mean([e["length"] for e in mine]))})  # fmt: skip
-    return rows
+        out[name] = {"episodes": len(mine), "successes": successes, "success_rate": successes / len(mine),
+                     "success_ci95": list(wilson_interval(successes, len(mine))),
+                     "mean_episode_length": float(np.mean([e["length"] for e in mine]))}  # fmt: skip
+    return out
+
+
+def per_task_table(episodes: list[dict[str, Any]], task_names: list[str]) -> list[dict[str, Any]]:
+    """One row per task (in ``task_names`` order, tasks without episodes left out), as `rates` gives it."""
+    by_task = rates(episodes, lambda e: e["task"])
+    return [{"task": name, **by_task[name]} for name in task_names if name in by_task]

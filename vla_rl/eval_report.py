@@ -22,8 +22,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sim.libero_protocol import SUITES
 from vla_core.files import write_text_atomic
-from vla_rl.statistics import mcnemar_exact, wilson_interval
+from vla_rl.eval_record import rates, suite_of
+from vla_rl.statistics import mcnemar_exact
 
 
 @dataclass
@@ -48,7 +50,7 @@ class Published:
     success: dict[str, float]
 
 
-_SUITES = ("libero_spatial", "libero_object", "libero_goal", "libero_10")
+_SUITES = SUITES[:4]  # the published figures have no libero_90 column
 PUBLISHED = tuple(
     Published(model, protocol, dict(zip(_SUITES, figures, strict=True)))
     for model, protocol, figures in (
@@ -64,10 +66,6 @@ PUBLISHED = tuple(
 )  # the baseline table of the project's anchors; openpi's protocol is also OpenVLA's and OpenVLA-OFT's
 
 
-def suite_of(task: str) -> str:
-    return task.partition("/")[0]
-
-
 def load_record(path: str) -> dict[str, Any]:
     """An eval.json (or the folder holding one); one line naming the fix when it is not one."""
     file = Path(path) / "eval.json" if Path(path).is_dir() else Path(path)
@@ -80,20 +78,6 @@ def load_record(path: str) -> dict[str, Any]:
             f"{path}: an evaluation record without per-episode tasks (an older vla-rl eval); evaluate again"
         )
     return record
-
-
-def rates(episodes: list[dict[str, Any]], key) -> dict[str, dict[str, Any]]:
-    """Episodes grouped by ``key(episode)``: episodes, successes, rate, 95% Wilson interval, mean length."""
-    groups: dict[str, list[dict[str, Any]]] = {}
-    for e in episodes:
-        groups.setdefault(key(e), []).append(e)
-    out = {}
-    for name, mine in groups.items():
-        s = sum(e["success"] for e in mine)
-        out[name] = {"episodes": len(mine), "successes": s, "success_rate": s / len(mine),
-                     "success_ci95": list(wilson_interval(s, len(mine))),
-                     "mean_episode_length": sum(e["length"] for e in mine) / len(mine)}  # fmt: skip
-    return out
 
 
 def episode_key(e: dict[str, Any]) -> tuple:
