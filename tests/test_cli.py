@@ -162,8 +162,8 @@ def test_a_run_without_a_crash_leaves_no_crash_log(tmp_path):
         with crash_log.into(tmp_path / "a" / "b") as path:
             assert path == tmp_path / "a" / "b" / "native_crash.log" and path.is_file() and faulthandler.is_enabled()
             (tmp_path / "a" / "b" / "result.json").write_text("{}")
-            with crash_log.into(tmp_path / "c") as inner:
-                assert inner.is_file()
+            with crash_log.into(tmp_path / "c", process_index=2) as inner:  # a data-parallel run's third process
+                assert inner == tmp_path / "c" / "native_crash.process2.log" and inner.is_file()
             assert faulthandler.is_enabled() and not inner.exists()
         assert not faulthandler.is_enabled() and not path.exists() and (tmp_path / "a" / "b" / "result.json").is_file()
     finally:

@@ -17,12 +17,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
 
+from vla_core.files import process_file
+
 CRASH_LOG = "native_crash.log"
-
-
-def file_name(process_index: int) -> str:
-    """The crash log of a data-parallel run's process ``process_index`` (the first one's is ``CRASH_LOG``)."""
-    return CRASH_LOG if process_index == 0 else f"native_crash.process{process_index}.log"
 
 
 _files: list[IO[str]] = []  # the files faulthandler writes to, innermost last (a run inside a run)
@@ -36,12 +33,13 @@ def on_stderr() -> None:
 
 
 @contextlib.contextmanager
-def into(directory: Path, name: str = CRASH_LOG) -> Iterator[Path]:
-    """While inside, a native crash writes its stacks to ``directory / name`` (the directory is made if
-    missing: enter once the run has accepted its output directory); afterwards they go where they went
-    before. Yields the file's path."""
+def into(directory: Path, process_index: int = 0) -> Iterator[Path]:
+    """While inside, a native crash writes its stacks to ``directory / CRASH_LOG`` (a data-parallel run's
+    other processes to their own, `vla_core.files.process_file`; the directory is made if missing: enter
+    once the run has accepted its output directory); afterwards they go where they went before. Yields the
+    file's path."""
     directory.mkdir(parents=True, exist_ok=True)
-    path = directory / name
+    path = directory / process_file(CRASH_LOG, process_index)
     on_before = faulthandler.is_enabled()  # the outermost: on stderr (a command) or off (a library call)
     log = open(path, "a")  # noqa: SIM115 - held open for the signal handler, closed below
     _files.append(log)

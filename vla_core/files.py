@@ -16,6 +16,15 @@ def write_text_atomic(path: str | Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def process_file(name: str, process_index: int) -> str:
+    """The file ``name`` of a data-parallel run's process ``process_index``: the first process's is ``name``
+    itself, process k's ``<stem>.process<k><suffix>`` (``ray_timeline.process1.json``)."""
+    if process_index == 0:
+        return name
+    stem, dot, suffix = name.partition(".")
+    return f"{stem}.process{process_index}{dot}{suffix}"
+
+
 def write_bytes_atomic(path: str | Path, data: bytes) -> None:
     """Write ``data`` to a temporary file beside ``path``, flushed to the disk, then rename it over ``path``."""
     tmp = temporary_beside(path)

@@ -324,7 +324,7 @@ def finetune(cfg: FinetuneConfig) -> dict:
             accelerator.init_trackers("finetune", config={"algo": cfg.algo, "lr": cfg.lr, "tasks": ",".join(tasks)})
         if accelerator.is_main_process:
             out.mkdir(parents=True, exist_ok=True)
-        closing.enter_context(crash_log.into(out, crash_log.file_name(processes.index)))
+        closing.enter_context(crash_log.into(out, processes.index))
         if accelerator.is_main_process:
             write_text_atomic(out / "finetune_config.json", json.dumps(asdict(cfg), indent=2))
             if not cfg.resume:

@@ -321,7 +321,7 @@ def train(cfg: TrainConfig) -> dict:
                disable=not run.accelerator.is_main_process)  # fmt: skip
     # SIGINT and SIGTERM are only noted during a step or a checkpoint write: the loop stops at the
     # next step boundary and writes a checkpoint there (see vla_core.interrupt).
-    with interrupt.deferred(), crash_log.into(run.out, crash_log.file_name(run.accelerator.process_index)):
+    with interrupt.deferred(), crash_log.into(run.out, run.accelerator.process_index):
         step = train_steps(run, frames_per_step, bar)
         summary = finish(run, step, start)
     return summary

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vla_core.files import process_file
 from vla_core.rl import RLPolicy
 from vla_rl.rl import grpo
 from vla_rl.rl.curriculum import TaskCurriculum
@@ -143,8 +144,7 @@ class RayRollouts:
             return seed, episodes, cfg.seed * 1_000_003 + index
 
         self.curriculum, self.first_iteration, self.processes = curriculum, first_iteration, processes
-        name = "ray_timeline.json" if processes.index == 0 else f"ray_timeline.process{processes.index}.json"
-        self.timeline = Path(cfg.output_dir) / name
+        self.timeline = Path(cfg.output_dir) / process_file("ray_timeline.json", processes.index)
         self.workers = AsyncRollouts(actor.policy, cfg, gamma, version=first_iteration, seeds=seeds,
                                      learner=(processes.index, processes.count))  # fmt: skip
 
