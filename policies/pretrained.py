@@ -194,8 +194,9 @@ def lerobot_processors(device: str = "cpu"):
     )
 
 
-def config_from_dict(saved: dict[str, Any], source: str | Path) -> PolicyConfig:
-    """A policy config from the contents of a ``config.json``; the errors name what the file is instead."""
+def config_from_dict(saved: dict[str, Any], source: str | Path, tokenizer_dir: str = "") -> PolicyConfig:
+    """A policy config from the contents of a ``config.json``; the errors name what the file is instead.
+    tokenizer_dir: for a LeRobot VLA, the local folder of its tokenizer (`policies.lerobot.assets`)."""
     saved_type = saved.get("type")
     if saved_type is None:
         hint = " (written by vla-rl 0.1: retrain it with `vla-rl train`)" if "policy_type" in saved else ""
@@ -204,7 +205,7 @@ def config_from_dict(saved: dict[str, Any], source: str | Path) -> PolicyConfig:
     type_name = saved_type.removeprefix(LEROBOT_TYPE_PREFIX)
     if not saved_type.startswith(LEROBOT_TYPE_PREFIX):
         # Not vla-rl's: a LeRobot policy (ACT, diffusion, pi0, ...) enters through the `lerobot` type.
-        return PolicyConfig.get_choice_class("lerobot").from_directory(source)
+        return PolicyConfig.get_choice_class("lerobot").from_directory(source, tokenizer_dir)
     if type_name not in known:
         raise ValueError(
             f"{source} holds a {saved_type!r} policy, which this vla-rl does not know "
@@ -282,14 +283,16 @@ class PreTrainedPolicy(NormalizationMixin, nn.Module):
             pipeline.save_pretrained(directory)
 
     @classmethod
-    def from_pretrained(cls, directory: str | Path, device: str | torch.device = "cpu") -> PreTrainedPolicy:
-        """The policy saved in ``directory``, in eval mode on ``device``.
+    def from_pretrained(
+        cls, directory: str | Path, device: str | torch.device = "cpu", tokenizer_dir: str = ""
+    ) -> PreTrainedPolicy:
+        """The policy saved in ``directory``, in eval mode on ``device``. tokenizer_dir: see `config_from_dict`.
 
         Called on the base class it builds whichever type ``config.json`` names; called on a subclass
         it also checks the type.
         """
         directory = Path(directory)
-        config = config_from_dict(json.loads((directory / CONFIG_FILE).read_text()), directory)
+        config = config_from_dict(json.loads((directory / CONFIG_FILE).read_text()), directory, tokenizer_dir)
         policy_cls = policy_class(config.type)
         if cls is not PreTrainedPolicy and policy_cls is not cls:
             raise ValueError(f"{directory} holds a {config.type!r} policy, not a {cls.__name__}")

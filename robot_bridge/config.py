@@ -92,6 +92,9 @@ class ServeConfig:
     """Run a policy checkpoint as a ROS 2 node: sensors in, commands at the control rate out."""
 
     checkpoint: str = "outputs/quickstart/train"  # checkpoint dir (or a training output dir) to load
+    # A LeRobot VLA checkpoint's tokenizer, in a local folder (pi0/pi05: PaliGemma's; SmolVLA: its VLM's,
+    # with config.json); "": the checkpoint's tokenizer/ folder, else the Hugging Face cache.
+    tokenizer_dir: str = ""
     device: str = "cpu"  # torch device of the policy
     cameras: list[CameraTopic] = field(default_factory=lambda: [CameraTopic()])  # camera topic -> policy image feature
     # JointState names, in observation.state order

@@ -11,6 +11,7 @@ from typing import Any, Literal
 import numpy as np
 
 Backend = Literal["cpu", "warp"]
+RLBenchActionMode = Literal["keypose", "joint"]  # see EnvConfig.rlbench_action_mode
 
 
 @dataclass
@@ -18,7 +19,8 @@ class EnvConfig:
     """A batch of simulated worlds running one task."""
 
     # Task name: a MuJoCo tabletop task (`sim.tasks.TASKS`), a LIBERO suite or task (libero_spatial,
-    # libero_spatial/3; `sim.libero_env`) or a robosuite task (robosuite/Lift; `sim.robosuite_env`).
+    # libero_spatial/3; `sim.libero_env`), a robosuite task (robosuite/Lift; `sim.robosuite_env`) or an
+    # RLBench task (rlbench/close_jar; `sim.rlbench_env`, needs CoppeliaSim, PyRep and RLBench).
     task: str = "lift"
     # Physics backend. cpu = MuJoCo with mujoco.rollout threads; warp = MuJoCo Warp, all worlds
     # in one process on `device` (needs the `gpu` extra). See `sim.factory.make_env`.
@@ -39,6 +41,17 @@ class EnvConfig:
     # task's own (LIBERO: 10, LeRobot's; the other tasks start settled and take only 0 or -1).
     # `vla-rl eval --protocol` sets it on LIBERO (`sim.libero_protocol`).
     settle_steps: int = -1
+    # RLBench tasks only (rlbench/<task>; `sim.rlbench_env`): how an action commands the arm. keypose = an
+    # end-effector pose [x, y, z, qx, qy, qz, qw, gripper_open] reached by RLBench's planner (PerAct's
+    # setting); joint = 7 absolute joint positions and gripper_open.
+    rlbench_action_mode: RLBenchActionMode = "keypose"
+    # RLBench tasks only: -1 = each episode draws one of the task's variations (PerAct evaluates over all);
+    # k >= 0 = every episode runs variation k.
+    rlbench_variation: int = -1
+    # RLBench tasks only: a folder of stored RLBench episodes (<folder>/<task>/all_variations/episodes/,
+    # e.g. PerAct's test set); when set, reset(seed) starts worlds at stored episodes, as PerAct evaluates;
+    # "" = new random scenes.
+    rlbench_demo_root: str = ""
 
 
 # -- what every backend shares: world selection, seeds, features ---------------------------------

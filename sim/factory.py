@@ -21,6 +21,7 @@ from vla_core import registry
 BACKENDS = get_args(Backend)
 LIBERO_PREFIX = "libero_"  # libero_spatial, libero_object, libero_goal, libero_10, libero_90 (see sim.libero_env)
 ROBOSUITE_PREFIX = "robosuite/"  # robosuite/Lift, robosuite/Stack, robosuite/PickPlaceCan (see sim.robosuite_env)
+RLBENCH_PREFIX = "rlbench/"  # rlbench/close_jar, any module of rlbench.tasks (see sim.rlbench_env)
 BUILTIN = "vla-rl"  # the origin of the built-in families
 
 
@@ -50,6 +51,10 @@ WORKER_PROCESSES = "robosuite/LIBERO worker processes"
 BUILTIN_FAMILIES = (
     EnvFamily(LIBERO_PREFIX, {"cpu": "sim.libero_env:LiberoBatchedEnv"}, WORKER_PROCESSES),
     EnvFamily(ROBOSUITE_PREFIX, {"cpu": "sim.robosuite_env:RobosuiteBatchedEnv"}, WORKER_PROCESSES),
+    # CoppeliaSim runs one instance per process: one RLBench world per worker process, on the CPU's physics.
+    EnvFamily(
+        RLBENCH_PREFIX, {"cpu": "sim.rlbench_env:RLBenchBatchedEnv"}, "RLBench worker processes, one CoppeliaSim each"
+    ),
     # The MuJoCo tabletop tasks (`sim.tasks.TASKS`): mujoco.rollout threads, or MuJoCo Warp on `device`.
     EnvFamily("", {"cpu": "sim.mujoco_env:MujocoBatchedEnv", "warp": "sim.warp_env:WarpBatchedEnv"}),
 )
@@ -98,6 +103,8 @@ def make_env(config: EnvConfig):
 
     - ``libero_*`` tasks: LiberoBatchedEnv; ``robosuite/*`` tasks: RobosuiteBatchedEnv. Both run
       one subprocess worker per world on the cpu backend and need the ``libero`` extra.
+    - ``rlbench/*`` tasks: RLBenchBatchedEnv, one worker process (one CoppeliaSim) per world on the
+      cpu backend; needs CoppeliaSim, PyRep and RLBench, which no package registry provides.
     - A task of a plugin's family (``vla_rl.envs`` entry points): what the plugin builds.
     - The MuJoCo tabletop tasks: MujocoBatchedEnv (cpu) or WarpBatchedEnv (warp).
 
@@ -115,6 +122,7 @@ def make_env(config: EnvConfig):
             f"--env.settle_steps={config.settle_steps}: only LIBERO tasks settle after a reset; {config.task!r} "
             "starts settled (drop the flag)"
         )
+    _check_family_fields(config, family)
     if config.backend not in family.builders:
         backends = " or ".join(family.builders)
         raise ValueError(
@@ -122,3 +130,13 @@ def make_env(config: EnvConfig):
             f"set backend={next(iter(family.builders))!r}"
         )
     return family.builder(config.backend)(config)
+
+
+def _check_family_fields(config: EnvConfig, family: EnvFamily) -> None:
+    """Refuse the fields of one family set for a task of another (they would be ignored silently)."""
+    if family.prefix == RLBENCH_PREFIX:
+        return
+    default = EnvConfig()
+    for name in ("rlbench_action_mode", "rlbench_variation", "rlbench_demo_root"):
+        if getattr(config, name) != getattr(default, name):
+            raise ValueError(f"--env.{name} applies to rlbench/ tasks only, not {config.task!r}; drop the flag")

@@ -143,12 +143,15 @@ def resolve_policy_dir(path: str | Path) -> Path:
     return resolve_checkpoint(path) / POLICY_DIR
 
 
-def load_policy(path: str | Path, expected_type: str | None = None, device: str | torch.device = "cpu"):
-    """Build the policy stored at ``path`` and load its weights. Returns (policy, policy directory)."""
+def load_policy(
+    path: str | Path, expected_type: str | None = None, device: str | torch.device = "cpu", tokenizer_dir: str = ""
+):
+    """Build the policy stored at ``path`` and load its weights. Returns (policy, policy directory).
+    tokenizer_dir: the local folder of a LeRobot VLA's tokenizer (``--tokenizer_dir``)."""
     from policies import PreTrainedPolicy
 
     model_dir = resolve_policy_dir(path)
-    policy = PreTrainedPolicy.from_pretrained(model_dir, device=device)
+    policy = PreTrainedPolicy.from_pretrained(model_dir, device=device, tokenizer_dir=tokenizer_dir)
     if expected_type is not None and policy.config.type != expected_type:
         raise ValueError(
             f"checkpoint {model_dir} holds a {policy.config.type!r} policy, but {expected_type!r} was asked for; "

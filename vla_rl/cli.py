@@ -39,11 +39,11 @@ class Command:
         return getattr(importlib.import_module(module), name)
 
 
-def _policy_from_checkpoint(path: str, device: str):
+def _policy_from_checkpoint(path: str, device: str, tokenizer_dir: str = ""):
     """The serve node's policy loader; runs inside its inference worker, so a bad checkpoint is reported there."""
     from vla_rl.checkpoint import load_policy
 
-    return load_policy(path, device=device)[0]
+    return load_policy(path, device=device, tokenizer_dir=tokenizer_dir)[0]
 
 
 def _run_serve(cfg):
@@ -54,7 +54,7 @@ def _run_serve(cfg):
 
     # `--ros-args ...` (ROS parameter overrides) was kept out of the config parse; rclpy reads it here.
     ros_args = sys.argv[sys.argv.index("--ros-args") :] if "--ros-args" in sys.argv else None
-    summary = serve(cfg, partial(_policy_from_checkpoint, cfg.checkpoint, cfg.device), ros_args)
+    summary = serve(cfg, partial(_policy_from_checkpoint, cfg.checkpoint, cfg.device, cfg.tokenizer_dir), ros_args)
     print(json.dumps(summary, indent=2))
 
 
@@ -116,8 +116,8 @@ def _run_finetune(cfg):
         else f"; success {before:.2f} -> {after:.2f} on {summary['evals'][-1]['episodes']} episodes"
     )
     print(
-        f"{summary['algo']}: {summary['iterations']} iterations, {summary['env_steps']} env steps{change}; "
-        f"{cfg.output_dir}/finetune_summary.json"
+        f"{summary['algo']}: {summary['iterations']} iterations, {summary['env_steps']} env steps{change}; peak "
+        f"memory {summary['peak_memory']['gib']:.2f} GiB; {cfg.output_dir}/finetune_summary.json"
     )
 
 

@@ -60,6 +60,9 @@ class EvalConfig:
     """Evaluate a policy checkpoint in closed loop in the batched simulator."""
 
     checkpoint: str = "outputs/quickstart/train"  # checkpoint dir, or a training output dir (uses its last)
+    # A LeRobot VLA checkpoint's tokenizer, in a local folder (pi0/pi05: PaliGemma's; SmolVLA: its VLM's,
+    # with config.json); "": the checkpoint's tokenizer/ folder, else the Hugging Face cache.
+    tokenizer_dir: str = ""
     env: EnvConfig = field(
         default_factory=lambda: EnvConfig(num_envs=50)
     )  # simulated task; num_envs worlds per round (default here: 50)
@@ -134,7 +137,7 @@ def evaluate(cfg: EvalConfig, policy=None, expected_weights: str | None = None) 
         env_cfg = replace(with_libero_cameras(cfg.env), max_episode_steps=libero.limit(suite_of(cfg.env.task)),
                           settle_steps=libero.settle_steps)  # fmt: skip
     if policy is None:
-        policy, ckpt = load_policy(cfg.checkpoint, device=cfg.device)
+        policy, ckpt = load_policy(cfg.checkpoint, device=cfg.device, tokenizer_dir=cfg.tokenizer_dir)
     else:
         ckpt = cfg.checkpoint
     origin = provenance(policy)
@@ -225,7 +228,7 @@ def evaluate(cfg: EvalConfig, policy=None, expected_weights: str | None = None) 
 def identity(cfg: EvalConfig, weights_sha256: str) -> dict:
     """What must match for a record to be resumed or reused: the config without what does not change the
     episodes, and the weights."""
-    skip = ("resume", "overwrite", "rerun", "output_dir", "video_episodes", "video_size")
+    skip = ("resume", "overwrite", "rerun", "output_dir", "video_episodes", "video_size", "tokenizer_dir")
     return {**{k: v for k, v in asdict(cfg).items() if k not in skip}, "weights_sha256": weights_sha256}
 
 
@@ -312,7 +315,9 @@ def ran_weights(cfg: EvalConfig, policy=None) -> str:
     """The sha256 of the weights ``cfg`` evaluates (``policy``'s when given, else its checkpoint's)."""
     from vla_rl.eval_record import weights_sha256
 
-    return weights_sha256(policy if policy is not None else load_policy(cfg.checkpoint, device="cpu")[0])
+    if policy is None:
+        policy = load_policy(cfg.checkpoint, device="cpu", tokenizer_dir=cfg.tokenizer_dir)[0]
+    return weights_sha256(policy)
 
 
 def rerun(cfg: EvalConfig) -> dict:

@@ -58,6 +58,7 @@ import torch
 from tqdm import tqdm
 
 from policies.denoising_chain import ExplorationNoise
+from policies.lerobot.adaptation import AdaptationConfig
 from sim.config import EnvConfig
 from vla_core import crash_log, interrupt
 from vla_core.files import write_text_atomic
@@ -94,6 +95,12 @@ class FinetuneConfig:
     """Fine-tune an imitation checkpoint with RL in the batched simulator."""
 
     checkpoint: str = "outputs/quickstart/train"  # imitation checkpoint (or training output dir: its last)
+    # A LeRobot VLA checkpoint's tokenizer, in a local folder (pi0/pi05: PaliGemma's; SmolVLA: its VLM's,
+    # with config.json); "": the checkpoint's tokenizer/ folder, else the Hugging Face cache.
+    tokenizer_dir: str = ""
+    # A LeRobot flow VLA (pi0, pi05, SmolVLA): which weights train (all, the action expert, LoRA
+    # adapters), their dtype and gradient checkpointing (`policies.lerobot.adaptation`).
+    vla: AdaptationConfig = field(default_factory=AdaptationConfig)
     algo: Algo = "ppo"  # ppo (value head, GAE) or grpo (groups of rollouts from one state, no critic)
     env: EnvConfig = field(default_factory=lambda: EnvConfig(num_envs=16))  # task and worlds of the rollouts
     # Several tasks in one run, e.g. [lift,reach,push]: env.num_envs worlds each (task-balanced);
@@ -164,6 +171,7 @@ class FinetuneConfig:
         self.chunking.validate()
         check_merge(self.chunking.merge, use="finetune")  # the latency protocol's table
         self.noise.check_density()  # RL needs the chain's log-probability
+        self.vla.validate()
         self.ppo.validate()
         if self.algo == "grpo":
             self.grpo.validate(self.env.num_envs)
@@ -304,7 +312,7 @@ def finetune(cfg: FinetuneConfig) -> dict:
             "`ray start --head` and pass --ray.address=auto"
         )
     device = accelerator.device if processes.count > 1 else cfg.device
-    policy, policy_dir = load_policy(source, device=device)
+    policy, policy_dir = _load_trained_policy(cfg, source, device, out)
     # The RL contract: refused, with the fix, for a policy that has none (its actor is built for the run's
     # latency protocol once the envs are open).
     factors = trained_factors(cfg.train_last_steps, policy.rl_actor(cfg.noise).num_factors)
@@ -338,11 +346,33 @@ def finetune(cfg: FinetuneConfig) -> dict:
         _train(run, rollouts)
     if run.logging:
         accelerator.end_training()
-    summary = report.summary(cfg, tasks, run.state, time.time() - start)
+    summary = report.summary(cfg, tasks, run.state, time.time() - start, actor.policy.device)
     if accelerator.is_main_process:
         write_text_atomic(out / "finetune_summary.json", json.dumps(summary, indent=2))
         report.plot_success(run.state, out / "success.png", cfg.algo)
     return summary
+
+
+def _load_trained_policy(cfg: FinetuneConfig, source: str | Path, device, out: Path):
+    """The policy RL trains, from ``source``, with ``cfg.vla``'s adaptation (a LeRobot VLA). A resumed LoRA
+    run rebuilds its exact weights: the run's initial checkpoint plus the adapters its last one saved (the
+    last checkpoint's weights hold them merged). Returns (policy, the directory loaded)."""
+    policy, policy_dir = load_policy(source, device=device, tokenizer_dir=cfg.tokenizer_dir)
+    if cfg.vla.is_default():
+        return policy, policy_dir
+    if not getattr(policy, "is_flow", False):
+        raise ValueError(
+            f"--vla.* adapts LeRobot's flow VLAs (pi0, pi05, SmolVLA) for fine-tuning; {source} holds a "
+            f"{getattr(policy.config, 'lerobot_type', '') or policy.config.type!r} policy: drop the --vla.* flags"
+        )
+    if cfg.vla.trainable == "lora" and cfg.resume:
+        initial = checkpointing.initial_checkpoint(out)
+        base, _ = load_policy(initial, device=device, tokenizer_dir=cfg.tokenizer_dir)
+        base.adapt(cfg.vla, cfg.seed)
+        base.adapted.load_adapter(base.model, policy_dir)
+        return base, policy_dir
+    policy.adapt(cfg.vla, cfg.seed)
+    return policy, policy_dir
 
 
 def trained_factors(train_last_steps: int, num_factors: int) -> slice:
@@ -385,7 +415,11 @@ def _wire(
         reference = None
         if cfg.ppo.kl_coef > 0:  # the imitation policy, frozen; resumed: the run's first checkpoint
             initial = (
-                load_policy(checkpointing.initial_checkpoint(out), device=policy.device)[0] if cfg.resume else policy
+                load_policy(
+                    checkpointing.initial_checkpoint(out), device=policy.device, tokenizer_dir=cfg.tokenizer_dir
+                )[0]
+                if cfg.resume
+                else policy
             )
             reference = copy.deepcopy(initial).eval().requires_grad_(False).rl_actor(cfg.noise, width)
         # The value head reads the episode's progress: step / the env's time limit (every backend has one).

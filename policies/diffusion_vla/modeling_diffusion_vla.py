@@ -49,6 +49,7 @@ from policies.denoising_chain import (
 from policies.diffusion_vla.condition_encoder import ConditionEncoder
 from policies.diffusion_vla.configuration_diffusion_vla import DiffusionVLAConfig
 from policies.diffusion_vla.dit import DiT
+from policies.flow_guidance import guided_velocity
 from policies.keypoints import ImageEncoder
 from policies.observation import check_observation
 from policies.pretrained import PreTrainedPolicy
@@ -250,19 +251,10 @@ class DiffusionVLAPolicy(DenoisingRL, PreTrainedPolicy):
 
     def _guided_velocity(self, x, tt, t, cond, cond_mask, known, target, weights):
         """Velocity corrected so the predicted clean chunk moves toward ``target`` where weights > 0."""
-        with torch.enable_grad():
-            x = x.detach().requires_grad_(True)
-            v = self.dit(x, tt, cond, cond_mask, known)
-            # The chunk this velocity leads to at t = 0; a known token is already there (its time is 0).
-            clean = x - (tt[..., None] if tt.ndim == 3 else t) * v
-            error = (target - clean) * weights
-            (grad,) = torch.autograd.grad(clean, x, error)  # J^T error
-        # Guidance weight of pseudo-inverse guidance, in our t = 1 noise convention (RTC eq. 5).
-        s = 1.0 - t  # time measured from noise, as in the paper
-        r2 = (1 - s) ** 2 / (s**2 + (1 - s) ** 2)
-        beta = min(self.config.rtc_max_guidance, (1 - s) / max(s * r2, 1e-8))
-        # Integration runs x <- x - v dt, so subtracting the gradient pushes the chunk toward the target.
-        return v.detach() - beta * grad
+        time = tt[..., None] if tt.ndim == 3 else None  # a known token is already clean (its time is 0)
+        return guided_velocity(
+            lambda z: self.dit(z, tt, cond, cond_mask, known), x, t, target, weights, self.config.rtc_max_guidance, time
+        )
 
     # -- RL fine-tuning -------------------------------------------------------------------------
 

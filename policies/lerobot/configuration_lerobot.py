@@ -21,11 +21,16 @@ class LeRobotConfig(PolicyConfig):
 
     pretrained_path: str = ""  # local directory: config.json, model.safetensors, policy_*processor*.json
     lerobot_type: str = ""  # LeRobot's name of the policy, e.g. act (read from config.json)
+    # A local directory with what the checkpoint names by hub id and cannot be fetched offline: the
+    # tokenizer of its instructions (pi0, pi05: PaliGemma's), for SmolVLA also its VLM's config.json.
+    # "": the checkpoint's own tokenizer/ folder (vla-rl writes one), else the local Hugging Face cache.
+    tokenizer_dir: str = ""
+    num_inference_steps: int = 0  # Euler steps of a flow VLA's sampler (pi0, pi05, SmolVLA); 0: none
 
     @classmethod
-    def from_directory(cls, directory: str | Path) -> LeRobotConfig:
+    def from_directory(cls, directory: str | Path, tokenizer_dir: str = "") -> LeRobotConfig:
         """The config of the LeRobot policy in ``directory``; ValueError naming the problem if LeRobot
-        (with every installed LeRobot plugin) cannot read it."""
+        (with every installed LeRobot plugin) cannot read it. tokenizer_dir: see the field."""
         lerobot_config = load_lerobot_config(directory)
         visual = [k for k, f in lerobot_config.input_features.items() if k.startswith(image_key(""))]
         if OBS_STATE not in lerobot_config.input_features or not visual or ACTION not in lerobot_config.output_features:
@@ -52,6 +57,8 @@ class LeRobotConfig(PolicyConfig):
             state_dim=lerobot_config.input_features[OBS_STATE].shape[0],
             action_dim=lerobot_config.output_features[ACTION].shape[0],
             cameras=[k.removeprefix(image_key("")) for k in visual],
+            tokenizer_dir=str(Path(tokenizer_dir).resolve()) if tokenizer_dir else "",
+            num_inference_steps=int(getattr(lerobot_config, "num_inference_steps", 0) or 0),
         )
 
     def fit_to_dataset(self, features: dict[str, dict], tasks: list[str], cameras: list[str] | None = None) -> None:

@@ -1,5 +1,11 @@
 """A LeRobot policy behind vla-rl's policy contract: LeRobot's own preprocessor, model and
-postprocessor, run in that order on a vla-rl observation batch (the feature names are LeRobot's)."""
+postprocessor, run in that order on a vla-rl observation batch (the feature names are LeRobot's).
+
+LeRobot's flow VLAs (pi0, pi05, SmolVLA; `policies.lerobot.flow`) also implement the RL contract of a
+denoising policy (`policies.denoising_chain.DenoisingRL`: chains with exact log-probabilities around
+LeRobot's own Euler steps) and real-time-chunking guidance (``inpaint``), so ``vla-rl finetune`` trains
+them and ``vla-rl eval`` / ``serve`` run them with the rtc merge.
+"""
 
 from __future__ import annotations
 
@@ -8,13 +14,15 @@ from pathlib import Path
 
 import torch
 
+from policies.denoising_chain import DenoisingActor, DenoisingRL, ExplorationNoise
+from policies.lerobot import adaptation, assets, flow
 from policies.lerobot.configuration_lerobot import LeRobotConfig, load_lerobot_config
 from policies.observation import check_observation
 from policies.pretrained import PreTrainedPolicy
-from vla_core.types import ActionChunk
+from vla_core.types import ACTION, OBS_STATE, ActionChunk
 
 
-class LeRobotPolicy(PreTrainedPolicy):
+class LeRobotPolicy(PreTrainedPolicy, DenoisingRL):
     """Implements `vla_core.types.Policy` with a LeRobot ``PreTrainedPolicy`` and its processors."""
 
     config_class = LeRobotConfig
@@ -24,46 +32,81 @@ class LeRobotPolicy(PreTrainedPolicy):
         from lerobot.policies.factory import get_policy_class, make_pre_post_processors
 
         lerobot_config = load_lerobot_config(config.pretrained_path)
+        if lerobot_config.type == "smolvla":
+            # Its weights are all in the checkpoint; the VLM's config (and processor) come from a local folder.
+            lerobot_config.vlm_model_name = assets.vlm_source(
+                config.pretrained_path, lerobot_config.vlm_model_name, config.tokenizer_dir
+            )
+            lerobot_config.load_vlm_weights = False
+        tokenizer = assets.load_tokenizer(config.pretrained_path, config.lerobot_type, config.tokenizer_dir)
         self.model = get_policy_class(lerobot_config.type).from_pretrained(
             config.pretrained_path, config=lerobot_config
         )
+        overrides = {} if tokenizer is None else {assets.TOKENIZER_STEP: {"tokenizer": tokenizer}}
         self.preprocessor, self.postprocessor = make_pre_post_processors(
-            lerobot_config, pretrained_path=config.pretrained_path
+            lerobot_config, pretrained_path=config.pretrained_path, preprocessor_overrides=overrides
         )
+        self.tokenizer = tokenizer
+        self.tokenizer_name = assets.saved_tokenizer_name(config.pretrained_path)
         # LeRobot's diffusion and flow policies take the sampler's start; ACT has none.
         parameters = inspect.signature(self.model.predict_action_chunk).parameters
         self._takes_noise = "noise" in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values())
+        self.adapted: adaptation.Adapted | None = None  # how `vla-rl finetune` made it trainable
 
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
+    @property
+    def is_flow(self) -> bool:
+        """A flow VLA LeRobot samples with its Euler loop (pi0, pi05, SmolVLA): RL and RTC guidance work."""
+        return self.config.lerobot_type in flow.FLOW_TYPES
+
+    @property
+    def supports_inpainting(self) -> bool:
+        return self.is_flow
+
     def load_weights(self, directory: Path) -> None:
         pass  # LeRobot's from_pretrained loaded them in __init__
 
     def save_pretrained(self, directory: str | Path) -> None:
-        """Save as LeRobot does (its config, weights and processors), so LeRobot reads the copy."""
-        self.model.save_pretrained(directory)
-        self.preprocessor.save_pretrained(directory)
+        """Save as LeRobot does (its config, weights and processors), so LeRobot reads the copy: a LoRA
+        adapter merged into the weights, the tokenizer named by its hub id as before, and a copy of it in
+        ``tokenizer/`` so vla-rl loads the copy offline."""
+        directory = Path(directory)
+        if self.adapted is not None:
+            self.adapted.save_merged(self.model, directory)
+        else:
+            self.model.save_pretrained(directory)
+        step = next((s for s in self.preprocessor.steps if getattr(s, "tokenizer", None) is not None), None)
+        if step is not None:  # LeRobot saves a tokenizer's name only when it was loaded by that name
+            step.tokenizer, step.tokenizer_name = None, self.tokenizer_name
+        try:
+            self.preprocessor.save_pretrained(directory)
+        finally:
+            if step is not None:
+                step.tokenizer = self.tokenizer
         self.postprocessor.save_pretrained(directory)
+        if self.tokenizer is not None:
+            self.tokenizer.save_pretrained(directory / assets.TOKENIZER_FOLDER)
+            if self.config.lerobot_type == "smolvla":
+                self.model.model.vlm_with_expert.processor.save_pretrained(directory / assets.TOKENIZER_FOLDER)
+                self.model.model.vlm_with_expert.config.save_pretrained(directory / assets.TOKENIZER_FOLDER)
 
-    @torch.no_grad()
-    def predict_chunk(self, obs, obs_step=None, *, noise=None, inpaint=None) -> ActionChunk:
-        """obs batch of size B -> ActionChunk (B, horizon, action_dim) in dataset units.
+    # -- sampling -------------------------------------------------------------------------------
 
-        noise is passed to LeRobot's ``predict_action_chunk`` (its diffusion and flow policies take one);
-        LeRobot policies have no inpainting guidance here.
-        """
-        if inpaint is not None:
-            raise ValueError("inpainting guidance is not available for LeRobot policies in vla-rl")
-        if noise is not None and not self._takes_noise:
-            raise ValueError(f"the LeRobot {self.config.lerobot_type} policy samples without an initial noise")
+    def _model_batch(self, obs: dict, actions: torch.Tensor | None = None) -> dict:
+        """LeRobot's preprocessed batch of ``obs`` (with ``actions`` (B, H, A) in dataset units normalized
+        as ``action``), on the model's device."""
         check_observation(obs, self.config.state_dim, self.config.cameras, self.config.image_size)
-        batch = self.preprocessor(dict(obs))
+        batch = dict(obs) if actions is None else {**obs, ACTION: actions}
+        batch = self.preprocessor(batch)
         # The saved preprocessor moves tensors to the device it was saved with; the model may be elsewhere.
-        batch = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in batch.items()}
-        actions = self.model.predict_action_chunk(batch, **({"noise": noise} if noise is not None else {}))
-        actions = self.postprocessor(actions).to(obs["observation.state"].device)
+        return {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+    def _chunk_out(self, actions: torch.Tensor, obs: dict, obs_step) -> ActionChunk:
+        """LeRobot's normalized (B, >= horizon, A) actions -> ActionChunk in dataset units on obs's device."""
+        actions = self.postprocessor(actions).to(obs[OBS_STATE].device)
         if actions.shape[1] < self.config.horizon:
             raise ValueError(
                 f"the LeRobot {self.config.lerobot_type} policy returned {actions.shape[1]} actions per chunk, "
@@ -71,8 +114,104 @@ class LeRobotPolicy(PreTrainedPolicy):
             )
         return self._chunk(actions[:, : self.config.horizon], obs_step)
 
+    def _padded_shape(self, batch_size: int) -> tuple[int, int, int]:
+        """(B, H, A_max): the flow sampler's latent (its chunk, padded to the model's max_action_dim)."""
+        return batch_size, self.config.horizon, self.model.config.max_action_dim
+
+    @torch.no_grad()
+    def predict_chunk(self, obs, obs_step=None, *, noise=None, inpaint=None) -> ActionChunk:
+        """obs batch of size B -> ActionChunk (B, horizon, action_dim) in dataset units.
+
+        noise is passed to LeRobot's ``predict_action_chunk`` (its diffusion and flow policies take one;
+        a flow VLA's is (B, horizon, max_action_dim)). inpaint (flow VLAs): (target (B, H, A) in dataset
+        units, weights (B, H)), real-time-chunking guidance of LeRobot's Euler steps
+        (`policies.flow_guidance`).
+        """
+        if noise is not None and not self._takes_noise:
+            raise ValueError(f"the LeRobot {self.config.lerobot_type} policy samples without an initial noise")
+        if inpaint is None:
+            batch = self._model_batch(obs)
+            actions = self.model.predict_action_chunk(batch, **({"noise": noise} if noise is not None else {}))
+            return self._chunk_out(actions, obs, obs_step)
+        if not self.is_flow:
+            raise ValueError(
+                f"inpainting guidance (the rtc merge) needs a flow VLA (pi0, pi05, SmolVLA), not LeRobot's "
+                f"{self.config.lerobot_type}; use --chunking.merge=latest or ensemble"
+            )
+        batch = self._model_batch(obs, inpaint[0])
+        b, h, a_max = self._padded_shape(len(obs[OBS_STATE]))
+        target = torch.zeros(b, h, a_max, device=self.device)
+        target[..., : self.config.action_dim] = batch[ACTION].to(self.device)[:, :h]
+        weights = torch.zeros_like(target)
+        weights[..., : self.config.action_dim] = inpaint[1].to(self.device)[:, :h, None]
+        start = noise if noise is not None else torch.randn(b, h, a_max, device=self.device)
+        sampler = flow.Sampler(torch.zeros(self.config.num_inference_steps), (target, weights))
+        with flow.integrator(self.model, sampler) as predict:
+            actions = predict(batch, noise=start.to(self.device))
+        return self._chunk_out(actions, obs, obs_step)
+
     def forward(self, batch, generator=None, copies=1) -> torch.Tensor:
         """LeRobot's own training loss of the batch (its preprocessor normalizes it first)."""
         batch = self.preprocessor(dict(batch))
         loss, _ = self.model({k: v.to(self.device) if torch.is_tensor(v) else v for k, v in batch.items()})
         return loss
+
+    # -- RL fine-tuning (flow VLAs) -------------------------------------------------------------
+
+    def rl_actor(self, noise: ExplorationNoise, augmentation_width: int = 0) -> DenoisingActor:
+        if not self.is_flow:
+            return super().rl_actor(noise, augmentation_width)  # refused, naming the fix
+        if self.config.num_inference_steps < 1:
+            raise ValueError(f"the LeRobot {self.config.lerobot_type} config in {self.config.pretrained_path} "
+                             f"sets no num_inference_steps; RL needs its Euler steps")  # fmt: skip
+        return DenoisingActor(self, noise, augmentation_width)
+
+    @torch.no_grad()
+    def sample_with_log_prob(self, obs, obs_step=None, *, noise: ExplorationNoise):
+        """(ActionChunk in dataset units, the chain (B, K+1, H, A_max), log-prob (B,)): LeRobot's Euler steps,
+        each with Gaussian noise of std ``noise.min_std`` (normalized units) around it."""
+        batch = self._model_batch(obs)
+        sampler = flow.Sampler(torch.full((self.config.num_inference_steps,), noise.min_std))
+        start = torch.randn(self._padded_shape(len(obs[OBS_STATE])), device=self.device)
+        with flow.integrator(self.model, sampler) as predict:
+            actions = predict(batch, noise=start)
+        return self._chunk_out(actions, obs, obs_step), sampler.chain, sampler.log_prob
+
+    def log_prob(self, obs, chain, *, per_step: bool = False) -> torch.Tensor:
+        """(B,) or per step (B, K): the chain's log-density under the current weights, with autograd."""
+        chain.check_density()
+        checkpointed = self.adapted is not None and self.adapted.settings.gradient_checkpointing
+        scorer = flow.Scorer(chain, checkpointed)
+        with flow.integrator(self.model, scorer, grad=True) as predict:
+            predict(self._model_batch(obs), noise=chain.latents[:, 0].to(self.device))
+        per = chain.to(self.device).step_log_prob(scorer.means)
+        return per if per_step else per.sum(1)
+
+    @property
+    def condition_dim(self) -> int:
+        return self.config.horizon * self.config.action_dim + self.config.state_dim
+
+    @torch.no_grad()
+    def condition_features(self, obs: dict) -> torch.Tensor:
+        """(B, horizon * action_dim + state_dim): the chunk the policy predicts in one step from zero noise
+        (normalized) and the normalized state, for a value head; no sampling."""
+        batch = self._model_batch(obs)
+        zeros = torch.zeros(self._padded_shape(len(obs[OBS_STATE])), device=self.device)
+        with flow.integrator(self.model, flow.CleanChunk()) as predict:
+            clean = predict(batch, noise=zeros)[:, : self.config.horizon, : self.config.action_dim]
+        state = batch[OBS_STATE][:, : self.config.state_dim].to(clean)
+        return torch.cat([clean.flatten(1).float(), state.float()], -1)
+
+    def normalize_action(self, actions: torch.Tensor) -> torch.Tensor:
+        """Actions (..., A) in dataset units -> LeRobot's normalization of this checkpoint (identity without one)."""
+        normalizer = next((s for s in self.preprocessor.steps if hasattr(s, "_normalize_action")), None)
+        return actions if normalizer is None else normalizer._normalize_action(actions, inverse=False)
+
+    # -- what fine-tuning a VLA needs ------------------------------------------------------------
+
+    def adapt(self, settings: adaptation.AdaptationConfig, seed: int = 0) -> None:
+        """Make the weights RL trains those ``settings`` name (all, the action expert, or LoRA adapters drawn
+        from ``seed``), in its dtype, with gradient checkpointing if asked (`policies.lerobot.adaptation`)."""
+        if self.adapted is not None:
+            raise ValueError("this policy was adapted for training already")
+        self.adapted = adaptation.adapt(self.model, self.config.lerobot_type, settings, seed)

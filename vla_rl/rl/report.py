@@ -7,6 +7,8 @@ import os
 from dataclasses import asdict
 from pathlib import Path
 
+import torch
+
 from vla_rl.rl.sources import RolloutBatch
 
 
@@ -51,8 +53,22 @@ def iteration_record(state: dict, batch: RolloutBatch, update_seconds: float, it
     return record
 
 
-def summary(cfg, tasks: list[str], state: dict, seconds: float) -> dict:
-    """``finetune_summary.json``: the run's progress, its evaluations, timings and history, and its config."""
+def peak_memory(device: torch.device | str) -> dict:
+    """The most memory this process held: on a CUDA device what torch allocated there, else the process's
+    peak resident set (which counts everything the process mapped, not tensors only)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return {"gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 3),
+                "measure": f"torch.cuda.max_memory_allocated({device})"}  # fmt: skip
+    import resource
+
+    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # Linux: KiB
+    return {"gib": round(kib / 2**20, 3), "measure": "peak resident set size of the process (ru_maxrss)"}
+
+
+def summary(cfg, tasks: list[str], state: dict, seconds: float, device: torch.device | str = "cpu") -> dict:
+    """``finetune_summary.json``: the run's progress, its evaluations, timings, peak memory and history, and
+    its config."""
     history = state["history"]
     rollout_s = sum(h["rollout_seconds"] for h in history)
     sim_steps = sum(h["rollout_env_steps_per_s"] * h["rollout_seconds"] for h in history)
@@ -76,6 +92,7 @@ def summary(cfg, tasks: list[str], state: dict, seconds: float) -> dict:
             1,
         ),
         "seconds_since_start_or_resume": round(seconds, 1),
+        "peak_memory": peak_memory(device),
         "history": history,
         "config": asdict(cfg),
     }
