@@ -118,6 +118,40 @@ def resolve_libero_task(name: str) -> LiberoTasks:
     return LiberoTasks(suite_name, ids, [suite.get_task(i).language for i in ids])
 
 
+def _libero_env_class(libero):
+    """LeRobot's ``LiberoEnv``, rendering only the cameras it reports.
+
+    LeRobot builds LIBERO's ``OffScreenRenderEnv`` without ``camera_names``, so LIBERO renders its two
+    default cameras every step whatever ``camera_name`` asks for; rendering is most of a step's time
+    on a CPU (software OpenGL). This subclass passes the asked cameras, or with ``state_only`` none
+    (LeRobot's class refuses an empty camera list: it is given one and drops it), and is otherwise
+    LeRobot's class: the frames of a camera it renders are the ones LeRobot's gives.
+    """
+
+    class CameraLimitedLiberoEnv(libero.LiberoEnv):
+        def __init__(self, *args, state_only: bool = False, **kwargs):
+            super().__init__(*args, **kwargs)
+            if state_only:
+                self.camera_name = []
+                self.observation_space = gym.spaces.Dict(
+                    {k: v for k, v in self.observation_space.spaces.items() if k != "pixels"}
+                )
+
+        def _ensure_env(self) -> None:
+            if self._env is not None:
+                return
+            cameras = [name.removesuffix("_image") for name in self.camera_name]  # robosuite's camera names
+            env = libero.OffScreenRenderEnv(
+                bddl_file_name=self._task_bddl_file, camera_heights=self.observation_height,
+                camera_widths=self.observation_width, control_freq=self.control_freq, hard_reset=self.hard_reset,
+                camera_names=cameras or ["agentview"], use_camera_obs=bool(cameras),
+            )  # fmt: skip
+            env.reset()
+            self._env = env
+
+    return CameraLimitedLiberoEnv
+
+
 class LiberoWorld(gym.Wrapper):
     """One world: LeRobot's ``LiberoEnv``, whose state can be saved and loaded.
 
@@ -150,12 +184,13 @@ def make_libero_world(
     """One world: LeRobot's ``LiberoEnv`` (runs in a worker; the simulator starts at the first reset), which
     steps ``settle_steps`` no-op actions after each reset."""
     libero = _lerobot_libero()
-    world = libero.LiberoEnv(
+    world = _libero_env_class(libero)(
         task_suite=_suite(suite_name),
         task_id=task_id,
         task_suite_name=suite_name,
         episode_length=episode_length,
-        camera_name=[CAMERAS[c] for c in cameras],
+        camera_name=[CAMERAS[c] for c in cameras] or [CAMERAS["image"]],
+        state_only=not cameras,
         obs_type="pixels_agent_pos",  # images and the robot state lerobot/libero's observation.state is made of
         observation_width=image_size,
         observation_height=image_size,
@@ -185,10 +220,10 @@ class LiberoBatchedEnv(SubprocessBatchedEnv):
     def __init__(self, config: EnvConfig):
         tasks = resolve_libero_task(config.task)
         unknown = [c for c in config.cameras if c not in CAMERAS]
-        if unknown or not config.cameras:
+        if unknown:
             raise ValueError(
                 f"LIBERO cameras are image (agentview) and image2 (wrist), got {list(config.cameras)}; "
-                "set --env.cameras='[image,image2]'"
+                "set --env.cameras='[image,image2]' (or [] for the state alone)"
             )
         n = config.num_envs
         self.suite = tasks.suite

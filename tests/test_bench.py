@@ -26,7 +26,8 @@ from vla_rl.bench import BenchSimConfig, GymTaskEnv
 
 ROOT = Path(__file__).resolve().parents[1]
 FINAL_LINE = re.compile(
-    r"^sim_overhead_vs_rollout=(\d+\.\d\d) speedup_vs_gym_async=(\d+\.\d\d) render_speedup_vs_gym_async=(\d+\.\d\d)$"
+    r"^sim_overhead_vs_rollout=(\d+\.\d\d) speedup_vs_gym_async=(\d+\.\d\d) render_speedup_vs_gym_async=(\d+\.\d\d)"
+    r" libero_speedup_vs_lerobot_async=(nan|\d+\.\d\d)$"
 )
 
 
@@ -260,11 +261,11 @@ def test_bench_sim_tiny_run_writes_json_and_final_line(tmp_path):
     out = tmp_path / "sim.json"
     res = _vla_rl(
         "bench", "sim", "--num_envs=[1,2]", "--steps=3", "--repeats=2", "--warmup_steps=1", "--render_threads=2",
-        f"--output_json={out}",
+        "--libero_task=", f"--output_json={out}",
     )  # fmt: skip
     assert res.returncode == 0, res.stderr[-2000:]
     result = json.loads(out.read_text())
-    assert set(result) == {"config", "machine", "results", "summary"}
+    assert set(result) == {"config", "machine", "results", "skipped", "summary"} and result["skipped"] == []
     measured = {(r["method"], r["num_envs"], r["render"]) for r in result["results"]}
     expected = {
         (method, n, render)
@@ -281,6 +282,21 @@ def test_bench_sim_tiny_run_writes_json_and_final_line(tmp_path):
     assert all(r["env_steps_per_s"] > 0 for r in result["results"])
     last = res.stdout.strip().splitlines()[-1]
     assert FINAL_LINE.match(last), f"final line {last!r}"
+    assert last.endswith("libero_speedup_vs_lerobot_async=nan")  # LIBERO not measured: --libero_task=''
+
+
+def test_libero_ratios_are_ours_over_lerobots_at_the_largest_n_both_measured():
+    from vla_rl.bench import libero_ratios as ratios
+
+    rows = [_row("libero", 1, 5.0, True), _row("libero_lerobot_async", 1, 4.0, True),
+            _row("libero", 4, 12.0, True), _row("libero_lerobot_async", 4, 10.0, True),
+            _row("libero", 16, 30.0, True),  # LeRobot's N = 16 missing: not compared there
+            _row("libero", 4, 60.0), _row("libero_lerobot_async", 4, 15.0)]  # fmt: skip
+    assert ratios(rows) == {
+        "libero_speedup_vs_lerobot_async": 1.2, "libero_speedup_num_envs": 4,
+        "libero_state_speedup_vs_lerobot_async": 4.0, "libero_state_speedup_num_envs": 4,
+    }  # fmt: skip
+    assert ratios([])["libero_speedup_vs_lerobot_async"] is None
 
 
 def _row(method, n, rate, render=False):
@@ -306,9 +322,11 @@ def test_headline_ratios_are_read_at_the_right_sizes():
     assert (warp["sim_overhead_vs_rollout"], warp["overhead_num_envs"]) == (0.25, 16)  # 500 / 2000
     assert (warp["speedup_vs_gym_async"], warp["speedup_num_envs"]) == (10.0, 16)  # 2000 / 200
     assert warp["render_speedup_vs_gym_async"] is None  # warp never rendered
-    result = {"config": {"backends": ["cpu", "warp"]}, "summary": {"cpu": cpu, "warp": warp}}
+    libero = {"libero_speedup_vs_lerobot_async": 1.234}
+    result = {"config": {"backends": ["cpu", "warp"]}, "summary": {"cpu": cpu, "warp": warp, "libero": libero}}
     assert bench.final_line(result) == (
-        "sim_overhead_vs_rollout=1.25 speedup_vs_gym_async=2.00 render_speedup_vs_gym_async=1.50"
+        "sim_overhead_vs_rollout=1.25 speedup_vs_gym_async=2.00 render_speedup_vs_gym_async=1.50 "
+        "libero_speedup_vs_lerobot_async=1.23"
     )
 
     small = [
@@ -323,7 +341,8 @@ def test_headline_ratios_are_read_at_the_right_sizes():
     assert no_gym["speedup_vs_gym_async"] is None and no_gym["speedup_num_envs"] is None
     result = {"config": {"backends": ["cpu"]}, "summary": {"cpu": no_gym}}
     assert bench.final_line(result) == (
-        "sim_overhead_vs_rollout=1.20 speedup_vs_gym_async=nan render_speedup_vs_gym_async=nan"
+        "sim_overhead_vs_rollout=1.20 speedup_vs_gym_async=nan render_speedup_vs_gym_async=nan "
+        "libero_speedup_vs_lerobot_async=nan"
     )
 
 

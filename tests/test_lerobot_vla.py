@@ -193,9 +193,14 @@ def _finetune(directory, tokenizer_dir, out, **overrides):
 
 @pytest.mark.parametrize("trainable", ["expert", "lora"])
 def test_finetune_trains_a_lerobot_vla_and_reports_its_peak_memory(tiny_vla, tokenizer_dir, tmp_path, trainable):
+    from vla_core.runtime import DelayConfig
+
     directory, _ = tiny_vla
-    summary = _finetune(directory, tokenizer_dir, tmp_path / "run", vla=AdaptationConfig(trainable=trainable))
+    # Under a delay of 2 steps: the rollouts carry the delay augmentation, which the value head reads.
+    summary = _finetune(directory, tokenizer_dir, tmp_path / "run", vla=AdaptationConfig(trainable=trainable),
+                        delay=DelayConfig(steps=2))  # fmt: skip
     assert summary["iterations"] == 1 and summary["peak_memory"]["gib"] > 0.1
+    assert summary["history"][0]["executed_env_steps"] > 0
     before = load_file(str(Path(directory) / "model.safetensors"))
     after = load_file(
         str(tmp_path / "run" / "checkpoints" / "step-00000001" / "pretrained_model" / "model.safetensors")
@@ -402,3 +407,87 @@ def test_an_openpi_libero_evaluation_runs_a_lerobot_pi0(tokenizer_dir, tmp_path)
     assert episode["task"] == "libero_spatial/0" and episode["initial_state"] == 0
     assert episode["success"] or episode["length"] == 220
     assert [(r["task"], r["episodes"]) for r in result["per_task"]] == [("libero_spatial/0", 1)]
+
+
+def test_a_lerobot_policy_that_is_not_a_flow_vla_is_refused_rl_and_rtc_naming_what_works(tmp_path):
+    from test_lerobot_interop import _lerobot_act_policy
+
+    _lerobot_act_policy(tmp_path / "act")
+    policy = load_policy(tmp_path / "act")[0]
+    assert not policy.is_flow and not policy.supports_inpainting
+    with pytest.raises(ValueError, match=r"LeRobot's act policy has no RL actor.*pi0, pi05 and SmolVLA"):
+        policy.rl_actor(ExplorationNoise())
+    with pytest.raises(ValueError, match=r"needs a flow VLA.*--chunking.merge=latest"):
+        policy.predict_chunk(_obs(), inpaint=(torch.zeros(B, 8, 4), torch.ones(B, 8)))
+    with pytest.raises(ValueError, match=r"--vla.\* adapts LeRobot's flow VLAs.*'act' policy: drop the --vla"):
+        _finetune(tmp_path / "act", "", tmp_path / "run", vla=AdaptationConfig(trainable="expert"))
+
+
+# -- SmolVLA: LeRobot builds its backbone from SmolVLM's config and processor, here a tiny local copy --
+
+
+@pytest.fixture(scope="module")
+def tiny_smolvla(tmp_path_factory):
+    """(directory, the local SmolVLM folder --tokenizer_dir names): a random tiny SmolVLA for the lift env."""
+    from tiny_lerobot_vla import save_tiny_smolvla, save_tiny_smolvlm
+
+    vlm = tmp_path_factory.mktemp("smolvlm")
+    save_tiny_smolvlm(vlm, WORDS)
+    directory = tmp_path_factory.mktemp("smolvla")
+    save_tiny_smolvla(directory, vlm)
+    return directory, vlm
+
+
+def test_smolvla_needs_its_vlms_config_and_its_zero_noise_chain_is_lerobots_sampler(tiny_smolvla, tokenizer_dir):
+    directory, vlm = tiny_smolvla
+    with pytest.raises(ValueError, match=r"config.json of HuggingFaceTB/SmolVLM2-500M-Video-Instruct.*hf download"):
+        load_policy(directory, tokenizer_dir=str(tokenizer_dir))  # a tokenizer folder without the VLM's config
+    policy = load_policy(directory, tokenizer_dir=str(vlm))[0]
+    assert (policy.config.lerobot_type, policy.config.num_inference_steps, policy.config.horizon) == ("smolvla", 3, 8)
+    obs, start = _obs(), torch.randn(B, 8, 32)
+    lerobots = policy.predict_chunk(obs, noise=start).actions
+    sampler = flow.Sampler(torch.zeros(3))
+    with flow.integrator(policy.model, sampler) as predict:
+        ours = policy._chunk_out(predict(policy._model_batch(obs), noise=start), obs, None).actions
+    torch.testing.assert_close(ours, lerobots, rtol=0, atol=0)
+    _, chain, behaviour = policy.sample_with_log_prob(obs, noise=ExplorationNoise(min_std=0.1))
+    scored = policy.rl_actor(ExplorationNoise(min_std=0.1)).score(obs, chain)
+    torch.testing.assert_close(scored.values.sum(1), behaviour, rtol=1e-6, atol=1e-2)
+    scored.values.sum().backward()
+    assert any(p.grad is not None for p in policy.model.model.vlm_with_expert.lm_expert.parameters())
+
+
+def test_finetune_trains_smolvla_with_lora_and_saves_a_checkpoint_vla_rl_reloads_offline(tiny_smolvla, tmp_path):
+    directory, vlm = tiny_smolvla
+    _finetune(directory, vlm, tmp_path / "run", vla=AdaptationConfig(trainable="lora", lora_rank=4))
+    saved = tmp_path / "run" / "checkpoints" / "step-00000001" / "pretrained_model"
+    before, after = load_file(str(Path(directory) / "model.safetensors")), load_file(str(saved / "model.safetensors"))
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    targets = _load(directory, vlm).model._get_default_peft_targets()["target_modules"]
+    assert changed and all(re.fullmatch(targets, k.removesuffix(".weight")) for k in changed), changed
+    again = load_policy(saved)[0]  # the VLM's config and processor travel in its tokenizer/ folder
+    assert again.config.lerobot_type == "smolvla" and again.predict_chunk(_obs()).actions.shape == (B, 8, 4)
+
+
+@pytest.mark.slow
+def test_finetune_on_libero_evaluates_under_the_openpi_protocol(tokenizer_dir, tmp_path):
+    """A LIBERO-shaped tiny pi0 fine-tuned one iteration on libero_spatial/0 with short rollouts (30 steps),
+    evaluated before and after under the openpi protocol: its own step limit (220), whatever the
+    rollouts' is, one episode per task from initial state 0."""
+    from transformers import AutoTokenizer
+
+    from sim.config import EnvConfig
+    from sim.libero_protocol import LIBERO_CAMERAS, LIBERO_IMAGE_SIZE
+
+    save_tiny_vla(tmp_path / "pi0", AutoTokenizer.from_pretrained(str(tokenizer_dir)), cameras=LIBERO_CAMERAS,
+                  image_size=LIBERO_IMAGE_SIZE, state_dim=8, action_dim=7, chunk_size=10, n_action_steps=5)  # fmt: skip
+    env = EnvConfig(task="libero_spatial/0", num_envs=1, cameras=list(LIBERO_CAMERAS), image_size=LIBERO_IMAGE_SIZE,
+                    max_episode_steps=30)  # fmt: skip
+    summary = _finetune(tmp_path / "pi0", tokenizer_dir, tmp_path / "run", env=env, eval_every=1, eval_episodes=1,
+                        vla=AdaptationConfig(trainable="expert"))  # fmt: skip
+    assert [e["episodes"] for e in summary["evals"]] == [1, 1]
+    record = json.loads((tmp_path / "run" / "eval" / "iter-0001" / "eval.json").read_text())
+    assert record["protocol"]["name"] == "openpi" and record["protocol"]["max_episode_steps"] == 220
+    (episode,) = record["per_episode"]
+    assert episode["initial_state"] == 0 and (episode["success"] or episode["length"] == 220)
+    assert summary["history"][0]["executed_env_steps"] <= 30 * 2  # the rollouts stop at their own 30 steps

@@ -194,3 +194,35 @@ def test_an_openpi_evaluation_of_one_task_runs_its_initial_states_to_its_step_li
     assert [(e["task"], e["initial_state"]) for e in episodes] == [("libero_spatial/0", 0), ("libero_spatial/0", 1)]
     assert all(e["length"] == 220 for e in episodes if not e["success"])
     assert [(r["task"], r["episodes"]) for r in result["per_task"]] == [("libero_spatial/0", 2)]
+
+
+def test_a_world_renders_only_the_cameras_asked_and_matches_lerobots_liberoenv():
+    """LeRobot's LiberoEnv renders LIBERO's two default cameras whatever it is asked for; ours renders the
+    asked ones (none for the state alone) and gives, step for step, LeRobot's frames and state."""
+    from sim.libero_env import _lerobot_libero, _suite, make_libero_world
+
+    libero = _lerobot_libero()
+    theirs = libero.LiberoEnv(
+        task_suite=_suite("libero_spatial"), task_id=0, task_suite_name="libero_spatial", episode_length=280,
+        camera_name=["agentview_image"], obs_type="pixels_agent_pos", observation_width=SIZE,
+        observation_height=SIZE, init_states=True, episode_index=0, n_envs=1, control_freq=20, control_mode="relative",
+    )  # fmt: skip
+    one = make_libero_world("libero_spatial", 0, 0, 1, ["image"], SIZE, 280)
+    none = make_libero_world("libero_spatial", 0, 0, 1, [], SIZE, 280)
+    try:
+        observed = [w.reset(seed=0)[0] for w in (theirs, one, none)]
+        assert theirs._env.env.camera_names == ["agentview", "robot0_eye_in_hand"]  # LIBERO's defaults
+        assert one.env._env.env.camera_names == ["agentview"]
+        assert not none.env._env.env.use_camera_obs and "pixels" not in none.observation_space.spaces
+        rng = np.random.default_rng(0)
+        for step in range(4):
+            a, b, c = observed
+            assert np.array_equal(a["pixels"]["image"], b["pixels"]["image"]), step
+            assert "pixels" not in c or not c["pixels"]
+            for obs in (b, c):
+                assert np.array_equal(a["robot_state"]["eef"]["pos"], obs["robot_state"]["eef"]["pos"]), step
+            action = rng.uniform(-1, 1, 7).astype(np.float32)
+            observed = [w.step(action)[0] for w in (theirs, one, none)]
+    finally:
+        for w in (theirs, one, none):
+            w.close()

@@ -142,3 +142,72 @@ def save_tiny_vla(directory: Path, tokenizer, kind: str = "pi0", cameras=("front
     for part in (policy, pre, post):
         part.save_pretrained(directory)
     return policy, pre, post
+
+
+SMOLVLM_SPECIAL = {"fake_image_token": "<fake_token_around_image>", "image_token": "<image>",
+                   "global_image_token": "<global-img>", "end_of_utterance_token": "<end_of_utterance>",
+                   "video_token": "<video>"}  # fmt: skip
+
+
+def save_tiny_smolvlm(directory: Path, words: list[str]) -> None:
+    """A local SmolVLM "checkpoint" without weights, what SmolVLA's backbone is built from: a two-layer
+    Llama of width 64 with a one-layer SigLIP-style tower of width 32 on 28-pixel images (its
+    ``config.json``), and its processor (a word-level tokenizer with SmolVLM's image tokens, SmolVLM's
+    image and video processors), saved where ``--tokenizer_dir`` points."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import (
+        PreTrainedTokenizerFast,
+        SmolVLMConfig,
+        SmolVLMImageProcessor,
+        SmolVLMProcessor,
+        SmolVLMVideoProcessor,
+    )
+
+    specials = list(SMOLVLM_SPECIAL.values())
+    vocab = {"<pad>": 0, "<unk>": 1} | {w: i + 2 for i, w in enumerate(specials + sorted(set(words)))}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", unk_token="<unk>",
+                                        extra_special_tokens=SMOLVLM_SPECIAL)  # fmt: skip
+    images = SmolVLMImageProcessor(size={"longest_edge": 28}, max_image_size={"longest_edge": 28})
+    SmolVLMProcessor(images, tokenizer, SmolVLMVideoProcessor(), image_seq_len=1).save_pretrained(directory)
+    SmolVLMConfig(
+        text_config={"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                     "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": VOCAB},
+        vision_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+                       "image_size": IMAGE_RESOLUTION, "patch_size": 14},
+        scale_factor=2, image_token_id=vocab["<image>"], vocab_size=VOCAB,
+    ).save_pretrained(directory)  # fmt: skip
+
+
+def save_tiny_smolvla(directory: Path, vlm_dir: Path, image_size: int = 64, state_dim: int = 11,
+                      action_dim: int = 4, chunk_size: int = 8, n_action_steps: int = 4, seed: int = 0):  # fmt: skip
+    """A random SmolVLA on the tiny SmolVLM of ``vlm_dir``, saved by LeRobot with its processors (whose
+    tokenizer step names the hub id of SmolVLA's real backbone, as a real checkpoint does)."""
+    from lerobot.configs.types import FeatureType, PolicyFeature
+    from lerobot.policies.factory import make_pre_post_processors
+    from lerobot.policies.smolvla.configuration_smolvla import SmolVLAConfig
+    from lerobot.policies.smolvla.modeling_smolvla import SmolVLAPolicy
+    from lerobot.processor import tokenizer_processor
+    from transformers import AutoTokenizer
+
+    inputs = {"observation.images.front": PolicyFeature(FeatureType.VISUAL, (3, image_size, image_size)),
+              "observation.state": PolicyFeature(FeatureType.STATE, (state_dim,))}  # fmt: skip
+    config = SmolVLAConfig(
+        input_features=inputs, output_features={"action": PolicyFeature(FeatureType.ACTION, (action_dim,))},
+        chunk_size=chunk_size, n_action_steps=n_action_steps, num_steps=3, resize_imgs_with_padding=(28, 28),
+        tokenizer_max_length=16, load_vlm_weights=False, device="cpu",
+    )  # fmt: skip
+    hub_name = config.vlm_model_name
+    stats = {"observation.state": {"mean": torch.zeros(state_dim), "std": torch.ones(state_dim)},
+             "action": {"mean": torch.zeros(action_dim), "std": torch.ones(action_dim)}}  # fmt: skip
+    tokenizer = AutoTokenizer.from_pretrained(str(vlm_dir))
+    loader = mock.Mock(from_pretrained=mock.Mock(return_value=tokenizer))
+    torch.manual_seed(seed)
+    config.vlm_model_name = str(vlm_dir)  # built from the local SmolVLM, saved naming the hub's
+    policy = SmolVLAPolicy(config)
+    config.vlm_model_name = hub_name
+    with mock.patch.object(tokenizer_processor, "AutoTokenizer", loader):
+        pre, post = make_pre_post_processors(config, dataset_stats=stats)
+    for part in (policy, pre, post):
+        part.save_pretrained(directory)

@@ -28,7 +28,8 @@ Every method holds its worlds still with constant actions (each arm's current en
 pose), times ``steps`` control steps after ``warmup_steps`` and reports env-steps/s = N x
 control steps / seconds, the fastest of ``repeats`` runs. Episodes never end during a
 measurement. Results go to JSON; the last line printed is
-``sim_overhead_vs_rollout=<x> speedup_vs_gym_async=<y> render_speedup_vs_gym_async=<z>`` where
+``sim_overhead_vs_rollout=<x> speedup_vs_gym_async=<y> render_speedup_vs_gym_async=<z>
+libero_speedup_vs_lerobot_async=<w>`` where
 
 - sim_overhead_vs_rollout = raw_rollout / first backend, physics only, at the largest N
   measured on CPU (1.0 = no overhead over the bare physics);
@@ -37,6 +38,10 @@ measurement. Results go to JSON; the last line printed is
 - render_speedup_vs_gym_async = the same with the camera rendered every step (``include_render``),
   both sides rendering every world's frame: gymnasium in its N worker processes, the backend on
   ``render_threads`` threads of its own process (`sim.render.ParallelRenderers`).
+
+- libero_speedup_vs_lerobot_async = vla-rl's LIBERO env / LeRobot's LiberoEnv under gymnasium's
+  AsyncVectorEnv, with cameras, at the largest N both ran (the LIBERO rows' section below states that
+  protocol; ``--libero_task=''`` skips the LIBERO rows: "nan").
 
 With the camera, each backend is also measured rendering on one thread (method
 ``<backend>_serial_render``), the baseline the render threads are measured against.
@@ -56,6 +61,8 @@ Protocol history (runs as README.md reports them: ranges over runs, not their fi
 - 2026-12-01, added after the camera figure above was published, with the render threads it
   measures: ``render_speedup_vs_gym_async`` in the final line and the ``<backend>_serial_render``
   baseline. Four runs at N = 16 with the camera: ``render_speedup_vs_gym_async`` 1.30-1.42.
+- 2026-12-02, added before its first result: the LIBERO rows and ``libero_speedup_vs_lerobot_async``
+  at the end of the final line (protocol in the LIBERO rows' section below).
 """
 
 from __future__ import annotations
@@ -65,7 +72,7 @@ import multiprocessing
 import os
 import platform
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -109,6 +116,15 @@ class BenchSimConfig:
     image_size: int = 64  # rendered image side, pixels
     warp_device: str = "cuda"  # torch device of the warp backend
     seed: int = 0  # seed of the initial states
+    # LIBERO rows (their protocol: the "LIBERO rows" section of this module): vla-rl's LIBERO env against
+    # LeRobot's LiberoEnv under gymnasium's AsyncVectorEnv, with and without cameras; "" = no LIBERO rows
+    libero_task: str = "libero_spatial/0"
+    libero_num_envs: list[int] = field(default_factory=lambda: [1, 4, 16])
+    libero_cameras: list[str] = field(default_factory=lambda: ["image", "image2"])
+    libero_image_size: int = 256
+    libero_steps: int = 10  # timed control steps per LIBERO measurement (a LIBERO step is slow on a CPU)
+    libero_repeats: int = 1
+    libero_warmup_steps: int = 2
     output_json: str = "outputs/bench/sim.json"  # where the results are written
 
 
@@ -318,6 +334,137 @@ def backend_rate(
         return _timed(f"{backend} N={n}{' render' if render else ''}", cfg, n, step)
 
 
+# -- LIBERO rows ----------------------------------------------------------------------------------
+#
+# The LIBERO rows of `vla-rl bench sim`: env-steps/s of vla-rl's LIBERO env against LeRobot's
+# ``LiberoEnv`` under gymnasium's ``AsyncVectorEnv`` (as ``lerobot-eval`` builds it), in the same run.
+#
+# Protocol (fixed 2026-12-02, before its first result):
+#
+# - Task ``libero_task`` (``libero_spatial/0``), N in ``libero_num_envs`` (1, 4, 16) worlds of it, world i
+#   from the task's initial state i; the hold action every step (zero end-effector deltas, gripper
+#   open), so no episode ends within ``libero_warmup_steps + libero_steps`` (< 220).
+# - With cameras: ``libero_cameras`` at ``libero_image_size`` (``image`` and ``image2`` at 256 px, what
+#   LIBERO policies read), and without cameras (the state alone).
+# - ``libero``: ``LiberoBatchedEnv.step`` (`sim.libero_env`), which includes turning the raw batch into
+#   LeRobot's features in the parent (``preprocess_observation`` and ``LiberoProcessorStep``, the
+#   180-degree rotation), its time limit and its action checks.
+# - ``libero_lerobot_async``: LeRobot's ``make_env`` for LIBERO (``lerobot.envs.factory``, what
+#   ``lerobot-eval`` calls: gymnasium's ``AsyncVectorEnv``, one ``LiberoEnv`` per worker process) with the
+#   same task, initial states, image size and cameras, stepped with the same actions, then the same
+#   ``preprocess_observation`` and ``LiberoProcessorStep`` (what ``lerobot-eval``'s rollout does after each
+#   step). LeRobot's ``LiberoEnv`` has no camera-free mode (it refuses an empty camera list, and renders
+#   LIBERO's two default cameras whatever it is asked for): its row "without cameras" asks for the
+#   agentview camera alone, the least a LeRobot user can ask.
+# - Env start and first reset untimed; ``libero_warmup_steps`` untimed steps; then ``libero_steps``
+#   timed steps, the fastest of ``libero_repeats`` runs; env-steps/s = N x steps / seconds.
+# - Ratios (in ``summary["libero"]``): ``libero_speedup_vs_lerobot_async`` = ``libero`` / LeRobot's with
+#   cameras at the largest N both measured; ``libero_state_speedup_vs_lerobot_async`` the same without.
+# - A LIBERO world holds about :data:`WORLD_GIB` of memory (its scene's textures in software OpenGL,
+#   MuJoCo, robosuite, torch): an N whose worlds would not fit in the memory available at its start is
+#   skipped and listed in ``result["skipped"]`` with the reason, rather than killing the run.
+#
+# Amendments 2026-12-02, to the runner, not to what is measured: the first attempt stopped after the
+# N = 4 rows with cameras (LeRobot's workers asked for LIBERO's config on stdin: it is now written before
+# any worker server starts; its figures, 3.96 / 4.29 steps/s at N = 1 and 1.96 / 2.09 at N = 4 for
+# vla-rl / LeRobot, agree with the later run); the second was killed by the kernel at N = 16 on a 24 GB
+# machine, before any N = 16 figure: the memory check above.
+
+WORLD_GIB = 2.9  # resident memory of one LIBERO world with its scene built (measured: 2.8 GB at 256 px)
+
+
+def available_gib() -> float:
+    """Memory available for new processes now (Linux's MemAvailable), GiB."""
+    with open("/proc/meminfo") as meminfo:
+        kib = next(int(line.split()[1]) for line in meminfo if line.startswith("MemAvailable:"))
+    return kib / 2**20
+
+
+def _lerobot_vector_env(cfg, n: int, cameras: list[str]):
+    """LeRobot's own LIBERO vector env of ``cfg.libero_task`` on N workers (``lerobot.envs.factory.make_env``)."""
+    from lerobot.envs.configs import LiberoEnv as LiberoEnvConfig
+    from lerobot.envs.factory import make_env
+
+    from sim.libero_env import CAMERAS, resolve_libero_task
+
+    tasks = resolve_libero_task(cfg.libero_task)
+    names = ",".join(CAMERAS[c] for c in cameras) if cameras else CAMERAS["image"]  # LeRobot needs one
+    env_cfg = LiberoEnvConfig(task=tasks.suite, task_ids=tasks.task_ids[:1], camera_name=names,
+                              observation_height=cfg.libero_image_size, observation_width=cfg.libero_image_size)  # fmt: skip
+    return make_env(env_cfg, n_envs=n, use_async_envs=True)[tasks.suite][tasks.task_ids[0]]
+
+
+def _libero_time(label: str, cfg, n: int, step) -> tuple[float, float]:
+    for _ in range(cfg.libero_warmup_steps):
+        step()
+    return _timed(label, replace(cfg, steps=cfg.libero_steps, repeats=cfg.libero_repeats), n, step)
+
+
+def libero_lerobot_rate(cfg, n: int, cameras: list[str]) -> tuple[float, float]:
+    """(env-steps/s, seconds) of LeRobot's LIBERO vector env on N worlds, with LeRobot's per-step processing."""
+    from sim.libero_env import lerobot_features
+    from sim.libero_setup import prepare_libero
+
+    prepare_libero()
+    vec = _lerobot_vector_env(cfg, n, cameras)
+    try:
+        vec.reset(seed=list(range(n)))
+        hold = np.zeros((n, 7), dtype=np.float32)
+        hold[:, -1] = -1.0  # gripper open
+
+        def step() -> None:
+            raw = vec.step(hold)[0]
+            lerobot_features(raw)
+
+        return _libero_time(f"libero_lerobot_async N={n}{' cameras' if cameras else ''}", cfg, n, step)
+    finally:
+        vec.close()
+
+
+def libero_rate(cfg, n: int, cameras: list[str]) -> tuple[float, float]:
+    """(env-steps/s, seconds) of ``LiberoBatchedEnv.step`` on N worlds of the task."""
+    from sim.config import EnvConfig
+    from sim.factory import make_env
+
+    env_cfg = EnvConfig(task=cfg.libero_task, num_envs=n, cameras=list(cameras), image_size=cfg.libero_image_size)
+    with make_env(env_cfg) as env:
+        env.reset(seed=0)
+        hold = torch.zeros(n, env.action_dim)
+        hold[:, -1] = -1.0
+        return _libero_time(f"libero N={n}{' cameras' if cameras else ''}", cfg, n, lambda: env.step(hold))
+
+
+def measure_libero(cfg, record, skipped: list[dict[str, Any]]) -> None:
+    """Every LIBERO row, each passed to ``record(method, n, render, (rate, seconds))``; an N whose worlds
+    would not fit in memory goes to ``skipped``."""
+    for n in cfg.libero_num_envs:
+        need, free = n * WORLD_GIB, available_gib()
+        if need > free:
+            skipped.append({"methods": ["libero", "libero_lerobot_async"], "num_envs": n,
+                            "reason": f"{n} LIBERO worlds need about {need:.0f} GiB; {free:.0f} GiB available"})  # fmt: skip
+            continue
+        for cameras in (list(cfg.libero_cameras), []):
+            record("libero", n, bool(cameras), libero_rate(cfg, n, cameras))
+            record("libero_lerobot_async", n, bool(cameras), libero_lerobot_rate(cfg, n, cameras))
+
+
+def libero_ratios(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Ours over LeRobot's, with and without cameras, at the largest N both measured (None: not measured)."""
+
+    def at(method: str, n: int, render: bool) -> float | None:
+        key = (method, n, render)
+        return next((r["env_steps_per_s"] for r in rows if (r["method"], r["num_envs"], r["render"]) == key), None)
+
+    out: dict[str, Any] = {}
+    for render, name in ((True, "libero_speedup_vs_lerobot_async"), (False, "libero_state_speedup_vs_lerobot_async")):
+        both = [r["num_envs"] for r in rows if r["method"] == "libero" and r["render"] == render
+                and at("libero_lerobot_async", r["num_envs"], render) is not None]  # fmt: skip
+        n = max(both, default=None)
+        out[name] = round(at("libero", n, render) / at("libero_lerobot_async", n, render), 3) if n else None
+        out[f"{name.removesuffix('_vs_lerobot_async')}_num_envs"] = n
+    return out
+
+
 # -- the benchmark ------------------------------------------------------------------------------
 
 
@@ -333,6 +480,12 @@ def bench_sim(cfg: BenchSimConfig) -> dict[str, Any]:
     if cfg.steps < 1 or cfg.repeats < 1 or not cfg.num_envs or min(cfg.num_envs) < 1:
         raise ValueError("steps and repeats must be >= 1 and num_envs a non-empty list of world counts >= 1")
     get_task(cfg.task)  # unknown task names fail here, before any measurement
+    if cfg.libero_task:
+        from sim.libero_setup import prepare_libero
+
+        # Before any worker server starts: LeRobot's LIBERO workers import LIBERO as they unpickle their
+        # env, and LIBERO asks on stdin for a config unless the environment names one.
+        prepare_libero()
 
     on_gpu = {b: b == "warp" and cfg.warp_device.startswith("cuda") for b in cfg.backends}
     sizes = {b: sorted(set(cfg.num_envs) | (set(cfg.gpu_num_envs) if on_gpu[b] else set())) for b in cfg.backends}
@@ -342,8 +495,11 @@ def bench_sim(cfg: BenchSimConfig) -> dict[str, Any]:
 
     def record(method: str, n: int, render: bool, measured: tuple[float, float]) -> None:
         rate, seconds = measured
+        steps, repeats = (
+            (cfg.libero_steps, cfg.libero_repeats) if method.startswith("libero") else (cfg.steps, cfg.repeats)
+        )
         rows.append({"method": method, "num_envs": n, "render": render, "env_steps_per_s": round(rate, 1),
-                     "seconds": round(seconds, 6), "steps": cfg.steps, "repeats": cfg.repeats})  # fmt: skip
+                     "seconds": round(seconds, 6), "steps": steps, "repeats": repeats})  # fmt: skip
 
     for n in all_sizes:
         record("raw_rollout", n, False, raw_rollout_rate(cfg, n))
@@ -359,6 +515,9 @@ def bench_sim(cfg: BenchSimConfig) -> dict[str, Any]:
                 record(backend, n, True, backend_rate(cfg, backend, n, render=True))
                 if n > 1 and (cfg.render_threads or os.cpu_count() or 1) > 1:
                     record(f"{backend}_serial_render", n, True, backend_rate(cfg, backend, n, True, render_threads=1))
+    skipped: list[dict[str, Any]] = []
+    if cfg.libero_task:
+        measure_libero(cfg, record, skipped)
 
     result = {
         "config": asdict(cfg),
@@ -373,8 +532,11 @@ def bench_sim(cfg: BenchSimConfig) -> dict[str, Any]:
             "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         },
         "results": rows,
+        "skipped": skipped,
         "summary": {b: _ratios(rows, b, on_gpu[b]) for b in cfg.backends},
     }
+    if cfg.libero_task:
+        result["summary"]["libero"] = libero_ratios(rows)
     out = Path(cfg.output_json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
@@ -422,14 +584,16 @@ def format_summary(result: dict[str, Any]) -> str:
         rel = f"{r['env_steps_per_s'] / raw:.2f}x" if raw else "-"
         render = str(r["render"]).lower()
         lines.append(f"{r['method']:<19} {r['num_envs']:>6} {render:>6} {r['env_steps_per_s']:>12.1f} {rel:>15}")
+    lines += [f"skipped {s['methods']} at N={s['num_envs']}: {s['reason']}" for s in result.get("skipped", [])]
     lines.append(f"results: {result['config']['output_json']}")
     lines.append(final_line(result))
     return "\n".join(lines)
 
 
 def final_line(result: dict[str, Any]) -> str:
-    """``sim_overhead_vs_rollout=<x> speedup_vs_gym_async=<y> render_speedup_vs_gym_async=<z>`` of
-    the first backend ("nan" where unmeasured)."""
+    """``sim_overhead_vs_rollout=<x> speedup_vs_gym_async=<y> render_speedup_vs_gym_async=<z>
+    libero_speedup_vs_lerobot_async=<w>``: the first backend's ratios, then LIBERO's with cameras
+    (the LIBERO rows' section below); "nan" where unmeasured."""
     s = result["summary"][result["config"]["backends"][0]]
 
     def fmt(x):
@@ -437,4 +601,8 @@ def final_line(result: dict[str, Any]) -> str:
 
     overhead, speedup = fmt(s["sim_overhead_vs_rollout"]), fmt(s["speedup_vs_gym_async"])
     render = fmt(s.get("render_speedup_vs_gym_async"))
-    return f"sim_overhead_vs_rollout={overhead} speedup_vs_gym_async={speedup} render_speedup_vs_gym_async={render}"
+    libero = fmt(result["summary"].get("libero", {}).get("libero_speedup_vs_lerobot_async"))
+    return (
+        f"sim_overhead_vs_rollout={overhead} speedup_vs_gym_async={speedup} render_speedup_vs_gym_async={render} "
+        f"libero_speedup_vs_lerobot_async={libero}"
+    )

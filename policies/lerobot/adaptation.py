@@ -116,6 +116,7 @@ def adapt(model: nn.Module, lerobot_type: str, settings: AdaptationConfig, seed:
         if lerobot_type not in ("pi0", "pi05"):
             raise ValueError(f"--vla.dtype=bfloat16 is LeRobot's mixed precision of pi0 and pi05, not {lerobot_type}")
         model.model.paligemma_with_expert.to_bfloat16_for_selected_params("bfloat16")
+        model.config.dtype = "bfloat16"  # saved with the weights: LeRobot then loads them as they trained
     lora_layers: list[str] = []
     if settings.trainable == "expert":
         model.get_submodule(BACKBONES[lerobot_type]).requires_grad_(False)

@@ -67,8 +67,8 @@ def vlm_source(directory: str | Path, vlm_name: str, tokenizer_dir: str) -> str:
     if tokenizer_dir:
         if not (Path(tokenizer_dir) / "config.json").is_file():
             raise ValueError(
-                f"the SmolVLA policy in {directory} builds its backbone from {vlm_name!r}'s config.json, which "
-                f"--tokenizer_dir={tokenizer_dir} lacks: download {vlm_name} there (`hf download {vlm_name} "
+                f"the SmolVLA policy in {directory} builds its backbone from the config.json of {vlm_name}, "
+                f"which --tokenizer_dir={tokenizer_dir} lacks: download {vlm_name} there (`hf download {vlm_name} "
                 f"--local-dir {tokenizer_dir}`)"
             )
         return str(Path(tokenizer_dir).resolve())

@@ -58,7 +58,10 @@ class LeRobotConfig(PolicyConfig):
             action_dim=lerobot_config.output_features[ACTION].shape[0],
             cameras=[k.removeprefix(image_key("")) for k in visual],
             tokenizer_dir=str(Path(tokenizer_dir).resolve()) if tokenizer_dir else "",
-            num_inference_steps=int(getattr(lerobot_config, "num_inference_steps", 0) or 0),
+            # pi0 and pi05 call them num_inference_steps, SmolVLA num_steps
+            num_inference_steps=int(
+                getattr(lerobot_config, "num_inference_steps", 0) or getattr(lerobot_config, "num_steps", 0) or 0
+            ),
         )
 
     def fit_to_dataset(self, features: dict[str, dict], tasks: list[str], cameras: list[str] | None = None) -> None:

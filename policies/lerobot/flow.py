@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import sys
+import threading
 import types
 from collections.abc import Callable
 
@@ -38,6 +39,8 @@ from policies.flow_guidance import DEFAULT_MAX_GUIDANCE, guided_velocity
 FLOW_TYPES = ("pi0", "pi05", "smolvla")
 
 Velocity = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x (B, H, A_max), time (B,)) -> v
+# The integrator is a module global of LeRobot's: one replacement at a time in this process.
+_PATCHING = threading.Lock()
 
 
 def euler_times(num_steps: int) -> tuple[float, list[float]]:
@@ -58,25 +61,26 @@ def integrator(model, integrate: Callable, grad: bool = False):
     ``predict_action_chunk`` to call: LeRobot's own, or with ``grad`` the same function with its
     ``torch.no_grad`` (and its model's ``sample_actions``') lifted, so scores carry gradients."""
     module = sys.modules[type(model.model).__module__]
-    original = module.euler_integrate
 
     def patched(denoise_fn, noise, num_steps, **_rtc):  # LeRobot's own RTC arguments: unused here
         return integrate(denoise_fn, noise, num_steps)
 
-    module.euler_integrate = patched
     inner = model.model
-    if grad:
-        inner.sample_actions = types.MethodType(inspect.unwrap(type(inner).sample_actions), inner)
-    try:
-        yield (
-            types.MethodType(inspect.unwrap(type(model).predict_action_chunk), model)
-            if grad
-            else (model.predict_action_chunk)
-        )
-    finally:
-        module.euler_integrate = original
+    with _PATCHING:
+        original = module.euler_integrate
+        module.euler_integrate = patched
         if grad:
-            del inner.sample_actions
+            inner.sample_actions = types.MethodType(inspect.unwrap(type(inner).sample_actions), inner)
+        try:
+            yield (
+                types.MethodType(inspect.unwrap(type(model).predict_action_chunk), model)
+                if grad
+                else (model.predict_action_chunk)
+            )
+        finally:
+            module.euler_integrate = original
+            if grad:
+                del inner.sample_actions
 
 
 class Sampler:

@@ -160,7 +160,11 @@ class LeRobotPolicy(PreTrainedPolicy, DenoisingRL):
 
     def rl_actor(self, noise: ExplorationNoise, augmentation_width: int = 0) -> DenoisingActor:
         if not self.is_flow:
-            return super().rl_actor(noise, augmentation_width)  # refused, naming the fix
+            raise ValueError(
+                f"LeRobot's {self.config.lerobot_type} policy has no RL actor in vla-rl (RL needs exact "
+                f"log-probabilities: LeRobot's flow VLAs pi0, pi05 and SmolVLA, or vla-rl's own diffusion and "
+                f"diffusion_vla); evaluate and serve it instead"
+            )
         if self.config.num_inference_steps < 1:
             raise ValueError(f"the LeRobot {self.config.lerobot_type} config in {self.config.pretrained_path} "
                              f"sets no num_inference_steps; RL needs its Euler steps")  # fmt: skip

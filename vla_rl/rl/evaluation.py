@@ -28,15 +28,18 @@ class PeriodicEvaluation:
         for task, env_cfg in zip(self.tasks, self.env_cfgs, strict=True):
             folder = self.out / "eval" / f"iter-{state['iteration']:04d}"
             episodes = {"num_episodes": cfg.eval_episodes}
+            eval_env = replace(env_cfg, num_envs=min(env_cfg.num_envs * 2, cfg.eval_episodes))
             if is_libero_task(task):  # LIBERO's protocol fixes the episodes: as many per task as make eval_episodes
                 from sim.libero_env import resolve_libero_task
 
                 tasks_here = len(resolve_libero_task(task).task_ids)
                 episodes = {"num_episodes": 0, "episodes_per_task": max(1, min(INITIAL_STATES_PER_TASK,
                                                                               -(-cfg.eval_episodes // tasks_here)))}  # fmt: skip
+                # ... and the step limit and settle steps, whatever the rollouts use
+                eval_env = replace(eval_env, max_episode_steps=0, settle_steps=-1)
             result = stages.evaluate(
                 stages.EvalConfig(
-                    checkpoint=str(checkpoint), env=replace(env_cfg, num_envs=min(env_cfg.num_envs * 2, cfg.eval_episodes)),
+                    checkpoint=str(checkpoint), env=eval_env,
                     **episodes, seed=cfg.eval_seed, chunking=cfg.chunking, delay=cfg.delay,
                     video_episodes=0, device=str(self.device), output_dir=str(folder / task if len(self.tasks) > 1 else folder),
                     overwrite=True,  # a resumed run evaluates again an iteration whose checkpoint was never written
