@@ -15,6 +15,10 @@ MuJoCo Warp not installed); the JSON holds every check, the last line printed is
    with uniform delays, runs whole episodes with the state on the device.
 4. ``ray_worker_on_gpu``: a Ray rollout worker that declares a GPU runs its policy copy there and hands
    the learner CPU tensors (``--ray.worker_gpus``).
+5. ``lerobot_vla_on_gpu``: LeRobot's pi0 (shrunk by the tests' config patch, `tests/tiny_lerobot_vla.py`)
+   behind vla-rl's adapter gives on the GPU the chunk it gives on the CPU; adapted as `vla-rl finetune
+   --vla.trainable=expert --vla.dtype=bfloat16 --vla.gradient_checkpointing=true` makes it, it samples a
+   chain and scores it with finite float32 log-probs and gradients there; reports the peak memory.
 """
 
 from __future__ import annotations
@@ -178,11 +182,51 @@ def check_ray_worker_on_gpu(device) -> dict:
     return {"worker_device": placed["device"], "decisions": len(rollout)}
 
 
+def check_lerobot_vla_on_gpu(device) -> dict:
+    import tempfile
+    from pathlib import Path
+
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from tiny_lerobot_vla import save_tiny_vla, tiny_backbones, word_tokenizer
+
+    from policies.denoising_chain import ExplorationNoise
+    from policies.lerobot.adaptation import AdaptationConfig
+    from vla_rl.checkpoint import load_policy
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer = word_tokenizer(Path(tmp) / "tokenizer", ["lift", "the", "cube"])
+        save_tiny_vla(Path(tmp) / "pi0", tokenizer)
+        with tiny_backbones():
+            cpu, gpu = (load_policy(Path(tmp) / "pi0", device=d, tokenizer_dir=str(Path(tmp) / "tokenizer"))[0]
+                        for d in ("cpu", device))  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    obs = {"observation.images.front": torch.rand(2, 3, 64, 64, generator=g),
+           "observation.state": torch.randn(2, 11, generator=g), "task": ["lift the cube"] * 2}  # fmt: skip
+    noise = torch.randn(2, 8, 32, generator=g)
+    on_gpu = {k: v.to(device) if torch.is_tensor(v) else v for k, v in obs.items()}
+    gap = cpu.predict_chunk(obs, noise=noise).actions - gpu.predict_chunk(on_gpu, noise=noise.to(device)).actions.cpu()
+    gpu.adapt(AdaptationConfig(trainable="expert", dtype="bfloat16", gradient_checkpointing=True))
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    _, chain, behaviour = gpu.sample_with_log_prob(on_gpu, noise=ExplorationNoise(min_std=0.1))
+    score = gpu.log_prob(on_gpu, chain)
+    score.sum().backward()
+    grads = [p.grad for p in gpu.parameters() if p.grad is not None]
+    assert float(gap.abs().max()) < 1e-3, float(gap.abs().max())
+    assert score.dtype == torch.float32 and torch.isfinite(score).all() and torch.isfinite(behaviour).all()
+    assert grads and all(torch.isfinite(gr).all() for gr in grads)
+    peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
+    return {"max_gap_to_cpu": round(float(gap.abs().max()), 8), "trained_tensors": len(grads), "peak_mib": peak}
+
+
 CHECKS = {
     "delay_streams": check_delay_streams,
     "policy_on_gpu": check_policy_on_gpu,
     "shell_on_gpu": check_shell_on_gpu,
     "ray_worker_on_gpu": check_ray_worker_on_gpu,
+    "lerobot_vla_on_gpu": check_lerobot_vla_on_gpu,
 }
 
 

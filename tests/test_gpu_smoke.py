@@ -19,6 +19,8 @@ def test_the_checks_pass_on_the_cpu():
     # 4 decisions each, at least 1.
     ray_check = gpu_smoke.check_ray_worker_on_gpu(torch.device("cpu"))
     assert ray_check["worker_device"] == "cpu" and 2 <= ray_check["decisions"] <= 8
+    vla = gpu_smoke.check_lerobot_vla_on_gpu(torch.device("cpu"))
+    assert vla["max_gap_to_cpu"] == 0.0 and vla["trained_tensors"] > 0 and vla["peak_mib"] is None
 
 
 def test_without_cuda_the_script_says_so(tmp_path, capsys, monkeypatch):
