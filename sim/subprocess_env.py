@@ -244,7 +244,9 @@ class SubprocessBatchedEnv:
     def render(self, world: int = 0, camera: str | None = None, size: int = 256) -> np.ndarray:
         """(size, size, 3) uint8 frame of one world from its latest observation, for videos."""
         if not self.cameras:
-            raise ValueError("this env renders no cameras")
+            raise ValueError(
+                "this env renders no cameras (--env.cameras is empty): set --video_episodes=0 or name a camera"
+            )
         image = self._last_obs[image_key(camera or self.cameras[0])][world : world + 1]  # (1, 3, H, W)
         image = F.interpolate(image, size=(size, size), mode="bilinear", antialias=True, align_corners=False)
         return (image[0].permute(1, 2, 0).clamp(0, 1) * 255).round().to(torch.uint8).numpy()

@@ -229,6 +229,18 @@ def test_a_killed_lora_run_resumes_to_the_weights_of_an_unstopped_one(tiny_vla, 
         assert all(torch.equal(straight[k], resumed[k]) for k in straight), name
 
 
+def test_lora_adapters_of_a_bf16_model_train_in_float32(tiny_vla, tokenizer_dir):
+    directory, _ = tiny_vla
+    policy = _load(directory, tokenizer_dir)
+    policy.adapt(AdaptationConfig(trainable="lora", lora_rank=4, dtype="bfloat16"))
+    adapters = {n: p for n, p in policy.named_parameters() if "lora_" in n}
+    assert adapters and {p.dtype for p in adapters.values()} == {torch.float32}
+    assert {p.dtype for n, p in policy.named_parameters() if "gemma_expert.model.layers.0.mlp" in n} == {torch.bfloat16}
+    _, chain, _ = policy.sample_with_log_prob(_obs(), noise=ExplorationNoise(min_std=0.1))
+    policy.log_prob(_obs(), chain).sum().backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in adapters.values())
+
+
 def test_bf16_and_gradient_checkpointing_recompute_the_expert_in_the_backward_pass(tiny_vla, tokenizer_dir):
     directory, _ = tiny_vla
     policy = _load(directory, tokenizer_dir)

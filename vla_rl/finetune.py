@@ -77,6 +77,7 @@ from vla_rl.checkpoint import (
     TRAINING_STATE_DIR,
     check_resume,
     load_policy,
+    resolve_policy_dir,
 )
 from vla_rl.latency_warmup import LatencyWarmupConfig
 from vla_rl.rl import checkpointing, report
@@ -356,8 +357,13 @@ def finetune(cfg: FinetuneConfig) -> dict:
 def _load_trained_policy(cfg: FinetuneConfig, source: str | Path, device, out: Path):
     """The policy RL trains, from ``source``, with ``cfg.vla``'s adaptation (a LeRobot VLA). A resumed LoRA
     run rebuilds its exact weights: the run's initial checkpoint plus the adapters its last one saved (the
-    last checkpoint's weights hold them merged). Returns (policy, the directory loaded)."""
-    policy, policy_dir = load_policy(source, device=device, tokenizer_dir=cfg.tokenizer_dir)
+    last checkpoint's weights hold them merged, and are not loaded: one VLA in memory, not two). Returns
+    (policy, the directory of ``source``)."""
+    if cfg.vla.trainable == "lora" and cfg.resume:
+        policy_dir = resolve_policy_dir(source)
+        policy, _ = load_policy(checkpointing.initial_checkpoint(out), device=device, tokenizer_dir=cfg.tokenizer_dir)
+    else:
+        policy, policy_dir = load_policy(source, device=device, tokenizer_dir=cfg.tokenizer_dir)
     if cfg.vla.is_default():
         return policy, policy_dir
     if not getattr(policy, "is_flow", False):
@@ -365,13 +371,9 @@ def _load_trained_policy(cfg: FinetuneConfig, source: str | Path, device, out: P
             f"--vla.* adapts LeRobot's flow VLAs (pi0, pi05, SmolVLA) for fine-tuning; {source} holds a "
             f"{getattr(policy.config, 'lerobot_type', '') or policy.config.type!r} policy: drop the --vla.* flags"
         )
-    if cfg.vla.trainable == "lora" and cfg.resume:
-        initial = checkpointing.initial_checkpoint(out)
-        base, _ = load_policy(initial, device=device, tokenizer_dir=cfg.tokenizer_dir)
-        base.adapt(cfg.vla, cfg.seed)
-        base.adapted.load_adapter(base.model, policy_dir)
-        return base, policy_dir
     policy.adapt(cfg.vla, cfg.seed)
+    if cfg.vla.trainable == "lora" and cfg.resume:
+        policy.adapted.load_adapter(policy.model, policy_dir)
     return policy, policy_dir
 
 

@@ -31,7 +31,8 @@ class Detokenized:
 def quantile_range(chunks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per action dimension, the (low, high) quantiles of ``chunks`` (N, H, A); a constant dimension gets a
     unit-wide range around its value, so normalizing by it is defined."""
-    values = np.asarray(chunks, dtype=np.float64).reshape(-1, chunks.shape[-1])
+    chunks = np.asarray(chunks, dtype=np.float64)
+    values = chunks.reshape(-1, chunks.shape[-1])
     if values.shape[0] == 0 or not np.isfinite(values).all():
         raise ValueError("an action tokenizer is fitted on finite action chunks (N, H, A), N >= 1")
     low, high = np.quantile(values, LOW_QUANTILE, axis=0), np.quantile(values, HIGH_QUANTILE, axis=0)

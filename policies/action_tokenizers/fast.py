@@ -75,7 +75,7 @@ class FASTTokenizer:
         return self.bpe.get_vocab_size()
 
     def max_error(self) -> np.ndarray:
-        """(A,) the largest round-trip error of a value inside the fitted range, in action units."""
+        """(A,) an upper bound of the round-trip error of a value inside the fitted range, in action units."""
         return math.sqrt(self.horizon) / (2 * self.scale) * (self.high - self.low) / 2
 
     def encode(self, chunks) -> Tokenized:

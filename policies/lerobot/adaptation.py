@@ -75,6 +75,10 @@ class Adapted:
             parent_name, _, attr = name.rpartition(".")
             parent, layer = model.get_submodule(parent_name), model.get_submodule(name)
             base = layer.get_base_layer()
+            if not isinstance(base, nn.Linear):
+                raise TypeError(
+                    f"merging LoRA into {name} ({type(base).__name__}) is not supported: only Linear layers"
+                )
             # skip_init: no initialization, which would draw from (and so shift) the run's random stream.
             merged = nn.utils.skip_init(nn.Linear, base.in_features, base.out_features, bias=base.bias is not None,
                                         device=base.weight.device, dtype=base.weight.dtype)  # fmt: skip
@@ -137,4 +141,7 @@ def adapt(model: nn.Module, lerobot_type: str, settings: AdaptationConfig, seed:
         lora_layers = [name for name, module in model.named_modules() if isinstance(module, LoraLayer)]
         for name, parameter in model.named_parameters():
             parameter.requires_grad_("lora_" in name)
+            if "lora_" in name:
+                # peft gives an adapter its base layer's dtype; in bf16 AdamW's small steps would round away.
+                parameter.data = parameter.data.float()
     return Adapted(settings, lora_layers)

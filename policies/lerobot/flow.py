@@ -65,7 +65,7 @@ def integrator(model, integrate: Callable, grad: bool = False):
     def patched(denoise_fn, noise, num_steps, **_rtc):  # LeRobot's own RTC arguments: unused here
         return integrate(denoise_fn, noise, num_steps)
 
-    inner = model.model
+    inner, was_training = model.model, model.training
     with _PATCHING:
         original = module.euler_integrate
         module.euler_integrate = patched
@@ -81,6 +81,7 @@ def integrator(model, integrate: Callable, grad: bool = False):
             module.euler_integrate = original
             if grad:
                 del inner.sample_actions
+            model.train(was_training)  # LeRobot's predict_action_chunk switched it to eval mode
 
 
 class Sampler:
@@ -95,6 +96,11 @@ class Sampler:
         self.log_prob: torch.Tensor | None = None
 
     def __call__(self, velocity: Velocity, noise: torch.Tensor, num_steps: int) -> torch.Tensor:
+        if len(self.std) != num_steps:
+            raise ValueError(
+                f"the chain has {len(self.std)} step stds but LeRobot's sampler takes {num_steps} Euler steps; "
+                f"the policy's num_inference_steps must be its LeRobot config's"
+            )
         dt, times = euler_times(num_steps)
 
         def step_mean(x: torch.Tensor, k: int) -> torch.Tensor:
@@ -106,7 +112,15 @@ class Sampler:
                 v = guided_velocity(lambda z: velocity(z, t), x, times[k], target, weights, self.max_guidance)
             return x + dt * v
 
-        self.chain, self.log_prob = sample_chain(step_mean, noise, self.std.to(noise), eta=None)
+        std = self.std.to(noise)
+        if (std > 0).any():
+            self.chain, self.log_prob = sample_chain(step_mean, noise, std, eta=None)
+        else:  # LeRobot's own steps (RTC guidance): no draws, so the random stream is the unguided one's
+            latents = [noise]
+            with torch.no_grad():
+                for k in range(num_steps):
+                    latents.append(step_mean(latents[-1], k))
+            self.chain, self.log_prob = DenoisingChain(torch.stack(latents, 1), std, None, None), None
         return self.chain.latents[:, -1]
 
 
