@@ -86,3 +86,31 @@ def test_a_tokenizer_refuses_chunks_of_other_dimensions_and_a_missing_one_names_
         load_action_tokenizer(tmp_path)
     with pytest.raises(ValueError, match="must hold the 81 coefficient values"):
         FASTTokenizer.fit(smooth_chunks(20), scale=10.0, vocab_size=50)  # 2 x ceil(10 x 4) + 1 values
+
+
+@pytest.mark.parametrize("kind", ["uniform_bins", "fast"])
+def test_fitted_on_a_recorded_dataset_the_round_trip_keeps_its_bound_and_the_tokenizer_travels(tiny_dataset, kind,
+                                                                                                tmp_path):  # fmt: skip
+    """Fitted on the lift demonstrations' chunks (`ChunkedDemos.action_chunks`, steps past an episode's end
+    repeating its last action, as training sees them), saved beside the weights and loaded back."""
+    import torch
+
+    from policies.action_tokenizers import fit_action_tokenizer
+    from vla_core.data import ChunkedDemos, open_dataset
+
+    demos = ChunkedDemos(open_dataset(tiny_dataset[0]))
+    chunks = demos.action_chunks(8).numpy()
+    frame = int(demos.episode_end[0]) - 2  # two steps from the first episode's end
+    expected = demos.action[[frame, frame + 1] + [frame + 1] * 6].numpy()
+    np.testing.assert_array_equal(chunks[frame], expected)  # the last action repeated
+    assert torch.equal(demos.action_chunks(8, torch.tensor([frame]))[0], torch.from_numpy(expected))
+    tokenizer = fit_action_tokenizer(kind, chunks, **({"num_bins": 256} if kind == "uniform_bins" else {}))
+    inside = np.clip(chunks, tokenizer.low, tokenizer.high)
+    back = tokenizer.decode(tokenizer.encode(inside).tokens)
+    bound = tokenizer.bin_width / 2 if kind == "uniform_bins" else tokenizer.max_error()
+    assert back.valid.all() and (np.abs(back.chunks - inside) <= bound + 1e-9).all()
+    tokenizer.save(tmp_path)
+    again = load_action_tokenizer(tmp_path)
+    assert again.encode(inside).tokens == tokenizer.encode(inside).tokens
+    with pytest.raises(ValueError, match="unknown action tokenizer 'bpe'"):
+        fit_action_tokenizer("bpe", chunks)

@@ -103,6 +103,13 @@ class ChunkedDemos:
     def __len__(self) -> int:
         return self.state.shape[0]
 
+    def action_chunks(self, horizon: int, frames: torch.Tensor | None = None) -> torch.Tensor:
+        """(F, horizon, A) the action chunk of each of ``frames`` (all by default), as `batch` makes them:
+        steps past the episode's end repeat its last action. What an action tokenizer is fitted on."""
+        idx = torch.arange(len(self)) if frames is None else frames
+        offsets = idx[:, None] + torch.arange(horizon)[None]
+        return self.action[offsets.clamp(max=self.episode_end[idx][:, None] - 1)]
+
     def batch(self, idx: torch.Tensor, horizon: int) -> dict:
         """Frames ``idx`` (B,) -> observation batch + ``action`` (B, horizon, A) + ``action_is_pad`` (B, horizon).
 

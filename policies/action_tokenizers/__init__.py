@@ -20,13 +20,24 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
+
 from policies.action_tokenizers.base import TOKENIZER_FILE, Detokenized, Tokenized
 from policies.action_tokenizers.binning import UniformBinTokenizer
 from policies.action_tokenizers.fast import FASTTokenizer
 
 KINDS = {"uniform_bins": UniformBinTokenizer, "fast": FASTTokenizer}
 
-__all__ = ["KINDS", "Detokenized", "FASTTokenizer", "Tokenized", "UniformBinTokenizer", "load_action_tokenizer"]
+__all__ = ["KINDS", "Detokenized", "FASTTokenizer", "Tokenized", "UniformBinTokenizer", "fit_action_tokenizer",
+           "load_action_tokenizer"]  # fmt: skip
+
+
+def fit_action_tokenizer(kind: str, chunks, **settings):
+    """An action tokenizer of ``kind`` (``uniform_bins``: ``num_bins``; ``fast``: ``scale``, ``vocab_size``)
+    fitted on a dataset's action chunks (F, H, A), e.g. ``vla_core.data.ChunkedDemos.action_chunks(H)``."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown action tokenizer {kind!r}; choose one of {', '.join(KINDS)}")
+    return KINDS[kind].fit(np.asarray(chunks, dtype=np.float64), **settings)
 
 
 def load_action_tokenizer(directory: str | Path):
