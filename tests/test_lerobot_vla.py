@@ -354,6 +354,7 @@ def test_eval_runs_a_lerobot_vla_with_rtc_guidance_under_delay(tiny_vla, tokeniz
     assert len(guided) >= 4 and None not in guided and guided[0] == 0 and all(w > 0 for w in guided[1:]), guided
 
 
+@pytest.mark.parametrize("tiny_vla", ["pi0"], indirect=True)  # one kind: pi05 takes the same path, 9 s more
 def test_serve_drives_the_sim_robot_with_a_lerobot_vla_and_rtc(tiny_vla, tokenizer_dir, tmp_path):
     """Two processes over ROS 2: `vla-rl sim-robot` and `vla-rl serve` running the tiny VLA (its inference in
     a thread: the test-only shrinking patch lives in the serving process), chunks guided by RTC."""
@@ -366,7 +367,7 @@ def test_serve_drives_the_sim_robot_with_a_lerobot_vla_and_rtc(tiny_vla, tokeniz
     from std_msgs.msg import String
 
     directory, _ = tiny_vla
-    domain = 64 if tiny_vla[1] == "pi0" else 65
+    domain = 64
     robot = start_command(["sim-robot", "--env.task=lift", "--seed=100"], domain, tmp_path, "robot")
     with open(tmp_path / "serve.out", "w") as out, open(tmp_path / "serve.err", "w") as err:
         serve = subprocess.Popen(
