@@ -198,6 +198,11 @@ def config_from_dict(saved: dict[str, Any], source: str | Path, tokenizer_dir: s
     """A policy config from the contents of a ``config.json``; the errors name what the file is instead.
     tokenizer_dir: for a LeRobot VLA, the local folder of its tokenizer (`policies.lerobot.assets`)."""
     saved_type = saved.get("type")
+    if tokenizer_dir and str(saved_type).startswith(LEROBOT_TYPE_PREFIX):
+        raise ValueError(
+            f"{source} holds a vla-rl policy, which brings its own tokenizer: drop --tokenizer_dir (it is for "
+            f"LeRobot VLA checkpoints that name theirs by hub id)"
+        )
     if saved_type is None:
         hint = " (written by vla-rl 0.1: retrain it with `vla-rl train`)" if "policy_type" in saved else ""
         raise ValueError(f"{source} is not a vla-rl checkpoint: its config.json names no policy type{hint}")

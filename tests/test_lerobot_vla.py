@@ -110,7 +110,7 @@ def test_acting_and_scoring_agree_and_the_trainable_weights_get_gradients(tiny_v
     directory, _ = tiny_vla
     for trainable in ("all", "expert", "lora"):
         policy = _load(directory, tokenizer_dir)
-        policy.adapt(AdaptationConfig(trainable=trainable, lora_rank=4))
+        policy.adapt(AdaptationConfig(trainable=trainable, lora_rank=4 if trainable == "lora" else 16))
         actor = policy.rl_actor(ExplorationNoise(min_std=0.1))
         assert actor.num_factors == 3 and actor.value_dim == 8 * 4 + 11
         assert actor.value_features(_obs()).shape == (B, 8 * 4 + 11)
@@ -434,6 +434,17 @@ def test_a_lerobot_policy_that_is_not_a_flow_vla_is_refused_rl_and_rtc_naming_wh
         policy.predict_chunk(_obs(), inpaint=(torch.zeros(B, 8, 4), torch.ones(B, 8)))
     with pytest.raises(ValueError, match=r"--vla.\* adapts LeRobot's flow VLAs.*'act' policy: drop the --vla"):
         _finetune(tmp_path / "act", "", tmp_path / "run", vla=AdaptationConfig(trainable="expert"))
+    with pytest.raises(ValueError, match="tokenizes no instructions: drop --tokenizer_dir"):
+        load_policy(tmp_path / "act", tokenizer_dir=str(tmp_path))
+
+
+def test_flags_that_would_be_ignored_are_refused(tiny_checkpoint, tmp_path):
+    out, _ = tiny_checkpoint  # a vla-rl diffusion policy: its instructions use its own vocabulary
+    with pytest.raises(ValueError, match="holds a vla-rl policy, which brings its own tokenizer: drop --tokenizer_dir"):
+        load_policy(out, tokenizer_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="with --vla.trainable=expert there are none"):
+        AdaptationConfig(trainable="expert", lora_rank=8).validate()
+    AdaptationConfig(trainable="lora", lora_rank=8).validate()  # where they apply, accepted
 
 
 # -- SmolVLA: LeRobot builds its backbone from SmolVLM's config and processor, here a tiny local copy --

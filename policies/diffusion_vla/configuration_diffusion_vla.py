@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, get_args
 
+from policies.flow_guidance import DEFAULT_MAX_GUIDANCE
 from policies.pretrained import DenoisingPolicyConfig, PolicyConfig
 
 Objective = Literal["flow", "ddpm"]
@@ -40,7 +41,8 @@ class DiffusionVLAConfig(DenoisingPolicyConfig):
     # -- objective --
     objective: Objective = "flow"  # flow (flow matching, Euler sampling) or ddpm (epsilon prediction)
     ddpm_sampler: DdpmSampler = "ddim"  # ddpm only: ddim (deterministic, few steps) or ddpm
-    rtc_max_guidance: float = 5.0  # flow only: clip of the real-time-chunking inpainting guidance weight
+    # flow only: clip of the real-time-chunking inpainting guidance weight (`policies.flow_guidance`)
+    rtc_max_guidance: float = DEFAULT_MAX_GUIDANCE
 
     def validate(self) -> None:
         """Raise ValueError naming the fix for an inconsistent config."""

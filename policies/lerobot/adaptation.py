@@ -53,6 +53,10 @@ class AdaptationConfig:
             raise ValueError(f"--vla.dtype={self.dtype!r} is unknown; choose float32 or bfloat16")
         if self.lora_rank < 1 or self.lora_alpha < 1:
             raise ValueError("--vla.lora_rank and --vla.lora_alpha must be >= 1")
+        default = AdaptationConfig()
+        if self.trainable != "lora" and (self.lora_rank, self.lora_alpha) != (default.lora_rank, default.lora_alpha):
+            raise ValueError(f"--vla.lora_rank and --vla.lora_alpha shape LoRA adapters; with --vla.trainable="
+                             f"{self.trainable} there are none: drop them or set --vla.trainable=lora")  # fmt: skip
 
 
 class Adapted:

@@ -34,6 +34,10 @@ def load_tokenizer(directory: str | Path, lerobot_type: str, tokenizer_dir: str 
     hub, when online). ValueError naming the fix when none has it."""
     name = saved_tokenizer_name(directory)
     if name is None:
+        if tokenizer_dir:
+            raise ValueError(
+                f"the LeRobot {lerobot_type} policy in {directory} tokenizes no instructions: drop --tokenizer_dir"
+            )
         return None
     from transformers import AutoTokenizer
 
