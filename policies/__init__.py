@@ -5,6 +5,7 @@ then the types of installed plugins (entry points of group ``vla_rl.policies``, 
 It loads no model code; ``policy_class(type)`` imports the model of a type when it is needed.
 """
 
+from policies.autoregressive_vla import AutoregressiveVLAConfig
 from policies.diffusion import DiffusionConfig
 from policies.diffusion_vla import DiffusionVLAConfig
 from policies.lerobot import LeRobotConfig
@@ -14,6 +15,7 @@ from policies.pretrained import PolicyConfig, PreTrainedPolicy, policy_class
 load_policy_plugins()  # after the built-ins, so a plugin that reuses a built-in type name is refused
 
 __all__ = [
+    "AutoregressiveVLAConfig",
     "DiffusionConfig",
     "DiffusionVLAConfig",
     "LeRobotConfig",

@@ -28,14 +28,16 @@ from vla_core.types import OBS_MID_STATE, OBS_MID_STEPS
 
 @dataclass
 class ExplorationNoise:
-    """How much noise RL sampling injects into each denoising step (normalized action units)."""
+    """How much noise RL sampling injects into each denoising step (normalized action units); for a token
+    policy, the temperature its action tokens are sampled at (`policies.token_actor`)."""
 
     eta: float = 1.0  # epsilon objective: DDIM's eta (0 = deterministic DDIM, 1 = DDPM's posterior variance)
     min_std: float = 0.1  # every step's std is at least this; the flow objective's Euler steps get exactly this std
+    temperature: float = 1.0  # token policies (autoregressive_vla) sample their action tokens at this temperature
 
     def validate(self) -> None:
         """Raise ValueError naming the fix for a negative or non-finite setting."""
-        for name in ("eta", "min_std"):
+        for name in ("eta", "min_std", "temperature"):
             value = getattr(self, name)
             if not math.isfinite(value) or value < 0:
                 raise ValueError(f"exploration noise {name}={value} must be a finite number >= 0; set {name} >= 0")

@@ -32,7 +32,7 @@ from typing import Any
 
 import draccus
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_model, save_model
 from torch import nn
 
 from policies.denoising_chain import ExplorationNoise
@@ -276,12 +276,15 @@ class PreTrainedPolicy(NormalizationMixin, nn.Module):
         )
         return policy
 
+    def fit_to_demonstrations(self, demos, frames: torch.Tensor | None = None) -> None:
+        """Fit what the policy learns from the data before training (an autoregressive policy's action
+        tokenizer) on the demonstrations of ``frames`` (`vla_core.data.ChunkedDemos`); nothing by default."""
+
     def save_pretrained(self, directory: str | Path) -> None:
-        """Write ``config.json`` and ``model.safetensors`` into ``directory`` (LeRobot's format)."""
+        """Write ``config.json``, ``model.safetensors`` and the policy's assets into ``directory`` (LeRobot's format)."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        state = self.state_dict()
-        save_file({k: v.detach().cpu().contiguous() for k, v in state.items()}, str(directory / WEIGHTS_FILE))
+        self.save_weights(directory)
         saved = {"type": lerobot_type(self.config.type), **asdict(self.config)}
         (directory / CONFIG_FILE).write_text(json.dumps(saved, indent=2))
         for pipeline in lerobot_processors():  # LeRobot's scripts load these beside the model
@@ -305,9 +308,22 @@ class PreTrainedPolicy(NormalizationMixin, nn.Module):
         policy.load_weights(directory)
         return policy.to(device).eval()
 
+    def save_weights(self, directory: Path) -> None:
+        """Write ``model.safetensors`` and what else the weights need (``save_assets``) into ``directory``."""
+        # safetensors' save_model writes a tensor shared by two names (tied embeddings) once; load_model ties it back.
+        save_model(self, str(directory / WEIGHTS_FILE), force_contiguous=True)
+        self.save_assets(directory)
+
     def load_weights(self, directory: Path) -> None:
-        """Load ``model.safetensors`` from a directory ``save_pretrained`` wrote."""
-        self.load_state_dict(load_file(str(directory / WEIGHTS_FILE)))
+        """Load ``model.safetensors`` and the assets from a directory ``save_weights`` wrote."""
+        load_model(self, str(directory / WEIGHTS_FILE), strict=True)
+        self.load_assets(Path(directory))
+
+    def save_assets(self, directory: Path) -> None:
+        """Write the files besides the weights the policy needs (an action tokenizer); none by default."""
+
+    def load_assets(self, directory: Path) -> None:
+        """Read what ``save_assets`` wrote; ValueError naming the fix when it is missing."""
 
     # -- the contract ---------------------------------------------------------------------------
 

@@ -111,10 +111,10 @@ def decode(model, prefix: torch.Tensor, prefix_mask: torch.Tensor, space: Action
 
 def score_tokens(model, prefix: torch.Tensor, prefix_mask: torch.Tensor, decoded_ids: torch.Tensor,
                  token_mask: torch.Tensor, space: ActionTokenSpace, *, min_tokens: int = 1,
-                 temperature: float = 0.0) -> torch.Tensor:  # fmt: skip
+                 temperature: float = 0.0, entropy: bool = False) -> torch.Tensor:  # fmt: skip
     """(B, T) log-probabilities of ``decoded_ids`` (B, T) under the current weights, teacher-forced in one
     pass with autograd, over the same constrained distribution as `decode` (zeros where ``token_mask``
-    (B, T) is False)."""
+    (B, T) is False). ``entropy``: the entropy of that distribution at each position instead."""
     embed = model.get_input_embeddings()
     t = decoded_ids.shape[1]
     inputs = torch.cat([prefix, embed(decoded_ids[:, :-1]).to(prefix.dtype)], 1)
@@ -124,4 +124,8 @@ def score_tokens(model, prefix: torch.Tensor, prefix_mask: torch.Tensor, decoded
     vocab = model.config.vocab_size
     allowed = torch.stack([space.allowed(vocab, may_end=k >= min_tokens, device=prefix.device) for k in range(t)])
     dist = _constrained(steps, allowed[None], temperature)
-    return torch.where(token_mask, dist.gather(2, decoded_ids[..., None])[..., 0], 0.0)
+    if entropy:  # -sum p log p over the allowed tokens (the masked ones have p = 0 and log p = -inf)
+        values = -(dist.exp() * dist.masked_fill(~allowed[None], 0.0)).sum(-1)
+    else:
+        values = dist.gather(2, decoded_ids[..., None])[..., 0]
+    return torch.where(token_mask, values, 0.0)

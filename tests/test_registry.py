@@ -105,7 +105,7 @@ def test_importing_policies_registers_the_installed_plugins(site):
     out = subprocess.run(run, capture_output=True, text=True, env=env, timeout=300, check=False)
     assert out.returncode == 0, out.stderr
     known, modeling_loaded = out.stdout.strip().splitlines()
-    assert known == str(sorted(["diffusion", "diffusion_vla", "lerobot", "tiny_plugin"]))
+    assert known == str(sorted(["autoregressive_vla", "diffusion", "diffusion_vla", "lerobot", "tiny_plugin"]))
     assert modeling_loaded == "False"
 
 

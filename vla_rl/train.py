@@ -203,17 +203,20 @@ def with_delay_augmentation(batch: dict, delays: torch.Tensor, max_delay: int) -
     return {**batch, **committed_prefix(batch[ACTION], batch["action_is_pad"], delays, max_delay)}
 
 
-def build_policy(cfg: TrainConfig, demos, dataset, max_delay_steps: int = 0):
+def build_policy(cfg: TrainConfig, demos, dataset, max_delay_steps: int = 0, frames: torch.Tensor | None = None):
     """The policy of ``cfg.policy`` sized from the dataset's features and tasks, with its normalization
     statistics (``PreTrainedPolicy.from_dataset``), reading the delay augmentation up to
-    ``max_delay_steps``. Raises ValueError naming the fix when the config and the dataset disagree."""
+    ``max_delay_steps``, and what it fits on the demonstrations of ``frames`` (the training frames; all when
+    None). Raises ValueError naming the fix when the config and the dataset disagree."""
     from policies import policy_class
 
     pcfg = copy.deepcopy(cfg.policy)
     pcfg.max_delay_steps = max_delay_steps
-    return policy_class(pcfg.type).from_dataset(
+    policy = policy_class(pcfg.type).from_dataset(
         pcfg, dataset.meta.features, dataset.meta.stats, demos.tasks, cameras=list(demos.cameras)
     )
+    policy.fit_to_demonstrations(demos, frames)  # e.g. an action tokenizer, on the training frames' chunks
+    return policy
 
 
 def check_batching(cfg: TrainConfig) -> int:
@@ -343,7 +346,7 @@ def start_run(cfg: TrainConfig) -> Run:
     delay = delay or check_delay(cfg, 1.0 / dataset.meta.fps, resumed)
     demos, sampler, val_frames = load_frames(cfg, dataset)
     policy, raw_policy, trainable, optimizer, scheduler, ema = build_learner(
-        cfg, accelerator, demos, dataset, delay.max_steps
+        cfg, accelerator, demos, dataset, delay.max_steps, sampler.frames
     )
     # Each process draws its own delays, as it draws its own frames; the stream resumes with `progress`.
     delay.use_stream(accelerator.process_index)
@@ -374,14 +377,14 @@ def load_frames(cfg: TrainConfig, dataset):
     return demos, sampler, val_frames
 
 
-def build_learner(cfg: TrainConfig, accelerator, demos, dataset, max_delay: int):
+def build_learner(cfg: TrainConfig, accelerator, demos, dataset, max_delay: int, frames: torch.Tensor):
     """(prepared policy, raw policy, trainable parameters, optimizer, LR scheduler, EMA or None), the
-    weights initialized from ``cfg.seed``."""
+    weights initialized from ``cfg.seed``, fitted to the training ``frames``."""
     from diffusers.optimization import get_scheduler
     from diffusers.training_utils import EMAModel
 
     torch.manual_seed(cfg.seed)  # weight initialization; the same seed builds the same network
-    policy = build_policy(cfg, demos, dataset, max_delay)
+    policy = build_policy(cfg, demos, dataset, max_delay, frames)
     # Frozen parameters (e.g. fixed encoder towers) need neither optimizer state nor an EMA copy.
     trainable = [p for p in policy.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)

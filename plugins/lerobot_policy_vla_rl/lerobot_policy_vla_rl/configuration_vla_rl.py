@@ -14,6 +14,7 @@ from lerobot.configs.policies import PreTrainedConfig
 from lerobot.configs.types import FeatureType, NormalizationMode
 from lerobot.optim.optimizers import AdamWConfig
 
+from policies.autoregressive_vla import AutoregressiveVLAConfig
 from policies.diffusion import DiffusionConfig
 from policies.diffusion_vla import DiffusionVLAConfig
 from policies.pretrained import lerobot_type
@@ -63,3 +64,9 @@ class VlaRlDiffusionConfig(_VlaRlLeRobotConfig, PreTrainedConfig, DiffusionConfi
 @dataclass
 class VlaRlDiffusionVLAConfig(_VlaRlLeRobotConfig, PreTrainedConfig, DiffusionVLAConfig):
     """vla-rl's ``diffusion_vla`` policy config, as LeRobot reads it."""
+
+
+@PreTrainedConfig.register_subclass(lerobot_type("autoregressive_vla"))
+@dataclass
+class VlaRlAutoregressiveVLAConfig(_VlaRlLeRobotConfig, PreTrainedConfig, AutoregressiveVLAConfig):
+    """vla-rl's ``autoregressive_vla`` policy config, as LeRobot reads it."""

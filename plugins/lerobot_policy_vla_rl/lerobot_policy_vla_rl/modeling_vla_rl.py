@@ -8,12 +8,16 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import fields
+from pathlib import Path
 
 import torch
 from lerobot.policies.pretrained import PreTrainedPolicy
-from safetensors.torch import load_file, save_file
 
-from lerobot_policy_vla_rl.configuration_vla_rl import VlaRlDiffusionConfig, VlaRlDiffusionVLAConfig
+from lerobot_policy_vla_rl.configuration_vla_rl import (
+    VlaRlAutoregressiveVLAConfig,
+    VlaRlDiffusionConfig,
+    VlaRlDiffusionVLAConfig,
+)
 from policies import PolicyConfig, policy_class
 
 
@@ -33,16 +37,17 @@ class _VlaRlLeRobotPolicy:
     @classmethod
     def _load_as_safetensor(cls, model, model_file: str, map_location: str, strict: bool):
         # Always strict, whatever LeRobot's default (False): a vla-rl policy is only usable with all its
-        # weights and normalization statistics, so a missing or extra key is an error, not a warning.
-        model.model.load_state_dict(load_file(model_file, device=str(map_location)), strict=True)
+        # weights, normalization statistics and assets (an action tokenizer), so a missing or extra key is an
+        # error, not a warning. vla-rl's own loader reads them, so both tools read a directory alike.
+        model.model.load_weights(Path(model_file).parent)
+        model.model.to(map_location)
         return model
 
     def _save_pretrained(self, save_directory, state_dict=None) -> None:
         self.config._save_pretrained(save_directory)
-        weights = state_dict if state_dict is not None else self.model.state_dict()
-        save_file(
-            {k: v.detach().cpu().contiguous() for k, v in weights.items()}, str(save_directory / "model.safetensors")
-        )
+        if state_dict is not None:
+            self.model.load_state_dict(state_dict, strict=True)
+        self.model.save_weights(Path(save_directory))
 
     def get_optim_params(self):
         return [p for p in self.model.parameters() if p.requires_grad]
@@ -78,3 +83,9 @@ class VlaRlDiffusionVLAPolicy(_VlaRlLeRobotPolicy, PreTrainedPolicy):
     config_class = VlaRlDiffusionVLAConfig
     name = VlaRlDiffusionVLAConfig.get_choice_name(VlaRlDiffusionVLAConfig)
     vla_rl_type = "diffusion_vla"
+
+
+class VlaRlAutoregressiveVLAPolicy(_VlaRlLeRobotPolicy, PreTrainedPolicy):
+    config_class = VlaRlAutoregressiveVLAConfig
+    name = VlaRlAutoregressiveVLAConfig.get_choice_name(VlaRlAutoregressiveVLAConfig)
+    vla_rl_type = "autoregressive_vla"

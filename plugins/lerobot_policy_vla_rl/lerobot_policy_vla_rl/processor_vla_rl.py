@@ -13,3 +13,4 @@ def make_vla_rl_diffusion_pre_post_processors(config, dataset_stats=None):
 
 
 make_vla_rl_diffusion_vla_pre_post_processors = make_vla_rl_diffusion_pre_post_processors
+make_vla_rl_autoregressive_vla_pre_post_processors = make_vla_rl_diffusion_pre_post_processors

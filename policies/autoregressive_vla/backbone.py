@@ -1,0 +1,166 @@
+"""The autoregressive VLA's backbone: `transformers`' PaliGemma (SigLIP + a linear projector + Gemma), built
+from a small config with random weights or loaded from a local directory with its processor, and its
+language model in the form `policies.token_decoding` reads a causal LM.
+
+vla-rl composes the prompt itself (`Backbone.prefix`) instead of calling PaliGemma's ``forward`` with
+``pixel_values``: the camera patches come from PaliGemma's own ``get_image_features`` (the tower and
+the projector), the instruction from the Gemma embedding table (which scales by sqrt(width) itself, so
+the patches enter unscaled, as in PaliGemma), and the state and committed actions from linear layers of
+the policy. The decoder attends causally over the whole sequence (PaliGemma's prefix is bidirectional:
+a pretrained PaliGemma is fine-tuned into this attention pattern).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from policies.autoregressive_vla.configuration_autoregressive_vla import AutoregressiveVLAConfig
+from policies.tokenizer import PAD_WORD, UNKNOWN_WORD, WordTokenizer
+
+
+@dataclass
+class LMOutput:
+    logits: torch.Tensor  # (B, L, V)
+    past_key_values: object  # transformers' cache, or None
+    hidden: torch.Tensor  # (B, L, width): the last hidden states
+
+
+class ActionLM:
+    """PaliGemma's Gemma and its output layer as a causal LM over ``inputs_embeds`` (what
+    `policies.token_decoding` calls). Not a module: the weights belong to the policy's ``vlm``."""
+
+    def __init__(self, vlm):
+        self.vlm = vlm
+
+    @property
+    def config(self):
+        return self.vlm.config.text_config  # vocab_size: the text vocabulary plus the action tokens and the end
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.vlm.get_input_embeddings()
+
+    def __call__(self, *, inputs_embeds, attention_mask, position_ids, past_key_values=None, use_cache=False):
+        out = self.vlm.model.language_model(
+            inputs_embeds=inputs_embeds, attention_mask=attention_mask, position_ids=position_ids,
+            past_key_values=past_key_values, use_cache=use_cache,
+        )  # fmt: skip
+        hidden = out.last_hidden_state
+        return LMOutput(self.vlm.lm_head(hidden), out.past_key_values if use_cache else None, hidden)
+
+
+def build_vlm(cfg: AutoregressiveVLAConfig, extra_tokens: int):
+    """(PaliGemma model, instruction tokenizer, image mean, image std, the text vocabulary's size): built
+    from ``cfg``'s sizes (random weights, the word-level tokenizer over ``cfg.vocabulary``) or loaded from
+    ``cfg.pretrained_backbone``; the vocabulary is extended by ``extra_tokens`` (the action tokens and the end)."""
+    if cfg.pretrained_backbone:
+        return _load_pretrained(cfg, extra_tokens)
+    from transformers import PaliGemmaConfig, PaliGemmaForConditionalGeneration
+
+    words = cfg.vocabulary or [PAD_WORD, UNKNOWN_WORD]
+    vocab = len(words) + extra_tokens
+    head_dim = cfg.width // cfg.heads
+    config = PaliGemmaConfig(
+        vision_config={
+            "model_type": "siglip_vision_model", "hidden_size": cfg.vision_width, "num_hidden_layers": cfg.vision_layers,
+            "intermediate_size": cfg.mlp_ratio * cfg.vision_width, "num_attention_heads": cfg.heads,
+            "image_size": cfg.image_size, "patch_size": cfg.patch_size, "projection_dim": cfg.width,
+        },
+        text_config={
+            "model_type": "gemma", "hidden_size": cfg.width, "intermediate_size": cfg.mlp_ratio * cfg.width,
+            "num_hidden_layers": cfg.layers, "num_attention_heads": cfg.heads, "num_key_value_heads": cfg.kv_heads,
+            "head_dim": head_dim, "vocab_size": vocab, "max_position_embeddings": 4096,
+        },
+        projection_dim=cfg.width, vocab_size=vocab, image_token_index=0,  # vla-rl places the patches itself
+    )  # fmt: skip
+    vlm = PaliGemmaForConditionalGeneration(config)
+    return vlm, WordTokenizer(words, cfg.max_text_tokens), (0.5,) * 3, (0.5,) * 3, len(words)
+
+
+def _load_pretrained(cfg: AutoregressiveVLAConfig, extra_tokens: int):
+    from transformers import AutoProcessor, PaliGemmaForConditionalGeneration
+
+    directory = Path(cfg.pretrained_backbone)
+    if not (directory / "config.json").is_file():
+        raise ValueError(
+            f"policy.pretrained_backbone={directory} holds no config.json: pass a local PaliGemma directory "
+            f"(save_pretrained of the model and its processor)"
+        )
+    try:
+        processor = AutoProcessor.from_pretrained(directory)
+    except (OSError, ValueError) as error:
+        raise ValueError(
+            f"policy.pretrained_backbone={directory} has no processor ({error.__class__.__name__}); save the model's "
+            f"processor beside it (AutoProcessor.from_pretrained(<hub id>).save_pretrained('{directory}'))"
+        ) from None
+    vlm = PaliGemmaForConditionalGeneration.from_pretrained(directory)
+    text_vocab = vlm.get_input_embeddings().num_embeddings
+    vlm.resize_token_embeddings(text_vocab + extra_tokens)
+    hf_tokenizer = processor.tokenizer
+    image = processor.image_processor
+
+    def tokenize(texts: list[str], device) -> tuple[torch.Tensor, torch.Tensor]:
+        out = hf_tokenizer(list(texts), padding="max_length", truncation=True, max_length=cfg.max_text_tokens,
+                           return_tensors="pt")  # fmt: skip
+        return out["input_ids"].to(device), out["attention_mask"].to(device)
+
+    return vlm, tokenize, tuple(image.image_mean), tuple(image.image_std), text_vocab
+
+
+class Backbone(nn.Module):
+    """The VLM and the prompt's own inputs: observation -> (prefix (B, P, width), mask (B, P)).
+
+    The prefix is [camera_1 patches | ... | instruction tokens | committed actions | state]; its mask is
+    False on instruction padding and on committed rows that are not committed. The state token is last
+    and always present: its hidden state is what a value head reads.
+    """
+
+    def __init__(self, cfg: AutoregressiveVLAConfig, extra_tokens: int):
+        super().__init__()
+        self.vlm, self.tokenize, mean, std, self.text_vocab = build_vlm(cfg, extra_tokens)
+        self.register_buffer("pixel_mean", torch.tensor(mean).view(1, 3, 1, 1), persistent=False)
+        self.register_buffer("pixel_std", torch.tensor(std).view(1, 3, 1, 1), persistent=False)
+        self.image_size = self.vlm.config.vision_config.image_size
+        width = self.vlm.config.text_config.hidden_size
+        self.state_proj = nn.Linear(cfg.state_dim, width)
+        # Training-time RTC: each committed row is a prompt token (its action, projected, plus its row).
+        self.committed_proj = nn.Linear(cfg.action_dim, width) if cfg.max_delay_steps else None
+        self.committed_row = nn.Parameter(torch.zeros(cfg.max_delay_steps, width)) if cfg.max_delay_steps else None
+        self.lm = ActionLM(self.vlm)
+
+    @property
+    def width(self) -> int:
+        return self.vlm.config.text_config.hidden_size
+
+    def prefix(self, images: list[torch.Tensor], state: torch.Tensor, instructions: list[str],
+               committed: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """images: per camera (B, 3, S, S) in [0, 1]; state (B, S) normalized; committed: (normalized actions
+        (B, D, A), known (B, D) bool), D = max_delay_steps, or None -> (prefix (B, P, width), mask (B, P) long)."""
+        b, device = state.shape[0], state.device
+        pixels = torch.cat([self._pixels(image) for image in images])  # (n_cam * B, 3, s, s)
+        patches = self.vlm.model.get_image_features(pixel_values=pixels).pooler_output  # (n_cam * B, P, width)
+        patches = patches.unflatten(0, (len(images), b)).permute(1, 0, 2, 3).flatten(1, 2)  # (B, n_cam * P, width)
+        ids, text_mask = self.tokenize(list(instructions), device)
+        parts = [patches, self.lm.get_input_embeddings()(ids).to(patches)]
+        masks = [torch.ones(patches.shape[:2], dtype=torch.long, device=device), text_mask.long()]
+        if self.committed_proj is not None:
+            rows = len(self.committed_row)
+            if committed is None:  # no augmentation: nothing is committed
+                actions = torch.zeros(b, rows, self.committed_proj.in_features, device=device)
+                known = torch.zeros(b, rows, dtype=torch.bool, device=device)
+            else:
+                actions, known = committed
+            parts.append(self.committed_proj(actions.to(patches)) + self.committed_row)
+            masks.append(known.long())
+        parts.append(self.state_proj(state.to(patches))[:, None])
+        masks.append(torch.ones(b, 1, dtype=torch.long, device=device))
+        return torch.cat(parts, 1), torch.cat(masks, 1)
+
+    def _pixels(self, image: torch.Tensor) -> torch.Tensor:
+        if image.shape[-1] != self.image_size or image.shape[-2] != self.image_size:
+            image = F.interpolate(image, size=(self.image_size, self.image_size), mode="bilinear", align_corners=False)
+        return (image - self.pixel_mean) / self.pixel_std

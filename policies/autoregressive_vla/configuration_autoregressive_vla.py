@@ -1,0 +1,63 @@
+"""Configuration of the autoregressive VLA: a PaliGemma-style backbone and an action tokenizer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+from policies.pretrained import PolicyConfig
+
+ActionTokenizerKind = Literal["fast", "uniform_bins"]
+
+
+@PolicyConfig.register_subclass("autoregressive_vla")
+@dataclass
+class AutoregressiveVLAConfig(PolicyConfig):
+    """A vision-language model that reads [camera patches | instruction | committed actions | state] and
+    writes the chunk as action tokens.
+
+    The backbone is `transformers`' PaliGemma (a SigLIP vision tower, a linear projector and a Gemma
+    decoder), built from the sizes below with random weights, or loaded from ``pretrained_backbone`` (a
+    local PaliGemma directory with its processor: the tokenizer reads the instruction, the image
+    processor's mean and std normalize the cameras). The action tokens are appended to the vocabulary
+    (``action_vocab_size`` of them and one end token), so a pretrained model keeps its own words.
+    """
+
+    # -- backbone (ignored where pretrained_backbone gives the sizes) --
+    pretrained_backbone: str = ""  # local PaliGemma directory (config, weights, processor); empty = random init
+    patch_size: int = 8  # vision patch side, pixels
+    vision_width: int = 64  # SigLIP width
+    vision_layers: int = 1  # SigLIP depth
+    width: int = 128  # Gemma width (the vision patches are projected to it)
+    layers: int = 2  # Gemma depth
+    heads: int = 4  # attention heads (SigLIP and Gemma)
+    kv_heads: int = 1  # Gemma's key-value heads (multi-query attention, as PaliGemma's Gemma)
+    mlp_ratio: int = 4  # MLP width / width
+    # -- action tokens --
+    action_tokenizer: ActionTokenizerKind = "fast"  # fast (DCT + BPE over the chunk) or uniform_bins (RT-2/OpenVLA)
+    # fast: the BPE vocabulary's size; uniform_bins: the bins per dimension. The action tokens in the vocabulary.
+    action_vocab_size: int = 256
+    fast_scale: float = 10.0  # fast: DCT coefficients are multiplied by this before rounding
+    # The decoder's token budget per chunk; 0 = the tokenizer's worst case (uniform_bins: H x A; fast: the
+    # longest chunk of the training data, plus a quarter), set when the tokenizer is fitted.
+    max_action_tokens: int = 0
+    temperature: float = 0.0  # predict_chunk's decoding: 0 = greedy, else sampled at this temperature
+
+    def validate(self) -> None:
+        """Raise ValueError naming the fix for an inconsistent config."""
+        super().validate()
+        if self.action_tokenizer not in get_args(ActionTokenizerKind):
+            raise ValueError(
+                f"policy.action_tokenizer must be one of {get_args(ActionTokenizerKind)}, got {self.action_tokenizer!r}"
+            )
+        if self.width % self.heads or self.vision_width % self.heads or self.heads % self.kv_heads:
+            raise ValueError(
+                f"policy.width={self.width} and vision_width={self.vision_width} must be divisible by policy.heads="
+                f"{self.heads}, and heads by policy.kv_heads={self.kv_heads}"
+            )
+        if not self.pretrained_backbone and self.image_size % self.patch_size:
+            raise ValueError(f"policy.image_size={self.image_size} must be a multiple of patch_size={self.patch_size}")
+        if self.action_vocab_size < 2 or self.max_action_tokens < 0 or self.fast_scale <= 0:
+            raise ValueError("policy.action_vocab_size must be >= 2, max_action_tokens >= 0 and fast_scale > 0")
+        if not self.temperature >= 0:
+            raise ValueError(f"policy.temperature must be >= 0 (0 = greedy), got {self.temperature}")

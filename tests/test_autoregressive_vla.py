@@ -1,0 +1,398 @@
+"""The autoregressive VLA (`policies/autoregressive_vla`): its action tokenizer fitted by `vla-rl train` and
+saved in the checkpoint, teacher-forced training, constrained KV-cached decoding, training-time RTC as
+committed-action tokens, its RL actor (token sequences) through GRPO, a local PaliGemma backbone with its
+processor, and the bad input it refuses."""
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from policies import AutoregressiveVLAConfig, PreTrainedPolicy
+from policies.denoising_chain import ExplorationNoise
+from policies.token_actor import TokenDecision
+from policies.token_decoding import decode
+from vla_core.data import ChunkedDemos, open_dataset
+from vla_core.runtime import DelayConfig
+from vla_rl.train import DatasetConfig, TrainConfig, train
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+
+def _train(dataset_root, out, steps=30, **policy):
+    cfg = TrainConfig(
+        dataset=DatasetConfig(root=str(dataset_root)), output_dir=str(out), steps=steps, batch_size=8, save_every=steps,
+        log_every=10, log_with="none", num_threads=2, warmup_steps=2, policy=AutoregressiveVLAConfig(**policy),
+    )  # fmt: skip
+    return train(cfg)
+
+
+@pytest.fixture(scope="module")
+def ar_checkpoint(tiny_dataset, tmp_path_factory):
+    """An autoregressive_vla (FAST tokens) trained for a few steps on the tiny lift dataset: plumbing, not skill."""
+    out = tmp_path_factory.mktemp("ar") / "run"
+    summary = _train(tiny_dataset[0], out)
+    return Path(summary["checkpoint"]), tiny_dataset[0]
+
+
+@pytest.fixture(scope="module")
+def ar_rtc_checkpoint(tiny_dataset, tmp_path_factory):
+    """An autoregressive_vla trained with delays up to 3 (training-time RTC), a few steps."""
+    cfg = TrainConfig(
+        dataset=DatasetConfig(root=str(tiny_dataset[0])), output_dir=str(tmp_path_factory.mktemp("ar_rtc") / "run"),
+        steps=10, batch_size=8, save_every=10, log_every=10, log_with="none", num_threads=2, warmup_steps=2,
+        policy=AutoregressiveVLAConfig(), delay=DelayConfig(kind="uniform", low=0, high=3),
+    )  # fmt: skip
+    return Path(train(cfg)["checkpoint"])
+
+
+def _demos(root):
+    return ChunkedDemos(open_dataset(str(root), None), None)
+
+
+def _batch(root, frames=(0, 9, 18, 27)):
+    return _demos(root).batch(torch.tensor(frames), 16)
+
+
+def test_train_fits_the_tokenizer_on_the_dataset_and_the_checkpoint_reloads_the_same_policy(ar_checkpoint):
+    """The saved tokenizer encodes the dataset's chunks as a tokenizer fitted here on the same chunks does (it
+    was fitted on them, not on something else), the budget covers the longest of them, and the reloaded
+    policy decodes the same tokens and has the same loss as before saving."""
+    from policies.action_tokenizers import fit_action_tokenizer
+
+    directory, root = ar_checkpoint
+    model_dir = directory / "pretrained_model"
+    assert {"action_tokenizer.json", "action_tokenizer_bpe.json"} <= {p.name for p in model_dir.iterdir()}
+    policy = PreTrainedPolicy.from_pretrained(model_dir)
+    chunks = _demos(root).action_chunks(16).double().numpy()
+    mine = fit_action_tokenizer("fast", chunks, vocab_size=256, scale=10.0)
+    theirs = policy.action_tokenizer.encode(chunks).tokens
+    assert theirs == mine.encode(chunks).tokens
+    longest = max(len(t) for t in theirs)
+    assert longest <= policy.config.max_action_tokens == min(16 * 4, int(np.ceil(longest * 1.25)))
+    batch = _batch(root)
+    first = policy.predict_chunk(batch).actions
+    again = PreTrainedPolicy.from_pretrained(model_dir)
+    assert torch.equal(again.predict_chunk(batch).actions, first)
+    with torch.no_grad():
+        assert again(batch).item() == policy(batch).item()
+
+
+def test_the_decoder_writes_only_action_tokens_and_the_cache_changes_no_token(ar_checkpoint):
+    """Sampled at temperature 2 from a barely trained model (so every token is likely somewhere), every
+    token is an action token or the end token, every chunk is finite and of the chunk's shape, and greedy
+    decoding with and without the key-value cache writes the same tokens (the prompt has padding in its
+    middle: short instructions and no committed rows)."""
+    directory, root = ar_checkpoint
+    policy = PreTrainedPolicy.from_pretrained(directory / "pretrained_model")
+    batch = _batch(root)
+    space = policy.token_space
+    chunk, decoded = policy.sample_tokens(batch, None, 2.0, generator=torch.Generator().manual_seed(0))
+    written = decoded.ids[decoded.mask]
+    action = (written >= space.first_id) & (written < space.first_id + space.size)
+    assert (action | (written == space.eos_id)).all()
+    assert chunk.actions.shape == (4, 16, 4) and torch.isfinite(chunk.actions).all()
+    prefix, mask = policy.prefix(batch)
+    assert (mask == 0).any()  # the padding the cached positions must skip
+    cached = decode(policy.backbone.lm, prefix, mask, space, policy.token_budget)
+    uncached = decode(policy.backbone.lm, prefix, mask, space, policy.token_budget, use_cache=False)
+    assert torch.equal(cached.ids, uncached.ids) and torch.equal(cached.mask, uncached.mask)
+
+
+def test_training_makes_greedy_decoding_write_the_demonstrated_tokens(tiny_dataset):
+    """Teacher-forced training on four frames until the loss is small: greedy decoding then writes each
+    frame's own demonstrated token sequence (end token included), and the chunk is the demonstration
+    within the tokenizer's round-trip bound."""
+    root = tiny_dataset[0]
+    demos = _demos(root)
+    dataset = open_dataset(str(root), None)
+    torch.manual_seed(0)
+    from policies.autoregressive_vla.modeling_autoregressive_vla import AutoregressiveVLAPolicy
+
+    policy = AutoregressiveVLAPolicy.from_dataset(
+        AutoregressiveVLAConfig(), dataset.meta.features, dataset.meta.stats, demos.tasks
+    )
+    policy.fit_to_demonstrations(demos)
+    batch = demos.batch(torch.tensor([0, 30, 60, 90]), 16)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=3e-3)
+    for _ in range(150):  # about 40 steps; stopping there also avoids the slow denormal floats of a vanishing loss
+        loss = policy(batch)
+        if loss.item() < 0.02:
+            break
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    assert loss.item() < 0.02
+    policy.eval()
+    chunk, decoded = policy.sample_tokens(batch, None, 0.0)
+    tokens = policy.action_tokenizer.encode(batch["action"].double().numpy()).tokens
+    assert decoded.action_tokens(policy.token_space) == tokens
+    _ids, mask = policy.token_ids(tokens)
+    assert torch.equal(decoded.mask.sum(1), mask.sum(1))  # the end token is written where the sequence ends
+    bound = torch.as_tensor(policy.action_tokenizer.max_error(), dtype=torch.float32)
+    inside = (batch["action"] >= torch.as_tensor(policy.action_tokenizer.low)) & (
+        batch["action"] <= torch.as_tensor(policy.action_tokenizer.high))  # fmt: skip
+    error = (chunk.actions - batch["action"]).abs()
+    assert (error[inside] <= bound.expand_as(error)[inside] + 1e-5).all()
+
+
+def test_the_rl_actor_scores_what_it_sampled_and_its_factors_are_the_tokens(ar_checkpoint):
+    """act's per-token log-probabilities (the sampling distribution at the temperature) equal score's
+    teacher-forced ones; one factor per token, padded to the budget with the padding masked; the entropy
+    of a token's distribution is at most log(number of allowed tokens)."""
+    directory, root = ar_checkpoint
+    policy = PreTrainedPolicy.from_pretrained(directory / "pretrained_model")
+    actor = policy.rl_actor(ExplorationNoise(eta=0.0, min_std=0.1, temperature=1.0))
+    batch = _batch(root)
+    torch.manual_seed(1)
+    _chunk, decision = actor.act(batch, torch.zeros(4, dtype=torch.long))
+    assert decision.ids.shape == (4, policy.token_budget) == (4, actor.num_factors)
+    torch.manual_seed(1)
+    _, decoded = policy.sample_tokens(batch, None, 1.0)
+    scored = actor.score(batch, decision)
+    assert torch.equal(scored.mask, decision.mask)
+    t = decoded.ids.shape[1]
+    assert torch.allclose(scored.values[:, :t], decoded.log_probs, atol=1e-5)
+    assert (scored.values[~scored.mask] == 0).all()
+    entropy = actor.entropy(batch, decision)
+    assert (entropy[decision.mask] <= np.log(policy.token_space.size + 1) + 1e-4).all() and (entropy >= -1e-6).all()
+    both = TokenDecision.cat([decision, decision.select(torch.tensor([2, 0]))])
+    assert torch.equal(both.ids[4], decision.ids[2]) and len(both) == 6
+    assert actor.value_features(batch).shape == (4, actor.value_dim)
+    with pytest.raises(ValueError, match="--noise.temperature"):
+        policy.rl_actor(ExplorationNoise(eta=0.0, min_std=0.1, temperature=0.0))
+    with pytest.raises(ValueError, match="explores by --noise.temperature"):
+        policy.rl_actor(ExplorationNoise(eta=1.0, min_std=0.1))
+
+
+def test_a_grpo_step_raises_the_log_prob_of_rewarded_sequences_and_lowers_penalized_ones(ar_checkpoint):
+    """Real rollouts of the policy, groups of two worlds from one initial state, success marked by hand (one
+    per group). One plain SGD step of GRPO's update (one minibatch: the ratio is 1, nothing is clipped)
+    follows the gradient of mean A_i r_it over the tokens, so the rewarded sequences' log-probabilities rise
+    and the penalized ones' fall."""
+    from sim.config import EnvConfig
+    from sim.factory import make_env
+    from vla_core.runtime import ChunkingConfig, DelayModel, LatencySpec
+    from vla_core.runtime.delayed_env import DelayedChunkEnv
+    from vla_rl.rl import grpo
+    from vla_rl.rl.grpo import GRPOConfig
+    from vla_rl.rl.rollout import collect
+    from vla_rl.rl.update import Anchors, GradientStep, UpdateSettings, batched_score
+
+    directory, _ = ar_checkpoint
+    policy = PreTrainedPolicy.from_pretrained(directory / "pretrained_model")
+    actor = policy.rl_actor(ExplorationNoise(eta=0.0, min_std=0.1))
+    torch.manual_seed(0)
+    with make_env(EnvConfig(num_envs=4, max_episode_steps=8)) as env:
+        denv = DelayedChunkEnv(env, LatencySpec.of(policy), ChunkingConfig(execute_steps=4), DelayModel(DelayConfig()))
+        rollout, _ = collect(actor, denv, episodes_per_world=1, seed=grpo.group_seeds(4, 2, 0))
+    rollout.success = rollout.world % 2 == 0
+    before = batched_score(actor, rollout.obs, rollout.decision, 64)
+    step = GradientStep(torch.optim.SGD(policy.parameters(), lr=1e-3), max_grad_norm=0)
+    settings = UpdateSettings(
+        epochs=1, minibatch_size=len(rollout), clip_low=0.2, clip_high=0.28, factors=slice(None), pcgrad=False,
+        max_grad_norm=0.0, lr=1e-3, head_lr=1e-3, generator=torch.Generator().manual_seed(0),
+    )  # fmt: skip
+    stats = grpo.update(actor, rollout, Anchors(before), cfg=GRPOConfig(group_size=2), actor_step=step,
+                        settings=settings)  # fmt: skip
+    assert stats["groups_dropped"] == 0
+    change = (batched_score(actor, rollout.obs, rollout.decision, 64).values - before.values).sum(1)  # (M,)
+    assert change[rollout.success].mean() > 0 > change[~rollout.success].mean()
+
+
+def test_training_time_rtc_reads_the_committed_actions_as_prompt_tokens_and_keeps_them(ar_rtc_checkpoint, tiny_dataset):
+    """Trained with delays up to 3, the policy's prompt has one token per committed row: other committed
+    actions change the prompt after them, and the chunk starts with the committed actions exactly."""
+    from vla_core.runtime.delay import augmentation
+
+    policy = PreTrainedPolicy.from_pretrained(ar_rtc_checkpoint / "pretrained_model")
+    assert policy.config.max_delay_steps == 3
+    batch = _batch(tiny_dataset[0])
+    committed = torch.full((4, 16, 4), 0.3)
+    committed[:, :, 3] = -0.2
+    batch.update(augmentation(committed, torch.ones(4, 16, dtype=torch.bool), torch.tensor([0, 1, 2, 3]), 3))
+    prefix, mask = policy.prefix(batch)
+    assert mask[:, -4:-1].tolist() == [[0, 0, 0], [1, 0, 0], [1, 1, 0], [1, 1, 1]]
+    actions = policy.predict_chunk(batch).actions
+    for row, d in enumerate([0, 1, 2, 3]):
+        assert torch.equal(actions[row, :d], committed[row, :d])
+    other = dict(batch, **augmentation(-committed, torch.ones(4, 16, dtype=torch.bool), torch.tensor([0, 1, 2, 3]), 3))
+    changed = policy.prefix(other)[0]
+    assert torch.equal(changed[0], prefix[0]) and not torch.equal(changed[3], prefix[3])
+
+
+def _save_tiny_paligemma(directory: Path, words: list[str]) -> int:
+    """A random tiny PaliGemma with its processor (a word-level tokenizer, SigLIP's image processor at 32 px),
+    saved as `save_pretrained` writes them; returns the tokenizer's size."""
+    from tiny_lerobot_vla import word_tokenizer
+    from transformers import (
+        PaliGemmaConfig,
+        PaliGemmaForConditionalGeneration,
+        PaliGemmaProcessor,
+        SiglipImageProcessor,
+    )
+
+    processor = PaliGemmaProcessor(image_processor=SiglipImageProcessor(size={"height": 32, "width": 32}),
+                                   tokenizer=word_tokenizer(directory, words))  # fmt: skip
+    vocab = len(processor.tokenizer)
+    config = PaliGemmaConfig(
+        vision_config={"model_type": "siglip_vision_model", "hidden_size": 32, "intermediate_size": 64,
+                       "num_hidden_layers": 1, "num_attention_heads": 2, "image_size": 32, "patch_size": 8,
+                       "projection_dim": 64},
+        text_config={"model_type": "gemma", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
+                     "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32, "vocab_size": vocab},
+        projection_dim=64, vocab_size=vocab, image_token_index=vocab - 1,
+    )  # fmt: skip
+    PaliGemmaForConditionalGeneration(config).save_pretrained(directory)
+    processor.save_pretrained(directory)
+    return vocab
+
+
+def test_a_local_paligemma_backbone_reads_the_instruction_with_its_own_tokenizer(tiny_dataset, tmp_path):
+    """Loaded from a local directory: its weights (the vision tower's), its tokenizer's ids for the instruction,
+    its image size, and the vocabulary extended by the action tokens and the end token after its own."""
+    from safetensors.torch import load_file
+
+    directory = tmp_path / "paligemma"
+    directory.mkdir()
+    vocab = _save_tiny_paligemma(directory, ["lift", "the", "cube", "pick", "up"])
+    summary = _train(tiny_dataset[0], tmp_path / "run", steps=4, pretrained_backbone=str(directory))
+    policy = PreTrainedPolicy.from_pretrained(Path(summary["checkpoint"]) / "pretrained_model")
+    assert policy.token_space.first_id == vocab and policy.token_space.eos_id == vocab + 256
+    assert policy.backbone.lm.get_input_embeddings().num_embeddings == vocab + 257
+    assert policy.backbone.image_size == 32
+    ids, mask = policy.backbone.tokenize(["lift the cube"], "cpu")
+    from transformers import AutoTokenizer
+
+    assert ids[0, : int(mask.sum())].tolist() == AutoTokenizer.from_pretrained(directory)("lift the cube")["input_ids"]
+    fresh = AutoregressiveVLAConfig(pretrained_backbone=str(directory), state_dim=11, action_dim=4, cameras=["front"])
+    from policies.autoregressive_vla.modeling_autoregressive_vla import AutoregressiveVLAPolicy
+
+    saved = load_file(str(directory / "model.safetensors"))
+    name = next(k for k in saved if "vision_tower" in k and k.endswith("weight"))
+    loaded = dict(AutoregressiveVLAPolicy(fresh).backbone.vlm.named_parameters())
+    assert torch.equal(loaded[name.replace("model.", "model.", 1)], saved[name])
+    (directory / "tokenizer.json").unlink()
+    with pytest.raises(ValueError, match="has no processor.*save the model's processor"):
+        AutoregressiveVLAPolicy(fresh)
+
+
+def test_lerobot_loads_it_with_its_tokenizer_and_what_lerobot_saves_vla_rl_reloads(ar_checkpoint, tmp_path):
+    """Through the plugin, LeRobot's loader reads the weights (tied embeddings written once) and the action
+    tokenizer, and decodes the same chunk; LeRobot's save writes both again, and vla-rl reloads that."""
+    from test_lerobot_interop import _lerobot_with_plugins
+
+    PreTrainedConfig, get_policy_class = _lerobot_with_plugins()
+    directory, root = ar_checkpoint
+    model_dir = directory / "pretrained_model"
+    ours = PreTrainedPolicy.from_pretrained(model_dir)
+    config = PreTrainedConfig.from_pretrained(model_dir)
+    assert config.type == "vla_rl_autoregressive_vla"
+    theirs = get_policy_class(config.type).from_pretrained(model_dir)
+    batch = _batch(root)
+    expected = ours.predict_chunk(batch).actions
+    assert torch.equal(theirs.predict_action_chunk(batch), expected)
+    theirs.save_pretrained(tmp_path / "saved_by_lerobot")
+    again = PreTrainedPolicy.from_pretrained(tmp_path / "saved_by_lerobot")
+    assert torch.equal(again.predict_chunk(batch).actions, expected)
+
+
+def test_bad_input_gets_one_line_naming_the_fix(ar_checkpoint, tmp_path):
+    """A checkpoint without its tokenizer, a tokenizer fitted on other action dimensions, a token budget shorter
+    than the data's chunks, and clipping of out-of-range training actions, which is counted."""
+    from policies.action_tokenizers import fit_action_tokenizer
+
+    directory, root = ar_checkpoint
+    copy = tmp_path / "model"
+    shutil.copytree(directory / "pretrained_model", copy)
+    (copy / "action_tokenizer.json").unlink()
+    with pytest.raises(ValueError, match="lacks its action tokenizer"):
+        PreTrainedPolicy.from_pretrained(copy)
+    policy = PreTrainedPolicy.from_pretrained(directory / "pretrained_model")
+    other = fit_action_tokenizer("fast", np.random.default_rng(0).normal(size=(64, 16, 3)), vocab_size=256)
+    with pytest.raises(ValueError, match="16 steps x 3 action dimensions.*fit it on the dataset"):
+        policy.set_action_tokenizer(other)
+    saved = json.loads((directory / "pretrained_model" / "config.json").read_text())
+    assert saved["max_action_tokens"] == policy.config.max_action_tokens > 2
+    policy.config.max_action_tokens = 2
+    with pytest.raises(ValueError, match="max_action_tokens=2 is shorter than the dataset's longest chunk"):
+        policy.fit_to_demonstrations(_demos(root))
+    policy.config.max_action_tokens = saved["max_action_tokens"]
+    batch = _batch(root)
+    batch["action"] = batch["action"].clone()
+    batch["action"][0, 0, 0] = 1e3  # far outside the fitted range
+    tokenizer = policy.action_tokenizer
+    outside = int(
+        ((batch["action"].double().numpy() < tokenizer.low) | (batch["action"].double().numpy() > tokenizer.high)).sum()
+    )
+    assert outside >= 1
+    before = policy.clipped_values
+    with torch.no_grad():
+        assert torch.isfinite(policy(batch))
+    assert policy.clipped_values - before == outside
+
+
+def test_eval_runs_it_with_temporal_ensembling_and_the_delay_augmentation(ar_rtc_checkpoint, tmp_path):
+    """`vla-rl eval` under a fixed delay of 2 with ACT's temporal ensembling: every request carries the
+    augmentation (two committed rows after an episode's first chunk) and every chunk starts with them."""
+    from sim.config import EnvConfig
+    from vla_core.runtime import ChunkingConfig
+    from vla_core.types import OBS_COMMITTED_ACTIONS, OBS_COMMITTED_MASK
+    from vla_rl.eval import EvalConfig, evaluate
+
+    policy = PreTrainedPolicy.from_pretrained(ar_rtc_checkpoint / "pretrained_model")
+    seen = []
+    predict = policy.predict_chunk
+
+    def recording(obs, obs_step=None, **kwargs):
+        chunk = predict(obs, obs_step, **kwargs)
+        mask = obs[OBS_COMMITTED_MASK][:, :3]
+        kept = torch.where(mask[..., None], chunk.actions[:, :3] == obs[OBS_COMMITTED_ACTIONS][:, :3], True).all()
+        seen.append((mask.sum(1).tolist(), bool(kept)))
+        return chunk
+
+    policy.predict_chunk = recording
+    cfg = EvalConfig(checkpoint=str(ar_rtc_checkpoint), env=EnvConfig(num_envs=2, max_episode_steps=16), num_episodes=2,
+                     video_episodes=0, chunking=ChunkingConfig(execute_steps=4, merge="ensemble"),
+                     delay=DelayConfig(steps=2), output_dir=str(tmp_path / "eval"))  # fmt: skip
+    result = evaluate(cfg, policy=policy.eval())
+    assert result["episodes"] == 2 and set(result["delay_histogram"]) == {"2"}
+    assert seen[0][0] == [0, 0] and all(counts == [2, 2] for counts, _ in seen[1:]), seen
+    assert all(kept for _, kept in seen)
+
+
+def test_serve_drives_the_sim_robot_with_it(ar_rtc_checkpoint, tmp_path):
+    """Two processes over ROS 2: `vla-rl sim-robot` and `vla-rl serve` running the token policy with temporal
+    ensembling (its inference worker in its own process); every command it sends is accepted."""
+    from extras import require
+
+    require("rclpy", "ros")
+    from ros_helpers import STOPPED_BY_SIGINT, RobotClient, last_json, start_command, stop_command
+    from std_msgs.msg import String
+
+    domain = 67
+    robot = start_command(["sim-robot", "--env.task=lift", "--seed=100"], domain, tmp_path, "robot")
+    serve = start_command(["serve", "--config_path=configs/serve.yaml", f"--checkpoint={ar_rtc_checkpoint}",
+                           "--chunking.merge=ensemble", "--chunking.execute_steps=4", "--control_rt_priority=0",
+                           "--control_lock_memory=false"], domain, tmp_path, "serve")  # fmt: skip
+    client = RobotClient(domain)
+    chunks = []
+    client.node.create_subscription(String, "/vla_rl/chunk", lambda m: chunks.append(json.loads(m.data)), 50)
+    try:
+        client.wait_for_robot()
+        client.spin_until(lambda: len(chunks) >= 6, 180, "six chunks from the served token policy")
+    finally:
+        client.close()
+        serve_code, _, serve_err = stop_command(serve, tmp_path, "serve")
+        robot_code, robot_out, robot_err = stop_command(robot, tmp_path, "robot")
+    assert serve_code == STOPPED_BY_SIGINT, serve_err
+    assert robot_code == STOPPED_BY_SIGINT, robot_err
+    assert all(c["horizon"] == 16 and c["merge"] == "ensemble" for c in chunks), chunks
+    summary = last_json(robot_out)
+    rejected = summary["commands_rejected"]
+    assert set(rejected) <= {"stale"} and rejected.get("stale", 0) <= 1, summary
+    assert summary["commands_received"] >= 20, summary
