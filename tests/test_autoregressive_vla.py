@@ -396,3 +396,32 @@ def test_serve_drives_the_sim_robot_with_it(ar_rtc_checkpoint, tmp_path):
     rejected = summary["commands_rejected"]
     assert set(rejected) <= {"stale"} and rejected.get("stale", 0) <= 1, summary
     assert summary["commands_received"] >= 20, summary
+
+
+def test_the_decoding_benchmark_times_each_arm_on_the_same_tokens_and_its_figures_are_ratios(ar_checkpoint):
+    """`bench ar-decoding`'s arms on one policy: batched or one by one, with or without the cache, greedy
+    decoding writes the same tokens for every observation. Its figures from hand-set times: 64 chunks in
+    0.5 s batched and cached, 8 s one by one uncached (16x), 2 s batched uncached (4x), 3.2 s one by one
+    cached (2.5x; 50 ms a chunk)."""
+    from vla_rl.bench_ar_decoding import _time_arm, format_summary, ratios
+
+    directory, root = ar_checkpoint
+    policy = PreTrainedPolicy.from_pretrained(directory / "pretrained_model")
+    demos = _demos(root)
+    observations = [{k: v for k, v in demos.batch(torch.tensor([f]), 16).items() if k != "action"}
+                    for f in (0, 40, 80)]  # fmt: skip
+    tokens = {}
+    for batched in (True, False):
+        for cached in (True, False):
+            tokens[batched, cached] = _time_arm(policy, observations, batched, cached, repeats=1)[1]
+    assert all(t == tokens[False, False] for t in tokens.values())
+    _, decoded = policy.sample_tokens(observations[1], None, 0.0)
+    assert tokens[True, True][1] == decoded.ids[0][decoded.mask[0]].tolist()
+    seconds = {"batched_cached": 0.5, "sequential_uncached": 8.0, "batched_uncached": 2.0, "sequential_cached": 3.2}
+    arms = {arm: {"median_seconds": s, "seconds": [s], "chunks_per_s": 64 / s, "same_tokens_as_baseline": 64}
+            for arm, s in seconds.items()}  # fmt: skip
+    figures = ratios(arms, 64)
+    assert figures == {"decode_speedup": 16.0, "batching_speedup": 4.0, "cache_speedup": 2.5, "latency_b1_ms": 50.0}
+    report = {"observations": 64, "arms": arms, "config": {"quick": False}, "device": "cpu", "torch_threads": 1,
+              "tokens_per_chunk": {"mean": 1, "max": 1, "budget": 1, "valid_sequences": 0}, **figures}  # fmt: skip
+    assert format_summary(report).splitlines()[-1] == "decode_speedup=16.00 latency_b1_ms=50.00"

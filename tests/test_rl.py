@@ -446,6 +446,34 @@ def test_quick_benchmark_runs_every_stage_and_prints_the_final_line(tmp_path):
         assert report["gains_points"][algo] == pytest.approx(points, abs=0.05)
 
 
+@pytest.mark.slow
+def test_quick_benchmark_of_the_autoregressive_vla_adds_the_process_reward_arm(tmp_path):
+    """`bench rl --policy_type=autoregressive_vla --process_reward=true` at toy sizes: the token policy in its own
+    folder, a process reward model fitted on the benchmark's demonstrations, and a third arm whose PPO run
+    read it; the final line appends its gain."""
+    out = tmp_path / "bench"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "rl_finetune.py"), "--quick=true", f"--output_dir={out}",
+         "--policy_type=autoregressive_vla", "--process_reward=true"],
+        check=False, capture_output=True, text=True, timeout=900, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    last = proc.stdout.strip().splitlines()[-1]
+    assert re.match(
+        r"^ppo_gain=[+-]\d+\.\d grpo_gain=[+-]\d+\.\d env_steps=\d+ minutes=\d+\.\d prm_gain=[+-]\d+\.\d$", last
+    )
+    run = out / "quick" / "autoregressive_vla"
+    report = json.loads((run / "rl.json").read_text())
+    saved = json.loads((run / "imitation" / "checkpoints" / "last" / "pretrained_model" / "config.json").read_text())
+    assert saved["type"] == "vla_rl_autoregressive_vla"
+    summary = json.loads((run / "ppo_prm" / "finetune_summary.json").read_text())
+    assert summary["process_reward"]["model"] == str(run / "prm") and (run / "prm" / "prm_summary.json").is_file()
+    assert report["runs"]["ppo_prm"]["env_steps"] >= 200 and "process_reward" not in json.loads(
+        (run / "ppo" / "finetune_summary.json").read_text())  # fmt: skip
+    points = 100 * (report["results"]["ppo_prm"]["success_rate"] - report["results"]["imitation"]["success_rate"])
+    assert report["gains_points"]["ppo_prm"] == pytest.approx(points, abs=0.05)
+
+
 def test_pcgrad_projects_a_conflicting_pair_onto_each_others_normal_plane():
     """g1 = (1, 0), g2 = (-1, 1): g1 . g2 = -1 < 0, so
     g1' = g1 - (-1 / 2) g2 = (0.5, 0.5) and g2' = g2 - (-1 / 1) g1 = (0, 1);

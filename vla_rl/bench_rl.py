@@ -13,7 +13,8 @@ The protocol, fixed before any result was seen:
    rollouts are spent (``vla-rl finetune --max_env_steps``, every other setting its default), and
    evaluate the last weights of each exactly as in 2. No checkpoint is chosen by its score.
 4. Report success before and after with 95% Wilson intervals, the curves (``success.png`` of each
-   run) and the final line ``ppo_gain=<points> grpo_gain=<points> env_steps=<n> minutes=<m>``,
+   run) and the final line ``ppo_gain=<points> grpo_gain=<points> env_steps=<n> minutes=<m>``
+   (`` prm_gain=<points>`` appended when the process-reward arm ran, see the history),
    where a gain is (success after - success before) in percentage points.
 
 ``--quick`` runs every stage at toy sizes (about a minute): it checks the plumbing, not the claim.
@@ -32,6 +33,14 @@ Protocol history (runs as README.md reports them, each by its final line):
   its batch (DAPO, ``grpo.max_refills=4`` by default), so within the same env-step budget (which
   counts the refills) the GRPO arm makes fewer updates, each on informative groups only; its figures
   are not comparable with run 1's. The PPO arm and the protocol above are unchanged.
+- 2026-12-02, two additions (no result of either known when written; the default run is unchanged):
+  ``--policy_type=autoregressive_vla`` runs the protocol above unchanged with that policy (the default
+  config at the benchmark's ``horizon`` and ``n_action_steps``; FAST tokens fitted on the demonstrations)
+  in ``<output_dir>/autoregressive_vla``; ``--process_reward=true`` adds a third arm after the two,
+  ``ppo_prm``: PPO exactly as the PPO arm, on the same budget, with ``--reward.process_model`` set to a
+  process reward model that ``vla-rl train-prm`` (its defaults, ``--seed``) fits on the benchmark's own
+  demonstrations. It is judged against the PPO arm at equal env steps; the final line appends
+  `` prm_gain=<points>``.
 """
 
 from __future__ import annotations
@@ -40,9 +49,10 @@ import json
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 ALGOS = ("ppo", "grpo")
+PolicyType = Literal["diffusion", "autoregressive_vla"]
 
 
 @dataclass
@@ -50,6 +60,9 @@ class BenchRLConfig:
     """Imitation checkpoint -> PPO and GRPO on the same env-step budget -> held-out evaluation."""
 
     task: str = "track"
+    policy_type: PolicyType = "diffusion"  # the imitation policy RL starts from (autoregressive_vla: its own folder)
+    # A third arm: PPO with a process reward model `vla-rl train-prm` fits on the benchmark's demonstrations
+    process_reward: bool = False
     demos: int = 200  # scripted demonstration episodes of the imitation policy
     train_steps: int = 4000  # imitation training steps
     batch_size: int = 64
@@ -77,10 +90,11 @@ class BenchRLConfig:
 def bench_rl(cfg: BenchRLConfig) -> dict[str, Any]:
     """Run the protocol of the module docstring; returns (and writes as ``rl.json``) its results."""
     from vla_rl.bench_stages import held_out, record_demos, train_imitation
-    from vla_rl.stages import EnvConfig, FinetuneConfig, GRPOConfig, finetune
 
     cfg.apply_quick()
     out = Path(cfg.output_dir) / "quick" if cfg.quick else Path(cfg.output_dir)
+    if cfg.policy_type != "diffusion":  # the default's folder layout is kept, so its runs resume
+        out = out / cfg.policy_type
     start = time.time()
     dataset, imitation = out / "dataset", out / "imitation"
     record_demos(cfg, dataset)
@@ -93,40 +107,64 @@ def bench_rl(cfg: BenchRLConfig) -> dict[str, Any]:
 
     results: dict[str, Any] = {"imitation": evaluate_on_held_out(imitation, "imitation")}
     runs: dict[str, Any] = {}
-    for algo in ALGOS:
-        run_dir = out / algo
-        t0 = time.time()
-        summary = finetune(FinetuneConfig(
-            checkpoint=str(imitation), algo=algo, env=EnvConfig(task=cfg.task, num_envs=cfg.num_envs),
-            iterations=10**6, max_env_steps=cfg.env_steps, seed=cfg.seed, output_dir=str(run_dir),
-            eval_every=1 if cfg.quick else 10, eval_episodes=cfg.progress_eval_episodes,
-            eval_seed=cfg.progress_eval_seed, num_threads=cfg.num_threads, log_with="none",
-            resume=(run_dir / "checkpoints" / "last").exists(),
-            **({"grpo": GRPOConfig(group_size=min(8, cfg.num_envs))} if algo == "grpo" else {}),
-        ))  # fmt: skip
-        runs[algo] = {
-            "minutes": round((time.time() - t0) / 60, 2), "env_steps": summary["env_steps"],
-            "iterations": summary["iterations"], "curve": summary["evals"],
-            "rollout_env_steps_per_s": summary["rollout_env_steps_per_s"],
-            "skipped_updates": summary["skipped_updates"], "plot": str(run_dir / "success.png"),
-        }  # fmt: skip
-        results[algo] = evaluate_on_held_out(run_dir, algo)
+    arms = (*ALGOS, "ppo_prm") if cfg.process_reward else ALGOS
+    for arm in arms:
+        runs[arm] = _finetune_arm(cfg, arm, imitation, out)
+        results[arm] = evaluate_on_held_out(out / arm, arm)
     before = results["imitation"]["success_rate"]
-    gains = {algo: round(100 * (results[algo]["success_rate"] - before), 1) for algo in ALGOS}
+    gains = {arm: round(100 * (results[arm]["success_rate"] - before), 1) for arm in arms}
     report = {
         "config": asdict(cfg), "results": results, "gains_points": gains, "runs": runs,
         "imitation_minutes": round(imitation_minutes, 2), "minutes": round((time.time() - start) / 60, 2),
-        "env_steps": {algo: runs[algo]["env_steps"] for algo in ALGOS},
+        "env_steps": {arm: runs[arm]["env_steps"] for arm in arms},
     }  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
     (out / "rl.json").write_text(json.dumps(report, indent=2))
     return report
 
 
+def _finetune_arm(cfg: BenchRLConfig, arm: str, imitation: Path, out: Path) -> dict[str, Any]:
+    """Fine-tune ``imitation`` as ``arm`` (ppo, grpo, or ppo_prm: PPO with the process reward model fitted on
+    the benchmark's demonstrations) into ``out / arm`` on the env-step budget, resumed when it has checkpoints."""
+    from vla_rl.stages import EnvConfig, FinetuneConfig, GRPOConfig, RewardConfig, finetune
+
+    run_dir, algo, extra = out / arm, arm.removesuffix("_prm"), {}
+    if algo == "grpo":
+        extra["grpo"] = GRPOConfig(group_size=min(8, cfg.num_envs))
+    if arm == "ppo_prm":
+        extra["reward"] = RewardConfig(process_model=str(_process_reward_model(cfg, out)))
+    t0 = time.time()
+    summary = finetune(FinetuneConfig(
+        checkpoint=str(imitation), algo=algo, env=EnvConfig(task=cfg.task, num_envs=cfg.num_envs),
+        iterations=10**6, max_env_steps=cfg.env_steps, seed=cfg.seed, output_dir=str(run_dir),
+        eval_every=1 if cfg.quick else 10, eval_episodes=cfg.progress_eval_episodes,
+        eval_seed=cfg.progress_eval_seed, num_threads=cfg.num_threads, log_with="none",
+        resume=(run_dir / "checkpoints" / "last").exists(), **extra,
+    ))  # fmt: skip
+    return {
+        "minutes": round((time.time() - t0) / 60, 2), "env_steps": summary["env_steps"],
+        "iterations": summary["iterations"], "curve": summary["evals"],
+        "rollout_env_steps_per_s": summary["rollout_env_steps_per_s"],
+        "skipped_updates": summary["skipped_updates"], "plot": str(run_dir / "success.png"),
+    }  # fmt: skip
+
+
+def _process_reward_model(cfg: BenchRLConfig, out: Path) -> Path:
+    """`vla-rl train-prm` (its defaults, ``cfg.seed``) on the benchmark's demonstrations, unless it is there."""
+    from vla_rl.stages import PRMDatasetConfig, TrainPRMConfig, train_prm
+
+    directory = out / "prm"
+    if not (directory / "model.safetensors").is_file():
+        steps = {"steps": 50} if cfg.quick else {}
+        train_prm(TrainPRMConfig(dataset=PRMDatasetConfig(root=str(out / "dataset")), output_dir=str(directory),
+                                 seed=cfg.seed, num_threads=cfg.num_threads, **steps))  # fmt: skip
+    return directory
+
+
 def format_summary(report: dict[str, Any]) -> str:
     """The table of held-out success and the final line."""
     lines = [f"{'policy':<10} {'success':>8}  95% interval      episodes  env steps"]
-    for name in ("imitation", *ALGOS):
+    for name in ("imitation", *report["gains_points"]):
         r = report["results"][name]
         lo, hi = r["success_ci95"]
         steps = report["runs"][name]["env_steps"] if name in report["runs"] else 0
@@ -135,7 +173,9 @@ def format_summary(report: dict[str, Any]) -> str:
         lines.append("quick run: toy sizes, the numbers below say nothing about RL")
     g = report["gains_points"]
     env_steps = max(report["env_steps"].values())
+    prm = f" prm_gain={g['ppo_prm']:+.1f}" if "ppo_prm" in g else ""
     lines.append(
         f"ppo_gain={g['ppo']:+.1f} grpo_gain={g['grpo']:+.1f} env_steps={env_steps} minutes={report['minutes']:.1f}"
+        + prm
     )
     return "\n".join(lines)

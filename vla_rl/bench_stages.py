@@ -24,15 +24,19 @@ def record_demos(cfg, dataset: Path) -> None:
 
 
 def train_imitation(cfg, dataset: Path, output_dir: Path, delay=None) -> None:
-    """A ``diffusion`` policy trained on ``dataset`` for ``cfg.train_steps`` steps into ``output_dir``
-    (resumed when it has checkpoints); ``delay``: the delay augmentation (training-time RTC), None = none."""
-    from vla_rl.stages import DatasetConfig, DelayConfig, DiffusionConfig, TrainConfig, train
+    """A policy of ``cfg.policy_type`` (``diffusion`` when the benchmark has no such field) trained on
+    ``dataset`` for ``cfg.train_steps`` steps into ``output_dir`` (resumed when it has checkpoints); ``delay``:
+    the delay augmentation (training-time RTC), None = none."""
+    from vla_rl.stages import AutoregressiveVLAConfig, DatasetConfig, DelayConfig, DiffusionConfig, TrainConfig, train
 
+    policy_config = {"diffusion": DiffusionConfig, "autoregressive_vla": AutoregressiveVLAConfig}[
+        getattr(cfg, "policy_type", "diffusion")
+    ]
     train(TrainConfig(
         dataset=DatasetConfig(root=str(dataset)), output_dir=str(output_dir), steps=cfg.train_steps,
         batch_size=cfg.batch_size, seed=cfg.seed, log_with="none", save_every=cfg.train_steps,
         num_threads=cfg.num_threads, delay=delay or DelayConfig(), resume=(output_dir / "checkpoints").is_dir(),
-        policy=DiffusionConfig(horizon=cfg.horizon, n_action_steps=cfg.n_action_steps),
+        policy=policy_config(horizon=cfg.horizon, n_action_steps=cfg.n_action_steps),
     ))  # fmt: skip
 
 

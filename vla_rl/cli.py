@@ -121,6 +121,23 @@ def _run_finetune(cfg):
     )
 
 
+def _run_train_prm(cfg):
+    from vla_rl.train_prm import train_prm
+
+    summary = train_prm(cfg)
+    held = summary["held_out"]
+    measured = (
+        f"; held out {len(held['episodes'])} episodes: Spearman's rank correlation of progress with time "
+        f"{held['spearman_mean']} (min {held['spearman_min']}), last frame above first in "
+        f"{held['last_above_first']}/{held['successful']}"
+        if held and held["successful"]
+        else ""
+    )
+    print(f"process reward model trained on {len(summary['train']['episodes'])} episodes, final loss "
+          f"{summary['train']['final_loss']:.4f}{measured}; {cfg.output_dir} (use it with vla-rl finetune "
+          f"--reward.process_model={cfg.output_dir})")  # fmt: skip
+
+
 def _run_quickstart(cfg):
     from vla_rl.quickstart import quickstart
 
@@ -155,6 +172,12 @@ def _run_bench_libero(cfg):
     from vla_rl.bench_libero import bench_libero, format_summary
 
     print(format_summary(bench_libero(cfg)))
+
+
+def _run_bench_ar_decoding(cfg):
+    from vla_rl.bench_ar_decoding import bench_ar_decoding, format_summary
+
+    print(format_summary(bench_ar_decoding(cfg)))
 
 
 def _run_bench_sim(cfg):
@@ -217,6 +240,11 @@ COMMANDS: dict[str, Command] = {
     "quickstart": Command(
         "record -> train -> eval on the default lift task", "vla_rl.quickstart:QuickstartConfig", _run_quickstart
     ),
+    "train-prm": Command(
+        "train a process reward model (progress in [0, 1]) on a LeRobotDataset, for finetune --reward.process_model",
+        "vla_rl.train_prm:TrainPRMConfig",
+        _run_train_prm,
+    ),
     "sim-robot": Command(
         "a MuJoCo-simulated arm as a ROS 2 node (joint states, images, commands)",
         "vla_rl.sim_robot:SimRobotConfig",
@@ -237,7 +265,8 @@ COMMANDS: dict[str, Command] = {
     ),
     "bench": Command(
         "benchmarks: `bench sim` (env-steps/s), `bench bridge` (ROS 2 latency), `bench delay` (success under "
-        "delay), `bench rl` (RL fine-tuning gains), `bench latency-rl` (ARLI), `bench ray` (asynchronous Ray rollouts)",
+        "delay), `bench rl` (RL fine-tuning gains), `bench latency-rl` (ARLI), `bench ray` (asynchronous Ray rollouts), "
+        "`bench libero` (LIBERO against LeRobot's evaluator), `bench ar-decoding` (token decoding speed)",
         "",
         None,
         {
@@ -276,6 +305,11 @@ COMMANDS: dict[str, Command] = {
                 "vla_rl.bench_libero:BenchLiberoConfig",
                 _run_bench_libero,
             ),
+            "ar-decoding": Command(
+                "the autoregressive VLA's decoding: batched with a key-value cache vs sequential without one",
+                "vla_rl.bench_ar_decoding:BenchARDecodingConfig",
+                _run_bench_ar_decoding,
+            ),
         },
     ),
 }
@@ -299,6 +333,8 @@ examples:
   vla-rl train --output_dir=outputs/lift_policy --resume=true
   vla-rl eval --checkpoint=outputs/lift_policy --num_episodes=100 --chunking.merge=ensemble
   vla-rl finetune --checkpoint=outputs/lift_policy --algo=grpo --output_dir=outputs/lift_grpo
+  vla-rl train-prm --dataset.root=outputs/lift_demos --output_dir=outputs/lift_prm
+  vla-rl finetune --checkpoint=outputs/lift_policy --reward.process_model=outputs/lift_prm
   vla-rl bench sim --num_envs=[1,16] --steps=50
 """
 

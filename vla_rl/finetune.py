@@ -24,6 +24,11 @@ not trained directly, but they drift with the shared weights.
 ``--latency_warmup.steps`` it is first fitted on demonstrations under the run's delays
 (`vla_rl.latency_warmup`), and the run starts from that policy (saved as ``latency_warmup/``).
 
+``--reward.process_model=DIR`` (a ``vla-rl train-prm`` output, VLA-RL's process reward) adds a dense
+reward to every chunk decision of PPO: potential-based shaping with the model's progress estimate,
+zero at every episode's end, so the optimal policy is unchanged (`vla_rl.rl.process_reward`). It reads
+only the observations, so it works for any policy kind; the history records its mean per decision.
+
 Several tasks (``--tasks=[lift,reach,push]``): each gets its own batch of ``env.num_envs`` worlds
 (task-balanced), and the policy must have been trained on all of them. ``--curriculum_tasks=k``
 rolls out k of them per iteration, drawn by success and learning progress
@@ -85,6 +90,7 @@ from vla_rl.rl.evaluation import PeriodicEvaluation
 from vla_rl.rl.grpo import GRPOConfig
 from vla_rl.rl.latency_aware import make_latency_aware
 from vla_rl.rl.ppo import PPOConfig
+from vla_rl.rl.process_reward import RewardConfig, check_resumed_reward, load_process_reward
 from vla_rl.rl.ray_runtime import RayConfig
 from vla_rl.rl.sources import LocalRollouts, RayRollouts
 
@@ -119,6 +125,9 @@ class FinetuneConfig:
     noise: ExplorationNoise = field(default_factory=lambda: ExplorationNoise(eta=0.0, min_std=0.1))
     ppo: PPOConfig = field(default_factory=PPOConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    # Dense rewards added to the sparse success reward: --reward.process_model=<a vla-rl train-prm output>
+    # shapes each chunk's reward with VLA-RL's process reward model (`vla_rl.rl.process_reward`; PPO only).
+    reward: RewardConfig = field(default_factory=RewardConfig)
     lr: float = 1e-5  # actor learning rate (AdamW)
     update_epochs: int = 4  # passes over each rollout
     minibatch_size: int = 64  # chunk decisions per gradient step
@@ -174,6 +183,7 @@ class FinetuneConfig:
         self.noise.check_density()  # RL needs the chain's log-probability
         self.vla.validate()
         self.ppo.validate()
+        self.reward.validate(self.algo)
         if self.algo == "grpo":
             self.grpo.validate(self.env.num_envs)
         # The other algorithm's settings would be ignored: refused, naming them.
@@ -272,6 +282,7 @@ class _Run:
     state: dict  # iteration, env_steps, history, evals, skipped updates
     evaluation: Any  # `vla_rl.rl.evaluation.PeriodicEvaluation`
     logging: bool  # to the accelerate trackers
+    process_reward: Any = None  # `vla_rl.rl.process_reward.ProcessReward` of --reward.process_model, or None
 
     @property
     def checkpoints(self) -> Path:
@@ -303,6 +314,8 @@ def finetune(cfg: FinetuneConfig) -> dict:
     torch.set_num_threads(cfg.num_threads or os.cpu_count() or 1)
     out = Path(cfg.output_dir)
     source = check_resume(out / "checkpoints", cfg.resume) or cfg.checkpoint
+    if cfg.resume:
+        check_resumed_reward(out, cfg.reward)
     # Under `accelerate launch` there are several processes, each with its own worlds (see Processes),
     # each on the device the launcher gives it; a single process runs on --device.
     accelerator = make_accelerator([] if cfg.log_with == "none" else [cfg.log_with], out)
@@ -325,10 +338,11 @@ def finetune(cfg: FinetuneConfig) -> dict:
         envs = [closing.enter_context(make_env(env_cfg)) for env_cfg in own]
         for env, env_cfg in zip(envs, env_cfgs, strict=True):
             check_policy_fits(policy, env, env_cfg)
+        process_reward = load_process_reward(cfg.reward, envs, env_cfgs, policy.device)  # checked against every env
         gamma = cfg.ppo.gamma if cfg.algo == "ppo" else 1.0  # the transitions' discount per control step
         run, policy_dir = _wire(cfg, tasks, env_cfgs, envs, out, accelerator, processes, policy, factors, policy_dir,
                                 gamma)  # fmt: skip
-        actor = run.actor
+        actor, run.process_reward = run.actor, process_reward
         if run.logging:
             accelerator.init_trackers("finetune", config={"algo": cfg.algo, "lr": cfg.lr, "tasks": ",".join(tasks)})
         if accelerator.is_main_process:
@@ -467,6 +481,8 @@ def _train(run: _Run, rollouts) -> None:
             it = state["iteration"]
             t_start = time.perf_counter()
             batch = rollouts.next(it)
+            if run.process_reward is not None:  # dense rewards into the rollout, before the learner reads it
+                batch.info.update(run.process_reward.shape(batch.rollout, run.processes))
             t_update = time.perf_counter()
             update_stats = {**run.learner.update(batch.rollout, it), **batch.info}
             rollouts.updated(run.actor)
@@ -490,6 +506,7 @@ def _train(run: _Run, rollouts) -> None:
                 it=it + 1, success=f"{batch.success:.2f}", sps=f"{record['rollout_env_steps_per_s']:.0f}",
                 loss=f"{update_stats.get('policy_loss', float('nan')):.3f}",
                 **({"v_loss": f"{update_stats.get('value_loss', float('nan')):.3f}"} if cfg.algo == "ppo" else {}),
+                **({"prm": f"{update_stats['process_reward_mean']:.3f}"} if run.process_reward is not None else {}),
             )  # fmt: skip
             evaluate_here = cfg.eval_every and (state["iteration"] % cfg.eval_every == 0 or run.finished())
             if evaluate_here and main:  # the weights it measured are saved just below, with its result

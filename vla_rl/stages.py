@@ -25,6 +25,7 @@ its ``output_dir``):
 - ``evaluate``: ``checkpoint``, ``task``, ``episodes``, ``successes``, ``success_rate``,
   ``success_ci95`` ([low, high], Wilson), ``mean_episode_length``, ``mean_success_length``, ``seed``,
   ``per_episode``, ``seconds``.
+- ``train_prm``: ``held_out`` (the held-out episodes' figures, or None), ``train``, ``seconds``, ``config``.
 - ``finetune``: ``algo``, ``tasks``, ``iterations``, ``env_steps``, ``skipped_updates``,
   ``initial_success`` / ``final_success`` (None without periodic evaluations), ``evals`` (the
   periodic evaluations), ``history`` (one entry per iteration, with ``rollout_success``),
@@ -37,6 +38,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from policies.autoregressive_vla import AutoregressiveVLAConfig
     from policies.diffusion import DiffusionConfig
     from policies.diffusion_vla import DiffusionVLAConfig
     from sim.config import EnvConfig
@@ -48,8 +50,10 @@ if TYPE_CHECKING:
     from vla_rl.record import RecordConfig
     from vla_rl.rl.grpo import GRPOConfig
     from vla_rl.rl.ppo import PPOConfig
+    from vla_rl.rl.process_reward import RewardConfig
     from vla_rl.rl.ray_runtime import WORKER_NAME_PREFIX, RayConfig
     from vla_rl.train import DatasetConfig, TrainConfig, build_policy
+    from vla_rl.train_prm import PRMDatasetConfig, TrainPRMConfig
 
 
 def record(cfg: RecordConfig) -> dict[str, Any]:
@@ -74,6 +78,13 @@ def evaluate(cfg: EvalConfig, policy=None) -> dict[str, Any]:
     return run(cfg, policy)
 
 
+def train_prm(cfg: TrainPRMConfig) -> dict[str, Any]:
+    """``vla-rl train-prm``: a process reward model fitted on ``cfg.dataset.root`` into ``cfg.output_dir``."""
+    from vla_rl.train_prm import train_prm as run
+
+    return run(cfg)
+
+
 def finetune(cfg: FinetuneConfig) -> dict[str, Any]:
     """``vla-rl finetune``: RL fine-tuning of ``cfg.checkpoint`` in simulation, into ``cfg.output_dir``."""
     from vla_rl.finetune import finetune as run
@@ -95,11 +106,15 @@ _EXPORTS = {
     # workers (`vla-rl bench ray`) finds them by it.
     "WORKER_NAME_PREFIX": "vla_rl.rl.ray_runtime",
     "LatencyWarmupConfig": "vla_rl.latency_warmup",
+    "TrainPRMConfig": "vla_rl.train_prm",
+    "PRMDatasetConfig": "vla_rl.train_prm",
+    "RewardConfig": "vla_rl.rl.process_reward",
     "EnvConfig": "sim.config",
     "DelayConfig": "vla_core.runtime",
     "ChunkingConfig": "vla_core.runtime",
     "DiffusionConfig": "policies.diffusion",
     "DiffusionVLAConfig": "policies.diffusion_vla",
+    "AutoregressiveVLAConfig": "policies.autoregressive_vla",
     # The JSON form of a TrainConfig that `train` saves as train_config.json: a composition reusing a
     # finished run compares it with the config it would run.
     "config_dict": "vla_rl.config_json",
@@ -110,6 +125,7 @@ _EXPORTS = {
 
 __all__ = [
     "WORKER_NAME_PREFIX",
+    "AutoregressiveVLAConfig",
     "ChunkingConfig",
     "DatasetConfig",
     "DelayConfig",
@@ -121,15 +137,19 @@ __all__ = [
     "GRPOConfig",
     "LatencyWarmupConfig",
     "PPOConfig",
+    "PRMDatasetConfig",
     "RayConfig",
     "RecordConfig",
+    "RewardConfig",
     "TrainConfig",
+    "TrainPRMConfig",
     "build_policy",
     "config_dict",
     "evaluate",
     "finetune",
     "record",
     "train",
+    "train_prm",
 ]
 
 

@@ -73,6 +73,11 @@ def summary(cfg, tasks: list[str], state: dict, seconds: float, device: torch.de
     rollout_s = sum(h["rollout_seconds"] for h in history)
     sim_steps = sum(h["rollout_env_steps_per_s"] * h["rollout_seconds"] for h in history)
     evals = state["evals"]
+    shaped = {}
+    if cfg.reward.process_model:  # the shaping term's mean per decision over the run (`vla_rl.rl.process_reward`)
+        means = [h["process_reward_mean"] for h in history if "process_reward_mean" in h]
+        shaped["process_reward"] = {"model": cfg.reward.process_model, "weight": cfg.reward.process_weight,
+                                    "mean_per_decision": round(sum(means) / max(1, len(means)), 6)}  # fmt: skip
     return {
         "algo": cfg.algo,
         "tasks": tasks,
@@ -92,6 +97,7 @@ def summary(cfg, tasks: list[str], state: dict, seconds: float, device: torch.de
             1,
         ),
         "seconds_since_start_or_resume": round(seconds, 1),
+        **shaped,
         "peak_memory": peak_memory(device),
         "history": history,
         "config": asdict(cfg),
