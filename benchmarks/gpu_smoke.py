@@ -19,6 +19,10 @@ MuJoCo Warp not installed); the JSON holds every check, the last line printed is
    behind vla-rl's adapter gives on the GPU the chunk it gives on the CPU; adapted as `vla-rl finetune
    --vla.trainable=expert --vla.dtype=bfloat16 --vla.gradient_checkpointing=true` makes it, it samples a
    chain and scores it with finite float32 log-probs and gradients there; reports the peak memory.
+6. ``autoregressive_vla_on_gpu``: a small autoregressive VLA (FAST tokens fitted on random smooth chunks)
+   decodes on the GPU the tokens it decodes on the CPU, batched with the key-value cache and without it;
+   its RL actor samples a sequence there and scores it with finite log-probs and gradients; reports the
+   decode time of the batch and the peak memory.
 """
 
 from __future__ import annotations
@@ -221,12 +225,61 @@ def check_lerobot_vla_on_gpu(device) -> dict:
     return {"max_gap_to_cpu": round(float(gap.abs().max()), 8), "trained_tensors": len(grads), "peak_mib": peak}
 
 
+def check_autoregressive_vla_on_gpu(device) -> dict:
+    import types
+
+    import torch
+
+    from policies.autoregressive_vla import AutoregressiveVLAConfig
+    from policies.autoregressive_vla.modeling_autoregressive_vla import AutoregressiveVLAPolicy
+    from policies.denoising_chain import ExplorationNoise
+
+    torch.manual_seed(0)
+    policy = AutoregressiveVLAPolicy(AutoregressiveVLAConfig(
+        state_dim=3, action_dim=2, cameras=["front"], image_size=16, horizon=8, n_action_steps=4,
+        vocabulary=["<pad>", "<unk>", "go"], width=64, heads=2, kv_heads=1, vision_width=32,
+    ))  # fmt: skip
+    policy.set_normalization([0.0] * 3, [1.0] * 3, [-1.0, -1.0], [1.0, 1.0])
+    g = torch.Generator().manual_seed(1)
+    steps = torch.linspace(0, 1, 8)[None, :, None]
+    chunks = (torch.rand(64, 1, 2, generator=g) * 2 - 1) * (1 - steps) + torch.rand(64, 1, 2, generator=g) * steps
+    policy.fit_to_demonstrations(types.SimpleNamespace(action_chunks=lambda horizon, frames=None: chunks))
+    policy.eval()
+    obs = {"observation.images.front": torch.rand(8, 3, 16, 16, generator=g), "observation.state": torch.randn(8, 3, generator=g),
+           "task": ["go"] * 8}  # fmt: skip
+    on_gpu = {k: v.to(device) if torch.is_tensor(v) else v for k, v in obs.items()}
+    cpu_tokens = policy.sample_tokens(obs, None, 0.0)[1]
+    policy.to(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    cached = policy.sample_tokens(on_gpu, None, 0.0)[1]
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - start
+    uncached = policy.sample_tokens(on_gpu, None, 0.0, use_cache=False)[1]
+    for decoded in (cached, uncached):
+        assert torch.equal(decoded.ids.cpu(), cpu_tokens.ids) and torch.equal(decoded.mask.cpu(), cpu_tokens.mask)
+    actor = policy.rl_actor(ExplorationNoise(eta=0.0, min_std=0.1))
+    chunk, decision = actor.act(on_gpu, torch.zeros(8, dtype=torch.long, device=device))
+    scored = actor.score(on_gpu, decision)
+    scored.values[scored.mask].sum().backward()
+    grads = [p.grad for p in policy.parameters() if p.grad is not None]
+    assert chunk.actions.device.type == device.type and torch.isfinite(scored.values).all()
+    assert grads and all(torch.isfinite(gr).all() for gr in grads)
+    peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
+    return {"tokens_per_chunk": round(float(cached.mask.sum(1).float().mean()), 2), "decode_seconds": round(seconds, 4),
+            "peak_mib": peak}  # fmt: skip
+
+
 CHECKS = {
     "delay_streams": check_delay_streams,
     "policy_on_gpu": check_policy_on_gpu,
     "shell_on_gpu": check_shell_on_gpu,
     "ray_worker_on_gpu": check_ray_worker_on_gpu,
     "lerobot_vla_on_gpu": check_lerobot_vla_on_gpu,
+    "autoregressive_vla_on_gpu": check_autoregressive_vla_on_gpu,
 }
 
 

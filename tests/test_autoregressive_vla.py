@@ -425,3 +425,35 @@ def test_the_decoding_benchmark_times_each_arm_on_the_same_tokens_and_its_figure
     report = {"observations": 64, "arms": arms, "config": {"quick": False}, "device": "cpu", "torch_threads": 1,
               "tokens_per_chunk": {"mean": 1, "max": 1, "budget": 1, "valid_sequences": 0}, **figures}  # fmt: skip
     assert format_summary(report).splitlines()[-1] == "decode_speedup=16.00 latency_b1_ms=50.00"
+
+
+@pytest.mark.slow
+def test_an_openpi_libero_evaluation_runs_it(tmp_path):
+    """A small autoregressive VLA shaped for LIBERO (two 256-pixel cameras it resizes to 64, 8 states, 7
+    actions; FAST tokens fitted on random smooth chunks) through `vla-rl eval` on libero_spatial/0 under the
+    openpi protocol: the episode ends at openpi's 220 steps unless it succeeds first, recorded per task."""
+    import types
+
+    from policies.autoregressive_vla.modeling_autoregressive_vla import AutoregressiveVLAPolicy
+    from sim.config import EnvConfig
+    from sim.libero_protocol import LIBERO_CAMERAS, LIBERO_IMAGE_SIZE
+    from vla_rl.eval import EvalConfig, evaluate
+
+    torch.manual_seed(0)
+    policy = AutoregressiveVLAPolicy(AutoregressiveVLAConfig(
+        state_dim=8, action_dim=7, cameras=list(LIBERO_CAMERAS), horizon=10, n_action_steps=5,
+        vocabulary=["<pad>", "<unk>", "pick", "up", "the", "black", "bowl"],
+    ))  # fmt: skip
+    steps = torch.linspace(0, 1, 10)[None, :, None]
+    g = torch.Generator().manual_seed(0)
+    chunks = torch.rand(256, 1, 7, generator=g) * (1 - steps) + torch.rand(256, 1, 7, generator=g) * steps
+    policy.fit_to_demonstrations(types.SimpleNamespace(action_chunks=lambda horizon, frames=None: chunks))
+    policy.save_pretrained(tmp_path / "ar")
+    result = evaluate(EvalConfig(
+        checkpoint=str(tmp_path / "ar"), output_dir=str(tmp_path / "eval"), episodes_per_task=1, video_episodes=0,
+        env=EnvConfig(task="libero_spatial/0", num_envs=1, cameras=list(LIBERO_CAMERAS), image_size=LIBERO_IMAGE_SIZE),
+    ))  # fmt: skip
+    assert result["protocol"]["name"] == "openpi" and result["protocol"]["max_episode_steps"] == 220
+    (episode,) = result["per_episode"]
+    assert episode["task"] == "libero_spatial/0" and episode["initial_state"] == 0
+    assert episode["success"] or episode["length"] == 220

@@ -31,6 +31,7 @@ def test_the_ratios_compare_the_largest_delay_with_naive_and_with_no_delay_rl():
     assert math.isinf(never["latency_aware_over_naive"])  # over zero: printed as inf, it means nothing
 
 
+@pytest.mark.slow  # every arm at toy sizes, 30 s: -m slow
 def test_quick_benchmark_runs_every_arm_and_prints_the_final_line(tmp_path):
     out = tmp_path / "bench"
     proc = subprocess.run(

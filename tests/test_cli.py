@@ -57,8 +57,15 @@ def test_missing_checkpoint_is_one_line_error(tmp_path):
     assert res.stderr.strip().count("\n") == 0, res.stderr
 
 
-def test_checkpoint_of_another_policy_type(tiny_checkpoint, tmp_path):
+def test_checkpoint_of_another_policy_type(tiny_checkpoint, tmp_path, capsys):
+    from types import SimpleNamespace
+
     from vla_rl.checkpoint import resolve_policy_dir
+    from vla_rl.cli import main
+
+    def eval_in_process(*args):  # the same entry point as the command line, without a new interpreter each time
+        code = main(["eval", *args])
+        return SimpleNamespace(returncode=code, stderr=capsys.readouterr().err)
 
     src = resolve_policy_dir(tiny_checkpoint[0])
     other = tmp_path / "act"
@@ -67,27 +74,27 @@ def test_checkpoint_of_another_policy_type(tiny_checkpoint, tmp_path):
     cfg["type"] = "act"
     (other / "config.json").write_text(json.dumps(cfg))
     # Another type goes to LeRobot (its policies enter through the same loader), which cannot read this one.
-    res = vla_rl("eval", f"--checkpoint={other}")
+    res = eval_in_process(f"--checkpoint={other}")
     assert res.returncode == 2 and "is neither a vla-rl checkpoint nor a policy LeRobot can load" in res.stderr
 
     # LeRobot's own diffusion policy (vla-rl's is `vla_rl_diffusion`), here without the features it needs.
     (other / "config.json").write_text(json.dumps({"type": "diffusion", "n_obs_steps": 2}))
-    res = vla_rl("eval", f"--checkpoint={other}")
+    res = eval_in_process(f"--checkpoint={other}")
     assert res.returncode == 2 and "must read observation.state and at least one camera" in res.stderr
 
     # A vla-rl type this version does not have.
-    (other / "config.json").write_text(json.dumps({**cfg, "type": "vla_rl_autoregressive"}))
-    res = vla_rl("eval", f"--checkpoint={other}")
-    assert res.returncode == 2 and "'vla_rl_autoregressive' policy, which this vla-rl does not know" in res.stderr
+    (other / "config.json").write_text(json.dumps({**cfg, "type": "vla_rl_world_model"}))
+    res = eval_in_process(f"--checkpoint={other}")
+    assert res.returncode == 2 and "'vla_rl_world_model' policy, which this vla-rl does not know" in res.stderr
     assert "vla_rl_diffusion_vla" in res.stderr  # the types it writes
 
     # A field this version does not know (another vla-rl version) is named.
     (other / "config.json").write_text(json.dumps({**cfg, "type": "vla_rl_diffusion", "down_dims": [512]}))
-    res = vla_rl("eval", f"--checkpoint={other}")
+    res = eval_in_process(f"--checkpoint={other}")
     assert res.returncode == 2 and "fields vla-rl's 'diffusion' policy does not have (down_dims)" in res.stderr
 
     (other / "config.json").write_text(json.dumps({"policy_type": "diffusion", "policy": {}}))  # vla-rl 0.1's layout
-    res = vla_rl("eval", f"--checkpoint={other}")
+    res = eval_in_process(f"--checkpoint={other}")
     assert res.returncode == 2 and "written by vla-rl 0.1: retrain it" in res.stderr
 
 

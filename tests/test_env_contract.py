@@ -70,7 +70,10 @@ class Case:
         return torch.tensor([self.spec.move] * self.env.num_envs)
 
 
-@pytest.fixture(scope="module", params=list(BACKENDS))
+# LIBERO worlds take seconds to build and step (software rendering): their conformance runs under -m slow.
+@pytest.fixture(
+    scope="module", params=[pytest.param(n, marks=pytest.mark.slow) if n == "libero" else n for n in BACKENDS]
+)
 def case(request):
     spec = BACKENDS[request.param]
     if spec.needs:

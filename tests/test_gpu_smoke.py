@@ -21,6 +21,8 @@ def test_the_checks_pass_on_the_cpu():
     assert ray_check["worker_device"] == "cpu" and 2 <= ray_check["decisions"] <= 8
     vla = gpu_smoke.check_lerobot_vla_on_gpu(torch.device("cpu"))
     assert vla["max_gap_to_cpu"] == 0.0 and vla["trained_tensors"] > 0 and vla["peak_mib"] is None
+    tokens = gpu_smoke.check_autoregressive_vla_on_gpu(torch.device("cpu"))  # same tokens cached or not, or it raises
+    assert 1 <= tokens["tokens_per_chunk"] <= 8 * 2 + 1 and tokens["peak_mib"] is None
 
 
 def test_without_cuda_the_script_says_so(tmp_path, capsys, monkeypatch):

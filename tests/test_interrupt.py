@@ -75,7 +75,7 @@ def _points():
         "start of a step (batch sampling)": (train_module, "random_shift", 4, False, lambda *a: True),
         "inside the forward pass": (DiffusionPolicy, "forward", 7, True, lambda *a: True),
         "inside the optimizer step": (torch.optim.AdamW, "step", 3, False, lambda *a: True),
-        "checkpoint: weights written, not yet renamed": (pretrained_module, "save_file", 1, True, lambda *a: True),
+        "checkpoint: weights written, not yet renamed": (pretrained_module, "save_model", 1, True, lambda *a: True),
         "checkpoint: training state being written": (torch, "save", 1, False, lambda *a: True),
         "checkpoint: `last` being swapped": (os, "replace", 1, False, swaps_last),
     }

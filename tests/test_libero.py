@@ -27,6 +27,7 @@ def first_obs(env):
     return env.reset(seed=0)
 
 
+@pytest.mark.slow  # a LIBERO world (seconds to build and render): -m slow
 def test_observations_are_lerobot_libero_features(env, first_obs):
     from lerobot.configs import FeatureType
     from lerobot.envs.configs import LiberoEnv
@@ -54,6 +55,7 @@ def test_observations_are_lerobot_libero_features(env, first_obs):
     assert env.max_episode_steps == 280  # LeRobot's libero_spatial limit
 
 
+@pytest.mark.slow  # a LIBERO world (seconds to build and render): -m slow
 def test_images_are_rotated_once(env, first_obs):
     agent, wrist = first_obs["observation.images.image"][0], first_obs["observation.images.image2"][0]
     row_brightness = lambda img: img.mean(dim=(0, 2))  # (3, H, W) -> (H,)
@@ -67,6 +69,7 @@ def test_images_are_rotated_once(env, first_obs):
     np.testing.assert_array_equal(ours, raw_rotated)
 
 
+@pytest.mark.slow  # a LIBERO world (seconds to build and render): -m slow
 def test_actions_move_the_end_effector_and_bad_ones_are_held(env, first_obs):
     start = first_obs[OBS_STATE]  # the env is where first_obs left it
     actions = torch.tensor([[1.0, 0, 5.0, 0, 0, 0, -1], [float("nan")] * 7])  # +x, +z (5 is out of range)
@@ -86,6 +89,7 @@ def test_actions_move_the_end_effector_and_bad_ones_are_held(env, first_obs):
         env.step(torch.zeros(2, 4))
 
 
+@pytest.mark.slow  # a LIBERO world (seconds to build and render): -m slow
 def test_same_seed_gives_the_same_fixed_initial_state(env, first_obs):
     again = env.reset(seed=0)
     np.testing.assert_allclose(again[OBS_STATE], first_obs[OBS_STATE], atol=1e-5)
@@ -156,6 +160,7 @@ def test_missing_libero_names_the_extra(monkeypatch):
         make_env(EnvConfig(task="libero_spatial", cameras=["image"]))
 
 
+@pytest.mark.slow  # a LIBERO world (seconds to build and render): -m slow
 def test_a_world_settles_for_the_steps_its_config_asks():
     """``EnvConfig.settle_steps`` reaches LeRobot's LiberoEnv (its no-op steps after a reset): 15 as RLinf
     settles, LeRobot's 10 by default."""
@@ -196,6 +201,7 @@ def test_an_openpi_evaluation_of_one_task_runs_its_initial_states_to_its_step_li
     assert [(r["task"], r["episodes"]) for r in result["per_task"]] == [("libero_spatial/0", 2)]
 
 
+@pytest.mark.slow  # a LIBERO world (seconds to build and render): -m slow
 def test_a_world_renders_only_the_cameras_asked_and_matches_lerobots_liberoenv():
     """LeRobot's LiberoEnv renders LIBERO's two default cameras whatever it is asked for; ours renders the
     asked ones (none for the state alone) and gives, step for step, LeRobot's frames and state."""

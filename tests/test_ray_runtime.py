@@ -147,6 +147,7 @@ def test_the_behaviour_log_probs_are_the_sampling_weights_and_the_correction_rea
         workers.close()
 
 
+@pytest.mark.slow  # kills and restarts Ray actors (10+ s each): -m slow
 def test_a_worker_that_dies_is_restarted_and_its_rollout_collected_again(tiny_checkpoint, tmp_path, local_ray):
     """Worker 0 is killed as by a crash while its first rollout (launch 0) is in flight: the launch is
     collected again with its seeds by the next free worker, none is lost, Ray restarts worker 0 and it
@@ -171,6 +172,7 @@ def test_a_worker_that_dies_is_restarted_and_its_rollout_collected_again(tiny_ch
         workers.close()
 
 
+@pytest.mark.slow  # kills and restarts Ray actors (10+ s each): -m slow
 def test_a_worker_killed_between_rollouts_counts_as_restarted(tiny_checkpoint, tmp_path, local_ray):
     """Worker 0 dies after finishing its rollout and is back before its next is launched (as while the
     learner updates): nothing is interrupted, its next rollout runs in the new process, that restart is

@@ -79,14 +79,14 @@ import os, signal, sys
 import policies.pretrained as pretrained
 from vla_rl.cli import main
 
-kill_at, original = int(sys.argv[1]), pretrained.save_file
+kill_at, original = int(sys.argv[1]), pretrained.save_model
 
-def save_file(state, path, *args, **kwargs):
-    original(state, path, *args, **kwargs)
+def save_model(model, path, *args, **kwargs):
+    original(model, path, *args, **kwargs)
     if f"step-{kill_at:08d}" in path:
         os.kill(os.getpid(), signal.SIGKILL)
 
-pretrained.save_file = save_file
+pretrained.save_model = save_model
 sys.exit(main(sys.argv[2:]))
 """
 
