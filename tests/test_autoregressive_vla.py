@@ -429,14 +429,14 @@ def test_the_decoding_benchmark_times_each_arm_on_the_same_tokens_and_its_figure
 
 @pytest.mark.slow
 def test_an_openpi_libero_evaluation_runs_it(tmp_path):
-    """A small autoregressive VLA shaped for LIBERO (two 256-pixel cameras it resizes to 64, 8 states, 7
-    actions; FAST tokens fitted on random smooth chunks) through `vla-rl eval` on libero_spatial/0 under the
-    openpi protocol: the episode ends at openpi's 220 steps unless it succeeds first, recorded per task."""
+    """A small autoregressive VLA shaped for LIBERO (its two cameras at 64 pixels, 8 states, 7 actions; FAST
+    tokens fitted on random smooth chunks) through `vla-rl eval` on libero_spatial/0 under the openpi
+    protocol: the episode ends at openpi's 220 steps unless it succeeds first, recorded per task."""
     import types
 
     from policies.autoregressive_vla.modeling_autoregressive_vla import AutoregressiveVLAPolicy
     from sim.config import EnvConfig
-    from sim.libero_protocol import LIBERO_CAMERAS, LIBERO_IMAGE_SIZE
+    from sim.libero_protocol import LIBERO_CAMERAS
     from vla_rl.eval import EvalConfig, evaluate
 
     torch.manual_seed(0)
@@ -451,7 +451,7 @@ def test_an_openpi_libero_evaluation_runs_it(tmp_path):
     policy.save_pretrained(tmp_path / "ar")
     result = evaluate(EvalConfig(
         checkpoint=str(tmp_path / "ar"), output_dir=str(tmp_path / "eval"), episodes_per_task=1, video_episodes=0,
-        env=EnvConfig(task="libero_spatial/0", num_envs=1, cameras=list(LIBERO_CAMERAS), image_size=LIBERO_IMAGE_SIZE),
+        env=EnvConfig(task="libero_spatial/0", num_envs=1, cameras=list(LIBERO_CAMERAS), image_size=64),
     ))  # fmt: skip
     assert result["protocol"]["name"] == "openpi" and result["protocol"]["max_episode_steps"] == 220
     (episode,) = result["per_episode"]
