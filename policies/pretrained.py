@@ -280,6 +280,10 @@ class PreTrainedPolicy(NormalizationMixin, nn.Module):
         """Fit what the policy learns from the data before training (an autoregressive policy's action
         tokenizer) on the demonstrations of ``frames`` (`vla_core.data.ChunkedDemos`); nothing by default."""
 
+    def training_report(self) -> dict:
+        """What the policy counted while training (``vla-rl train`` adds it to its summary); nothing by default."""
+        return {}
+
     def save_pretrained(self, directory: str | Path) -> None:
         """Write ``config.json``, ``model.safetensors`` and the policy's assets into ``directory`` (LeRobot's format)."""
         directory = Path(directory)

@@ -67,6 +67,9 @@ def test_train_fits_the_tokenizer_on_the_dataset_and_the_checkpoint_reloads_the_
     directory, root = ar_checkpoint
     model_dir = directory / "pretrained_model"
     assert {"action_tokenizer.json", "action_tokenizer_bpe.json"} <= {p.name for p in model_dir.iterdir()}
+    summary = json.loads((directory.parent.parent / "train_summary.json").read_text())
+    assert summary["action_values_tokenized"] == 30 * 8 * 16 * 4  # steps x batch x horizon x action dims
+    assert 0 < summary["action_values_clipped"] < 0.05 * summary["action_values_tokenized"]  # 1st-99th percentile
     policy = PreTrainedPolicy.from_pretrained(model_dir)
     chunks = _demos(root).action_chunks(16).double().numpy()
     mine = fit_action_tokenizer("fast", chunks, vocab_size=256, scale=10.0)

@@ -587,6 +587,7 @@ def finish(run: Run, step: int, start: float) -> dict:
         "seconds_this_run": round(time.time() - start, 1),
         "dataset_frames": len(run.demos),
         "dataset_episodes": run.dataset.num_episodes,
+        **run.raw_policy.training_report(),  # e.g. an autoregressive policy's clipped action values
     }
     if accelerator.is_main_process:
         write_text_atomic(run.out / "train_summary.json", json.dumps(summary, indent=2))

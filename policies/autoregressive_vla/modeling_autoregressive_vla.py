@@ -118,6 +118,11 @@ class AutoregressiveVLAPolicy(TokenRL, PreTrainedPolicy):
             raise ValueError("policy.max_action_tokens is 0: fit the tokenizer with fit_to_demonstrations")
         self.action_tokenizer = tokenizer
 
+    def training_report(self) -> dict:
+        """Action values this process tokenized since it started, and how many lay outside the tokenizer's fitted
+        range and were clipped into it (about 2% by design: the range is the 1st to the 99th percentile)."""
+        return {"action_values_tokenized": self.tokenized_values, "action_values_clipped": self.clipped_values}
+
     def save_assets(self, directory: Path) -> None:
         self._tokenizer().save(directory)
 
