@@ -308,9 +308,15 @@ class PreTrainedPolicy(NormalizationMixin, nn.Module):
         policy_cls = policy_class(config.type)
         if cls is not PreTrainedPolicy and policy_cls is not cls:
             raise ValueError(f"{directory} holds a {config.type!r} policy, not a {cls.__name__}")
-        policy = policy_cls(config)
+        policy = policy_cls.for_directory(config, directory)
         policy.load_weights(directory)
         return policy.to(device).eval()
+
+    @classmethod
+    def for_directory(cls, config: PolicyConfig, directory: Path) -> PreTrainedPolicy:
+        """The policy of ``config`` built to load the weights saved in ``directory`` (which may hold what building
+        it needs, e.g. a pretrained backbone's config); by default just from the config."""
+        return cls(config)
 
     def save_weights(self, directory: Path) -> None:
         """Write ``model.safetensors`` and what else the weights need (``save_assets``) into ``directory``."""

@@ -68,6 +68,8 @@ class TokenActor:
     then read it after the prompt's last hidden state.
     """
 
+    factors_are_steps = False  # its factors are tokens padded to the budget: --train_last_steps means nothing here
+
     def __init__(self, policy, temperature: float, augmentation_width: int = 0):
         if not temperature > 0:
             raise ValueError(

@@ -5,8 +5,10 @@ The prefix (image, instruction and state embeddings, left-padded to one length) 
 step feeds the last token alone with the cache. Decoding is constrained to the action tokens: every
 other logit is masked (a logits processor), so every emitted token is an action token, and an end
 token is allowed once ``min_tokens`` have been emitted (the FAST tokenizer's variable-length chunks;
-fixed-length binning sets ``eos_id=None``). Greedy at temperature 0, else sampled at the temperature
-from a caller's generator.
+fixed-length binning sets ``eos_id=None``), and it is the only token allowed at the budget's last step, so
+a sequence never has more than ``max_tokens - 1`` action tokens. Greedy at temperature 0, else sampled at
+the temperature from a caller's generator. Only the positions whose logits are read are projected onto the
+vocabulary (``logits_to_keep``, as `transformers`' causal LMs take it): a real VLA's vocabulary is large.
 
 Log-probabilities are those of the distribution the token was drawn from, restricted to the allowed
 tokens (at temperature 1 for greedy decoding); `score_tokens` recomputes them teacher-forced, with
@@ -29,9 +31,13 @@ class ActionTokenSpace:
     size: int
     eos_id: int | None = None
 
-    def allowed(self, vocab_size: int, may_end: bool, device) -> torch.Tensor:
-        """(vocab_size,) bool: the action tokens, and the end token when ``may_end``."""
+    def allowed(self, vocab_size: int, may_end: bool, device, must_end: bool = False) -> torch.Tensor:
+        """(vocab_size,) bool: the action tokens, and the end token when ``may_end``; the end token alone when
+        ``must_end`` (the budget's last token of a variable-length sequence)."""
         mask = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+        if self.eos_id is not None and must_end:
+            mask[self.eos_id] = True
+            return mask
         mask[self.first_id : self.first_id + self.size] = True
         if self.eos_id is not None and may_end:
             mask[self.eos_id] = True
@@ -86,11 +92,12 @@ def decode(model, prefix: torch.Tensor, prefix_mask: torch.Tensor, space: Action
         if use_cache:
             positions = _positions(mask)[:, -inputs.shape[1] :]
             out = model(inputs_embeds=inputs, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                        use_cache=True)  # fmt: skip
+                        use_cache=True, logits_to_keep=1)  # fmt: skip
             cache = out.past_key_values
         else:
-            out = model(inputs_embeds=inputs, attention_mask=mask, position_ids=_positions(mask), use_cache=False)
-        allowed = space.allowed(vocab, may_end=t >= min_tokens, device=device)
+            out = model(inputs_embeds=inputs, attention_mask=mask, position_ids=_positions(mask), use_cache=False,
+                        logits_to_keep=1)  # fmt: skip
+        allowed = space.allowed(vocab, may_end=t >= min_tokens, device=device, must_end=t == max_tokens - 1)
         dist = _constrained(out.logits[:, -1], allowed, temperature)
         if temperature > 0:
             token = torch.multinomial(dist.exp(), 1, generator=generator)[:, 0]
@@ -111,18 +118,20 @@ def decode(model, prefix: torch.Tensor, prefix_mask: torch.Tensor, space: Action
 
 def score_tokens(model, prefix: torch.Tensor, prefix_mask: torch.Tensor, decoded_ids: torch.Tensor,
                  token_mask: torch.Tensor, space: ActionTokenSpace, *, min_tokens: int = 1,
-                 temperature: float = 0.0, entropy: bool = False) -> torch.Tensor:  # fmt: skip
+                 temperature: float = 0.0, entropy: bool = False, max_tokens: int | None = None) -> torch.Tensor:  # fmt: skip
     """(B, T) log-probabilities of ``decoded_ids`` (B, T) under the current weights, teacher-forced in one
-    pass with autograd, over the same constrained distribution as `decode` (zeros where ``token_mask``
-    (B, T) is False). ``entropy``: the entropy of that distribution at each position instead."""
+    pass with autograd, over the same constrained distribution as `decode` with ``max_tokens`` (zeros where
+    ``token_mask`` (B, T) is False). ``entropy``: the entropy of that distribution at each position instead."""
     embed = model.get_input_embeddings()
     t = decoded_ids.shape[1]
     inputs = torch.cat([prefix, embed(decoded_ids[:, :-1]).to(prefix.dtype)], 1)
     mask = torch.cat([prefix_mask.long(), token_mask[:, :-1].long()], 1)
-    logits = model(inputs_embeds=inputs, attention_mask=mask, position_ids=_positions(mask), use_cache=False).logits
-    steps = logits[:, prefix.shape[1] - 1 :]  # the logits that predicted token 0 .. T - 1
+    # The last T positions' logits, those that predicted token 0 .. T - 1 (from the prefix's last position on).
+    steps = model(inputs_embeds=inputs, attention_mask=mask, position_ids=_positions(mask), use_cache=False,
+                  logits_to_keep=t).logits  # fmt: skip
     vocab = model.config.vocab_size
-    allowed = torch.stack([space.allowed(vocab, may_end=k >= min_tokens, device=prefix.device) for k in range(t)])
+    allowed = torch.stack([space.allowed(vocab, may_end=k >= min_tokens, device=prefix.device,
+                                         must_end=max_tokens is not None and k == max_tokens - 1) for k in range(t)])  # fmt: skip
     dist = _constrained(steps, allowed[None], temperature)
     if entropy:  # -sum p log p over the allowed tokens (the masked ones have p = 0 and log p = -inf)
         values = -(dist.exp() * dist.masked_fill(~allowed[None], 0.0)).sum(-1)

@@ -170,6 +170,11 @@ def test_the_rl_actor_scores_what_it_sampled_and_its_factors_are_the_tokens(ar_c
         policy.rl_actor(ExplorationNoise(eta=0.0, min_std=0.1, temperature=0.0))
     with pytest.raises(ValueError, match="explores by --noise.temperature"):
         policy.rl_actor(ExplorationNoise(eta=1.0, min_std=0.1))
+    from vla_rl.finetune import trained_factors
+
+    assert trained_factors(0, actor) == slice(None)
+    with pytest.raises(ValueError, match="factors are the tokens of a sequence: drop --train_last_steps"):
+        trained_factors(2, actor)
 
 
 def test_a_grpo_step_raises_the_log_prob_of_rewarded_sequences_and_lowers_penalized_ones(ar_checkpoint):
@@ -257,7 +262,9 @@ def _save_tiny_paligemma(directory: Path, words: list[str]) -> int:
 
 def test_a_local_paligemma_backbone_reads_the_instruction_with_its_own_tokenizer(tiny_dataset, tmp_path):
     """Loaded from a local directory: its weights (the vision tower's), its tokenizer's ids for the instruction,
-    its image size, and the vocabulary extended by the action tokens and the end token after its own."""
+    its image size, and the vocabulary extended by the action tokens and the end token after its own. The
+    checkpoint carries the backbone's config and processor: moved elsewhere, with the directory it was trained
+    from gone, it loads and decodes the same chunk."""
     from safetensors.torch import load_file
 
     directory = tmp_path / "paligemma"
@@ -279,6 +286,14 @@ def test_a_local_paligemma_backbone_reads_the_instruction_with_its_own_tokenizer
     name = next(k for k in saved if "vision_tower" in k and k.endswith("weight"))
     loaded = dict(AutoregressiveVLAPolicy(fresh).backbone.vlm.named_parameters())
     assert torch.equal(loaded[name.replace("model.", "model.", 1)], saved[name])
+    batch = _batch(tiny_dataset[0])
+    expected = policy.predict_chunk(batch).actions
+    moved = tmp_path / "moved"  # the checkpoint elsewhere, the backbone directory it was trained from gone
+    shutil.copytree(Path(summary["checkpoint"]) / "pretrained_model", moved)
+    shutil.move(directory, tmp_path / "gone")
+    again = PreTrainedPolicy.from_pretrained(moved)
+    assert torch.equal(again.predict_chunk(batch).actions, expected)
+    shutil.move(tmp_path / "gone", directory)
     (directory / "tokenizer.json").unlink()
     with pytest.raises(ValueError, match="has no processor.*save the model's processor"):
         AutoregressiveVLAPolicy(fresh)
@@ -302,6 +317,38 @@ def test_lerobot_loads_it_with_its_tokenizer_and_what_lerobot_saves_vla_rl_reloa
     theirs.save_pretrained(tmp_path / "saved_by_lerobot")
     again = PreTrainedPolicy.from_pretrained(tmp_path / "saved_by_lerobot")
     assert torch.equal(again.predict_chunk(batch).actions, expected)
+
+
+def test_every_trainable_weight_gets_a_gradient_from_the_loss(ar_checkpoint):
+    """No weight sits outside the loss (data-parallel training would stop on one: DDP without unused parameters)."""
+    directory, root = ar_checkpoint
+    policy = PreTrainedPolicy.from_pretrained(directory / "pretrained_model").train()
+    policy(_batch(root)).backward()
+    missing = [name for name, p in policy.named_parameters() if p.requires_grad and p.grad is None]
+    assert not missing
+
+
+def test_a_resumed_run_keeps_the_tokenizer_it_saved(tiny_dataset, tmp_path):
+    """`--resume=true` reads the action tokenizer from the checkpoint it resumes, not a new fit: a tokenizer
+    planted in that checkpoint (uniform bins over a range 1.5 times as wide) is the one the run goes on with
+    and saves again."""
+    from policies.action_tokenizers import fit_action_tokenizer, load_action_tokenizer
+
+    def run(steps, resume):
+        return train(TrainConfig(
+            dataset=DatasetConfig(root=str(tiny_dataset[0])), output_dir=str(tmp_path / "run"), steps=steps,
+            batch_size=4, save_every=2, log_every=2, log_with="none", num_threads=2, warmup_steps=1, resume=resume,
+            policy=AutoregressiveVLAConfig(action_tokenizer="uniform_bins"),
+        ))  # fmt: skip
+
+    first = Path(run(2, False)["checkpoint"]) / "pretrained_model"
+    chunks = _demos(tiny_dataset[0]).action_chunks(16).double().numpy()
+    planted = fit_action_tokenizer("uniform_bins", chunks * 1.5, num_bins=256)
+    planted.save(first)
+    final = Path(run(4, True)["checkpoint"]) / "pretrained_model"
+    saved = load_action_tokenizer(final)
+    assert np.array_equal(saved.low, planted.low) and np.array_equal(saved.high, planted.high)
+    assert not np.array_equal(saved.low, fit_action_tokenizer("uniform_bins", chunks, num_bins=256).low)
 
 
 def test_bad_input_gets_one_line_naming_the_fix(ar_checkpoint, tmp_path):

@@ -314,7 +314,7 @@ def test_a_process_model_that_does_not_fit_the_env_is_refused(tmp_path, model, m
         ({"process_model": "CHECKPOINT"}, "ppo", "holds a 'vla_rl_diffusion' model, not a process reward model; train one with"),
         ({"process_model": "PRM"}, "grpo", "GRPO compares whole episodes from one initial state by success"),
         ({"process_weight": 2.0}, "ppo", "--reward.process_weight does nothing without --reward.process_model"),
-        ({"process_model": "PRM", "process_weight": 0.0}, "ppo", "--reward.process_weight=0.0 must be > 0"),
+        ({"process_model": "PRM", "process_weight": 0.0}, "ppo", "--reward.process_weight=0.0 must be a finite number > 0"),
     ],
 )  # fmt: skip
 def test_bad_reward_flags_get_one_line_naming_the_fix(tiny_checkpoint, prm, tmp_path, reward, algo, message):

@@ -62,9 +62,13 @@ def test_the_teacher_forced_score_is_what_the_decoder_drew_with_and_carries_grad
     for temperature in (0.0, 0.7):
         out = decode(model, embeds, mask, space, max_tokens=10, min_tokens=2, temperature=temperature,
                      generator=torch.Generator().manual_seed(3))  # fmt: skip
-        scored = score_tokens(model, embeds, mask, out.ids, out.mask, space, min_tokens=2, temperature=temperature)
+        scored = score_tokens(model, embeds, mask, out.ids, out.mask, space, min_tokens=2, temperature=temperature,
+                              max_tokens=10)  # fmt: skip
         torch.testing.assert_close(scored, out.log_probs, rtol=1e-4, atol=1e-4)
         assert (scored[~out.mask] == 0).all() and (scored[out.mask] <= 0).all()
+        # A sequence that reached the budget ends there: the end token alone was allowed, with probability 1.
+        full = out.mask.sum(1) == 10
+        assert (out.ids[full, 9] == 5).all() and (scored[full, 9] == 0).all()
     scored.sum().backward()
     assert model.lm_head.weight.grad is not None and model.lm_head.weight.grad.abs().sum() > 0
 

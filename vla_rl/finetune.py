@@ -329,7 +329,7 @@ def finetune(cfg: FinetuneConfig) -> dict:
     policy, policy_dir = _load_trained_policy(cfg, source, device, out)
     # The RL contract: refused, with the fix, for a policy that has none (its actor is built for the run's
     # latency protocol once the envs are open).
-    factors = trained_factors(cfg.train_last_steps, policy.rl_actor(cfg.noise).num_factors)
+    factors = trained_factors(cfg.train_last_steps, policy.rl_actor(cfg.noise))
     tasks = cfg.task_list()
     env_cfgs = [replace(cfg.env, task=task) for task in tasks]
     with contextlib.ExitStack() as closing:
@@ -391,8 +391,16 @@ def _load_trained_policy(cfg: FinetuneConfig, source: str | Path, device, out: P
     return policy, policy_dir
 
 
-def trained_factors(train_last_steps: int, num_factors: int) -> slice:
-    """The factors of each decision the actor loss covers: the last ``train_last_steps`` (0: all)."""
+def trained_factors(train_last_steps: int, actor) -> slice:
+    """The factors of each decision the actor loss covers: the last ``train_last_steps`` (0: all) of ``actor``'s.
+    Refused for an actor whose factors are not ordered steps of one chain (a token sequence is padded to its
+    budget, so its last factors are mostly padding)."""
+    num_factors = actor.num_factors
+    if train_last_steps and not getattr(actor, "factors_are_steps", True):
+        raise ValueError(
+            f"--train_last_steps={train_last_steps} keeps the last denoising steps of a chain; this policy's factors "
+            f"are the tokens of a sequence: drop --train_last_steps"
+        )
     if train_last_steps > num_factors:
         raise ValueError(
             f"--train_last_steps={train_last_steps} is more than the policy's {num_factors} denoising steps; "

@@ -406,6 +406,7 @@ def resume(run: Run) -> None:
     cfg, accelerator, ema, optimizer, scheduler = run.cfg, run.accelerator, run.ema, run.optimizer, run.scheduler
     ckpt = run.resume_from
     accelerator.load_state(str(ckpt / TRAINING_STATE_DIR))
+    run.raw_policy.load_assets(ckpt / POLICY_DIR)  # what it fitted on the data (a tokenizer), as it was saved
     was = run.progress.load(ckpt / TRAINING_STATE_DIR, accelerator.process_index)
     if ema is not None:
         ema.to(accelerator.device)  # accelerate loads registered objects onto the CPU

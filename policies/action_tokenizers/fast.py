@@ -61,8 +61,9 @@ class FASTTokenizer:
         tokenizer = cls(low, high, chunks.shape[1], scale, None)
         alphabet = [tokenizer._char(i) for i in range(-tokenizer.max_abs, tokenizer.max_abs + 1)]
         if vocab_size < len(alphabet):
-            raise ValueError(f"vocab_size must hold the {len(alphabet)} coefficient values (scale x sqrt(horizon)); "
-                             f"raise it or lower scale")  # fmt: skip
+            raise ValueError(f"vocab_size={vocab_size} must hold the {len(alphabet)} coefficient values (2 x scale x "
+                             f"sqrt(horizon) + 1): raise it (--policy.action_vocab_size) or lower scale "
+                             f"(--policy.fast_scale)")  # fmt: skip
         bpe = Tokenizer(models.BPE())
         trainer = trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=alphabet, show_progress=False,
                                       max_token_length=64)  # fmt: skip

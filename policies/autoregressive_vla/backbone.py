@@ -4,9 +4,10 @@ language model in the form `policies.token_decoding` reads a causal LM.
 
 vla-rl composes the prompt itself (`Backbone.prefix`) instead of calling PaliGemma's ``forward`` with
 ``pixel_values``: the camera patches come from PaliGemma's own ``get_image_features`` (the tower and
-the projector), the instruction from the Gemma embedding table (which scales by sqrt(width) itself, so
-the patches enter unscaled, as in PaliGemma), and the state and committed actions from linear layers of
-the policy. The decoder attends causally over the whole sequence (PaliGemma's prefix is bidirectional:
+the projector) and the instruction from its embedding table, so both enter at the scale PaliGemma's own
+forward gives them whichever transformers applies the Gemma sqrt(width) scaling (5.x in the embedding
+table, with the patches unscaled; 4.x inside the decoder, with the patches divided by it first); the state
+and committed actions come from linear layers of the policy. The decoder attends causally over the whole sequence (PaliGemma's prefix is bidirectional:
 a pretrained PaliGemma is fine-tuned into this attention pattern).
 """
 
@@ -25,7 +26,7 @@ from policies.tokenizer import PAD_WORD, UNKNOWN_WORD, WordTokenizer
 
 @dataclass
 class LMOutput:
-    logits: torch.Tensor  # (B, L, V)
+    logits: torch.Tensor  # (B, L, V), or (B, logits_to_keep, V)
     past_key_values: object  # transformers' cache, or None
     hidden: torch.Tensor  # (B, L, width): the last hidden states
 
@@ -44,19 +45,27 @@ class ActionLM:
     def get_input_embeddings(self) -> nn.Module:
         return self.vlm.get_input_embeddings()
 
-    def __call__(self, *, inputs_embeds, attention_mask, position_ids, past_key_values=None, use_cache=False):
+    def __call__(self, *, inputs_embeds, attention_mask, position_ids, past_key_values=None, use_cache=False,
+                 logits_to_keep: int = 0):  # fmt: skip
+        """``logits_to_keep``: the logits of the last that many positions only (0: all), as transformers' LMs."""
         out = self.vlm.model.language_model(
             inputs_embeds=inputs_embeds, attention_mask=attention_mask, position_ids=position_ids,
             past_key_values=past_key_values, use_cache=use_cache,
         )  # fmt: skip
         hidden = out.last_hidden_state
-        return LMOutput(self.vlm.lm_head(hidden), out.past_key_values if use_cache else None, hidden)
+        kept = hidden[:, -logits_to_keep:] if logits_to_keep else hidden
+        return LMOutput(self.vlm.lm_head(kept), out.past_key_values if use_cache else None, hidden)
 
 
-def build_vlm(cfg: AutoregressiveVLAConfig, extra_tokens: int):
-    """(PaliGemma model, instruction tokenizer, image mean, image std, the text vocabulary's size): built
-    from ``cfg``'s sizes (random weights, the word-level tokenizer over ``cfg.vocabulary``) or loaded from
-    ``cfg.pretrained_backbone``; the vocabulary is extended by ``extra_tokens`` (the action tokens and the end)."""
+def build_vlm(cfg: AutoregressiveVLAConfig, extra_tokens: int, saved: Path | None = None):
+    """(PaliGemma model, its processor or None, instruction tokenizer, image mean, image std, the text
+    vocabulary's size): built from ``cfg``'s sizes (random weights, the word-level tokenizer over
+    ``cfg.vocabulary``) or loaded from ``cfg.pretrained_backbone``, its vocabulary extended by ``extra_tokens``
+    (the action tokens and the end). ``saved``: a checkpoint's ``backbone/`` (the extended config and the
+    processor of a pretrained backbone, `Backbone.save`): the model is built from it, its weights to come
+    from the checkpoint, so a checkpoint does not need the directory it was trained from."""
+    if saved is not None:
+        return _from_saved(cfg, extra_tokens, saved)
     if cfg.pretrained_backbone:
         return _load_pretrained(cfg, extra_tokens)
     from transformers import PaliGemmaConfig, PaliGemmaForConditionalGeneration
@@ -69,6 +78,7 @@ def build_vlm(cfg: AutoregressiveVLAConfig, extra_tokens: int):
             "model_type": "siglip_vision_model", "hidden_size": cfg.vision_width, "num_hidden_layers": cfg.vision_layers,
             "intermediate_size": cfg.mlp_ratio * cfg.vision_width, "num_attention_heads": cfg.heads,
             "image_size": cfg.image_size, "patch_size": cfg.patch_size, "projection_dim": cfg.width,
+            "vision_use_head": False,  # PaliGemma reads the patches; a pooling head would get no gradient
         },
         text_config={
             "model_type": "gemma", "hidden_size": cfg.width, "intermediate_size": cfg.mlp_ratio * cfg.width,
@@ -78,37 +88,57 @@ def build_vlm(cfg: AutoregressiveVLAConfig, extra_tokens: int):
         projection_dim=cfg.width, vocab_size=vocab, image_token_index=0,  # vla-rl places the patches itself
     )  # fmt: skip
     vlm = PaliGemmaForConditionalGeneration(config)
-    return vlm, WordTokenizer(words, cfg.max_text_tokens), (0.5,) * 3, (0.5,) * 3, len(words)
+    return vlm, None, WordTokenizer(words, cfg.max_text_tokens), (0.5,) * 3, (0.5,) * 3, len(words)
+
+
+def _processor(directory: Path, flag: str):
+    from transformers import AutoProcessor
+
+    if not (directory / "config.json").is_file():
+        raise ValueError(
+            f"{flag}={directory} holds no config.json: pass a local PaliGemma directory (save_pretrained of the "
+            f"model and its processor)"
+        )
+    try:
+        return AutoProcessor.from_pretrained(directory)
+    except (OSError, ValueError) as error:
+        raise ValueError(
+            f"{flag}={directory} has no processor ({error.__class__.__name__}); save the model's processor beside it "
+            f"(AutoProcessor.from_pretrained(<hub id>).save_pretrained('{directory}'))"
+        ) from None
 
 
 def _load_pretrained(cfg: AutoregressiveVLAConfig, extra_tokens: int):
-    from transformers import AutoProcessor, PaliGemmaForConditionalGeneration
+    from transformers import PaliGemmaForConditionalGeneration
 
     directory = Path(cfg.pretrained_backbone)
-    if not (directory / "config.json").is_file():
-        raise ValueError(
-            f"policy.pretrained_backbone={directory} holds no config.json: pass a local PaliGemma directory "
-            f"(save_pretrained of the model and its processor)"
-        )
-    try:
-        processor = AutoProcessor.from_pretrained(directory)
-    except (OSError, ValueError) as error:
-        raise ValueError(
-            f"policy.pretrained_backbone={directory} has no processor ({error.__class__.__name__}); save the model's "
-            f"processor beside it (AutoProcessor.from_pretrained(<hub id>).save_pretrained('{directory}'))"
-        ) from None
-    vlm = PaliGemmaForConditionalGeneration.from_pretrained(directory)
+    processor = _processor(directory, "policy.pretrained_backbone")
+    # float32, whatever dtype the checkpoint was saved in: AdamW steps on bf16 weights lose small updates.
+    vlm = PaliGemmaForConditionalGeneration.from_pretrained(directory, dtype=torch.float32)
     text_vocab = vlm.get_input_embeddings().num_embeddings
     vlm.resize_token_embeddings(text_vocab + extra_tokens)
-    hf_tokenizer = processor.tokenizer
-    image = processor.image_processor
+    return (vlm, processor, *_reading(processor, cfg.max_text_tokens), text_vocab)
+
+
+def _from_saved(cfg: AutoregressiveVLAConfig, extra_tokens: int, saved: Path):
+    from transformers import PaliGemmaConfig, PaliGemmaForConditionalGeneration
+
+    processor = _processor(saved, "the checkpoint's backbone")
+    vlm = PaliGemmaForConditionalGeneration(PaliGemmaConfig.from_pretrained(saved))  # its vocabulary extended already
+    text_vocab = vlm.get_input_embeddings().num_embeddings - extra_tokens
+    return (vlm, processor, *_reading(processor, cfg.max_text_tokens), text_vocab)
+
+
+def _reading(processor, max_text_tokens: int):
+    """(instruction tokenizer, image mean, image std) of a PaliGemma processor."""
+    hf_tokenizer, image = processor.tokenizer, processor.image_processor
 
     def tokenize(texts: list[str], device) -> tuple[torch.Tensor, torch.Tensor]:
-        out = hf_tokenizer(list(texts), padding="max_length", truncation=True, max_length=cfg.max_text_tokens,
+        out = hf_tokenizer(list(texts), padding="max_length", truncation=True, max_length=max_text_tokens,
                            return_tensors="pt")  # fmt: skip
         return out["input_ids"].to(device), out["attention_mask"].to(device)
 
-    return vlm, tokenize, tuple(image.image_mean), tuple(image.image_std), text_vocab
+    return tokenize, tuple(image.image_mean), tuple(image.image_std)
 
 
 class Backbone(nn.Module):
@@ -119,9 +149,9 @@ class Backbone(nn.Module):
     and always present: its hidden state is what a value head reads.
     """
 
-    def __init__(self, cfg: AutoregressiveVLAConfig, extra_tokens: int):
+    def __init__(self, cfg: AutoregressiveVLAConfig, extra_tokens: int, saved: Path | None = None):
         super().__init__()
-        self.vlm, self.tokenize, mean, std, self.text_vocab = build_vlm(cfg, extra_tokens)
+        self.vlm, self.processor, self.tokenize, mean, std, self.text_vocab = build_vlm(cfg, extra_tokens, saved)
         self.register_buffer("pixel_mean", torch.tensor(mean).view(1, 3, 1, 1), persistent=False)
         self.register_buffer("pixel_std", torch.tensor(std).view(1, 3, 1, 1), persistent=False)
         self.image_size = self.vlm.config.vision_config.image_size
@@ -131,6 +161,13 @@ class Backbone(nn.Module):
         self.committed_proj = nn.Linear(cfg.action_dim, width) if cfg.max_delay_steps else None
         self.committed_row = nn.Parameter(torch.zeros(cfg.max_delay_steps, width)) if cfg.max_delay_steps else None
         self.lm = ActionLM(self.vlm)
+
+    def save(self, directory: Path) -> None:
+        """A pretrained backbone's extended config and processor into ``directory`` (`build_vlm`'s ``saved``); the
+        weights travel in the policy's ``model.safetensors``. A backbone built from the policy's config needs none."""
+        if self.processor is not None:
+            self.vlm.config.save_pretrained(directory)
+            self.processor.save_pretrained(directory)
 
     @property
     def width(self) -> int:
@@ -142,7 +179,8 @@ class Backbone(nn.Module):
         (B, D, A), known (B, D) bool), D = max_delay_steps, or None -> (prefix (B, P, width), mask (B, P) long)."""
         b, device = state.shape[0], state.device
         pixels = torch.cat([self._pixels(image) for image in images])  # (n_cam * B, 3, s, s)
-        patches = self.vlm.model.get_image_features(pixel_values=pixels).pooler_output  # (n_cam * B, P, width)
+        patches = self.vlm.model.get_image_features(pixel_values=pixels)  # (n_cam * B, P, width)
+        patches = getattr(patches, "pooler_output", patches)  # transformers 5 wraps it; 4.x returns the tensor
         patches = patches.unflatten(0, (len(images), b)).permute(1, 0, 2, 3).flatten(1, 2)  # (B, n_cam * P, width)
         ids, text_mask = self.tokenize(list(instructions), device)
         parts = [patches, self.lm.get_input_embeddings()(ids).to(patches)]

@@ -59,5 +59,11 @@ class AutoregressiveVLAConfig(PolicyConfig):
             raise ValueError(f"policy.image_size={self.image_size} must be a multiple of patch_size={self.patch_size}")
         if self.action_vocab_size < 2 or self.max_action_tokens < 0 or self.fast_scale <= 0:
             raise ValueError("policy.action_vocab_size must be >= 2, max_action_tokens >= 0 and fast_scale > 0")
+        exact = self.horizon * self.action_dim
+        if self.action_tokenizer == "uniform_bins" and self.action_dim and self.max_action_tokens not in (0, exact):
+            raise ValueError(
+                f"policy.max_action_tokens={self.max_action_tokens}: uniform bins write exactly horizon x action_dim "
+                f"tokens per chunk; leave it at 0 (set from the data)"
+            )
         if not self.temperature >= 0:
             raise ValueError(f"policy.temperature must be >= 0 (0 = greedy), got {self.temperature}")

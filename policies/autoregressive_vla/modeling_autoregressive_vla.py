@@ -26,6 +26,7 @@ the dataset statistics, which are buffers of the policy, as in every vla-rl poli
 
 from __future__ import annotations
 
+import json
 import math
 import warnings
 from pathlib import Path
@@ -43,6 +44,7 @@ from policies.token_decoding import ActionTokenSpace, Decoded, decode, score_tok
 from vla_core.types import ACTION, OBS_STATE, TASK, ActionChunk, image_key
 
 BUDGET_MARGIN = 1.25  # fast: the token budget is the longest training chunk's tokens times this
+BACKBONE_DIR = "backbone"  # in a saved directory: a pretrained backbone's extended config and processor
 
 
 class AutoregressiveVLAPolicy(TokenRL, PreTrainedPolicy):
@@ -50,9 +52,9 @@ class AutoregressiveVLAPolicy(TokenRL, PreTrainedPolicy):
 
     config_class = AutoregressiveVLAConfig
 
-    def __init__(self, config: AutoregressiveVLAConfig):
+    def __init__(self, config: AutoregressiveVLAConfig, saved_backbone: Path | None = None):
         super().__init__(config)
-        self.backbone = Backbone(config, extra_tokens=config.action_vocab_size + 1)
+        self.backbone = Backbone(config, extra_tokens=config.action_vocab_size + 1, saved=saved_backbone)
         self.register_normalization(config.state_dim, config.action_dim)
         self.action_tokenizer = None  # fitted (fit_to_demonstrations) or loaded (load_weights)
         self.clipped_values = self.tokenized_values = 0  # training actions clipped into the tokenizer's range
@@ -123,10 +125,23 @@ class AutoregressiveVLAPolicy(TokenRL, PreTrainedPolicy):
         range and were clipped into it (about 2% by design: the range is the 1st to the 99th percentile)."""
         return {"action_values_tokenized": self.tokenized_values, "action_values_clipped": self.clipped_values}
 
+    @classmethod
+    def for_directory(cls, config: AutoregressiveVLAConfig, directory: Path) -> AutoregressiveVLAPolicy:
+        """Built from a saved directory's own ``backbone/`` when it has one (a pretrained backbone's config and
+        processor), so loading needs neither the directory it was trained from nor its weights twice."""
+        saved = Path(directory) / BACKBONE_DIR
+        return cls(config, saved_backbone=saved if saved.is_dir() else None)
+
     def save_assets(self, directory: Path) -> None:
         self._tokenizer().save(directory)
+        self.backbone.save(Path(directory) / BACKBONE_DIR)
 
     def load_assets(self, directory: Path) -> None:
+        """The action tokenizer and the token budget it was fitted with (``config.json``'s, when the directory
+        has one: a resumed training run keeps them rather than fitting again)."""
+        config = Path(directory) / "config.json"
+        if config.is_file():
+            self.config.max_action_tokens = json.loads(config.read_text()).get("max_action_tokens", 0)
         self.set_action_tokenizer(load_action_tokenizer(directory))
 
     # -- the prompt -----------------------------------------------------------------------------
@@ -185,7 +200,8 @@ class AutoregressiveVLAPolicy(TokenRL, PreTrainedPolicy):
         self.tokenized_values += actions.numel()
         ids, mask = self.token_ids(tokenized.tokens)
         prefix, prefix_mask = self.prefix(batch)
-        log_probs = score_tokens(self.backbone.lm, prefix, prefix_mask, ids, mask, self.token_space)
+        log_probs = score_tokens(self.backbone.lm, prefix, prefix_mask, ids, mask, self.token_space,
+                                 max_tokens=self.token_budget)  # fmt: skip
         return -log_probs.sum() / mask.sum()
 
     # -- inference ------------------------------------------------------------------------------
@@ -240,4 +256,5 @@ class AutoregressiveVLAPolicy(TokenRL, PreTrainedPolicy):
         at the temperature they were sampled at (or their entropies, with ``entropy``)."""
         prefix, prefix_mask = self.prefix(obs)
         return score_tokens(self.backbone.lm, prefix, prefix_mask, ids.to(self.device), mask.to(self.device),
-                            self.token_space, temperature=temperature, entropy=entropy)  # fmt: skip
+                            self.token_space, temperature=temperature, entropy=entropy,
+                            max_tokens=self.token_budget)  # fmt: skip

@@ -73,8 +73,8 @@ class RewardConfig:
                     "--reward.process_weight does nothing without --reward.process_model=<vla-rl train-prm output>"
                 )
             return
-        if not self.process_weight > 0:
-            raise ValueError(f"--reward.process_weight={self.process_weight} must be > 0")
+        if not 0 < self.process_weight < float("inf"):
+            raise ValueError(f"--reward.process_weight={self.process_weight} must be a finite number > 0")
         if algo != "ppo":
             raise ValueError(
                 "--reward.process_model shapes PPO's per-decision rewards; GRPO compares whole episodes from one "

@@ -75,9 +75,11 @@ def summary(cfg, tasks: list[str], state: dict, seconds: float, device: torch.de
     evals = state["evals"]
     shaped = {}
     if cfg.reward.process_model:  # the shaping term's mean per decision over the run (`vla_rl.rl.process_reward`)
-        means = [h["process_reward_mean"] for h in history if "process_reward_mean" in h]
+        # weighted by each iteration's decisions: a mean over every decision of the run
+        pairs = [(h["process_reward_mean"], h["decisions"]) for h in history if "process_reward_mean" in h]
+        mean = sum(m * n for m, n in pairs) / max(1, sum(n for _, n in pairs))
         shaped["process_reward"] = {"model": cfg.reward.process_model, "weight": cfg.reward.process_weight,
-                                    "mean_per_decision": round(sum(means) / max(1, len(means)), 6)}  # fmt: skip
+                                    "mean_per_decision": round(mean, 6)}  # fmt: skip
     return {
         "algo": cfg.algo,
         "tasks": tasks,

@@ -6,6 +6,7 @@ so a directory is the same whichever of the two tools wrote it.
 
 from __future__ import annotations
 
+import copy
 from collections import deque
 from dataclasses import fields
 from pathlib import Path
@@ -45,9 +46,11 @@ class _VlaRlLeRobotPolicy:
 
     def _save_pretrained(self, save_directory, state_dict=None) -> None:
         self.config._save_pretrained(save_directory)
-        if state_dict is not None:
-            self.model.load_state_dict(state_dict, strict=True)
-        self.model.save_weights(Path(save_directory))
+        model = self.model
+        if state_dict is not None:  # these weights, not the live model's: a copy holds them (and the assets)
+            model = copy.deepcopy(self.model)
+            model.load_state_dict(state_dict, strict=True)
+        model.save_weights(Path(save_directory))
 
     def get_optim_params(self):
         return [p for p in self.model.parameters() if p.requires_grad]
