@@ -26,6 +26,7 @@ from mujoco import rollout
 from sim.arm import ACTION_HIGH, ACTION_LOW, ACTION_NAMES, STATE_NAMES, arm_state, commanded_grip, hold_actions
 from sim.batched_success import HostWorlds
 from sim.config import EnvConfig, env_features, render_thread_count, reseed
+from sim.events import EventSchedules, draw_events
 from sim.ik import ArmController
 from sim.render import ParallelRenderers, Renderers
 from vla_core.types import OBS_STATE, TASK, Worlds, image_key, world_indices
@@ -105,7 +106,8 @@ class MujocoBatchedEnv:
         self._gather_spec = self._state_spec | self._control_spec
         self._store_spec = self._state_spec | spec.mjSTATE_CTRL
         self._nphysics = self._nstate - size(spec.mjSTATE_PLUGIN)
-        self._qpos_in_state = size(spec.mjSTATE_TIME)  # the time comes first, then qpos
+        self._qpos_in_state = size(spec.mjSTATE_TIME)  # the time comes first, then qpos, then qvel
+        self._qvel_in_state = self._qpos_in_state + self.model.nq
         # Per-step buffers, (N, ...) each: the gathered and stored vectors, rollout inputs and
         # outputs, the site Jacobians.
         self._gathered = np.empty((self.num_envs, self._nstate + self._ncontrol))
@@ -137,6 +139,10 @@ class MujocoBatchedEnv:
         self.episode_step = np.zeros(self.num_envs, dtype=np.int64)
         # Each world's random stream of initial states (fresh until a reset seeds it).
         self._seeds = [np.random.default_rng() for _ in range(self.num_envs)]
+        # The current episodes' scheduled events (`sim.events`; None for a task without), and where
+        # one fired at the last step.
+        self._events = EventSchedules.of(self.task, self.model, self.num_envs)
+        self._fired = np.zeros(self.num_envs, dtype=bool)
         # A saved world: everything its integration reads (`mujoco.mjtState.mjSTATE_INTEGRATION`:
         # physics, controls, mocap poses, the solver's warm start), so a loaded world steps as it did.
         self._saved_spec = mujoco.mjtState.mjSTATE_INTEGRATION
@@ -157,12 +163,16 @@ class MujocoBatchedEnv:
         return self._observe()
 
     def get_state(self, worlds: Worlds = None) -> list[dict[str, Any]]:
-        """One snapshot per selected world: {"physics": MuJoCo's integration state, "episode_step"}."""
-        states = []
-        for i in world_indices(worlds, self.num_envs):
+        """One snapshot per selected world: {"physics": MuJoCo's integration state, "episode_step"},
+        and "events" (`sim.events.EventSchedules.snapshot`) for a task with scheduled events."""
+        selected, states = world_indices(worlds, self.num_envs), []
+        for i in selected:
             physics = np.empty(mujoco.mj_stateSize(self.model, self._saved_spec))
             mujoco.mj_getState(self.model, self.data[i], physics, self._saved_spec)
             states.append({"physics": physics, "episode_step": int(self.episode_step[i])})
+        if self._events is not None:
+            for state, events in zip(states, self._events.snapshot(selected)):
+                state["events"] = events
         return states
 
     def set_state(self, states: Sequence[dict[str, Any]], worlds: Worlds = None) -> dict[str, Any]:
@@ -178,6 +188,8 @@ class MujocoBatchedEnv:
             self.episode_step[i] = state["episode_step"]
             self._obs_qpos[i] = d.qpos[:9]
             self._obs_ee[i] = d.site_xpos[self._site]
+        if self._events is not None:
+            self._events.load(selected, [state["events"] for state in states])
         return self._observe()
 
     def step(self, actions: torch.Tensor | np.ndarray):
@@ -185,7 +197,8 @@ class MujocoBatchedEnv:
 
         info: ``success``, ``diverged`` (a blown-up world, reset), ``invalid_actions`` (a row with
         NaN or inf, which holds the pose), ``clipped_actions`` (a finite row outside the workspace,
-        clipped to it), each (N,) bool, ``task_id`` (N,) long and ``final_obs``.
+        clipped to it), ``events`` (a scheduled event of the task fired at the end of this step,
+        `sim.events`; never for a task without), each (N,) bool, ``task_id`` (N,) long and ``final_obs``.
         """
         act = np.asarray(torch.as_tensor(actions, dtype=torch.float64).cpu(), dtype=np.float64)
         if act.shape != (self.num_envs, self.action_dim):
@@ -229,6 +242,7 @@ class MujocoBatchedEnv:
             "diverged": torch.from_numpy(diverged),
             "invalid_actions": torch.from_numpy(invalid),
             "clipped_actions": torch.from_numpy(clipped),
+            "events": torch.from_numpy(self._fired.copy()),
             "task_id": self._task_id.clone(),
             "final_obs": final_obs,
         }
@@ -278,6 +292,8 @@ class MujocoBatchedEnv:
         d = self.data[i]
         self.task.sample_initial_state(self.model, d, self._seeds[i])
         mujoco.mj_forward(self.model, d)
+        if self._events is not None:  # drawn from the same stream, after the initial state
+            self._events.load([i], [draw_events(self.task, self.model, d, self._seeds[i])])
         self.episode_step[i] = 0
         self._obs_qpos[i] = d.qpos[:9]
         self._obs_ee[i] = d.site_xpos[self._site]
@@ -352,6 +368,9 @@ class MujocoBatchedEnv:
         stored[block, :k] = final[:, :k]
         stored[block, k : k + nu] = self._ctrl[block]
         stored[block, k + nu :] = final[:, k:]
+        if self._events is not None:  # the events due at the end of this step set their velocities
+            qvel = stored[block, self._qvel_in_state : self._qvel_in_state + model.nv]  # a view
+            self._fired[block] = self._events.fire(self.episode_step[block] + 1, qvel, block)
         self._obs_qpos[block] = final[:, self._qpos_in_state : self._qpos_in_state + 9]
         ee = self._obs_ee
         for i in range(block.start, block.stop):

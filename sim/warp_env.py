@@ -26,6 +26,7 @@ import torch
 from sim.arm import ACTION_HIGH, ACTION_LOW, ACTION_NAMES, STATE_NAMES, arm_state, commanded_grip, hold_actions
 from sim.batched_success import DeviceWorlds
 from sim.config import EnvConfig, env_features, render_thread_count, reseed
+from sim.events import EventSchedules, draw_events
 from sim.ik import ArmController
 from sim.render import ParallelRenderers, Renderers
 from vla_core.types import OBS_STATE, TASK, Worlds, image_key, world_indices
@@ -131,6 +132,11 @@ class WarpBatchedEnv:
         self.episode_step = torch.zeros(n, dtype=torch.long, device=self.device)
         # Each world's random stream of initial states (fresh until a reset seeds it).
         self._seeds = [np.random.default_rng() for _ in range(n)]
+        # The current episodes' scheduled events (`sim.events`; None for a task without): drawn on
+        # the host at reset, kept and fired on the device.
+        self._events = EventSchedules.of(self.task, self.model, n)
+        if self._events is not None:
+            self._events = self._events.to_torch(self.device, self._state["qvel"].dtype)
         # A saved world: what a reset writes plus what it zeroes (the solver's warm start, the time,
         # actuator activations), so a loaded world steps as the one it was saved from.
         self._saved_fields = {**self._state, "qacc_warmstart": view(d.qacc_warmstart), "time": view(d.time)}
@@ -149,12 +155,20 @@ class WarpBatchedEnv:
         return self._observe()
 
     def get_state(self, worlds: Worlds = None) -> list[dict[str, Any]]:
-        """One snapshot per selected world: {"fields": MjData field name -> host array, "episode_step"}.
-        Host round-trip: one device-to-host copy per field."""
-        idx = torch.as_tensor(world_indices(worlds, self.num_envs), device=self.device)
+        """One snapshot per selected world: {"fields": MjData field name -> host array, "episode_step"},
+        and "events" for a task with scheduled events (as the cpu backend's). Host round-trip: one
+        device-to-host copy per field."""
+        selected = world_indices(worlds, self.num_envs)
+        idx = torch.as_tensor(selected, device=self.device)
         fields = {name: t[idx].cpu().numpy() for name, t in self._saved_fields.items()}
         steps = self.episode_step[idx].tolist()
-        return [{"fields": {name: v[k] for name, v in fields.items()}, "episode_step": s} for k, s in enumerate(steps)]
+        states = [
+            {"fields": {name: v[k] for name, v in fields.items()}, "episode_step": s} for k, s in enumerate(steps)
+        ]
+        if self._events is not None:
+            for state, events in zip(states, self._events.snapshot(selected)):
+                state["events"] = events
+        return states
 
     def set_state(self, states: Sequence[dict[str, Any]], worlds: Worlds = None) -> dict[str, Any]:
         """Load ``states`` (from `get_state`) into ``worlds``, world ``worlds[j]`` gets ``states[j]``;
@@ -167,12 +181,15 @@ class WarpBatchedEnv:
             values = np.stack([state["fields"][name] for state in states])
             target[idx] = torch.as_tensor(values, dtype=target.dtype).to(self.device)
         self.episode_step[idx] = torch.as_tensor([state["episode_step"] for state in states], device=self.device)
+        if self._events is not None:
+            self._events.load(selected, [state["events"] for state in states])
         with self._warp_scope():
             mjw.forward(self._m, self._d)  # the other worlds' kinematics are recomputed unchanged
         return self._observe()
 
     def step(self, actions: torch.Tensor | np.ndarray):
-        """actions (N, 4) -> obs, reward (N,), terminated (N,), truncated (N,), info; all on ``device``."""
+        """actions (N, 4) -> obs, reward (N,), terminated (N,), truncated (N,), info; all on ``device``,
+        info's keys as `MujocoBatchedEnv.step`'s."""
         act = torch.as_tensor(actions).to(self.device, torch.float64)
         if act.shape != (self.num_envs, self.action_dim):
             raise ValueError(f"actions must have shape ({self.num_envs}, {self.action_dim}), got {tuple(act.shape)}")
@@ -192,6 +209,10 @@ class WarpBatchedEnv:
             mjw.forward(self._m, self._d)
 
         self.episode_step += 1
+        # The events due at the end of this step set their velocities (`sim.events`, on the device).
+        events = (
+            self._no_events() if self._events is None else self._events.fire(self.episode_step, self._state["qvel"])
+        )
         success = self._success()
         diverged = ~torch.isfinite(self._qpos).all(dim=1)
         terminated = success | diverged
@@ -208,6 +229,7 @@ class WarpBatchedEnv:
             "diverged": diverged,
             "invalid_actions": invalid,
             "clipped_actions": clipped,
+            "events": events,
             "task_id": self._task_id.clone(),
             "final_obs": final_obs,
         }
@@ -261,11 +283,16 @@ class WarpBatchedEnv:
     def _reset_worlds(self, worlds: np.ndarray) -> None:
         """Draw new episodes for ``worlds`` (host, the task's sampler) and upload them."""
         states: dict[str, list[np.ndarray]] = {name: [] for name in self._state}
+        events = []
         for i in worlds:
             self.task.sample_initial_state(self.model, self._host, self._seeds[i])
             for name, values in states.items():
                 values.append(getattr(self._host, name).copy())
+            if self._events is not None:  # drawn from the same stream, after the initial state
+                events.append(draw_events(self.task, self.model, self._host, self._seeds[i]))
         self._upload(worlds, {name: np.stack(values) for name, values in states.items()})
+        if self._events is not None:
+            self._events.load(worlds, events)
         self.episode_step[torch.as_tensor(worlds, device=self.device)] = 0
 
     def _upload(self, worlds: np.ndarray, states: dict[str, np.ndarray]) -> None:
@@ -294,6 +321,10 @@ class WarpBatchedEnv:
             mujoco.mj_comPos(self.model, h)
             mujoco.mj_camlight(self.model, h)
             yield world
+
+    def _no_events(self) -> torch.Tensor:
+        """(N,) bool, all False: where an event fired, for a task without events."""
+        return torch.zeros(self.num_envs, dtype=torch.bool, device=self.device)
 
     def _success(self) -> torch.Tensor:
         """(N,) bool: the task's success rule on the device state."""

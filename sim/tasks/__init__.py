@@ -9,9 +9,11 @@ from sim.tasks.lift import LiftExpert, LiftTask
 from sim.tasks.open_drawer import OpenDrawerExpert, OpenDrawerTask
 from sim.tasks.pick_place import PickPlaceExpert, PickPlaceTask
 from sim.tasks.push import PushExpert, PushTask
+from sim.tasks.push_impulse import PushImpulseTask
 from sim.tasks.reach import ReachExpert, ReachTask
 from sim.tasks.stack import StackTask
 from sim.tasks.track import TrackExpert, TrackTask
+from sim.tasks.track_reverse import TrackReverseTask
 
 TASKS: dict[str, type[Task]] = {
     "lift": LiftTask,
@@ -21,6 +23,8 @@ TASKS: dict[str, type[Task]] = {
     "stack": StackTask,
     "open_drawer": OpenDrawerTask,
     "track": TrackTask,
+    "track_reverse": TrackReverseTask,
+    "push_impulse": PushImpulseTask,
 }
 EXPERTS: dict[str, type[Expert]] = {
     "lift": LiftExpert,
@@ -30,6 +34,8 @@ EXPERTS: dict[str, type[Expert]] = {
     "stack": PickPlaceExpert,  # the same carry-and-release script; the place target is on the blue cube
     "open_drawer": OpenDrawerExpert,
     "track": TrackExpert,
+    "track_reverse": TrackExpert,  # it reads the ball's current velocity, so it follows every turn
+    "push_impulse": PushExpert,  # it reads the cube's current position, and starts again when it slips away
 }
 
 
