@@ -459,6 +459,27 @@ class PreTrainedPolicy(NormalizationMixin, nn.Module):
         return actions, known
 
     @staticmethod
+    def chunk_loss(
+        err: torch.Tensor, batch: dict, known: torch.Tensor | None = None, at_zero_delay: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """A denoising policy's training loss from its per-row error ``err`` (B, H), or (B, K, H) for K
+        copies of each frame: the mean over the rows in the loss, those neither padding (``action_is_pad``)
+        nor known (B, H) (committed: given, not predicted; None without the delay augmentation).
+
+        at_zero_delay: the same frames' error, shaped as ``err``, denoised with nothing committed (the
+        zero-delay pass of training-time RTC, ``ZERO_DELAY_PASS``): the loss is then the mean of the two
+        passes' losses, that one over every row that is not padding, as plain training takes it.
+        """
+        valid = ~batch["action_is_pad"]
+
+        def mean(e: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+            rows = rows[:, None].expand_as(e) if e.ndim == 3 else rows
+            return (e * rows).sum() / rows.sum().clamp_min(1)
+
+        loss = mean(err, valid if known is None else valid & ~known)
+        return loss if at_zero_delay is None else (loss + mean(at_zero_delay, valid)) / 2
+
+    @staticmethod
     def _chunk(actions: torch.Tensor, obs_step: torch.Tensor | None) -> ActionChunk:
         """(B, H, A) actions -> ActionChunk conditioned on ``obs_step`` (B,), zeros when None."""
         if obs_step is None:

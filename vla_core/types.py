@@ -34,6 +34,9 @@ OBS_MID_STATE = f"{OBS_MID}.state"
 OBS_MID_STEPS = f"{OBS_MID}.steps"  # (B,) long, m: steps from the request to the mid observation
 TASK = "task"
 ACTION = "action"
+# True in a training batch with the delay augmentation whose frames are also trained at zero delay
+# (training-time RTC: the denoising policies add a pass with nothing committed and every row in the loss).
+ZERO_DELAY_PASS = "zero_delay_pass"
 
 Observation = dict[str, Any]
 """A batch of observations: tensors with a leading batch dim, plus ``task`` (list[str])."""

@@ -40,6 +40,14 @@ Protocol history (runs numbered in the order of README.md's table, each by its f
   defaults stayed 0 / 1000. So the default ball direction was chosen after results, as was run 2's
   speed range; run 4 is the only run of the either-way ball fixed in advance.
 - 2026-12-02: no protocol change (the code was reorganized; the stages now call `vla_rl.stages`).
+- 2026-12-02: a method change, written before any result of it. Runs 1-4's augmented policy left
+  the committed rows out of the loss, so chunk row j was trained only on the frames with d <= j: row
+  0 on 1/9 of them, rows 0-3 together about 9% of the loss against 25% for the plain policy, and at
+  zero delay those are the rows that run. Training-time RTC now also denoises every frame at zero
+  delay (nothing committed, every row in the loss, its own noise and timestep) and takes the mean of
+  the two passes' losses (``ZERO_DELAY_PASS``), so every row gets at least plain training's samples.
+  The protocol is unchanged; runs 1-4 measured the old method, and no result of the new one is known
+  at this writing.
 """
 
 from __future__ import annotations

@@ -60,6 +60,9 @@ Protocol history (runs numbered as README.md numbers them, each by its final lin
 - 2026-12-02, a change of the method, not of the protocol, made before any run of it: PPO's value
   head reads the delay augmentation (and a latency-aware policy's mid-observation state) beside
   the condition, so the ``naive``, ``latency_aware`` arms under delay differ from runs 1-4's.
+- 2026-12-02, a change of the method, not of the protocol, made before any run of it: training-time
+  RTC also trains every frame at zero delay (the zero-delay pass; see `vla_rl.bench_delay`'s history),
+  so the ``training_rtc`` arm differs from runs 1-4's.
 """
 
 from __future__ import annotations

@@ -15,7 +15,12 @@ frames, fixed noise and timesteps) is tracked; ``--stop_at_val_loss`` ends train
 Training-time RTC (``--delay.kind=uniform --delay.high=8``, or fixed / histogram): every frame gets an
 inference delay d drawn from the delay model and the delay augmentation of its demonstration, the
 chunk's first d actions as committed actions (``committed_prefix``); the policy is built with
-``max_delay_steps`` = the model's largest delay and learns to continue a committed prefix. The
+``max_delay_steps`` = the model's largest delay and learns to continue a committed prefix. Under
+delay d the chunk's rows j < d are given, not predicted, so the rows zero delay runs first would be
+trained on few frames (row 0 only on those with d = 0); each frame is therefore also denoised at
+zero delay (nothing committed, every row in the loss, the same noise and timestep, one more denoiser
+pass on the same encoded observation), and the loss is the mean of that pass's and the delayed
+pass's: every row gets at least the supervision plain training gives it, whatever the delays. The
 default delay (fixed, 0 steps) adds nothing.
 
 The file reads top to bottom: the configs, the saved progress, the building blocks (batches, checks,
@@ -45,7 +50,7 @@ from policies import DiffusionConfig, PolicyConfig
 from vla_core import crash_log, interrupt
 from vla_core.files import temporary_beside, write_text_atomic
 from vla_core.runtime import DelayConfig, DelayModel, LatencySpec, committed_prefix
-from vla_core.types import ACTION, OBS_IMAGES
+from vla_core.types import ACTION, OBS_IMAGES, ZERO_DELAY_PASS
 from vla_rl.accelerator import make_accelerator
 from vla_rl.checkpoint import (
     POLICY_DIR,
@@ -199,8 +204,10 @@ def check_delay(cfg: TrainConfig, control_dt: float | None, checkpoint: Path | N
 
 
 def with_delay_augmentation(batch: dict, delays: torch.Tensor, max_delay: int) -> dict:
-    """A training batch with the delay augmentation of per-frame ``delays`` (B,) added (``committed_prefix``)."""
-    return {**batch, **committed_prefix(batch[ACTION], batch["action_is_pad"], delays, max_delay)}
+    """A training batch with the delay augmentation of per-frame ``delays`` (B,) added (``committed_prefix``),
+    its frames also trained at zero delay (``ZERO_DELAY_PASS``: see the module docstring)."""
+    prefix = committed_prefix(batch[ACTION], batch["action_is_pad"], delays, max_delay)
+    return {**batch, **prefix, ZERO_DELAY_PASS: True}
 
 
 def build_policy(cfg: TrainConfig, demos, dataset, max_delay_steps: int = 0, frames: torch.Tensor | None = None):
@@ -262,7 +269,8 @@ def validation_loss(
 ) -> float:
     """Denoising loss on fixed frames with fixed noise and timesteps (one copy each), batched by 64.
 
-    delays: (len(frames),) fixed delays of the frames' delay augmentation (None: without it).
+    delays: (len(frames),) fixed delays of the frames' delay augmentation (None: without it); the loss is
+    training's, the zero-delay pass included (`with_delay_augmentation`).
     """
     generator = torch.Generator().manual_seed(seed)
     was_training = policy.training

@@ -12,9 +12,16 @@ Delay augmentation (training-time RTC, Black et al. 2025), only when ``config.ma
 the chunk steps in ``observation.committed_mask`` are known, already executing actions. The denoiser
 reads a known indicator per chunk step beside the chunk (its input is H * (A + 1) wide), and the
 known steps of its input always hold their clean action, never noise, at every noise level. Training
-takes the loss on the unknown, non-padded steps only; sampling writes the clean committed actions
-into the known steps before every DDIM step, and the returned chunk starts with them exactly. With
-max_delay_steps = 0 the augmentation is ignored and the network is the one without it.
+takes the loss on the unknown, non-padded steps only. Row j is then predicted only on the frames with
+d <= j (row 0 only at d = 0), so a batch marked ``zero_delay_pass`` (`vla-rl train`'s) is denoised
+twice from one encoded observation, each time with its own noise and timestep: under its delays, and
+at zero delay (nothing known, every non-padded row in the loss, as plain training takes it); the
+loss is the mean of the two. Every row then gets at least the samples plain training gives it,
+whatever the delays. (Weighting row j by 1 / P(d <= j) instead restores its expected share of the
+loss, not its samples, and did not close the gap in a small trained comparison.) Sampling writes the
+clean committed actions into the known steps before every DDIM step, and the returned chunk starts
+with them exactly. With max_delay_steps = 0 the augmentation is ignored and the network is the one
+without it.
 
 RL fine-tuning (``policies.denoising_chain``, DPPO-style): ``sample_with_log_prob`` runs DDIM with eta,
 so each step is a Gaussian around DDIM's step mean with std max(eta * sigma_t, min_std), and the chunk
@@ -48,7 +55,7 @@ from policies.keypoints import ImageEncoder, SpatialSoftmax  # noqa: F401 (Spati
 from policies.observation import check_observation
 from policies.pretrained import PreTrainedPolicy
 from policies.tokenizer import PAD_WORD, UNKNOWN_WORD, WordTokenizer
-from vla_core.types import ACTION, OBS_STATE, TASK, ActionChunk, image_key
+from vla_core.types import ACTION, OBS_STATE, TASK, ZERO_DELAY_PASS, ActionChunk, image_key
 
 
 def timestep_embedding(t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -171,7 +178,8 @@ class DiffusionPolicy(DenoisingRL, PreTrainedPolicy):
         """batch: observation keys + ``action`` (B, H, A) + ``action_is_pad`` (B, H) -> scalar loss.
 
         With max_delay_steps > 0 and the delay augmentation in the batch, the committed steps enter
-        clean and are left out of the loss (see the module docstring). copies must be 1: this policy
+        clean and are left out of the loss; with ``ZERO_DELAY_PASS`` the frames are also denoised at zero
+        delay (see the module docstring and `chunk_loss`). copies must be 1: this policy
         has no Level-2 minibatching (``supports_copies`` is False).
         """
         if copies != 1:
@@ -182,18 +190,24 @@ class DiffusionPolicy(DenoisingRL, PreTrainedPolicy):
         target = self.normalize_action(actions)
         cond = self.encode_observation(batch)
         b = target.shape[0]
-        noise = torch.randn(target.shape, generator=generator, device=target.device)
-        t = torch.randint(0, self.config.num_train_timesteps, (b,), generator=generator, device=target.device)
-        noisy = self.train_scheduler.add_noise(target, noise, t)
-        valid = ~batch["action_is_pad"]
-        known = None
         prefix = self.committed_actions(batch)
+        # The zero-delay pass: each frame a second time (one encoded observation, its own noise and timestep,
+        # nothing known), in the same denoiser call: 2B chunks.
+        passes = 2 if prefix is not None and batch.get(ZERO_DELAY_PASS, False) else 1
+        if passes == 2:
+            target, cond = target.repeat(2, 1, 1), cond.repeat(2, 1)
+        noise = torch.randn(target.shape, generator=generator, device=target.device)
+        t = torch.randint(0, self.config.num_train_timesteps, (passes * b,), generator=generator, device=target.device)
+        noisy = self.train_scheduler.add_noise(target, noise, t)
+        known = None
         if prefix is not None:
-            committed, known = prefix
-            noisy = torch.where(known[..., None], self.normalize_action(committed), noisy)
-            valid = valid & ~known  # the committed steps are given, not predicted
-        err = F.mse_loss(self.denoise(noisy, t, cond, known), noise, reduction="none").mean(-1)  # (B, H)
-        return (err * valid).sum() / valid.sum().clamp_min(1)
+            committed, given = prefix
+            known = torch.cat([given, torch.zeros_like(given)]) if passes == 2 else given
+            noisy = torch.where(known[..., None], self.normalize_action(committed).repeat(passes, 1, 1), noisy)
+        err = F.mse_loss(self.denoise(noisy, t, cond, known), noise, reduction="none").mean(-1)  # (passes * B, H)
+        if passes == 2:
+            return self.chunk_loss(err[:b], batch, given, at_zero_delay=err[b:])
+        return self.chunk_loss(err, batch, known)  # the committed steps are given, not predicted
 
     @torch.no_grad()
     def predict_chunk(

@@ -15,10 +15,13 @@ the chunk steps in ``observation.committed_mask`` are known, already executing a
 enter the DiT clean, with the clean end of the schedule as their own timestep (flow t = 0, ddpm step
 0; every other token has the copy's timestep) and a learned known-token embedding added. Training
 takes the loss on the unknown, non-padded tokens only, and every Level-2 copy of a condition shares
-its known prefix. Sampling writes the clean committed actions into the known tokens before every
-denoising or Euler step, and the returned chunk starts with them exactly. Inpainting guidance (flow)
-still applies on top, to the unknown tokens. With max_delay_steps = 0 the augmentation is ignored
-and the network is the one without it.
+its known prefix. A batch marked ``zero_delay_pass`` (`vla-rl train`'s) is also denoised at zero
+delay, as K more copies of each condition, each with its own noise and timestep, nothing known and
+every non-padded token in the loss, as plain training takes it; the loss is the mean of the two
+passes' (see the ``diffusion`` policy's docstring for why). Sampling writes the clean committed actions into
+the known tokens before every denoising or Euler step, and the returned chunk starts with them exactly.
+Inpainting guidance (flow) still applies on top, to the unknown tokens. With max_delay_steps = 0 the
+augmentation is ignored and the network is the one without it.
 
 RL fine-tuning (``policies.denoising_chain``): ``sample_with_log_prob`` injects Gaussian noise into each
 step, so every step is a Gaussian around the deterministic sampler's step: ddpm, DDIM with eta (DPPO;
@@ -53,7 +56,7 @@ from policies.flow_guidance import guided_velocity
 from policies.keypoints import ImageEncoder
 from policies.observation import check_observation
 from policies.pretrained import PreTrainedPolicy
-from vla_core.types import ACTION, OBS_STATE, TASK, ActionChunk, image_key
+from vla_core.types import ACTION, OBS_STATE, TASK, ZERO_DELAY_PASS, ActionChunk, image_key
 
 LATENCY_IMAGE_CHANNELS, LATENCY_KEYPOINTS = 16, 16  # the fast head's own image encoder (latency-aware only)
 
@@ -131,7 +134,8 @@ class DiffusionVLAPolicy(DenoisingRL, PreTrainedPolicy):
         batch: observation keys of B conditions + ``action`` (B, H, A) + ``action_is_pad`` (B, H).
         copies: K noised copies of each condition's chunk, each with its own noise and timestep. With
         max_delay_steps > 0 and the delay augmentation in the batch, the committed steps enter clean
-        in every copy and are left out of the loss (see the module docstring).
+        in every copy and are left out of the loss; with ``ZERO_DELAY_PASS`` the frames are also denoised
+        at zero delay (see the module docstring and `chunk_loss`).
         """
         actions = batch[ACTION]
         cfg = self.config
@@ -141,39 +145,43 @@ class DiffusionVLAPolicy(DenoisingRL, PreTrainedPolicy):
             raise ValueError("the training batch has NaN or inf actions; check the dataset")
         cond, cond_mask = self.encode_observation(batch)  # once per condition, not per copy
         b = actions.shape[0]
-        target = self.normalize_action(actions)[:, None].expand(b, copies, -1, -1)  # (B, K, H, A), a view
+        prefix = self.committed_actions(batch)
+        # The zero-delay pass: K more copies of each condition, each with its own noise and timestep, nothing known.
+        k = 2 * copies if prefix is not None and batch.get(ZERO_DELAY_PASS, False) else copies
+        target = self.normalize_action(actions)[:, None].expand(b, k, -1, -1)  # (B, K, H, A), a view
         noise = torch.randn(target.shape, generator=generator, device=target.device)
         if cfg.objective == "flow":
-            t = torch.rand(b, copies, generator=generator, device=target.device)  # (B, K)
+            t = torch.rand(b, k, generator=generator, device=target.device)  # (B, K)
             tt = t[..., None, None]
             noisy = tt * noise + (1 - tt) * target
             regress = noise - target
         else:
-            t = torch.randint(0, cfg.num_train_timesteps, (b, copies), generator=generator, device=target.device)
+            t = torch.randint(0, cfg.num_train_timesteps, (b, k), generator=generator, device=target.device)
             # diffusers expects one timestep per leading index, so flatten (B, K) for the call.
             noisy = self.train_scheduler.add_noise(target.flatten(0, 1), noise.flatten(0, 1), t.flatten())
-            noisy = noisy.unflatten(0, (b, copies))
+            noisy = noisy.unflatten(0, (b, k))
             regress = noise
-        t, valid, known = t.float(), ~batch["action_is_pad"], None  # valid (B, H)
-        prefix = self.committed_actions(batch)
+        t, known = t.float(), None
         if prefix is not None:
-            committed, known = prefix
-            valid = valid & ~known  # the committed steps are given, not predicted
+            committed, given = prefix
+            known = given[:, None].expand(-1, copies, -1)  # every copy of a condition shares its prefix
+            known = torch.cat([known, torch.zeros_like(known)], 1) if k > copies else known
             noisy, t, known = self._insert_known(noisy, t, self.normalize_action(committed), known)
         prediction = self.dit(noisy, t, cond, cond_mask, known)
         err = F.mse_loss(prediction, regress, reduction="none").mean(-1)  # (B, K, H)
-        valid = valid[:, None].expand_as(err)
-        return (err * valid).sum() / valid.sum().clamp_min(1)
+        if k > copies:
+            return self.chunk_loss(err[:, :copies], batch, given, at_zero_delay=err[:, copies:])
+        return self.chunk_loss(err, batch, None if prefix is None else given)  # the committed steps are given
 
     @staticmethod
     def _insert_known(x: torch.Tensor, t: torch.Tensor, clean: torch.Tensor, known: torch.Tensor):
         """Make the known tokens clean: (x (B, K, H, A), per-token t (B, K, H), known (B, K, H)).
 
         x: (B, K, H, A) noised chunks; t: (B, K) float timesteps; clean: (B, H, A) normalized
-        committed actions; known: (B, H) bool, shared by the K copies of a condition. The clean end
-        of the schedule is 0 for both objectives (flow t = 0, ddpm step 0).
+        committed actions; known: (B, H) bool, shared by the K copies of a condition, or (B, K, H), one
+        per copy. The clean end of the schedule is 0 for both objectives (flow t = 0, ddpm step 0).
         """
-        known = known[:, None].expand(-1, x.shape[1], -1)  # (B, K, H)
+        known = known[:, None].expand(-1, x.shape[1], -1) if known.ndim == 2 else known  # (B, K, H)
         x = torch.where(known[..., None], clean[:, None], x)
         t = torch.where(known, 0.0, t[..., None].expand_as(known))
         return x, t, known
