@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from vla_core.rl import FactorLogProb
-from vla_core.runtime.delay import augmentation_features
+from vla_core.runtime.delay import augmentation_features, augmentation_features_dim
 from vla_core.types import OBS_MID_STATE, OBS_MID_STEPS
 
 
@@ -292,6 +292,11 @@ class DenoisingActor:
 
     def __init__(self, policy, noise: ExplorationNoise, augmentation_width: int = 0):
         noise.check_density()
+        if noise.temperature != ExplorationNoise().temperature:
+            raise ValueError(
+                f"--noise.temperature={noise.temperature} is a token policy's; a denoising chain explores by "
+                f"--noise.min_std (and --noise.eta): drop --noise.temperature"
+            )
         self.policy = self.module = policy
         self.noise = noise
         self.num_factors = policy.config.num_inference_steps
@@ -306,7 +311,7 @@ class DenoisingActor:
         c, w = self.policy.config, self.augmentation_width
         return (
             self.policy.condition_dim
-            + (w * (c.action_dim + 1) + 1 if w else 0)
+            + augmentation_features_dim(w, c.action_dim)
             + (c.state_dim + 1 if c.latency_aware else 0)
         )
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from vla_core.rl import FactorLogProb
-from vla_core.runtime.delay import augmentation_features
+from vla_core.runtime.delay import augmentation_features, augmentation_features_dim
 
 
 @dataclass
@@ -88,7 +88,7 @@ class TokenActor:
     @property
     def value_dim(self) -> int:
         c, w = self.policy.config, self.augmentation_width
-        return self.policy.feature_dim + (w * (c.action_dim + 1) + 1 if w else 0)
+        return self.policy.feature_dim + augmentation_features_dim(w, c.action_dim)
 
     @torch.no_grad()
     def act(self, obs: dict, obs_step: torch.Tensor):

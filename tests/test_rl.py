@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from policies.denoising_chain import DenoisingChain
+from policies.denoising_chain import DenoisingChain, ExplorationNoise
 from sim.config import EnvConfig
 from sim.tasks import TASKS, ReachTask
 from vla_core.runtime import ChunkingConfig, DelayConfig
@@ -359,6 +359,7 @@ def test_a_finetuned_checkpoint_loads_in_eval_and_its_summary_has_the_curve(tiny
         ({"env": EnvConfig(num_envs=4, image_size=32)}, "set --env.image_size=64"),
         ({"train_last_steps": 99}, "is more than the policy's"),
         ({"train_last_steps": -1}, "--train_last_steps=-1 must be >= 0"),
+        ({"noise": ExplorationNoise(eta=0.0, min_std=0.1, temperature=0.5)}, "drop --noise.temperature"),
         ({"latency_aware": True, "mid_fraction": 1.0}, "--mid_fraction=1.0 must be in [0, 1)"),
         ({"latency_aware": True, "latency_warmup": LatencyWarmupConfig(steps=5)}, "--latency_warmup.dataset=<"),
         ({"latency_warmup": LatencyWarmupConfig(steps=5, dataset="d")}, "add --latency_aware=true"),

@@ -2,12 +2,10 @@
 `track_reverse` and `push_impulse` schedules, and both MuJoCo backends applying them, checked
 against values worked out here from the recorded schedules, not read from the env."""
 
-import importlib.util
-
 import numpy as np
 import pytest
 import torch
-from extras import extras_required
+from test_tasks import TRACK_BACKENDS
 
 from sim.config import EnvConfig
 from sim.events import EventSchedules, has_events
@@ -15,16 +13,7 @@ from sim.factory import make_env
 from sim.mujoco_env import MujocoBatchedEnv
 from sim.tasks import EXPERTS, TASKS, TrackExpert, get_task
 
-BACKENDS = [
-    "cpu",
-    pytest.param(
-        "warp",
-        marks=pytest.mark.skipif(
-            not extras_required() and importlib.util.find_spec("mujoco_warp") is None,
-            reason='MuJoCo Warp is not installed (pip install -e ".[gpu]")',
-        ),
-    ),
-]
+BACKENDS = TRACK_BACKENDS  # cpu, and warp where MuJoCo Warp is installed
 DT = 25 * 0.002  # seconds per control step: 25 physics steps of 0.002 s
 # Ball positions after up to 50 control steps: float64 on the cpu backend (measured 2e-15); the warp
 # backend integrates in float32 (measured 5e-7), as in test_tasks.TRACK_TOLERANCE.

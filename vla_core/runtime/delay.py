@@ -235,6 +235,11 @@ def augmentation(
     return {OBS_COMMITTED_ACTIONS: committed, OBS_COMMITTED_MASK: mask, OBS_DELAY_STEPS: delay_steps}
 
 
+def augmentation_features_dim(width: int, action_dim: int) -> int:
+    """The width of `augmentation_features` for an augmentation ``width`` rows wide (0: none, no features)."""
+    return width * (action_dim + 1) + 1 if width else 0
+
+
 def augmentation_features(obs: dict, width: int, normalize_action) -> torch.Tensor:
     """(B, width * (A + 1) + 1) the delay augmentation as one flat vector, what a value head reads of it:
     the committed actions (normalized by ``normalize_action``; 0 where not committed), the mask, and the
