@@ -1,3 +1,4 @@
+import faulthandler
 import os
 
 # Tests run offline and headless.
@@ -29,6 +30,23 @@ def pytest_make_collect_report(collector):
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr
         report.outcome = "failed"
         report.longrepr = f"skipped under CI=true, where every extra is installed and nothing may skip: {reason}"
+
+
+_real_stderr = None  # the terminal's stderr, dup'ed before any test's output capture replaces fd 2
+
+
+def pytest_configure(config):
+    global _real_stderr
+    _real_stderr = os.fdopen(os.dup(2), "w")
+
+
+@pytest.fixture(autouse=True)
+def native_crash_stacks_reach_the_terminal():
+    """A segfault in any test prints every thread's stack where the run's log can show it. Needed because
+    a test that used `vla_core.crash_log.into` leaves faulthandler on fd 2, which is the capture file
+    while a test runs, and is lost with the process."""
+    faulthandler.enable(file=_real_stderr, all_threads=True)
+    yield
 
 
 @pytest.fixture(scope="session")

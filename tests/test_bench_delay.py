@@ -47,6 +47,7 @@ def test_a_plain_policy_that_never_succeeds_makes_the_ratio_meaningless():
     assert math.isinf(summarize(cells(rates), largest=4, zero=0)["augmented_over_plain"])
 
 
+@pytest.mark.slow  # trains and fine-tunes end to end: about 30 s
 def test_quick_run_trains_both_policies_and_fills_every_cell(tmp_path):
     out = tmp_path / "bench"
     proc = subprocess.run(

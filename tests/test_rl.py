@@ -430,6 +430,7 @@ def test_a_warm_up_dataset_recorded_at_another_rate_is_refused(tiny_checkpoint, 
     assert not (tmp_path / "bad" / "latency_warmup").exists()
 
 
+@pytest.mark.slow  # trains and fine-tunes end to end: about 30 s
 def test_quick_benchmark_runs_every_stage_and_prints_the_final_line(tmp_path):
     out = tmp_path / "bench"
     proc = subprocess.run(
