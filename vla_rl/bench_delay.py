@@ -86,6 +86,9 @@ class BenchDelayConfig:
     # reused (a killed run goes on from its last checkpoint), a quick run goes to <output_dir>/quick
     output_dir: str = "outputs/bench/delay"
     quick: bool = False  # toy sizes: checks every stage runs, in about a minute; says nothing about the claim
+    # calibration.json of `vla-rl bench delay-calibration`: the run is refused unless it is the one the
+    # calibration chose (task, delays, seed, episodes, evaluation seed, folder) under its protocol text
+    calibration: str = ""
 
     def apply_quick(self) -> None:
         if self.quick:
@@ -95,9 +98,11 @@ class BenchDelayConfig:
 
 def bench_delay(cfg: BenchDelayConfig) -> dict[str, Any]:
     """Run the protocol of the module docstring; returns (and writes as ``delay.json``) every cell."""
+    from vla_rl.bench_delay_calibration import check_calibration
     from vla_rl.bench_stages import held_out, record_demos, train_imitation
 
     cfg.apply_quick()
+    calibration = check_calibration(cfg.calibration, "delay", cfg) if cfg.calibration else None
     if not cfg.delays or min(cfg.delays) < 0 or max(cfg.delays) >= cfg.horizon:
         raise ValueError(f"delays must be in [0, horizon={cfg.horizon}), got {cfg.delays}")
     for merge in cfg.merges:
@@ -124,7 +129,7 @@ def bench_delay(cfg: BenchDelayConfig) -> dict[str, Any]:
                 cells.append({"policy": name, "merge": merge, "delay": d, **result})
     summary = summarize(cells, max(cfg.delays), min(cfg.delays))
     report = {
-        "config": asdict(cfg), "cells": cells, "summary": summary,
+        "config": asdict(cfg), "cells": cells, "summary": summary, "calibration": calibration,
         "train_seconds": round(train_seconds, 1), "seconds": round(time.time() - start, 1),
     }  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)

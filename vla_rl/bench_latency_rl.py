@@ -103,6 +103,9 @@ class BenchLatencyRLConfig:
     # stage found here is reused (a killed run goes on), a quick run goes to <output_dir>/quick
     output_dir: str = "outputs/bench/latency_rl"
     quick: bool = False  # toy sizes: checks every stage runs, in about a minute; says nothing about the claim
+    # calibration.json of `vla-rl bench delay-calibration`: the run is refused unless it is the one the
+    # calibration chose (task, delays, seed, episodes, evaluation seed, folder) under its protocol text
+    calibration: str = ""
 
     def apply_quick(self) -> None:
         if self.quick:
@@ -113,10 +116,12 @@ class BenchLatencyRLConfig:
 
 def bench_latency_rl(cfg: BenchLatencyRLConfig) -> dict[str, Any]:
     """Run the protocol of the module docstring; returns (and writes as ``latency_rl.json``) every cell."""
+    from vla_rl.bench_delay_calibration import check_calibration
     from vla_rl.bench_stages import held_out, record_demos, train_imitation
-    from vla_rl.stages import DelayConfig, EnvConfig, FinetuneConfig, LatencyWarmupConfig, finetune
+    from vla_rl.stages import DelayConfig
 
     cfg.apply_quick()
+    calibration = check_calibration(cfg.calibration, "latency_rl", cfg) if cfg.calibration else None
     if not cfg.delays or min(cfg.delays) != 0 or max(cfg.delays) >= cfg.horizon:
         raise ValueError(
             f"delays must start at 0 (the standard arm) and stay below horizon={cfg.horizon}, got {cfg.delays}"
@@ -139,22 +144,7 @@ def bench_latency_rl(cfg: BenchLatencyRLConfig) -> dict[str, Any]:
     runs: dict[str, Any] = {}
 
     def ppo(name: str, d: int, latency_aware: bool) -> Path:
-        run_dir = out / "runs" / name
-        t0 = time.time()
-        warmup = LatencyWarmupConfig(steps=cfg.latency_warmup_steps if latency_aware else 0, dataset=str(dataset),
-                                     batch_size=cfg.batch_size)  # fmt: skip
-        summary = finetune(FinetuneConfig(
-            checkpoint=str(out / "imitation"), algo="ppo", env=EnvConfig(task=cfg.task, num_envs=cfg.num_envs),
-            iterations=10**6, max_env_steps=cfg.env_steps, seed=cfg.seed, output_dir=str(run_dir), eval_every=0,
-            delay=DelayConfig(kind="fixed", steps=d), latency_aware=latency_aware, mid_fraction=cfg.mid_fraction,
-            latency_warmup=warmup, num_threads=cfg.num_threads, log_with="none", resume=(run_dir / "checkpoints" / "last").exists(),
-        ))  # fmt: skip
-        runs[name] = {
-            "delay": d, "latency_aware": latency_aware, "minutes": round((time.time() - t0) / 60, 2),
-            "env_steps": summary["env_steps"], "iterations": summary["iterations"],
-            "rollout_env_steps_per_s": summary["rollout_env_steps_per_s"], "skipped_updates": summary["skipped_updates"],
-            "rollout_success": [h["rollout_success"] for h in summary["history"]],
-        }  # fmt: skip
+        run_dir, runs[name] = ppo_run(cfg, out, name, d, latency_aware)
         return run_dir
 
     checkpoints: dict[tuple[str, int], Path] = {}
@@ -182,6 +172,7 @@ def bench_latency_rl(cfg: BenchLatencyRLConfig) -> dict[str, Any]:
     summary = summarize(cells, largest)
     report = {
         "config": asdict(cfg), "cells": cells, "summary": summary, "runs": runs, "stage_minutes": stage_minutes,
+        "calibration": calibration,
         "minutes": round((time.time() - start) / 60, 2),
     }  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
@@ -189,6 +180,30 @@ def bench_latency_rl(cfg: BenchLatencyRLConfig) -> dict[str, Any]:
     plot(cells, out / "latency_rl.png", cfg.task)
     report["plot"] = str(out / "latency_rl.png")
     return report
+
+
+def ppo_run(cfg: BenchLatencyRLConfig, out: Path, name: str, d: int, latency_aware: bool) -> tuple[Path, dict]:
+    """One PPO arm of step 4 into ``out / "runs" / name`` (resumed when it has checkpoints) from
+    ``out / "imitation"``, under a fixed delay ``d``; returns its folder and what the report keeps of it.
+    `vla_rl.bench_delay_calibration` runs the baseline arms through this too."""
+    from vla_rl.stages import DelayConfig, EnvConfig, FinetuneConfig, LatencyWarmupConfig, finetune
+
+    run_dir = out / "runs" / name
+    t0 = time.time()
+    warmup = LatencyWarmupConfig(steps=cfg.latency_warmup_steps if latency_aware else 0, dataset=str(out / "dataset"),
+                                 batch_size=cfg.batch_size)  # fmt: skip
+    summary = finetune(FinetuneConfig(
+        checkpoint=str(out / "imitation"), algo="ppo", env=EnvConfig(task=cfg.task, num_envs=cfg.num_envs),
+        iterations=10**6, max_env_steps=cfg.env_steps, seed=cfg.seed, output_dir=str(run_dir), eval_every=0,
+        delay=DelayConfig(kind="fixed", steps=d), latency_aware=latency_aware, mid_fraction=cfg.mid_fraction,
+        latency_warmup=warmup, num_threads=cfg.num_threads, log_with="none", resume=(run_dir / "checkpoints" / "last").exists(),
+    ))  # fmt: skip
+    return run_dir, {
+        "delay": d, "latency_aware": latency_aware, "minutes": round((time.time() - t0) / 60, 2),
+        "env_steps": summary["env_steps"], "iterations": summary["iterations"],
+        "rollout_env_steps_per_s": summary["rollout_env_steps_per_s"], "skipped_updates": summary["skipped_updates"],
+        "rollout_success": [h["rollout_success"] for h in summary["history"]],
+    }  # fmt: skip
 
 
 def success(cells: list[dict], arm: str, delay: int) -> float:

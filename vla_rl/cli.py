@@ -162,6 +162,12 @@ def _run_bench_latency_rl(cfg):
     print(format_summary(bench_latency_rl(cfg)))
 
 
+def _run_bench_delay_calibration(cfg):
+    from vla_rl.bench_delay_calibration import bench_delay_calibration, format_summary
+
+    print(format_summary(bench_delay_calibration(cfg)))
+
+
 def _run_bench_ray(cfg):
     from vla_rl.bench_ray import bench_ray, format_summary
 
@@ -265,7 +271,7 @@ COMMANDS: dict[str, Command] = {
     ),
     "bench": Command(
         "benchmarks: `bench sim` (env-steps/s), `bench bridge` (ROS 2 latency), `bench delay` (success under "
-        "delay), `bench rl` (RL fine-tuning gains), `bench latency-rl` (ARLI), `bench ray` (asynchronous Ray rollouts), "
+        "delay), `bench rl` (RL fine-tuning gains), `bench latency-rl` (ARLI), `bench delay-calibration` (their task and delay), `bench ray` (asynchronous Ray rollouts), "
         "`bench libero` (LIBERO against LeRobot's evaluator), `bench ar-decoding` (token decoding speed)",
         "",
         None,
@@ -289,6 +295,11 @@ COMMANDS: dict[str, Command] = {
                 "RL fine-tuning: PPO and GRPO gains over an imitation checkpoint on one env-step budget",
                 "vla_rl.bench_rl:BenchRLConfig",
                 _run_bench_rl,
+            ),
+            "delay-calibration": Command(
+                "the latency benchmarks' task and delay, chosen from their baseline arms by the fixed protocol",
+                "vla_rl.bench_delay_calibration:BenchDelayCalibrationConfig",
+                _run_bench_delay_calibration,
             ),
             "latency-rl": Command(
                 "latency-aware RL (ARLI) vs naive RL under inference delay, no-delay RL and training-time RTC",
