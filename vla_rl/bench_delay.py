@@ -48,6 +48,10 @@ Protocol history (runs numbered in the order of README.md's table, each by its f
   the two passes' losses (``ZERO_DELAY_PASS``), so every row gets at least plain training's samples.
   The protocol is unchanged; runs 1-4 measured the old method, and no result of the new one is known
   at this writing.
+- 2026-12-03, an addition (the default run is unchanged): ``--calibration=<calibration.json>`` of
+  `vla-rl bench delay-calibration` runs this benchmark as the protocol of
+  ``benchmarks/delay_calibration_2026-12-02.md`` fixes it on the task and delay it chose, and refuses
+  any other setting; the protocol file's SHA-256 is recorded under ``calibration`` in the results.
 """
 
 from __future__ import annotations

@@ -63,6 +63,10 @@ Protocol history (runs numbered as README.md numbers them, each by its final lin
 - 2026-12-02, a change of the method, not of the protocol, made before any run of it: training-time
   RTC also trains every frame at zero delay (the zero-delay pass; see `vla_rl.bench_delay`'s history),
   so the ``training_rtc`` arm differs from runs 1-4's.
+- 2026-12-03, an addition (the default run is unchanged): ``--calibration=<calibration.json>`` of
+  `vla-rl bench delay-calibration` runs this benchmark as the protocol of
+  ``benchmarks/delay_calibration_2026-12-02.md`` fixes it on the task and delay it chose, and refuses
+  any other setting; the protocol file's SHA-256 is recorded under ``calibration`` in the results.
 """
 
 from __future__ import annotations
