@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import vla_rl.bench_delay_calibration as calibration
-from vla_rl.bench_delay import BenchDelayConfig, bench_delay
+from vla_rl.bench_delay import bench_delay
 from vla_rl.bench_delay_calibration import (
     BenchDelayCalibrationConfig,
     bench_delay_calibration,
@@ -26,7 +26,8 @@ from vla_rl.bench_delay_calibration import (
     imitation_qualifies,
     rl_qualifies,
 )
-from vla_rl.bench_latency_rl import BenchLatencyRLConfig
+from vla_rl.bench_latency_rl import bench_latency_rl
+from vla_rl.stages import DelayConfig
 
 FINAL_LINE = re.compile(r"^task=(\S+) delay=(\S+) plain_loss_points=(\S+) naive_over_standard=(\S+)$")
 
@@ -53,7 +54,12 @@ COUNTS = {
     ("track_reverse", "plain", 8): (50, 60), ("track_reverse", "plain", 10): (50, 40),
     ("track_reverse", "standard", 0): (160, 140), ("track_reverse", "naive", 4): (100, 100),
     ("track_reverse", "naive", 6): (95, 85), ("track_reverse", "naive", 8): (0, 0),
+    ("push_impulse", "standard", 0): (150, 150),
 }  # fmt: skip
+
+
+class Calls(list):
+    """The stages called, in order; ``places``: (checkpoint or run, folder) of each evaluation and PPO run."""
 
 
 @pytest.fixture
@@ -65,13 +71,18 @@ def fake_stages(monkeypatch, tmp_path):
     protocol = tmp_path / "protocol.md"
     shutil.copy(calibration.PROTOCOL, protocol)
     monkeypatch.setattr(calibration, "PROTOCOL", protocol)
-    calls = []
+    calls, places = Calls(), []
+
+    def relative(path) -> str:  # a folder below the calibration's output_dir, as the arms will find it
+        parts = Path(path).parts
+        return "/".join(parts[parts.index("cal") + 1 :])
 
     def held_out(cfg, checkpoint, episodes, seed, output_dir, num_envs, delay_steps=0, merge="latest"):
         parts = Path(output_dir).parts
         arm, d = parts[parts.index("eval") + 1], int(parts[-1][1:])
         s = COUNTS[cfg.task, arm, d][cfg.seed]
         calls.append(("eval", cfg.task, cfg.seed, arm, d, episodes, seed, merge))
+        places.append((relative(checkpoint), relative(output_dir)))
         return {"episodes": episodes, "successes": s, "success_rate": s / episodes, "success_ci95": [0.0, 1.0],
                 "mean_episode_length": 10.0}  # fmt: skip
 
@@ -80,13 +91,19 @@ def fake_stages(monkeypatch, tmp_path):
         stages, "record_demos", lambda cfg, ds: calls.append(("record", cfg.task, cfg.seed, ds.parent.name))
     )
     monkeypatch.setattr(stages, "train_imitation", lambda cfg, ds, out, delay=None: calls.append(
-        ("train", cfg.task, cfg.seed, out.name, delay.kind)))  # fmt: skip
+        ("train", cfg.task, cfg.seed, out.name, delay == DelayConfig())))  # fmt: skip
 
     def ppo_run(cfg, out, name, d, latency_aware):
+        if (cfg.seed, name) in kill_at:
+            kill_at.remove((cfg.seed, name))
+            raise KeyboardInterrupt  # the run killed inside this PPO stage
         calls.append(("ppo", cfg.task, cfg.seed, name, d, latency_aware, cfg.env_steps))
+        places.append((relative(out / "runs" / name), relative(out)))
         return out / "runs" / name, {}
 
+    kill_at = []
     monkeypatch.setattr(latency_rl, "ppo_run", ppo_run)
+    calls.places, calls.kill_at = places, kill_at
     return calls
 
 
@@ -113,18 +130,28 @@ def test_the_baselines_choose_the_smallest_delay_that_hurts_both_and_nothing_mor
     assert {c[1] for c in fake_stages} == {"track_reverse"}
     # Each benchmark's own recording and a policy with no delay augmentation.
     assert [c for c in fake_stages if c[0] in ("record", "train") and c[2] == 0] == [
-        ("record", "track_reverse", 0, "delay"), ("train", "track_reverse", 0, "plain", "fixed"),
-        ("record", "track_reverse", 0, "latency_rl"), ("train", "track_reverse", 0, "imitation", "fixed"),
+        ("record", "track_reverse", 0, "delay"), ("train", "track_reverse", 0, "plain", True),
+        ("record", "track_reverse", 0, "latency_rl"), ("train", "track_reverse", 0, "imitation", True),
     ]  # fmt: skip
     decision = report["tasks"]["track_reverse"]
     assert decision["imitation_qualifying"] == [4, 6, 8, 10]
-    assert decision["naive_over_standard"] == {4: pytest.approx(200 / 300), 6: pytest.approx(180 / 300)}
+    assert decision["naive_over_standard"] == {"4": pytest.approx(200 / 300), "6": pytest.approx(180 / 300)}
+    # Each cell read from, and each PPO run written to, the folders the arms' runs resume.
+    seed0 = [place for place, call in zip(fake_stages.places, [c for c in fake_stages if c[0] in ("eval", "ppo")])
+             if call[2] == 0]  # fmt: skip
+    delay, latency = "track_reverse/seed0/delay", "track_reverse/seed0/latency_rl"
+    assert seed0 == (
+        [(f"{delay}/plain", f"{delay}/eval/plain/latest/d{d}") for d in (0, 2, 4, 6, 8, 10)]
+        + [(f"{latency}/runs/standard_d0", latency), (f"{latency}/runs/standard_d0", f"{latency}/eval/standard/d0")]
+        + [(f"{latency}/runs/naive_d{d}", where) for d in (4, 6)
+           for where in (latency, f"{latency}/eval/naive/d{d}")]
+    )  # fmt: skip
     lines = format_summary(report).splitlines()
     assert FINAL_LINE.match(lines[-1]).groups() == ("track_reverse", "6", "27.5", "0.600")
-    pooled_plain_6 = next(line for line in lines if line.split()[:3] == ["track_reverse", "plain", "6"])
-    assert pooled_plain_6.split()[3:6] == ["0.300", "0.300", "0.300"]
+    plain_2 = next(line for line in lines if line.split()[:3] == ["track_reverse", "plain", "2"])
+    assert plain_2.split()[3:6] == ["0.550", "0.495", "0.522"]  # 110/200, 99/200, 209/400
     arms = [line.strip() for line in lines if line.startswith("  vla-rl bench")]
-    assert len(arms) == 4 and arms[0].startswith("vla-rl bench delay --task=track_reverse --seed=0 --delays=[0,6]")
+    assert len(arms) == 4 and arms[0].startswith("vla-rl bench delay --task=track_reverse --seed=0 --delays='[0,6]'")
     assert (
         "--episodes=200 --eval_seed=9000" in arms[0]
         and f"--calibration={tmp_path / 'cal' / 'calibration.json'}" in arms[0]
@@ -143,11 +170,47 @@ def test_a_task_with_no_room_passes_to_the_next_and_no_choice_refuses_the_arms(f
     assert report["chosen"] is None
     assert "too little room" in report["tasks"]["track_reverse"]["outcome"]
     assert "no candidate delay" in report["tasks"]["push_impulse"]["outcome"]
-    assert not [c for c in fake_stages if c[0] == "ppo"]
+    # No RL stage on track_reverse; push_impulse's no-delay RL runs (plain(0) >= 0.3), but no naive run.
+    assert [c[1:4] for c in fake_stages if c[0] == "ppo"] == [("push_impulse", s, "standard_d0") for s in (0, 1)]
     assert FINAL_LINE.match(format_summary(report).splitlines()[-1]).groups() == ("none",) * 4
     arm = benchmark_configs("track_reverse", 0, tmp_path / "cal", quick=False)[0]
     with pytest.raises(ValueError, match="chose no task and delay"):
         check_calibration(str(tmp_path / "cal" / "calibration.json"), "delay", arm)
+
+
+def test_plain_at_exactly_three_tenths_goes_on_to_the_rl_stage(fake_stages, tmp_path, monkeypatch):
+    monkeypatch.setitem(COUNTS, ("track_reverse", "plain", 0), (60, 60))  # 120/400 = 0.3: room enough
+    for d in (0, 2, 4, 6, 8, 10):  # and push_impulse, next, has too little room (20/400)
+        monkeypatch.setitem(COUNTS, ("push_impulse", "plain", d), (10, 10))
+    report = bench_delay_calibration(BenchDelayCalibrationConfig(output_dir=str(tmp_path / "cal")))
+    decision = report["tasks"]["track_reverse"]
+    assert decision["standard_zero"] == 0.75  # the no-delay RL stage ran: 300/400
+    assert decision["imitation_qualifying"] == []  # 0.3 - plain(d) is at most 0.3 - 0.225 = 0.075
+
+
+def test_a_killed_calibration_resumes_only_what_it_had_not_finished(fake_stages, tmp_path):
+    cfg = BenchDelayCalibrationConfig(output_dir=str(tmp_path / "cal"))
+    fake_stages.kill_at.append((1, "naive_d6"))
+    with pytest.raises(KeyboardInterrupt):
+        bench_delay_calibration(cfg)
+    saved = json.loads((tmp_path / "cal" / "calibration.json").read_text())
+    assert not saved["finished"] and len(saved["cells"]) == 12 + 2 + 2 + 1  # plain, standard, naive d4, seed 0's d6
+    arm = benchmark_configs("track_reverse", 0, tmp_path / "cal", quick=False)[0]
+    with pytest.raises(ValueError, match="has not finished; rerun"):
+        check_calibration(str(tmp_path / "cal" / "calibration.json"), "delay", arm)
+    fake_stages.clear()
+    report = bench_delay_calibration(cfg)
+    assert [c[:5] for c in fake_stages if c[0] in ("eval", "ppo")] == [
+        ("ppo", "track_reverse", 1, "naive_d6", 6), ("eval", "track_reverse", 1, "naive", 6)]  # fmt: skip
+    assert report["finished"] and report["chosen"]["delay"] == 6
+
+
+def test_a_quick_calibration_never_calibrates_an_arm(fake_stages, tmp_path, monkeypatch):
+    monkeypatch.setitem(COUNTS, ("track_reverse", "naive", 2), (0, 0))  # the quick rule passes d = 2
+    bench_delay_calibration(BenchDelayCalibrationConfig(output_dir=str(tmp_path / "cal"), quick=True))
+    arm = benchmark_configs("track_reverse", 0, tmp_path / "cal" / "quick", quick=True)[0]
+    with pytest.raises(ValueError, match="is a --quick calibration"):
+        check_calibration(str(tmp_path / "cal" / "quick" / "calibration.json"), "delay", arm)
 
 
 def arm_configs(out: Path, seed: int = 0):
@@ -164,12 +227,13 @@ def test_the_arms_run_only_as_calibrated_and_under_the_same_protocol_text(fake_s
     recorded = check_calibration(file, "delay", delay)
     assert recorded["protocol_sha256"] == json.loads((out / "calibration.json").read_text())["protocol_sha256"]
     assert len(recorded["protocol_sha256"]) == 64 and check_calibration(file, "latency_rl", latency)["delay"] == 6
-    for bench, cfg, name, value, needed in [
-        ("delay", BenchDelayConfig, "delays", [0, 8], "--delays=[0, 6]"),
-        ("delay", BenchDelayConfig, "episodes", 100, "--episodes=200"),
-        ("latency_rl", BenchLatencyRLConfig, "eval_seed", 7000, "--eval_seed=9000"),
-        ("latency_rl", BenchLatencyRLConfig, "latency_warmup_steps", 500, "--latency_warmup_steps=1000"),
-        ("latency_rl", BenchLatencyRLConfig, "output_dir", str(tmp_path / "elsewhere"), "--output_dir="),
+    for bench, name, value, needed in [
+        ("delay", "delays", [0, 8], "run the arms with --delays='[0,6]'"),
+        ("delay", "episodes", 100, "--episodes=200"),
+        ("latency_rl", "eval_seed", 7000, "--eval_seed=9000"),
+        ("latency_rl", "latency_warmup_steps", 500, "--latency_warmup_steps=1000"),
+        ("latency_rl", "output_dir", str(tmp_path / "elsewhere"),
+         f"--output_dir={out / 'track_reverse' / 'seed0' / 'latency_rl'}"),
     ]:  # fmt: skip
         arm = arm_configs(out)[bench == "latency_rl"]
         setattr(arm, name, value)
@@ -181,9 +245,25 @@ def test_the_arms_run_only_as_calibrated_and_under_the_same_protocol_text(fake_s
     fake_stages.clear()
     wrong = arm_configs(out)[0]
     wrong.delays, wrong.calibration = [0, 4], file
-    with pytest.raises(ValueError, match=re.escape("--delays=[0, 6]")):
+    with pytest.raises(ValueError, match=re.escape("--delays='[0,6]'")):
         bench_delay(wrong)
+    wrong = arm_configs(out)[1]
+    wrong.env_steps, wrong.calibration = 50_000, file
+    with pytest.raises(ValueError, match="--env_steps=36000"):
+        bench_latency_rl(wrong)
     assert fake_stages == []
+    quick = arm_configs(out)[0]
+    quick.quick = True
+    with pytest.raises(ValueError, match="does not take --quick"):
+        check_calibration(file, "delay", quick)
+    # An arm result of this folder under another protocol text (an edit made after it, then a new calibration)
+    earlier = Path(delay.output_dir) / "delay.json"
+    earlier.parent.mkdir(parents=True, exist_ok=True)
+    earlier.write_text(json.dumps({"calibration": None}))  # a run without --calibration: no objection
+    check_calibration(file, "delay", delay)
+    earlier.write_text(json.dumps({"calibration": {"protocol_sha256": "0" * 64}}))
+    with pytest.raises(ValueError, match="another text"):
+        check_calibration(file, "delay", delay)
     # The protocol edited after the calibration: every arm refused, and the calibration will not resume.
     calibration.PROTOCOL.write_text(calibration.PROTOCOL.read_text() + "\nan edit\n")
     with pytest.raises(ValueError, match="changed after the calibration"):

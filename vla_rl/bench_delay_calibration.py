@@ -110,12 +110,12 @@ def rl_qualifies(naive_d: Fraction, standard_zero: Fraction, quick: bool = False
 
 def bench_delay_calibration(cfg: BenchDelayCalibrationConfig) -> dict[str, Any]:
     """Run the protocol of the module docstring; returns (and writes as ``calibration.json``) every cell
-    and the choice."""
+    and the choice. Every key of the report is a string (seeds and delays too), as in the file."""
     from vla_rl.bench_latency_rl import ppo_run
     from vla_rl.bench_stages import held_out, record_demos, train_imitation
     from vla_rl.stages import DelayConfig
 
-    out = Path(cfg.output_dir) / "quick" if cfg.quick else Path(cfg.output_dir)
+    out = (Path(cfg.output_dir) / "quick" if cfg.quick else Path(cfg.output_dir)).resolve()
     result_file = out / "calibration.json"
     sha = protocol_sha256()
     state = json.loads(result_file.read_text()) if result_file.is_file() else {}
@@ -126,13 +126,19 @@ def bench_delay_calibration(cfg: BenchDelayCalibrationConfig) -> dict[str, Any]:
         )
     cells: dict[str, dict] = state.get("cells", {})
     start = time.time()
-    report: dict[str, Any] = {"file": str(result_file), "protocol": PROTOCOL.name, "protocol_sha256": sha, "quick": cfg.quick, "cells": cells,
-                              "tasks": {}, "chosen": None, "configs": {}}  # fmt: skip
+    report: dict[str, Any] = {"file": str(result_file), "protocol": PROTOCOL.name, "protocol_sha256": sha,
+                              "quick": cfg.quick, "finished": False, "cells": cells, "tasks": {}, "chosen": None,
+                              "configs": {}}  # fmt: skip
 
     def save() -> None:
         report["minutes"] = round(state.get("minutes", 0) + (time.time() - start) / 60, 2)
         out.mkdir(parents=True, exist_ok=True)
         write_text_atomic(result_file, json.dumps(report, indent=2))
+
+    def finish() -> dict[str, Any]:
+        report["finished"] = True
+        save()
+        return report
 
     def cell(key: str, bench_cfg, episodes: int, checkpoint: Path, eval_dir: Path, d: int, num_envs: int) -> None:
         if key not in cells:
@@ -142,7 +148,15 @@ def bench_delay_calibration(cfg: BenchDelayCalibrationConfig) -> dict[str, Any]:
 
     for task in TASKS:
         configs = {seed: benchmark_configs(task, seed, out, cfg.quick, cfg.num_threads) for seed in SEEDS}
-        report["configs"][task] = {s: {"delay": asdict(a), "latency_rl": asdict(b)} for s, (a, b) in configs.items()}
+        fixed = {str(s): {"delay": asdict(a), "latency_rl": asdict(b)} for s, (a, b) in configs.items()}
+        earlier = state.get("configs", {}).get(task)
+        if earlier is not None and earlier != json.loads(json.dumps(fixed)):
+            raise ValueError(
+                f"the benchmarks' settings for {task} changed since this calibration began in {out} (a default of "
+                "bench delay or bench latency-rl differs): its cells cannot be pooled with new ones; calibrate into "
+                "a new --output_dir"
+            )
+        report["configs"][task] = fixed
         decision: dict[str, Any] = {}
         report["tasks"][task] = decision
         for seed, (delay_cfg, _) in configs.items():  # 1: the plain policy at every delay
@@ -159,15 +173,11 @@ def bench_delay_calibration(cfg: BenchDelayCalibrationConfig) -> dict[str, Any]:
             save()
             continue
         losses = {d: plain_zero - pooled(cells, task, "plain", d) for d in CANDIDATE_DELAYS}
-        decision["plain_loss"] = {d: float(loss) for d, loss in losses.items()}
+        decision["plain_loss"] = {str(d): float(loss) for d, loss in losses.items()}
         qualifying = [d for d in CANDIDATE_DELAYS
                       if imitation_qualifies(plain_zero, pooled(cells, task, "plain", d), cfg.quick)]  # fmt: skip
         decision["imitation_qualifying"] = qualifying
-        if not qualifying:
-            decision["outcome"] = f"no candidate delay costs the plain policy {float(IMITATION_LOSS):.2f}"
-            save()
-            continue
-        for seed, (_, latency_cfg) in configs.items():  # 2: no-delay RL
+        for seed, (_, latency_cfg) in configs.items():  # 2: no-delay RL (the amendment: whenever plain(0) >= 0.3)
             folder = Path(latency_cfg.output_dir)
             record_demos(latency_cfg, folder / "dataset")
             train_imitation(latency_cfg, folder / "dataset", folder / "imitation", DelayConfig())
@@ -179,6 +189,10 @@ def bench_delay_calibration(cfg: BenchDelayCalibrationConfig) -> dict[str, Any]:
         standard_zero = pooled(cells, task, "standard", 0)
         decision["standard_zero"] = float(standard_zero)
         decision["naive_over_standard"] = {}
+        if not qualifying:
+            decision["outcome"] = f"no candidate delay costs the plain policy {float(IMITATION_LOSS):.2f}"
+            save()
+            continue
         for d in qualifying:  # 3: naive RL, in increasing delay, until one fails
             for seed, (_, latency_cfg) in configs.items():
                 folder = Path(latency_cfg.output_dir)
@@ -189,17 +203,15 @@ def bench_delay_calibration(cfg: BenchDelayCalibrationConfig) -> dict[str, Any]:
                      min(50, latency_cfg.eval_episodes))  # fmt: skip
             naive_d = pooled(cells, task, "naive", d)
             ratio = naive_d / standard_zero if standard_zero else None
-            decision["naive_over_standard"][d] = None if ratio is None else float(ratio)
+            decision["naive_over_standard"][str(d)] = None if ratio is None else float(ratio)
             if rl_qualifies(naive_d, standard_zero, cfg.quick):
                 report["chosen"] = {"task": task, "delay": d, "seeds": list(SEEDS), "episodes": EPISODES,
                                     "eval_seed": EVAL_SEED}  # fmt: skip
                 decision["outcome"] = f"chosen: delay {d}"
-                save()
-                return report
+                return finish()
         decision["outcome"] = "no delay passing the imitation rule leaves naive RL at or below the RL rule"
         save()
-    save()
-    return report
+    return finish()
 
 
 def check_calibration(path: str, bench: str, bench_cfg) -> dict[str, str]:
@@ -216,6 +228,13 @@ def check_calibration(path: str, bench: str, bench_cfg) -> dict[str, str]:
             f"then, {sha[:12]} now): record the change as a dated amendment and calibrate again into a new "
             "--output_dir of `vla-rl bench delay-calibration`"
         )
+    if calibration.get("quick"):
+        raise ValueError(f"{path} is a --quick calibration (toy sizes; its choice means nothing): pass a full run's")
+    if not calibration.get("finished"):
+        raise ValueError(
+            f"the calibration in {path} has not finished; rerun `vla-rl bench delay-calibration "
+            f"--output_dir={file.parent}` to resume it"
+        )
     chosen = calibration.get("chosen")
     if not chosen:
         raise ValueError(f"the calibration in {path} chose no task and delay: no augmented or latency-aware arm runs")
@@ -230,18 +249,23 @@ def check_calibration(path: str, bench: str, bench_cfg) -> dict[str, str]:
         same = Path(value).resolve() == Path(wanted[name]).resolve() if name == "output_dir" else value == wanted[name]
         if not same:
             raise ValueError(
-                f"--{name}={value} differs from the calibration in {path}, which fixed {name}={wanted[name]} for "
-                f"seed {bench_cfg.seed}: run the arms with --{name}={wanted[name]}"
+                f"--{name}={flag(value)} differs from the calibration in {path}, which fixed it for seed "
+                f"{bench_cfg.seed}: run the arms with --{name}={flag(wanted[name])}"
             )
     existing = Path(bench_cfg.output_dir) / {"delay": "delay.json", "latency_rl": "latency_rl.json"}[bench]
     if existing.is_file():
-        earlier = json.loads(existing.read_text()).get("calibration", {}).get("protocol_sha256")
+        earlier = (json.loads(existing.read_text()).get("calibration") or {}).get("protocol_sha256")
         if earlier and earlier != sha:
             raise ValueError(
                 f"{existing} was measured under another text of {PROTOCOL.name} ({earlier[:12]}): report that "
                 "run as it was, and run the amended protocol into a new --output_dir"
             )
-    return {"file": str(file), "protocol_sha256": sha, "task": chosen["task"], "delay": chosen["delay"]}
+    return {"file": str(file.resolve()), "protocol_sha256": sha, "task": chosen["task"], "delay": chosen["delay"]}
+
+
+def flag(value) -> str:
+    """A value as a command line takes it whole: lists without spaces, quoted (``'[0,6]'``)."""
+    return f"'{json.dumps(value, separators=(',', ':'))}'" if isinstance(value, list) else str(value)
 
 
 def arm_commands(report: dict[str, Any], calibration_file: str) -> list[str]:
@@ -251,11 +275,11 @@ def arm_commands(report: dict[str, Any], calibration_file: str) -> list[str]:
         return []
     commands = []
     for seed in chosen["seeds"]:
-        configs = report["configs"][chosen["task"]][seed]
+        configs = report["configs"][chosen["task"]][str(seed)]
         for bench, name, episodes in (("delay", "delay", "episodes"), ("latency_rl", "latency-rl", "eval_episodes")):
             c = configs[bench]
             commands.append(
-                f"vla-rl bench {name} --task={c['task']} --seed={seed} --delays=[0,{chosen['delay']}] "
+                f"vla-rl bench {name} --task={c['task']} --seed={seed} --delays={flag([0, chosen['delay']])} "
                 f"--{episodes}={c[episodes]} --eval_seed={c['eval_seed']} --output_dir={c['output_dir']} "
                 f"--calibration={calibration_file}"
             )
@@ -286,8 +310,8 @@ def format_summary(report: dict[str, Any]) -> str:
         lines.extend(f"  {command}" for command in arm_commands(report, report["file"]))
     if chosen:
         decision = report["tasks"][chosen["task"]]
-        loss = f"{100 * decision['plain_loss'][chosen['delay']]:.1f}"
-        ratio = decision["naive_over_standard"][chosen["delay"]]
+        loss = f"{100 * decision['plain_loss'][str(chosen['delay'])]:.1f}"
+        ratio = decision["naive_over_standard"][str(chosen["delay"])]
         lines.append(f"task={chosen['task']} delay={chosen['delay']} plain_loss_points={loss} "
                      f"naive_over_standard={'none' if ratio is None else f'{ratio:.3f}'}")  # fmt: skip
     else:
