@@ -41,6 +41,9 @@ Protocol history (runs as README.md reports them, each by its final line):
   process reward model that ``vla-rl train-prm`` (its defaults, ``--seed``) fits on the benchmark's own
   demonstrations. It is judged against the PPO arm at equal env steps; the final line appends
   `` prm_gain=<points>``.
+- 2026-12-03: the first run of ``--policy_type=autoregressive_vla --process_reward=true`` (AR run 1),
+  on the protocol above as committed: ``ppo_gain=+1.0 grpo_gain=-3.0 env_steps=151632 minutes=89.2
+  prm_gain=-2.0`` (imitation 0.07).
 """
 
 from __future__ import annotations
