@@ -15,18 +15,18 @@ from pathlib import Path
 
 import pytest
 
-import vla_rl.bench_delay_calibration as calibration
+from vla_rl import bench_stages
 from vla_rl.bench_delay import bench_delay
 from vla_rl.bench_delay_calibration import (
     BenchDelayCalibrationConfig,
     bench_delay_calibration,
     benchmark_configs,
-    check_calibration,
     format_summary,
     imitation_qualifies,
     rl_qualifies,
 )
 from vla_rl.bench_latency_rl import bench_latency_rl
+from vla_rl.bench_stages import check_calibration
 from vla_rl.stages import DelayConfig
 
 FINAL_LINE = re.compile(r"^task=(\S+) delay=(\S+) plain_loss_points=(\S+) naive_over_standard=(\S+)$")
@@ -65,12 +65,11 @@ class Calls(list):
 @pytest.fixture
 def fake_stages(monkeypatch, tmp_path):
     """The stages replaced by recorders; the protocol file copied, so a test may edit it."""
-    import vla_rl.bench_latency_rl as latency_rl
     import vla_rl.bench_stages as stages
 
     protocol = tmp_path / "protocol.md"
-    shutil.copy(calibration.PROTOCOL, protocol)
-    monkeypatch.setattr(calibration, "PROTOCOL", protocol)
+    shutil.copy(stages.PROTOCOL, protocol)
+    monkeypatch.setattr(stages, "PROTOCOL", protocol)
     calls, places = Calls(), []
 
     def relative(path) -> str:  # a folder below the calibration's output_dir, as the arms will find it
@@ -102,7 +101,7 @@ def fake_stages(monkeypatch, tmp_path):
         return out / "runs" / name, {}
 
     kill_at = []
-    monkeypatch.setattr(latency_rl, "ppo_run", ppo_run)
+    monkeypatch.setattr(stages, "ppo_run", ppo_run)
     calls.places, calls.kill_at = places, kill_at
     return calls
 
@@ -265,7 +264,7 @@ def test_the_arms_run_only_as_calibrated_and_under_the_same_protocol_text(fake_s
     with pytest.raises(ValueError, match="another text"):
         check_calibration(file, "delay", delay)
     # The protocol edited after the calibration: every arm refused, and the calibration will not resume.
-    calibration.PROTOCOL.write_text(calibration.PROTOCOL.read_text() + "\nan edit\n")
+    bench_stages.PROTOCOL.write_text(bench_stages.PROTOCOL.read_text() + "\nan edit\n")
     with pytest.raises(ValueError, match="changed after the calibration"):
         check_calibration(file, "delay", delay)
     with pytest.raises(ValueError, match="new --output_dir"):

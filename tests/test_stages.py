@@ -11,6 +11,9 @@ only
 - its own module;
 - for a script in benchmarks/, also ``vla_rl.cli``: a script that only forwards its arguments to a
   ``vla-rl`` command line (``main(argv)``) runs the command through its public entry point.
+- another benchmark's config class (``from vla_rl.bench_delay import BenchDelayConfig``) and nothing
+  else of it: a benchmark built on other benchmarks' settings (``bench delay-calibration``) reads their
+  one definition; their shared stages live in ``vla_rl.bench_stages``.
 
 Everything else of vla_rl (a command module such as ``vla_rl.train``, its private helpers such as
 ``_config_dict``, ``vla_rl.rl.*``, ``vla_rl.latency_warmup``, ...) is another command's internals.
@@ -21,6 +24,7 @@ are outside this rule (tests/test_layout.py orders the packages).
 
 import ast
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -30,6 +34,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 ALLOWED = {"vla_rl.stages", "vla_rl.bench_stages"}
 SCRIPT_ALLOWED = {"vla_rl.cli"}
+BENCH_CONFIG = re.compile(r"Bench\w*Config")
 # Loaded by a command or a stage, never by `import vla_rl.stages` itself.
 HEAVY = ("torch", "mujoco", "sim", "policies", "diffusers", "accelerate", "lerobot", "vla_rl.train",
          "vla_rl.record", "vla_rl.eval", "vla_rl.finetune", "vla_rl.rl", "vla_rl.latency_warmup")  # fmt: skip
@@ -60,6 +65,8 @@ def vla_rl_imports(source: str, module: str) -> list[str]:
                 base = ".".join([*parts, base] if base else parts)
             if base == "vla_rl":  # `from vla_rl import x` imports the module vla_rl.x
                 found += [f"vla_rl.{alias.name}" for alias in node.names]
+            elif base.startswith("vla_rl.bench_") and all(BENCH_CONFIG.fullmatch(a.name) for a in node.names):
+                continue  # only another benchmark's config classes
             else:
                 found.append(base)
     return [m for m in found if m == "vla_rl" or m.startswith("vla_rl.")]
@@ -92,6 +99,12 @@ def test_the_rule_catches_what_it_forbids():
     ok = "from vla_rl import stages\nfrom vla_rl.stages import TrainConfig\nfrom vla_core.runtime import DelayConfig\n"
     assert forbidden_imports(ok + "from vla_rl.cli import main\n", script) == []
     assert forbidden_imports(ok + "from vla_rl.bench_stages import held_out\n", "vla_rl.bench_rl") == []
+    calibration = "vla_rl.bench_delay_calibration"
+    assert forbidden_imports("from vla_rl.bench_delay import BenchDelayConfig\n", calibration) == []
+    assert forbidden_imports("from vla_rl.bench_delay import BenchDelayConfig, summarize\n", calibration) == [
+        "vla_rl.bench_delay"
+    ]
+    assert forbidden_imports("import vla_rl.bench_latency_rl\n", calibration) == ["vla_rl.bench_latency_rl"]
     assert {p.name for p in compositions()} >= {"quickstart.py", "bench_rl.py", "l2_minibatching.py"}
 
 

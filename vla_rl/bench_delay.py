@@ -102,8 +102,7 @@ class BenchDelayConfig:
 
 def bench_delay(cfg: BenchDelayConfig) -> dict[str, Any]:
     """Run the protocol of the module docstring; returns (and writes as ``delay.json``) every cell."""
-    from vla_rl.bench_delay_calibration import check_calibration
-    from vla_rl.bench_stages import held_out, record_demos, train_imitation
+    from vla_rl.bench_stages import check_calibration, held_out, record_demos, train_imitation
 
     cfg.apply_quick()
     calibration = check_calibration(cfg.calibration, "delay", cfg) if cfg.calibration else None

@@ -13,12 +13,12 @@ setting fixed there and nothing else changeable:
 3. In increasing order over the delays that passed 1, both seeds' ``naive`` runs at d; the first d
    with pooled naive(d) <= ``RL_RATIO`` x standard(0) is D, and the calibration ends.
 
-Each stage is the benchmarks' own (`vla_rl.bench_stages`, `vla_rl.bench_latency_rl.ppo_run`) with the
+Each stage is the benchmarks' own (`vla_rl.bench_stages`) with the
 benchmarks' configs, in the folders the arms' runs then resume: ``<output_dir>/<task>/seed<s>/delay``
 (`bench delay`) and ``.../latency_rl`` (`bench latency-rl`). A killed calibration resumes its
 finished stages and keeps its evaluated cells (``calibration.json``, written after each). The result
 records the protocol file's SHA-256; the arms take ``--calibration=<output_dir>/calibration.json`` and
-`check_calibration` refuses them if the file changed since, or if their settings differ from the
+`vla_rl.bench_stages.check_calibration` refuses them if the file changed since, or if their settings differ from the
 calibration's. The final line: ``task=<t> delay=<D> plain_loss_points=<x> naive_over_standard=<y>``
 (``none`` for what was not chosen or not measured).
 
@@ -28,7 +28,6 @@ plumbing, and says nothing about which task or delay qualifies.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 from dataclasses import asdict, dataclass
@@ -38,7 +37,6 @@ from typing import Any
 
 from vla_core.files import write_text_atomic
 
-PROTOCOL = Path(__file__).resolve().parents[1] / "benchmarks" / "delay_calibration_2026-12-02.md"
 TASKS = ("track_reverse", "push_impulse")
 CANDIDATE_DELAYS = (2, 4, 6, 8, 10)  # control steps of 50 ms
 SEEDS = (0, 1)
@@ -48,8 +46,6 @@ ENV_STEPS = 36_000  # rollout control steps of every PPO run
 MIN_PLAIN = Fraction(3, 10)
 IMITATION_LOSS = Fraction(1, 5)
 RL_RATIO = Fraction(3, 5)
-# The settings of an arm that may differ from the calibration's: its merges and how fast it runs.
-FREE_FIELDS = ("merges", "calibration", "num_threads")
 
 
 @dataclass
@@ -61,12 +57,6 @@ class BenchDelayCalibrationConfig:
     # goes to <output_dir>/quick
     output_dir: str = "outputs/bench/delay_calibration"
     quick: bool = False  # toy sizes and a rule every delay passes: each stage runs once; says nothing
-
-
-def protocol_sha256() -> str:
-    if not PROTOCOL.is_file():
-        raise FileNotFoundError(f"the calibration protocol {PROTOCOL} is missing; restore it from the repository")
-    return hashlib.sha256(PROTOCOL.read_bytes()).hexdigest()
 
 
 def benchmark_configs(task: str, seed: int, out: Path, quick: bool, num_threads: int = 0):
@@ -111,8 +101,8 @@ def rl_qualifies(naive_d: Fraction, standard_zero: Fraction, quick: bool = False
 def bench_delay_calibration(cfg: BenchDelayCalibrationConfig) -> dict[str, Any]:
     """Run the protocol of the module docstring; returns (and writes as ``calibration.json``) every cell
     and the choice. Every key of the report is a string (seeds and delays too), as in the file."""
-    from vla_rl.bench_latency_rl import ppo_run
-    from vla_rl.bench_stages import held_out, record_demos, train_imitation
+    from vla_rl import bench_stages
+    from vla_rl.bench_stages import held_out, ppo_run, protocol_sha256, record_demos, train_imitation
     from vla_rl.stages import DelayConfig
 
     out = (Path(cfg.output_dir) / "quick" if cfg.quick else Path(cfg.output_dir)).resolve()
@@ -121,12 +111,12 @@ def bench_delay_calibration(cfg: BenchDelayCalibrationConfig) -> dict[str, Any]:
     state = json.loads(result_file.read_text()) if result_file.is_file() else {}
     if state and state["protocol_sha256"] != sha:
         raise ValueError(
-            f"{PROTOCOL.name} changed since this calibration began in {out}; its cells were measured under the "
+            f"{bench_stages.PROTOCOL.name} changed since this calibration began in {out}; its cells were measured under the "
             "old text. Record the change as a dated amendment there and calibrate into a new --output_dir"
         )
     cells: dict[str, dict] = state.get("cells", {})
     start = time.time()
-    report: dict[str, Any] = {"file": str(result_file), "protocol": PROTOCOL.name, "protocol_sha256": sha,
+    report: dict[str, Any] = {"file": str(result_file), "protocol": bench_stages.PROTOCOL.name, "protocol_sha256": sha,
                               "quick": cfg.quick, "finished": False, "cells": cells, "tasks": {}, "chosen": None,
                               "configs": {}}  # fmt: skip
 
@@ -214,62 +204,10 @@ def bench_delay_calibration(cfg: BenchDelayCalibrationConfig) -> dict[str, Any]:
     return finish()
 
 
-def check_calibration(path: str, bench: str, bench_cfg) -> dict[str, str]:
-    """Refuse an arm run (`bench delay` or `bench latency-rl`, config ``bench_cfg``) that the calibration at
-    ``path`` did not choose, or whose protocol changed since; returns what its results record."""
-    file = Path(path)
-    if not file.is_file():
-        raise FileNotFoundError(f"--calibration={path} not found; run `vla-rl bench delay-calibration` first")
-    calibration = json.loads(file.read_text())
-    sha = protocol_sha256()
-    if calibration["protocol_sha256"] != sha:
-        raise ValueError(
-            f"{PROTOCOL.name} changed after the calibration in {path} (SHA-256 {calibration['protocol_sha256'][:12]} "
-            f"then, {sha[:12]} now): record the change as a dated amendment and calibrate again into a new "
-            "--output_dir of `vla-rl bench delay-calibration`"
-        )
-    if calibration.get("quick"):
-        raise ValueError(f"{path} is a --quick calibration (toy sizes; its choice means nothing): pass a full run's")
-    if not calibration.get("finished"):
-        raise ValueError(
-            f"the calibration in {path} has not finished; rerun `vla-rl bench delay-calibration "
-            f"--output_dir={file.parent}` to resume it"
-        )
-    chosen = calibration.get("chosen")
-    if not chosen:
-        raise ValueError(f"the calibration in {path} chose no task and delay: no augmented or latency-aware arm runs")
-    if bench_cfg.seed not in chosen["seeds"]:
-        raise ValueError(f"--seed={bench_cfg.seed} is not a calibrated seed; use one of {chosen['seeds']}")
-    if bench_cfg.quick:
-        raise ValueError("--calibration does not take --quick: a quick run's toy sizes are not the calibrated arms")
-    wanted = {**calibration["configs"][chosen["task"]][str(bench_cfg.seed)][bench], "delays": [0, chosen["delay"]]}
-    for name, value in asdict(bench_cfg).items():
-        if name in FREE_FIELDS or name not in wanted:
-            continue
-        same = Path(value).resolve() == Path(wanted[name]).resolve() if name == "output_dir" else value == wanted[name]
-        if not same:
-            raise ValueError(
-                f"--{name}={flag(value)} differs from the calibration in {path}, which fixed it for seed "
-                f"{bench_cfg.seed}: run the arms with --{name}={flag(wanted[name])}"
-            )
-    existing = Path(bench_cfg.output_dir) / {"delay": "delay.json", "latency_rl": "latency_rl.json"}[bench]
-    if existing.is_file():
-        earlier = (json.loads(existing.read_text()).get("calibration") or {}).get("protocol_sha256")
-        if earlier and earlier != sha:
-            raise ValueError(
-                f"{existing} was measured under another text of {PROTOCOL.name} ({earlier[:12]}): report that "
-                "run as it was, and run the amended protocol into a new --output_dir"
-            )
-    return {"file": str(file.resolve()), "protocol_sha256": sha, "task": chosen["task"], "delay": chosen["delay"]}
-
-
-def flag(value) -> str:
-    """A value as a command line takes it whole: lists without spaces, quoted (``'[0,6]'``)."""
-    return f"'{json.dumps(value, separators=(',', ':'))}'" if isinstance(value, list) else str(value)
-
-
 def arm_commands(report: dict[str, Any], calibration_file: str) -> list[str]:
     """The arms' runs the calibration's choice asks for, one per benchmark and seed, every fixed setting spelled out."""
+    from vla_rl.bench_stages import flag
+
     chosen = report["chosen"]
     if not chosen:
         return []
@@ -288,7 +226,7 @@ def arm_commands(report: dict[str, Any], calibration_file: str) -> list[str]:
 
 def format_summary(report: dict[str, Any]) -> str:
     """Every cell (per seed and pooled), each task's outcome, then the final line."""
-    from vla_rl.statistics import wilson_interval
+    from vla_rl.stages import wilson_interval
 
     lines = [f"{'task':<14} {'arm':<9} {'delay':>5} {'seed 0':>7} {'seed 1':>7} {'pooled':>7}  95% interval"]
     groups = {}  # (task, arm, delay) -> {seed: cell}, in the order measured

@@ -120,8 +120,7 @@ class BenchLatencyRLConfig:
 
 def bench_latency_rl(cfg: BenchLatencyRLConfig) -> dict[str, Any]:
     """Run the protocol of the module docstring; returns (and writes as ``latency_rl.json``) every cell."""
-    from vla_rl.bench_delay_calibration import check_calibration
-    from vla_rl.bench_stages import held_out, record_demos, train_imitation
+    from vla_rl.bench_stages import check_calibration, held_out, ppo_run, record_demos, train_imitation
     from vla_rl.stages import DelayConfig
 
     cfg.apply_quick()
@@ -148,7 +147,7 @@ def bench_latency_rl(cfg: BenchLatencyRLConfig) -> dict[str, Any]:
     runs: dict[str, Any] = {}
 
     def ppo(name: str, d: int, latency_aware: bool) -> Path:
-        run_dir, runs[name] = ppo_run(cfg, out, name, d, latency_aware)
+        run_dir, runs[name] = ppo_run(cfg, out, name, d, latency_aware)  # bench_stages
         return run_dir
 
     checkpoints: dict[tuple[str, int], Path] = {}
@@ -184,30 +183,6 @@ def bench_latency_rl(cfg: BenchLatencyRLConfig) -> dict[str, Any]:
     plot(cells, out / "latency_rl.png", cfg.task)
     report["plot"] = str(out / "latency_rl.png")
     return report
-
-
-def ppo_run(cfg: BenchLatencyRLConfig, out: Path, name: str, d: int, latency_aware: bool) -> tuple[Path, dict]:
-    """One PPO arm of step 4 into ``out / "runs" / name`` (resumed when it has checkpoints) from
-    ``out / "imitation"``, under a fixed delay ``d``; returns its folder and what the report keeps of it.
-    `vla_rl.bench_delay_calibration` runs the baseline arms through this too."""
-    from vla_rl.stages import DelayConfig, EnvConfig, FinetuneConfig, LatencyWarmupConfig, finetune
-
-    run_dir = out / "runs" / name
-    t0 = time.time()
-    warmup = LatencyWarmupConfig(steps=cfg.latency_warmup_steps if latency_aware else 0, dataset=str(out / "dataset"),
-                                 batch_size=cfg.batch_size)  # fmt: skip
-    summary = finetune(FinetuneConfig(
-        checkpoint=str(out / "imitation"), algo="ppo", env=EnvConfig(task=cfg.task, num_envs=cfg.num_envs),
-        iterations=10**6, max_env_steps=cfg.env_steps, seed=cfg.seed, output_dir=str(run_dir), eval_every=0,
-        delay=DelayConfig(kind="fixed", steps=d), latency_aware=latency_aware, mid_fraction=cfg.mid_fraction,
-        latency_warmup=warmup, num_threads=cfg.num_threads, log_with="none", resume=(run_dir / "checkpoints" / "last").exists(),
-    ))  # fmt: skip
-    return run_dir, {
-        "delay": d, "latency_aware": latency_aware, "minutes": round((time.time() - t0) / 60, 2),
-        "env_steps": summary["env_steps"], "iterations": summary["iterations"],
-        "rollout_env_steps_per_s": summary["rollout_env_steps_per_s"], "skipped_updates": summary["skipped_updates"],
-        "rollout_success": [h["rollout_success"] for h in summary["history"]],
-    }  # fmt: skip
 
 
 def success(cells: list[dict], arm: str, delay: int) -> float:

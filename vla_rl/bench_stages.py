@@ -1,5 +1,7 @@
-"""The stages the learning benchmarks share (`bench delay`, `bench rl`, `bench latency-rl`): scripted
-demonstrations, an imitation policy trained on them, and one held-out evaluation cell. The first two
+"""The stages the learning benchmarks share (`bench delay`, `bench rl`, `bench latency-rl`, `bench
+delay-calibration`): scripted demonstrations, an imitation policy trained on them, one held-out
+evaluation cell, `bench latency-rl`'s PPO arm, and the check a calibrated arm run passes
+(`check_calibration`, against `bench delay-calibration`'s result and its protocol file). The first two
 are skipped or resumed when a killed run left them finished or part-done in the output folder. Each
 runs through the stages API (`vla_rl.stages`).
 
@@ -9,7 +11,15 @@ horizon, n_action_steps and num_threads.
 
 from __future__ import annotations
 
+import hashlib
+import json
+from dataclasses import asdict
 from pathlib import Path
+
+# The calibration protocol of the latency benchmarks (`bench delay-calibration`), beside the benchmarks.
+PROTOCOL = Path(__file__).resolve().parents[1] / "benchmarks" / "delay_calibration_2026-12-02.md"
+# The settings of an arm that may differ from the calibration's: its merges and how fast it runs.
+FREE_FIELDS = ("merges", "calibration", "num_threads")
 
 
 def record_demos(cfg, dataset: Path) -> None:
@@ -55,3 +65,89 @@ def held_out(
         delay=DelayConfig(kind="fixed", steps=delay_steps), output_dir=str(output_dir), overwrite=True,
     ))  # fmt: skip
     return {k: result[k] for k in ("episodes", "successes", "success_rate", "success_ci95", "mean_episode_length")}
+
+
+def ppo_run(cfg, out: Path, name: str, d: int, latency_aware: bool) -> tuple[Path, dict]:
+    """`bench latency-rl`'s PPO arm (``cfg`` its config) into ``out / "runs" / name`` (resumed when it has
+    checkpoints) from ``out / "imitation"``, under a fixed delay ``d``; returns its folder and what the
+    report keeps of it. `bench delay-calibration` runs the baseline arms through it too."""
+    import time
+
+    from vla_rl.stages import DelayConfig, EnvConfig, FinetuneConfig, LatencyWarmupConfig, finetune
+
+    run_dir = out / "runs" / name
+    t0 = time.time()
+    warmup = LatencyWarmupConfig(steps=cfg.latency_warmup_steps if latency_aware else 0, dataset=str(out / "dataset"),
+                                 batch_size=cfg.batch_size)  # fmt: skip
+    summary = finetune(FinetuneConfig(
+        checkpoint=str(out / "imitation"), algo="ppo", env=EnvConfig(task=cfg.task, num_envs=cfg.num_envs),
+        iterations=10**6, max_env_steps=cfg.env_steps, seed=cfg.seed, output_dir=str(run_dir), eval_every=0,
+        delay=DelayConfig(kind="fixed", steps=d), latency_aware=latency_aware, mid_fraction=cfg.mid_fraction,
+        latency_warmup=warmup, num_threads=cfg.num_threads, log_with="none", resume=(run_dir / "checkpoints" / "last").exists(),
+    ))  # fmt: skip
+    return run_dir, {
+        "delay": d, "latency_aware": latency_aware, "minutes": round((time.time() - t0) / 60, 2),
+        "env_steps": summary["env_steps"], "iterations": summary["iterations"],
+        "rollout_env_steps_per_s": summary["rollout_env_steps_per_s"], "skipped_updates": summary["skipped_updates"],
+        "rollout_success": [h["rollout_success"] for h in summary["history"]],
+    }  # fmt: skip
+
+
+def protocol_sha256() -> str:
+    if not PROTOCOL.is_file():
+        raise FileNotFoundError(f"the calibration protocol {PROTOCOL} is missing; restore it from the repository")
+    return hashlib.sha256(PROTOCOL.read_bytes()).hexdigest()
+
+
+def check_calibration(path: str, bench: str, bench_cfg) -> dict[str, str]:
+    """Refuse an arm run (`bench delay` or `bench latency-rl`, config ``bench_cfg``) that the calibration at
+    ``path`` did not choose, or whose protocol changed since; returns what its results record."""
+    file = Path(path)
+    if not file.is_file():
+        raise FileNotFoundError(f"--calibration={path} not found; run `vla-rl bench delay-calibration` first")
+    calibration = json.loads(file.read_text())
+    sha = protocol_sha256()
+    if calibration["protocol_sha256"] != sha:
+        raise ValueError(
+            f"{PROTOCOL.name} changed after the calibration in {path} (SHA-256 {calibration['protocol_sha256'][:12]} "
+            f"then, {sha[:12]} now): record the change as a dated amendment and calibrate again into a new "
+            "--output_dir of `vla-rl bench delay-calibration`"
+        )
+    if calibration.get("quick"):
+        raise ValueError(f"{path} is a --quick calibration (toy sizes; its choice means nothing): pass a full run's")
+    if not calibration.get("finished"):
+        raise ValueError(
+            f"the calibration in {path} has not finished; rerun `vla-rl bench delay-calibration "
+            f"--output_dir={file.parent}` to resume it"
+        )
+    chosen = calibration.get("chosen")
+    if not chosen:
+        raise ValueError(f"the calibration in {path} chose no task and delay: no augmented or latency-aware arm runs")
+    if bench_cfg.seed not in chosen["seeds"]:
+        raise ValueError(f"--seed={bench_cfg.seed} is not a calibrated seed; use one of {chosen['seeds']}")
+    if bench_cfg.quick:
+        raise ValueError("--calibration does not take --quick: a quick run's toy sizes are not the calibrated arms")
+    wanted = {**calibration["configs"][chosen["task"]][str(bench_cfg.seed)][bench], "delays": [0, chosen["delay"]]}
+    for name, value in asdict(bench_cfg).items():
+        if name in FREE_FIELDS or name not in wanted:
+            continue
+        same = Path(value).resolve() == Path(wanted[name]).resolve() if name == "output_dir" else value == wanted[name]
+        if not same:
+            raise ValueError(
+                f"--{name}={flag(value)} differs from the calibration in {path}, which fixed it for seed "
+                f"{bench_cfg.seed}: run the arms with --{name}={flag(wanted[name])}"
+            )
+    existing = Path(bench_cfg.output_dir) / {"delay": "delay.json", "latency_rl": "latency_rl.json"}[bench]
+    if existing.is_file():
+        earlier = (json.loads(existing.read_text()).get("calibration") or {}).get("protocol_sha256")
+        if earlier and earlier != sha:
+            raise ValueError(
+                f"{existing} was measured under another text of {PROTOCOL.name} ({earlier[:12]}): report that "
+                "run as it was, and run the amended protocol into a new --output_dir"
+            )
+    return {"file": str(file.resolve()), "protocol_sha256": sha, "task": chosen["task"], "delay": chosen["delay"]}
+
+
+def flag(value) -> str:
+    """A value as a command line takes it whole: lists without spaces, quoted (``'[0,6]'``)."""
+    return f"'{json.dumps(value, separators=(',', ':'))}'" if isinstance(value, list) else str(value)

@@ -52,6 +52,7 @@ if TYPE_CHECKING:
     from vla_rl.rl.ppo import PPOConfig
     from vla_rl.rl.process_reward import RewardConfig
     from vla_rl.rl.ray_runtime import WORKER_NAME_PREFIX, RayConfig
+    from vla_rl.statistics import wilson_interval
     from vla_rl.train import DatasetConfig, TrainConfig, build_policy
     from vla_rl.train_prm import PRMDatasetConfig, TrainPRMConfig
 
@@ -121,6 +122,8 @@ _EXPORTS = {
     # The policy `train` builds for a config and an opened dataset (seed torch first, as train does),
     # for a composition that times training steps outside `train`.
     "build_policy": "vla_rl.train",
+    # The 95% interval every evaluation reports (success_ci95), for a composition that pools cells.
+    "wilson_interval": "vla_rl.statistics",
 }
 
 __all__ = [
@@ -150,6 +153,7 @@ __all__ = [
     "record",
     "train",
     "train_prm",
+    "wilson_interval",
 ]
 
 
