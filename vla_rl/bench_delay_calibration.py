@@ -7,19 +7,19 @@ setting fixed there and nothing else changeable:
 1. For each task in order (``TASKS``), for both training seeds (``SEEDS``): `bench delay`'s plain policy,
    evaluated with ``latest`` merging at d = 0 and at every candidate delay (``CANDIDATE_DELAYS``).
    Pooled over the seeds (successes over both seeds' episodes), a task whose plain(0) is below
-   ``MIN_PLAIN`` stops here, as does one where no delay passes the imitation rule
-   plain(0) - plain(d) >= ``IMITATION_LOSS``.
-2. Both seeds' `bench latency-rl` ``standard`` runs (PPO with no delay), evaluated at d = 0.
-3. In increasing order over the delays that passed 1, both seeds' ``naive`` runs at d; the first d
+   ``MIN_PLAIN`` stops here.
+2. Both seeds' `bench latency-rl` ``standard`` runs (PPO with no delay), evaluated at d = 0. A task
+   where no delay passes the imitation rule plain(0) - plain(d) >= ``IMITATION_LOSS`` stops here.
+3. In increasing order over the delays that passed it, both seeds' ``naive`` runs at d; the first d
    with pooled naive(d) <= ``RL_RATIO`` x standard(0) is D, and the calibration ends.
 
-Each stage is the benchmarks' own (`vla_rl.bench_stages`) with the
-benchmarks' configs, in the folders the arms' runs then resume: ``<output_dir>/<task>/seed<s>/delay``
-(`bench delay`) and ``.../latency_rl`` (`bench latency-rl`). A killed calibration resumes its
-finished stages and keeps its evaluated cells (``calibration.json``, written after each). The result
-records the protocol file's SHA-256; the arms take ``--calibration=<output_dir>/calibration.json`` and
-`vla_rl.bench_stages.check_calibration` refuses them if the file changed since, or if their settings differ from the
-calibration's. The final line: ``task=<t> delay=<D> plain_loss_points=<x> naive_over_standard=<y>``
+Each stage is the benchmarks' own (`vla_rl.bench_stages`) with the benchmarks' configs, in the folders
+the arms' runs then resume: ``<output_dir>/<task>/seed<s>/delay`` (`bench delay`) and
+``.../latency_rl`` (`bench latency-rl`). A killed calibration resumes its finished stages and keeps
+its evaluated cells (``calibration.json``, written after each). The result records the protocol
+file's SHA-256; the arms take ``--calibration=<output_dir>/calibration.json`` and
+`vla_rl.bench_stages.check_calibration` refuses them if the file changed since, or if their settings
+differ from the calibration's. The final line: ``task=<t> delay=<D> plain_loss_points=<x> naive_over_standard=<y>``
 (``none`` for what was not chosen or not measured).
 
 ``--quick`` runs every stage once at toy sizes, under a rule every delay passes: it checks the
