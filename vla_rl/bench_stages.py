@@ -6,7 +6,8 @@ are skipped or resumed when a killed run left them finished or part-done in the 
 runs through the stages API (`vla_rl.stages`).
 
 ``cfg`` is the benchmark's config; it names task, demos, num_envs, seed, train_steps, batch_size,
-horizon, n_action_steps and num_threads.
+horizon, n_action_steps and num_threads. A finished or part-done stage is reused only if it was made
+with this run's seed and sizes; anything else is refused, naming the setting.
 """
 
 from __future__ import annotations
@@ -26,6 +27,12 @@ def record_demos(cfg, dataset: Path) -> None:
     """``cfg.demos`` scripted episodes of ``cfg.task`` into ``dataset``, unless it holds them already."""
     from vla_rl.stages import EnvConfig, RecordConfig, record
 
+    wanted = {"seed": cfg.seed, "num_episodes": cfg.demos, "task": cfg.task, "num_envs": min(cfg.num_envs, cfg.demos)}
+    summary = dataset / "meta" / "vla_rl_record.json"
+    if summary.is_file():  # reused: it must be this run's recording
+        c = json.loads(summary.read_text())["config"]
+        _refuse_another_run(dataset, "demonstrations", {**c, "task": c["env"]["task"], "num_envs": c["env"]["num_envs"]},
+                            wanted)  # fmt: skip
     if not (dataset / "meta" / "info.json").is_file():
         record(RecordConfig(
             env=EnvConfig(task=cfg.task, num_envs=min(cfg.num_envs, cfg.demos)), num_episodes=cfg.demos,
@@ -42,12 +49,31 @@ def train_imitation(cfg, dataset: Path, output_dir: Path, delay=None) -> None:
     policy_config = {"diffusion": DiffusionConfig, "autoregressive_vla": AutoregressiveVLAConfig}[
         getattr(cfg, "policy_type", "diffusion")
     ]
+    delay = delay or DelayConfig()
+    saved = output_dir / "train_config.json"
+    if (output_dir / "checkpoints").is_dir() and saved.is_file():  # resumed: it must be this run's policy
+        c = json.loads(saved.read_text())
+        _refuse_another_run(output_dir, "an imitation policy", {**c, "policy_type": c["policy"]["type"]}, {
+            "seed": cfg.seed, "steps": cfg.train_steps, "batch_size": cfg.batch_size, "delay": asdict(delay),
+            "policy_type": getattr(cfg, "policy_type", "diffusion"),
+        })  # fmt: skip
     train(TrainConfig(
         dataset=DatasetConfig(root=str(dataset)), output_dir=str(output_dir), steps=cfg.train_steps,
         batch_size=cfg.batch_size, seed=cfg.seed, log_with="none", save_every=cfg.train_steps,
-        num_threads=cfg.num_threads, delay=delay or DelayConfig(), resume=(output_dir / "checkpoints").is_dir(),
+        num_threads=cfg.num_threads, delay=delay, resume=(output_dir / "checkpoints").is_dir(),
         policy=policy_config(horizon=cfg.horizon, n_action_steps=cfg.n_action_steps),
     ))  # fmt: skip
+
+
+def _refuse_another_run(folder: Path, what: str, recorded: dict, wanted: dict) -> None:
+    """A benchmark's folder holds one setting: resuming it under another (a second seed, another size)
+    would reuse stages of the first and report them as the second's."""
+    for name, value in wanted.items():
+        if recorded.get(name) != value:
+            raise ValueError(
+                f"{folder} holds {what} made with {name}={recorded.get(name)}, but this run asks for {name}={value}: "
+                "pass another --output_dir (one per seed and setting)"
+            )
 
 
 def held_out(

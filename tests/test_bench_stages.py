@@ -1,0 +1,63 @@
+"""The learning benchmarks' shared stages reuse a finished or part-done stage only if it is this run's:
+a second seed (or another size) pointed at the first one's folder is refused, naming the setting, before
+anything is recorded or trained."""
+
+import json
+from dataclasses import asdict
+
+import pytest
+
+from vla_rl import stages
+from vla_rl.bench_rl import BenchRLConfig
+from vla_rl.bench_stages import record_demos, train_imitation
+from vla_rl.stages import DelayConfig
+
+
+@pytest.fixture
+def ran(monkeypatch):
+    """The record and train stages replaced by recorders of the configs they were given."""
+    calls = []
+    monkeypatch.setattr(stages, "record", lambda cfg: calls.append(("record", cfg.seed)))
+    monkeypatch.setattr(stages, "train", lambda cfg: calls.append(("train", cfg.seed, cfg.resume)))
+    return calls
+
+
+def recorded_dataset(folder, seed=0, episodes=200, task="track", num_envs=16):
+    (folder / "meta").mkdir(parents=True)
+    (folder / "meta" / "info.json").write_text("{}")
+    config = {"seed": seed, "num_episodes": episodes, "env": {"task": task, "num_envs": num_envs}}
+    (folder / "meta" / "vla_rl_record.json").write_text(json.dumps({"config": config}))
+
+
+def test_a_dataset_of_another_seed_or_size_is_refused_and_this_runs_is_reused(tmp_path, ran):
+    recorded_dataset(tmp_path / "dataset")
+    record_demos(BenchRLConfig(), tmp_path / "dataset")  # seed 0, 200 demos of track over 16 worlds: reused
+    assert ran == []
+    with pytest.raises(ValueError, match="made with seed=0, but this run asks for seed=1"):
+        record_demos(BenchRLConfig(seed=1), tmp_path / "dataset")
+    with pytest.raises(ValueError, match="num_episodes=200, but this run asks for num_episodes=100"):
+        record_demos(BenchRLConfig(demos=100), tmp_path / "dataset")
+    record_demos(BenchRLConfig(), tmp_path / "fresh")  # nothing there: recorded
+    assert ran == [("record", 0)]
+
+
+def test_an_imitation_run_of_another_seed_or_delay_is_refused_before_training(tmp_path, ran):
+    run = tmp_path / "imitation"
+    (run / "checkpoints").mkdir(parents=True)
+    saved = {
+        "seed": 0,
+        "steps": 4000,
+        "batch_size": 64,
+        "delay": asdict(DelayConfig()),
+        "policy": {"type": "diffusion"},
+    }
+    (run / "train_config.json").write_text(json.dumps(saved))
+    with pytest.raises(ValueError, match="seed=0, but this run asks for seed=1"):
+        train_imitation(BenchRLConfig(seed=1), tmp_path / "dataset", run)
+    with pytest.raises(ValueError, match="made with delay="):
+        train_imitation(BenchRLConfig(), tmp_path / "dataset", run, DelayConfig(kind="uniform", low=0, high=8))
+    with pytest.raises(ValueError, match="policy_type=diffusion, but this run asks for policy_type=autoregressive_vla"):
+        train_imitation(BenchRLConfig(policy_type="autoregressive_vla"), tmp_path / "dataset", run)
+    assert ran == []
+    train_imitation(BenchRLConfig(), tmp_path / "dataset", run)  # the same run: resumed
+    assert ran == [("train", 0, True)]
