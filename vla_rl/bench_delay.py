@@ -102,7 +102,7 @@ class BenchDelayConfig:
 
 def bench_delay(cfg: BenchDelayConfig) -> dict[str, Any]:
     """Run the protocol of the module docstring; returns (and writes as ``delay.json``) every cell."""
-    from vla_rl.bench_stages import check_calibration, held_out, record_demos, train_imitation
+    from vla_rl.bench_stages import check_calibration, delay_cell, record_demos, train_imitation
 
     cfg.apply_quick()
     calibration = check_calibration(cfg.calibration, "delay", cfg) if cfg.calibration else None
@@ -127,9 +127,7 @@ def bench_delay(cfg: BenchDelayConfig) -> dict[str, Any]:
     for name in POLICIES:
         for merge in cfg.merges:
             for d in cfg.delays:
-                result = held_out(cfg, out / name, cfg.episodes, cfg.eval_seed, out / "eval" / name / merge / f"d{d}",
-                                  num_envs=min(cfg.num_envs, cfg.episodes), delay_steps=d, merge=merge)  # fmt: skip
-                cells.append({"policy": name, "merge": merge, "delay": d, **result})
+                cells.append({"policy": name, "merge": merge, "delay": d, **delay_cell(cfg, out, name, merge, d)})
     summary = summarize(cells, max(cfg.delays), min(cfg.delays))
     report = {
         "config": asdict(cfg), "cells": cells, "summary": summary, "calibration": calibration,

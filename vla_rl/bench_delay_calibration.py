@@ -102,7 +102,7 @@ def bench_delay_calibration(cfg: BenchDelayCalibrationConfig) -> dict[str, Any]:
     """Run the protocol of the module docstring; returns (and writes as ``calibration.json``) every cell
     and the choice. Every key of the report is a string (seeds and delays too), as in the file."""
     from vla_rl import bench_stages
-    from vla_rl.bench_stages import held_out, ppo_run, protocol_sha256, record_demos, train_imitation
+    from vla_rl.bench_stages import delay_cell, latency_rl_cell, ppo_run, protocol_sha256, record_demos, train_imitation
     from vla_rl.stages import DelayConfig
 
     out = (Path(cfg.output_dir) / "quick" if cfg.quick else Path(cfg.output_dir)).resolve()
@@ -111,8 +111,8 @@ def bench_delay_calibration(cfg: BenchDelayCalibrationConfig) -> dict[str, Any]:
     state = json.loads(result_file.read_text()) if result_file.is_file() else {}
     if state and state["protocol_sha256"] != sha:
         raise ValueError(
-            f"{bench_stages.PROTOCOL.name} changed since this calibration began in {out}; its cells were measured under the "
-            "old text. Record the change as a dated amendment there and calibrate into a new --output_dir"
+            f"{bench_stages.PROTOCOL.name} changed since this calibration began in {out}; its cells were measured "
+            "under the old text. Record the change as a dated amendment there and calibrate into a new --output_dir"
         )
     cells: dict[str, dict] = state.get("cells", {})
     start = time.time()
@@ -120,21 +120,25 @@ def bench_delay_calibration(cfg: BenchDelayCalibrationConfig) -> dict[str, Any]:
                               "quick": cfg.quick, "finished": False, "cells": cells, "tasks": {}, "chosen": None,
                               "configs": {}}  # fmt: skip
 
-    def save() -> None:
+    def save(finished: bool = False) -> dict[str, Any]:
+        report["finished"] = finished
         report["minutes"] = round(state.get("minutes", 0) + (time.time() - start) / 60, 2)
         out.mkdir(parents=True, exist_ok=True)
         write_text_atomic(result_file, json.dumps(report, indent=2))
-
-    def finish() -> dict[str, Any]:
-        report["finished"] = True
-        save()
         return report
 
-    def cell(key: str, bench_cfg, episodes: int, checkpoint: Path, eval_dir: Path, d: int, num_envs: int) -> None:
+    def cell(key: str, evaluate, *args) -> None:
+        """Evaluate the cell ``key`` once (``evaluate(*args)`` -> its result); a resumed run keeps it."""
         if key not in cells:
-            cells[key] = held_out(bench_cfg, checkpoint, episodes, EVAL_SEED, eval_dir, num_envs=num_envs,
-                                  delay_steps=d)  # fmt: skip
+            cells[key] = evaluate(*args)
             save()
+
+    def rl_cell(task: str, seed: int, latency_cfg, arm: str, d: int) -> None:
+        """`bench latency-rl`'s PPO run ``<arm>_d<d>`` (unless its cell is done) and its cell."""
+        folder, name = Path(latency_cfg.output_dir), f"{arm}_d{d}"
+        if cell_key(task, seed, arm, d) not in cells:
+            ppo_run(latency_cfg, folder, name, d, latency_aware=False)
+        cell(cell_key(task, seed, arm, d), latency_rl_cell, latency_cfg, folder, arm, d, folder / "runs" / name)
 
     for task in TASKS:
         configs = {seed: benchmark_configs(task, seed, out, cfg.quick, cfg.num_threads) for seed in SEEDS}
@@ -154,28 +158,21 @@ def bench_delay_calibration(cfg: BenchDelayCalibrationConfig) -> dict[str, Any]:
             record_demos(delay_cfg, folder / "dataset")
             train_imitation(delay_cfg, folder / "dataset", folder / "plain", DelayConfig())
             for d in (0, *CANDIDATE_DELAYS):
-                cell(cell_key(task, seed, "plain", d), delay_cfg, delay_cfg.episodes, folder / "plain",
-                     folder / "eval" / "plain" / "latest" / f"d{d}", d, min(delay_cfg.num_envs, delay_cfg.episodes))  # fmt: skip
-        plain_zero = pooled(cells, task, "plain", 0)
-        decision["plain_zero"] = float(plain_zero)
-        if plain_zero < MIN_PLAIN and not cfg.quick:
-            decision["outcome"] = f"plain(0) = {float(plain_zero):.3f} < {float(MIN_PLAIN)}: too little room"
+                cell(cell_key(task, seed, "plain", d), delay_cell, delay_cfg, folder, "plain", "latest", d)
+        plain = {d: pooled(cells, task, "plain", d) for d in (0, *CANDIDATE_DELAYS)}
+        decision["plain_zero"] = float(plain[0])
+        if plain[0] < MIN_PLAIN and not cfg.quick:
+            decision["outcome"] = f"plain(0) = {float(plain[0]):.3f} < {float(MIN_PLAIN)}: too little room"
             save()
             continue
-        losses = {d: plain_zero - pooled(cells, task, "plain", d) for d in CANDIDATE_DELAYS}
-        decision["plain_loss"] = {str(d): float(loss) for d, loss in losses.items()}
-        qualifying = [d for d in CANDIDATE_DELAYS
-                      if imitation_qualifies(plain_zero, pooled(cells, task, "plain", d), cfg.quick)]  # fmt: skip
+        decision["plain_loss"] = {str(d): float(plain[0] - plain[d]) for d in CANDIDATE_DELAYS}
+        qualifying = [d for d in CANDIDATE_DELAYS if imitation_qualifies(plain[0], plain[d], cfg.quick)]
         decision["imitation_qualifying"] = qualifying
         for seed, (_, latency_cfg) in configs.items():  # 2: no-delay RL (the amendment: whenever plain(0) >= 0.3)
             folder = Path(latency_cfg.output_dir)
             record_demos(latency_cfg, folder / "dataset")
             train_imitation(latency_cfg, folder / "dataset", folder / "imitation", DelayConfig())
-            run_dir = folder / "runs" / "standard_d0"
-            if cell_key(task, seed, "standard", 0) not in cells:
-                ppo_run(latency_cfg, folder, "standard_d0", 0, latency_aware=False)
-            cell(cell_key(task, seed, "standard", 0), latency_cfg, latency_cfg.eval_episodes, run_dir,
-                 folder / "eval" / "standard" / "d0", 0, min(50, latency_cfg.eval_episodes))  # fmt: skip
+            rl_cell(task, seed, latency_cfg, "standard", 0)
         standard_zero = pooled(cells, task, "standard", 0)
         decision["standard_zero"] = float(standard_zero)
         decision["naive_over_standard"] = {}
@@ -185,23 +182,17 @@ def bench_delay_calibration(cfg: BenchDelayCalibrationConfig) -> dict[str, Any]:
             continue
         for d in qualifying:  # 3: naive RL, in increasing delay, until one fails
             for seed, (_, latency_cfg) in configs.items():
-                folder = Path(latency_cfg.output_dir)
-                if cell_key(task, seed, "naive", d) not in cells:
-                    ppo_run(latency_cfg, folder, f"naive_d{d}", d, latency_aware=False)
-                cell(cell_key(task, seed, "naive", d), latency_cfg, latency_cfg.eval_episodes,
-                     folder / "runs" / f"naive_d{d}", folder / "eval" / "naive" / f"d{d}", d,
-                     min(50, latency_cfg.eval_episodes))  # fmt: skip
+                rl_cell(task, seed, latency_cfg, "naive", d)
             naive_d = pooled(cells, task, "naive", d)
-            ratio = naive_d / standard_zero if standard_zero else None
-            decision["naive_over_standard"][str(d)] = None if ratio is None else float(ratio)
+            decision["naive_over_standard"][str(d)] = float(naive_d / standard_zero) if standard_zero else None
             if rl_qualifies(naive_d, standard_zero, cfg.quick):
                 report["chosen"] = {"task": task, "delay": d, "seeds": list(SEEDS), "episodes": EPISODES,
                                     "eval_seed": EVAL_SEED}  # fmt: skip
                 decision["outcome"] = f"chosen: delay {d}"
-                return finish()
+                return save(finished=True)
         decision["outcome"] = "no delay passing the imitation rule leaves naive RL at or below the RL rule"
         save()
-    return finish()
+    return save(finished=True)
 
 
 def arm_commands(report: dict[str, Any], calibration_file: str) -> list[str]:

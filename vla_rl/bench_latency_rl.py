@@ -120,7 +120,7 @@ class BenchLatencyRLConfig:
 
 def bench_latency_rl(cfg: BenchLatencyRLConfig) -> dict[str, Any]:
     """Run the protocol of the module docstring; returns (and writes as ``latency_rl.json``) every cell."""
-    from vla_rl.bench_stages import check_calibration, held_out, ppo_run, record_demos, train_imitation
+    from vla_rl.bench_stages import check_calibration, latency_rl_cell, ppo_run, record_demos, train_imitation
     from vla_rl.stages import DelayConfig
 
     cfg.apply_quick()
@@ -168,8 +168,7 @@ def bench_latency_rl(cfg: BenchLatencyRLConfig) -> dict[str, Any]:
     cells: list[dict[str, Any]] = []
     t0 = time.time()
     for (arm, d), checkpoint in checkpoints.items():
-        result = held_out(cfg, checkpoint, cfg.eval_episodes, cfg.eval_seed, out / "eval" / arm / f"d{d}",
-                          num_envs=min(50, cfg.eval_episodes), delay_steps=d)  # fmt: skip
+        result = latency_rl_cell(cfg, out, arm, d, checkpoint)
         cells.append({"arm": arm, "delay": d, "delay_ms": 50 * d, "checkpoint": str(checkpoint), **result})
     stage_minutes["evaluation"] = round((time.time() - t0) / 60, 2)
     summary = summarize(cells, largest)

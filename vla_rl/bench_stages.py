@@ -93,6 +93,20 @@ def held_out(
     return {k: result[k] for k in ("episodes", "successes", "success_rate", "success_ci95", "mean_episode_length")}
 
 
+def delay_cell(cfg, out: Path, policy: str, merge: str, d: int) -> dict:
+    """`bench delay`'s cell (``cfg`` its config): the policy in ``out / policy`` under a fixed delay ``d``
+    with chunk merge ``merge``, evaluated into ``out / "eval" / policy / merge / "d<d>"``."""
+    return held_out(cfg, out / policy, cfg.episodes, cfg.eval_seed, out / "eval" / policy / merge / f"d{d}",
+                    num_envs=min(cfg.num_envs, cfg.episodes), delay_steps=d, merge=merge)  # fmt: skip
+
+
+def latency_rl_cell(cfg, out: Path, arm: str, d: int, checkpoint: Path) -> dict:
+    """`bench latency-rl`'s cell (``cfg`` its config): ``checkpoint`` under a fixed delay ``d``, evaluated
+    into ``out / "eval" / arm / "d<d>"``."""
+    return held_out(cfg, checkpoint, cfg.eval_episodes, cfg.eval_seed, out / "eval" / arm / f"d{d}",
+                    num_envs=min(50, cfg.eval_episodes), delay_steps=d)  # fmt: skip
+
+
 def ppo_run(cfg, out: Path, name: str, d: int, latency_aware: bool) -> tuple[Path, dict]:
     """`bench latency-rl`'s PPO arm (``cfg`` its config) into ``out / "runs" / name`` (resumed when it has
     checkpoints) from ``out / "imitation"``, under a fixed delay ``d``; returns its folder and what the
