@@ -40,6 +40,8 @@ import numpy as np
 from sim.config import EnvConfig
 from vla_core.types import ACTION, OBS_STATE, image_key
 
+FINAL_DELIVERY_TIMEOUT_S = 5.0  # how long a stopping robot waits for subscribers to acknowledge its last messages
+
 
 @dataclass
 class SimRobotConfig:
@@ -379,6 +381,24 @@ class SimRobot:
             "wall_s": round(time.monotonic() - self._started, 1),
         }
 
+    def deliver_pending(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` in all until every subscriber has acknowledged what was published.
+
+        The episode's final status goes out just before the node is destroyed; destroying a reliable
+        publisher drops whatever a loaded machine has not yet delivered, so a client waiting for that
+        status would wait for ever. True when everything was acknowledged in time.
+        """
+        from rclpy.duration import Duration
+
+        end = time.monotonic() + timeout_s
+        delivered = True
+        for pub in self.node.publishers:
+            left = max(0.0, end - time.monotonic())
+            delivered &= pub.wait_for_all_acked(Duration(nanoseconds=int(left * 1e9)))
+        if not delivered:
+            self.log.warning(f"some messages were not acknowledged by every subscriber within {timeout_s} s")
+        return delivered
+
     def _now_ns(self) -> int:
         return self.node.get_clock().now().nanoseconds
 
@@ -411,6 +431,8 @@ def run_sim_robot(cfg: SimRobotConfig) -> dict:
     except (KeyboardInterrupt, ExternalShutdownException):
         pass
     finally:
+        if robot is not None and rclpy.ok():  # after Ctrl-C the context is gone, and nobody waits for a status
+            robot.deliver_pending(FINAL_DELIVERY_TIMEOUT_S)
         summary = robot.summary() if robot is not None else {}
         node.destroy_node()
         if rclpy.ok():
