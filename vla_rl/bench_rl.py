@@ -44,6 +44,15 @@ Protocol history (runs as README.md reports them, each by its final line):
 - 2026-12-03: the first run of ``--policy_type=autoregressive_vla --process_reward=true`` (AR run 1),
   on the protocol above as committed: ``ppo_gain=+1.0 grpo_gain=-3.0 env_steps=151632 minutes=89.2
   prm_gain=-2.0`` (imitation 0.07).
+- 2026-12-04, an amendment written before any of its runs: the autoregressive policy's imitation setting
+  is chosen from the imitation arm alone, on a selection seed that no result uses (6000: not the held-out
+  5000, not the curves' 3000), because AR run 1 started RL from 7% and so measured nothing about RL.
+  Stage 1: the committed setting (FAST tokens, 4,000 steps) and uniform bins (``action_tokenizer=
+  uniform_bins``, 256 bins, 4,000 steps), both on the benchmark's seed-0 demonstrations, batch 64, every
+  other setting the default; each evaluated greedily on 100 episodes from seed 6000. If the better
+  reaches 20%, it is the setting. Otherwise stage 2 trains both tokenizers for 12,000 steps and the best
+  of the four by the same evaluation is the setting. Every candidate's rate is reported. The RL arms, the
+  budget and the held-out evaluation are unchanged, and no RL arm runs before the setting is chosen.
 """
 
 from __future__ import annotations
