@@ -16,6 +16,9 @@ The protocol, fixed before any result was seen:
    run) and the final line ``ppo_gain=<points> grpo_gain=<points> env_steps=<n> minutes=<m>``
    (`` prm_gain=<points>`` appended when the process-reward arm ran, see the history),
    where a gain is (success after - success before) in percentage points.
+5. Several training seeds (``--seeds=[0,1]``): each seed runs 1-4 as its own resumable run in
+   ``<output_dir>/seed<s>``; each seed's final line is printed, then the table and final line pooled over
+   the seeds (successes summed over every seed's held-out episodes; `` seeds=<s,...>`` appended).
 
 ``--quick`` runs every stage at toy sizes (about a minute): it checks the plumbing, not the claim.
 
@@ -53,15 +56,19 @@ Protocol history (runs as README.md reports them, each by its final line):
   reaches 20%, it is the setting. Otherwise stage 2 trains both tokenizers for 12,000 steps and the best
   of the four by the same evaluation is the setting. Every candidate's rate is reported. The RL arms, the
   budget and the held-out evaluation are unchanged, and no RL arm runs before the setting is chosen.
+- 2026-12-04, an addition (no result of it known when written): ``--seeds`` (item 5), so the learning claim
+  can rest on two seeds; a run without it is unchanged.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
+
+from vla_core.files import write_text_atomic
 
 ALGOS = ("ppo", "grpo")
 PolicyType = Literal["diffusion", "autoregressive_vla"]
@@ -87,6 +94,10 @@ class BenchRLConfig:
     progress_eval_seed: int = 3000  # seed of fine-tuning's periodic evaluations (the curves)
     progress_eval_episodes: int = 32
     seed: int = 0
+    # Several training seeds, each its own resumable run of the protocol in <output_dir>/seed<s> (a finished seed
+    # is read back, so a claim can span sessions), then each seed's line and the line pooled over them. Empty:
+    # the one run of --seed in <output_dir>.
+    seeds: list[int] = field(default_factory=list)
     num_threads: int = 0  # torch CPU threads; 0 = all cores
     output_dir: str = (
         "outputs/bench/rl"  # a killed run resumes its finished stages; quick runs go to <output_dir>/quick
@@ -100,13 +111,42 @@ class BenchRLConfig:
 
 
 def bench_rl(cfg: BenchRLConfig) -> dict[str, Any]:
-    """Run the protocol of the module docstring; returns (and writes as ``rl.json``) its results."""
-    from vla_rl.bench_stages import held_out, record_demos, train_imitation
-
+    """Run the protocol of the module docstring; returns (and writes as ``rl.json``) its results. With
+    ``cfg.seeds``, each seed's run and their pooled figures (``pooled.json``, `pool_seeds`)."""
     cfg.apply_quick()
     out = Path(cfg.output_dir) / "quick" if cfg.quick else Path(cfg.output_dir)
     if cfg.policy_type != "diffusion":  # the default's folder layout is kept, so its runs resume
         out = out / cfg.policy_type
+    if not cfg.seeds:
+        return _bench_one_seed(cfg, out)
+    if cfg.seed != 0 or len(set(cfg.seeds)) != len(cfg.seeds):
+        raise ValueError(f"--seeds={cfg.seeds} runs each seed once and sets --seed itself: drop --seed={cfg.seed} "
+                         "and repeat no seed")  # fmt: skip
+    reports = {}
+    for seed in cfg.seeds:
+        seed_cfg, seed_out = replace(cfg, seed=seed, seeds=[]), out / f"seed{seed}"
+        reports[seed] = _finished(seed_cfg, seed_out) or _bench_one_seed(seed_cfg, seed_out)
+    pooled = pool_seeds(reports)
+    write_text_atomic(out / "pooled.json", json.dumps(pooled, indent=2))
+    return pooled
+
+
+def _finished(cfg: BenchRLConfig, out: Path) -> dict[str, Any] | None:
+    """The report of a seed's run that finished under ``cfg`` (its threads aside), else None."""
+    path = out / "rl.json"
+    if not path.is_file():
+        return None
+    report = json.loads(path.read_text())
+    recorded, wanted = dict(report["config"]), asdict(cfg)
+    for free in ("num_threads", "output_dir"):
+        recorded.pop(free, None), wanted.pop(free)
+    return report if recorded == wanted else None
+
+
+def _bench_one_seed(cfg: BenchRLConfig, out: Path) -> dict[str, Any]:
+    """The protocol for ``cfg.seed`` in ``out``: its report, also written as ``out / "rl.json"``."""
+    from vla_rl.bench_stages import held_out, record_demos, train_imitation
+
     start = time.time()
     dataset, imitation = out / "dataset", out / "imitation"
     record_demos(cfg, dataset)
@@ -131,8 +171,29 @@ def bench_rl(cfg: BenchRLConfig) -> dict[str, Any]:
         "env_steps": {arm: runs[arm]["env_steps"] for arm in arms},
     }  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
-    (out / "rl.json").write_text(json.dumps(report, indent=2))
+    write_text_atomic(out / "rl.json", json.dumps(report, indent=2))
     return report
+
+
+def pool_seeds(reports: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """Seeds' reports (by seed) -> the pooled report: each arm's successes and episodes summed over the seeds
+    (`vla_rl.stages.pooled_rate`), the gains of the pooled rates, the largest env-step count and the
+    minutes summed; every seed's report kept under ``seeds``. The pooled interval counts every episode as
+    independent: the seeds share their evaluation episodes' initial states (``eval_seed``)."""
+    from vla_rl.stages import pooled_rate
+
+    first = next(iter(reports.values()))
+    arms = list(first["gains_points"])
+    results = {name: pooled_rate([r["results"][name] for r in reports.values()]) for name in ("imitation", *arms)}
+    before = results["imitation"]["success_rate"]
+    return {
+        "config": {**first["config"], "seed": None, "seeds": list(reports)},
+        "results": results,
+        "gains_points": {arm: round(100 * (results[arm]["success_rate"] - before), 1) for arm in arms},
+        "env_steps": {arm: max(r["env_steps"][arm] for r in reports.values()) for arm in arms},
+        "minutes": round(sum(r["minutes"] for r in reports.values()), 2),
+        "seeds": {str(seed): report for seed, report in reports.items()},
+    }
 
 
 def _finetune_arm(cfg: BenchRLConfig, arm: str, imitation: Path, out: Path) -> dict[str, Any]:
@@ -174,20 +235,29 @@ def _process_reward_model(cfg: BenchRLConfig, out: Path) -> Path:
 
 
 def format_summary(report: dict[str, Any]) -> str:
-    """The table of held-out success and the final line."""
-    lines = [f"{'policy':<10} {'success':>8}  95% interval      episodes  env steps"]
+    """The table of held-out success and the final line; for a pooled report, each seed's line first and the
+    pooled table and line last (`` seeds=<s,...>`` appended)."""
+    lines = []
+    for seed, seed_report in report.get("seeds", {}).items():
+        lines.append(f"seed {seed}: {_final_line(seed_report)}")
+    lines.append(f"{'policy':<10} {'success':>8}  95% interval      episodes  env steps")
     for name in ("imitation", *report["gains_points"]):
         r = report["results"][name]
         lo, hi = r["success_ci95"]
-        steps = report["runs"][name]["env_steps"] if name in report["runs"] else 0
+        steps = report["env_steps"].get(name, 0)
         lines.append(f"{name:<10} {r['success_rate']:>8.3f}  [{lo:.2f}, {hi:.2f}]  {r['episodes']:>8}  {steps:>9}")
     if report["config"]["quick"]:
         lines.append("quick run: toy sizes, the numbers below say nothing about RL")
+    seeds = report["config"]["seeds"]
+    lines.append(_final_line(report) + (f" seeds={','.join(map(str, seeds))}" if seeds else ""))
+    return "\n".join(lines)
+
+
+def _final_line(report: dict[str, Any]) -> str:
     g = report["gains_points"]
     env_steps = max(report["env_steps"].values())
     prm = f" prm_gain={g['ppo_prm']:+.1f}" if "ppo_prm" in g else ""
-    lines.append(
+    return (
         f"ppo_gain={g['ppo']:+.1f} grpo_gain={g['grpo']:+.1f} env_steps={env_steps} minutes={report['minutes']:.1f}"
         + prm
     )
-    return "\n".join(lines)

@@ -52,7 +52,7 @@ if TYPE_CHECKING:
     from vla_rl.rl.ppo import PPOConfig
     from vla_rl.rl.process_reward import RewardConfig
     from vla_rl.rl.ray_runtime import WORKER_NAME_PREFIX, RayConfig
-    from vla_rl.statistics import wilson_interval
+    from vla_rl.statistics import pooled_rate, wilson_interval
     from vla_rl.train import DatasetConfig, TrainConfig, build_policy
     from vla_rl.train_prm import PRMDatasetConfig, TrainPRMConfig
 
@@ -124,6 +124,8 @@ _EXPORTS = {
     "build_policy": "vla_rl.train",
     # The 95% interval every evaluation reports (success_ci95), for a composition that pools cells.
     "wilson_interval": "vla_rl.statistics",
+    # Success counts pooled over runs (training seeds) with their interval.
+    "pooled_rate": "vla_rl.statistics",
 }
 
 __all__ = [
@@ -150,6 +152,7 @@ __all__ = [
     "config_dict",
     "evaluate",
     "finetune",
+    "pooled_rate",
     "record",
     "train",
     "train_prm",

@@ -27,3 +27,13 @@ def mcnemar_exact(only_first: int, only_second: int) -> float:
     k = min(only_first, only_second)
     tail = sum(math.comb(n, i) for i in range(k + 1)) / 2**n
     return min(1.0, 2 * tail)
+
+
+def pooled_rate(results: list[dict]) -> dict:
+    """Success results (each with ``successes`` and ``episodes``) pooled: the summed counts, their rate and
+    its 95% Wilson interval, as one evaluation of all the episodes would report them."""
+    successes, episodes = sum(r["successes"] for r in results), sum(r["episodes"] for r in results)
+    return {
+        "episodes": episodes, "successes": successes, "success_rate": successes / episodes if episodes else 0.0,
+        "success_ci95": list(wilson_interval(successes, episodes)),
+    }  # fmt: skip
