@@ -56,6 +56,11 @@ class TopicsConfig:
     command_array: str = topic_table.COMMAND_ARRAY.name
     chunk_info: str = topic_table.CHUNK_INFO.name  # std_msgs/String, JSON metadata of each merged chunk
     diagnostics: str = topic_table.DIAGNOSTICS.name  # diagnostic_msgs/DiagnosticArray
+    # std_msgs/String JSON status of the robot's episodes ({"episode", "done", "stamp_ns"}, as `vla-rl
+    # sim-robot` publishes on /sim_robot/episode): from the first joint state stamped after an episode's end,
+    # the latency protocol starts a new episode as simulation does (empty queue, step 0, the hold anchored
+    # on the measured state) and the latency log numbers requests by episode. "" = none: one long episode.
+    episode: str = ""
 
 
 @dataclass
@@ -74,6 +79,10 @@ class SafetyConfig:
     # |velocity change| / period per action dim; empty = unlimited
     max_acceleration: list[float] = field(default_factory=list)
     stale_after_s: float = 0.25  # hold when the newest joint state or any camera image is older than this
+    # A message stamped more than this ahead of the node's clock is rejected (rejected_future_stamp): a bad
+    # stamp, or a driver's clock that stepped forward. Stamps are compared across machines, so their clocks
+    # must agree to well within it (chrony, PTP).
+    future_stamp_tolerance_s: float = 0.5
     # [low, high] per JointState entry (by name): a state outside [low - state_margin, high +
     # state_margin] is a sensor fault and is rejected (hold) before it reaches the policy. Names not
     # in state_names are ignored and entries without bounds are unchecked; {} checks nothing.
@@ -106,7 +115,9 @@ class ServeConfig:
     instruction: str = ""  # task instruction until one arrives on the instruction topic
     image_size: int = 0  # expected square image side; 0 = the policy's config.image_size
     resize_images: bool = False  # resize images of another size instead of rejecting them
-    control_hz: float = 100.0  # control rate; with clock=joint_states, the rate the robot publishes at
+    # control rate; with clock=joint_states, the rate the robot publishes at, and the most commands a second
+    # (joint states beyond it tick nothing and count as excess_states)
+    control_hz: float = 100.0
     deadline_ms: float = 5.0  # a command handed to ROS later than this after its tick was due is a missed deadline
     clock: Clock = "joint_states"  # joint_states: one command per arriving joint state; timer: the node's own timer
     horizon: int = 0  # chunk length H; 0 = the policy's config.horizon
@@ -133,6 +144,10 @@ class ServeConfig:
     # Seconds added to every inference before its chunk is returned: a slow model's latency on a fast
     # machine, to try the latency path (and latency-aware checkpoints) with `vla-rl sim-robot`. 0 = none.
     added_latency_s: float = 0.0
+    # >= 0: the sampler's initial noise of request k of the robot's episode e (topics.episode) is drawn from
+    # (noise_seed, e, k) (`vla_core.runtime.noise`), as `vla-rl eval --noise_seed` draws it for the same
+    # request in simulation; -1 = the policy draws it.
+    noise_seed: int = -1
     # SCHED_FIFO priority (1-99) of the control loop and its DDS threads, so no other work on the core
     # delays a tick (as ros2_control does); 0 = normal scheduling. Needs root or an rtprio limit;
     # without permission the node logs why and runs with normal scheduling.

@@ -11,8 +11,10 @@ import numpy as np
 
 # The node's states; the DiagnosticStatus level (OK, WARN, ERROR) each is reported with.
 STATE_LEVELS = {"RUNNING": "OK", "LOADING": "WARN", "HOLDING": "WARN", "ESTOP": "WARN", "FAILED": "ERROR"}
+# excess_states: joint states that ticked no command (clock=joint_states, arriving faster than control_hz).
 COUNTERS = ("ticks", "missed_deadlines", "rejected_messages", "out_of_order", "stale_events", "chunks",
-            "dropped_chunks", "policy_errors", "invalid_chunks", "load_failures", "delay_clamped")  # fmt: skip
+            "dropped_chunks", "policy_errors", "invalid_chunks", "load_failures", "delay_clamped",
+            "excess_states")  # fmt: skip
 
 
 class BridgeDiagnostics:

@@ -134,9 +134,40 @@ class Hold:
             target = self.safety.last_command + target
         return self.safety.step(target)
 
+    def start_episode(self) -> None:
+        """The robot started a new episode (`ChunkScheduler.start_episode_if_due`): hold where it now is, as at
+        start-up, not at the last episode's last command (the simulation holds a new episode's world still)."""
+        if self.inputs.state is not None:
+            self.safety.start_from(self._measured_command())
+
     def _measured_command(self) -> np.ndarray:
         """(A,) the hold before any command: state entries named like the actions, else safety.initial_command."""
         cfg = self.config
         index = {n: i for i, n in enumerate(cfg.state_names)}
         state = self.inputs.state
         return np.array([state[index[n]] if n in index else cfg.safety.initial_command[n] for n in cfg.action_names])
+
+
+class TickBudget:
+    """Caps the control ticks of ``clock=joint_states`` at ``hz``, whatever rate the joint states arrive at.
+
+    A token bucket: credit grows at ``hz`` per second, at most one tick of it banked; a state ticks when at
+    least half a tick of credit is there, and spends one. A stream at the control rate ticks with every
+    state even when one comes up to half a period early; a faster one (a flood, a driver publishing at its
+    own rate) ticks at ``hz`` on average, and over any span T at most T * hz + 1.5 times.
+    """
+
+    def __init__(self, hz: float) -> None:
+        self.hz = hz
+        self.credit = 1.0
+        self._last: float | None = None
+
+    def allow(self, arrival: float) -> bool:
+        """Whether the joint state that arrived at ``arrival`` (monotonic seconds) ticks the control loop."""
+        if self._last is not None:
+            self.credit = min(1.0, self.credit + (arrival - self._last) * self.hz)
+        self._last = arrival
+        if self.credit < 0.5:
+            return False
+        self.credit -= 1.0
+        return True

@@ -1,14 +1,17 @@
-"""The serve node's inputs: joint states, camera images and the instruction, checked as they arrive.
+"""The serve node's inputs: joint states, camera images and the instruction, checked as they arrive,
+and (with ``topics.episode``) the robot's episode status.
 
 Each message is decoded by `robot_bridge.codec` (the decoder `vla-rl convert` uses for training
-data) and checked: shape, encoding, finiteness, a header stamp not older than the source's last,
-and for joint states the plausibility bounds of ``safety.state_bounds``. A rejected message leaves
-a fault on its source (the hold names it) until that source's next good message. No ROS import
-at module level: :meth:`BridgeInputs.subscribe` takes the node.
+data) and checked: shape, encoding, finiteness, a header stamp neither ahead of the node's clock
+(beyond ``safety.future_stamp_tolerance_s``) nor out of order (see `BridgeInputs._accept`), and for
+joint states the plausibility bounds of ``safety.state_bounds``. A rejected message leaves a fault
+on its source (the hold names it) until that source's next good message. No ROS import at module
+level: :meth:`BridgeInputs.subscribe` takes the node.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from collections.abc import Callable
@@ -63,7 +66,8 @@ class BridgeInputs:
     """The newest accepted joint state, image per camera and instruction, with their arrival times and stamps.
 
     ``on_joint_state`` (optional) is called with the arrival time (monotonic) of every joint state,
-    accepted or not: with ``clock=joint_states`` each one is a control tick.
+    accepted or not: with ``clock=joint_states`` each one is a control tick. ``clock_now`` (optional): the
+    node's clock in seconds, the clock header stamps are on; None checks no stamp against it.
     """
 
     def __init__(
@@ -73,8 +77,10 @@ class BridgeInputs:
         log_limiter: LogLimiter,
         log_info: Callable[[str], None],
         on_joint_state: Callable[[float], None] | None = None,
+        clock_now: Callable[[], float] | None = None,
     ) -> None:
         self.config = config
+        self.clock_now = clock_now
         self.diagnostics = diagnostics
         self.log_limiter = log_limiter
         self.log_info = log_info
@@ -86,6 +92,9 @@ class BridgeInputs:
         self.images: dict[str, np.ndarray] = {}  # camera -> (H, W, 3) uint8
         self.faults: dict[str, tuple[str, str]] = {}  # source -> (kind, why) its last message was rejected
         self.instruction = config.instruction
+        # (the robot's episode that ended, the stamp in seconds of its final state) as topics.episode announced
+        # it, until the scheduler starts the next episode; the first joint state starts episode 0.
+        self.ended_episode: tuple[int, float] | None = (-1, -math.inf) if config.topics.episode else None
         self.policy_image_size: int | None = None  # the loaded policy's, once it is known
         # Plausibility bounds of the state entries, in state_names order; +-inf where none is configured.
         bounds = config.safety.state_bounds
@@ -111,6 +120,10 @@ class BridgeInputs:
         node.create_subscription(
             topics.INSTRUCTION.message_class(), cfg.topics.instruction, self.on_instruction, command_qos
         )
+        if cfg.topics.episode:
+            node.create_subscription(
+                topics.EPISODE.message_class(), cfg.topics.episode, self.on_episode_status, command_qos
+            )
 
     # -- callbacks -------------------------------------------------------------------------------
 
@@ -142,6 +155,16 @@ class BridgeInputs:
         except InputRejected as err:
             self.reject(source, err)
 
+    def on_episode_status(self, msg) -> None:
+        """The robot's episode status (JSON; see ``topics.episode``): an ended episode is kept until the scheduler
+        starts the next. A malformed status is logged and ignored: it carries no observation to hold for."""
+        try:
+            status = json.loads(msg.data)
+            if status.get("done"):
+                self.ended_episode = (int(status["episode"]), int(status["stamp_ns"]) * 1e-9)
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
+            self.log_limiter("episode status", "warning", f"ignored an episode status that is not one ({err})")
+
     def on_instruction(self, msg) -> None:
         if msg.data != self.instruction:
             self.log_info(f"instruction: {msg.data!r} (from the next chunk on)")
@@ -150,9 +173,25 @@ class BridgeInputs:
     # -- checks ----------------------------------------------------------------------------------
 
     def _accept(self, source: str, stamp: float, arrival: float) -> None:
-        """Check the header stamp is not older than the last accepted one from source; record it."""
+        """Check the header stamp against the node's clock and the source's last accepted one; record it.
+
+        A stamp ahead of the clock beyond the tolerance is rejected. A stamp older than the last accepted
+        one is out of order, unless that one is still ahead of the clock: then only a stamp older than the
+        clock minus ``safety.stale_after_s`` is, so no accepted message, however stamped, locks its stream
+        out until the clock catches up with it.
+        """
+        now = self.clock_now() if self.clock_now is not None else math.inf
+        tolerance = self.config.safety.future_stamp_tolerance_s
+        if stamp > now + tolerance:
+            raise InputRejected(
+                f"stamp {stamp:.6f} s is {stamp - now:.3f} s ahead of this node's clock (tolerance {tolerance:g} s): a "
+                "bad stamp or a clock that stepped forward; synchronize the clocks (chrony, PTP) or raise "
+                "safety.future_stamp_tolerance_s",
+                "future_stamp",
+            )
         last = self.stamp.get(source)
-        if last is not None and stamp < last:
+        bar = last if last is None or last <= now else now - self.config.safety.stale_after_s
+        if bar is not None and stamp < bar:
             self.diagnostics.count("out_of_order")
             raise InputRejected(
                 f"out-of-order stamp {stamp:.6f} s, older than the last accepted {last:.6f} s", "out_of_order"

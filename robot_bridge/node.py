@@ -11,8 +11,8 @@ One thread runs every callback (subscriptions, timers), so a control tick never 
   default), the in-flight request, and the `vla_core.runtime.ActionChunkExecutor` chunks merge into;
 - `robot_bridge.diagnostics.BridgeDiagnostics`: counters, latencies and the /diagnostics report.
 
-Control tick (one per arriving joint state with ``clock=joint_states``, else one per timer
-period): pass the action prepared for this step through the safety filter and publish it. Only
+Control tick (one per arriving joint state with ``clock=joint_states``, at most ``control_hz`` a
+second, else one per timer period): pass the action prepared for this step through the safety filter and publish it. Only
 then, off the latency path: the scheduler merges any chunk that came back, asks for the next one
 when due, and takes the next step's action from the executor.
 
@@ -53,7 +53,7 @@ from robot_bridge import codec, topics
 from robot_bridge.chunk_scheduler import ChunkScheduler
 from robot_bridge.config import ServeConfig, apply_overrides, flat_fields
 from robot_bridge.diagnostics import BridgeDiagnostics
-from robot_bridge.hold import Hold
+from robot_bridge.hold import Hold, TickBudget
 from robot_bridge.inputs import JOINT_STATES, BridgeInputs
 from robot_bridge.log_limit import LogLimiter
 from robot_bridge.scheduling import lock_memory, quiet_interpreter, use_realtime
@@ -108,7 +108,9 @@ class PolicyBridge(Node):
         logger = self.get_logger()
         self.log_limiter = LogLimiter(self._log_line, period_s=1.0, clock=log_clock)
         self.diagnostics = BridgeDiagnostics()
-        self.inputs = BridgeInputs(cfg, self.diagnostics, self.log_limiter, logger.info, self._on_joint_state)
+        self.inputs = BridgeInputs(cfg, self.diagnostics, self.log_limiter, logger.info, self._on_joint_state,
+                                   clock_now=lambda: self.get_clock().now().nanoseconds * 1e-9)  # fmt: skip
+        self.tick_budget = TickBudget(cfg.control_hz)
         if self.inputs.unchecked_state:
             logger.warning(
                 f"state entries {self.inputs.unchecked_state} have no plausibility bounds, so a sensor fault there "
@@ -201,10 +203,15 @@ class PolicyBridge(Node):
     # -- control ---------------------------------------------------------------------------------
 
     def _on_joint_state(self, arrival: float) -> None:
-        """Every joint state, accepted or not, ticks the control loop with ``clock=joint_states``."""
-        if self.config.clock == "joint_states":
-            self.hold.state_ticked(arrival)
-            self._control_tick(scheduled=arrival)
+        """With ``clock=joint_states`` every joint state, accepted or not, ticks the control loop, at most
+        ``control_hz`` times a second (`TickBudget`); the rest count as ``excess_states``."""
+        if self.config.clock != "joint_states":
+            return
+        if not self.tick_budget.allow(arrival):
+            self.diagnostics.count("excess_states")
+            return
+        self.hold.state_ticked(arrival)
+        self._control_tick(scheduled=arrival)
 
     def _on_timer(self) -> None:
         now = time.monotonic()
@@ -225,6 +232,8 @@ class PolicyBridge(Node):
     def _control_tick(self, scheduled: float) -> None:
         now = time.monotonic()
         plan = self.scheduler
+        if plan.start_episode_if_due():  # the robot's next episode (topics.episode) starts at this joint state
+            self.hold.start_episode()
         cause_key, cause = self.hold.check(now)
         target = plan.next_target if cause is None else None
         command = self.hold.command(target)

@@ -69,7 +69,12 @@ class FakeRobot:
         self.state_override = None  # callable(JointState) -> JointState, for injecting bad states
         self.image_override = None  # callable(Image) -> Image
         self.stamp = 1000.0
+        self.states_sent = 0
         self.node.create_timer(1.0 / HZ, self._publish)
+
+    def flood(self, hz: float) -> None:
+        """Publish joint states (only) at ``hz`` as well, as a driver publishing at its own rate would."""
+        self.node.create_timer(1.0 / hz, self._publish_state)
 
     def _on_command(self, msg):
         self.commands.append((time.monotonic(), list(msg.points[0].positions), list(msg.joint_names)))
@@ -96,9 +101,13 @@ class FakeRobot:
         if self.publishing["image"]:  # image first: the joint state triggers the bridge's tick
             msg = self.image()
             self.image_pub.publish(self.image_override(msg) if self.image_override else msg)
+        self._publish_state()
+
+    def _publish_state(self):
         if self.publishing["state"]:
             msg = self.joint_state()
             self.state_pub.publish(self.state_override(msg) if self.state_override else msg)
+            self.states_sent += 1
 
 
 @pytest.fixture
@@ -238,6 +247,8 @@ def _bad_state(kind):
             msg.position = list(msg.position) + [0.0]
         elif kind == "old":
             msg.header.stamp.sec -= 100
+        elif kind == "future":  # 30 s ahead of the node's clock: a driver's clock that stepped forward
+            msg.header.stamp.sec = time.time_ns() // 10**9 + 30
         elif kind == "far":  # a sensor fault: 1e6 rad on every joint, finite and well-formed
             msg.position = [1e6] * 7 + list(msg.position[7:])
         return msg
@@ -251,6 +262,8 @@ def _bad_state(kind):
      ("missing", "missing_names", ["joint_states", "lacks", "ee_z"]),
      ("length", "wrong_length", ["joint_states", "names", "positions"]),
      ("old", "out_of_order", ["joint_states", "out-of-order"]),
+     # Accepted before, after which every valid state was out of order until the clock caught up.
+     ("future", "future_stamp", ["joint_states", "ahead of this node's clock"]),
      # The entry, its value and the configured bound (the sim Panda's joint1 limit).
      ("far", "out_of_bounds", ["joint_states", "out of bounds", "joint1=1e+06 outside [-2.8973, 2.8973]"])],
 )  # fmt: skip
@@ -280,7 +293,7 @@ def test_rejections_are_counted_per_cause_and_logged_once_a_second_per_cause(ros
     """Callbacks called directly, not spun (so every message arrives and the counts are exact), with
     the log limiter on an injected clock: 20 out-of-bounds and 7 NaN states in what the limiter sees
     as one instant give one log line per cause, every tick holds, and a second later the next line
-    says how many were held back."""
+    says how many were held back. (The burst is a flood too: it ticks at most at the control rate.)"""
     context, executor = ros
     now = [1000.0]
     ticks = []
@@ -290,12 +303,15 @@ def test_rejections_are_counted_per_cause_and_logged_once_a_second_per_cause(ros
     try:
         assert spin_until(executor, lambda: bridge.hold.state == "RUNNING"), bridge.hold.cause
         assert bridge.diagnostics.rejections == {}
-        first = len(ticks)
+        first, excess = len(ticks), bridge.diagnostics.counters["excess_states"]
         far, nan = _bad_state("far"), _bad_state("nan")
+        time.sleep(2 / HZ)  # not spinning: no state arrives, so the burst's first state finds a whole tick banked
+        started = time.monotonic()
         for _ in range(20):
             bridge.inputs.on_joint_state(far(robot.joint_state()))
         for _ in range(7):
             bridge.inputs.on_joint_state(nan(robot.joint_state()))
+        burst_s = time.monotonic() - started
         assert bridge.diagnostics.rejections == {"out_of_bounds": 20, "not_finite": 7}
         assert bridge.diagnostics.counters["rejected_messages"] == 27
         values = bridge.status_values()
@@ -306,11 +322,14 @@ def test_rejections_are_counted_per_cause_and_logged_once_a_second_per_cause(ros
         assert "(and 4 more)" in rejected[0] and "[out_of_bounds]" in rejected[0]
         assert "non-finite values for ['joint1']" in rejected[1] and "[not_finite]" in rejected[1]
         assert all(level == "warning" for level, line in lines if line.startswith("rejected"))
-        # Every one of the 27 ticks held the command that went out before the first bad state.
+        # 27 states in a burst tick at most burst_s * HZ + 1.5 times (`TickBudget`); the rest are excess. Every
+        # tick held the command that went out before the first bad state.
         held = ticks[first:]
-        assert len(held) == 27 and not any(t.from_policy for t in held)
+        assert 1 <= len(held) <= burst_s * HZ + 1.5 and not any(t.from_policy for t in held)
+        assert bridge.diagnostics.counters["excess_states"] - excess == 27 - len(held)
         assert all(t.command.tolist() == held[0].command.tolist() for t in held)
-        assert bridge.hold.state == "HOLDING" and "non-finite" in bridge.hold.cause
+        # Holding; the next tick names the newest fault (the burst's last ticked state may have been out of bounds).
+        assert bridge.hold.state == "HOLDING" and bridge.inputs.faults["joint_states"][0] == "not_finite"
         # One second later (on the limiter's clock) the cause may be logged again, with the count held back.
         now[0] += 1.0
         bridge.inputs.on_joint_state(far(robot.joint_state()))
@@ -644,6 +663,27 @@ def test_commands_arrive_at_the_control_rate(ros):
         assert spin_until(executor, lambda: len(robot.commands) >= first + 40)
         times = [c[0] for c in robot.commands[first : first + 40]]
         assert np.median(np.diff(times)) == pytest.approx(1 / HZ, abs=0.004)
+    finally:
+        bridge.close()
+
+
+def test_a_flood_of_joint_states_commands_at_the_control_rate_and_counts_the_excess(ros):
+    """Joint states at about 6x the control rate (a driver publishing at its own rate; before, each one ticked
+    a command): the node ticks at most control_hz times a second (over a span T, T * HZ + 1.5 at most,
+    `TickBudget`), and counts the states it did not tick for on /diagnostics."""
+    context, executor = ros
+    ticks = []
+    bridge, robot = make_bridge(context, executor, on_tick=ticks.append)
+    try:
+        assert spin_until(executor, lambda: bridge.hold.state == "RUNNING"), bridge.hold.cause
+        robot.flood(5 * HZ)
+        sent, first, excess, started = robot.states_sent, len(ticks), bridge.diagnostics.counters["excess_states"], \
+            time.monotonic()  # fmt: skip
+        assert spin_until(executor, lambda: robot.states_sent >= sent + 200)
+        span, flood_ticks = time.monotonic() - started, len(ticks) - first
+        assert flood_ticks <= span * HZ + 1.5, (flood_ticks, span, robot.states_sent - sent)
+        assert bridge.diagnostics.counters["excess_states"] - excess >= flood_ticks  # at 6x, most states are excess
+        assert spin_until(executor, lambda: int(robot.diagnostics[-1].get("excess_states", 0)) > 0)
     finally:
         bridge.close()
 

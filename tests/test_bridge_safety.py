@@ -207,3 +207,58 @@ def test_compressed_png_and_fit():
     with pytest.raises(InputRejected, match="4x6 but the policy expects 8x8"):
         fit_image(out, 8, resize=False)
     assert fit_image(out, 8, resize=True).shape == (8, 8, 3)
+
+
+def _state_at(stamp_s: float) -> SimpleNamespace:
+    """A JointState-shaped message of the sim Panda at its home pose (inside every default bound), stamped."""
+    home = {name: (low + high) / 2 for name, (low, high) in SIM_STATE_BOUNDS.items()}
+    sec = int(stamp_s)
+    return SimpleNamespace(header=SimpleNamespace(stamp=SimpleNamespace(sec=sec, nanosec=round((stamp_s - sec) * 1e9))),
+                           name=list(SIM_STATE_NAMES), position=[home.get(n, 0.0) for n in SIM_STATE_NAMES])  # fmt: skip
+
+
+def test_a_stamp_ahead_of_the_clock_is_rejected_and_none_locks_its_stream_out():
+    """Node clock at 100 s, future tolerance 0.5 s, staleness limit 0.25 s (values set here)."""
+    from robot_bridge.diagnostics import BridgeDiagnostics
+    from robot_bridge.inputs import BridgeInputs
+
+    config = ServeConfig()
+    config.safety.future_stamp_tolerance_s, config.safety.stale_after_s = 0.5, 0.25
+    clock = [100.0]
+    diagnostics = BridgeDiagnostics()
+    inputs = BridgeInputs(config, diagnostics, LogLimiter(lambda level, line: None), lambda line: None,
+                          clock_now=lambda: clock[0])  # fmt: skip
+
+    def accepted(stamp: float, now: float) -> bool:
+        clock[0] = now
+        inputs.on_joint_state(_state_at(stamp))
+        return "joint_states" not in inputs.faults
+
+    assert not accepted(130.0, now=100.0)  # 30 s ahead: rejected, and nothing recorded
+    assert inputs.faults["joint_states"][0] == "future_stamp" and "joint_states" not in inputs.stamp
+    assert accepted(100.3, now=100.0)  # 0.3 s ahead: within the tolerance
+    # 10 ms behind the clock, older than 100.3: the last accepted is still ahead of the clock, so the bar is
+    # 100.02 - 0.25 = 99.77, and a message the robot could use is not locked out until the clock reaches 100.3.
+    assert accepted(100.01, now=100.02)
+    assert not accepted(100.005, now=100.04)  # older than 100.01, which is behind the clock: out of order
+    assert inputs.faults["joint_states"][0] == "out_of_order"
+    assert not accepted(99.9, now=100.3)  # still older than the last accepted (100.01)
+    assert accepted(100.29, now=100.3)
+    assert diagnostics.rejections == {"future_stamp": 1, "out_of_order": 2}
+
+
+def test_the_tick_budget_caps_a_flood_at_the_control_rate_and_keeps_a_jittery_stream_whole():
+    from robot_bridge.hold import TickBudget
+
+    # A stream at the rate, each state up to 40% of a period early or late: every state ticks.
+    budget = TickBudget(20.0)
+    arrivals = [0.0, 0.03, 0.08, 0.15, 0.20, 0.25, 0.27, 0.35]  # gaps in periods: 0.6, 1, 1.4, 1, 1, 0.4, 1.6
+    ticks = [budget.allow(t) for t in arrivals]
+    # Credit by hand (period 0.05 s; at most 1 banked):
+    # t=0: 1 -> tick, 0; 0.03: 0.6 -> tick, -0.4; 0.08: 0.6 -> tick, -0.4; 0.15: min(1, 1.0) -> tick, 0;
+    # 0.20: 1 -> tick, 0; 0.25: 1 -> tick, 0; 0.27: 0.4 < 0.5 -> no tick; 0.35: 0.4 + 1.6 -> 1 -> tick, 0.
+    assert ticks == [True, True, True, True, True, True, False, True]
+    # A flood at 120 Hz for one second (121 states): credit 1/6 a state. Ticks at states 0, 3 (credit 0.5),
+    # then every 6 (from -0.5 back to 0.5): 0, 3, 9, ..., 117: 21 ticks, within T * hz + 1.5 = 21.5.
+    flood = TickBudget(20.0)
+    assert sum(flood.allow(k / 120) for k in range(121)) == 21
