@@ -25,8 +25,9 @@ from sim.arm import (
     hold_actions,
 )
 from sim.config import EnvConfig
-from sim.ik import ArmController, orientation_error_map
+from sim.ik import ArmController
 from sim.mujoco_env import MujocoBatchedEnv
+from vla_core.ik import orientation_error_map
 
 ROOT = Path(__file__).resolve().parents[1]
 

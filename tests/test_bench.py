@@ -18,8 +18,8 @@ import torch
 from mujoco import rollout
 
 from sim.config import EnvConfig
-from sim.ik import MAX_EE_STEP, ik_targets, orientation_error_map
 from sim.mujoco_env import MujocoBatchedEnv
+from vla_core.ik import MAX_EE_STEP, ik_targets, orientation_error_map
 from vla_core.types import OBS_STATE, TASK
 from vla_rl import bench
 from vla_rl.bench import BenchSimConfig, GymTaskEnv

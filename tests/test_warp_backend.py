@@ -66,7 +66,8 @@ def test_same_trajectory_as_cpu_backend():
 def test_controller_gives_the_same_targets_on_numpy_and_torch():
     """The Warp backend runs ``sim.ik`` on torch tensors, the cpu backend on numpy arrays: the
     same servo targets, number for number."""
-    from sim.ik import ArmController, orientation_error_map
+    from sim.ik import ArmController
+    from vla_core.ik import orientation_error_map
 
     rng = np.random.default_rng(0)
     n = 6
