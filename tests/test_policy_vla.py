@@ -1,5 +1,7 @@
 """The diffusion VLA: Level-2 minibatching isolation, objectives, inpainting, and input checks."""
 
+import shutil
+
 import pytest
 import torch
 
@@ -296,8 +298,20 @@ def test_pretrained_encoder_loads_weights_sizes_and_tokenizer_from_a_local_direc
         encoder.vision_proj.weight.add_(0.1)  # stands for training: differs from a fresh build
         torch.manual_seed(1)
         before = policy.predict_chunk(obs).actions
-    restored, _ = load_policy(save_checkpoint(tmp_path / "ckpt", 1, policy, {}))
+    checkpoint = save_checkpoint(tmp_path / "ckpt", 1, policy, {})
+    # Moved to another machine: the directory the towers came from is not there; the checkpoint's own
+    # encoder/ (the towers' configs and the tokenizer) rebuilds them.
+    shutil.rmtree(tmp_path / "siglip")
+    restored, _ = load_policy(checkpoint)
     with torch.no_grad():
         torch.manual_seed(1)
         after = restored.predict_chunk(obs).actions
     assert torch.allclose(before, after, atol=1e-6)
+    assert restored.encoder.tokenize(["pick up the red cube"], "cpu")[0].tolist() == ids.tolist()
+
+
+def test_a_policy_on_random_towers_saves_no_encoder_folder(tmp_path):
+    from vla_rl.checkpoint import save_checkpoint
+
+    checkpoint = save_checkpoint(tmp_path / "ckpt", 1, make_policy(), {})
+    assert not (checkpoint / "pretrained_model" / "encoder").exists()

@@ -9,10 +9,14 @@ layer. Every token is projected to the DiT width:
 
 The towers are built from config with random weights, or loaded from a local pretrained SigLIP
 directory (weights and tokenizer). Without a pretrained tokenizer, instructions are split into
-words over the dataset's vocabulary.
+words over the dataset's vocabulary. A policy trained on pretrained towers saves their configs and
+tokenizer beside its weights (`ConditionEncoder.save`, the checkpoint's ``encoder/``) and is rebuilt
+from them (``saved``), so a checkpoint loads without the directory it was trained from.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -25,17 +29,25 @@ from policies.tokenizer import PAD_WORD, UNKNOWN_WORD, WordTokenizer
 class ConditionEncoder(nn.Module):
     """Observation batch -> (tokens (B, L, dim), mask (B, L) bool). See the module docstring."""
 
-    def __init__(self, config: DiffusionVLAConfig):
+    def __init__(self, config: DiffusionVLAConfig, saved: Path | None = None):
+        """``saved``: a checkpoint's ``encoder/`` (`save`): the towers are built from the configs there (their
+        weights to come from the checkpoint) and the tokenizer read from there, instead of from
+        ``config.pretrained_encoder``."""
         super().__init__()
-        from transformers import SiglipTextConfig, SiglipTextModel, SiglipVisionConfig, SiglipVisionModel
+        from transformers import AutoTokenizer, SiglipTextConfig, SiglipTextModel, SiglipVisionConfig, SiglipVisionModel
 
         cfg = config
-        if cfg.pretrained_encoder:
-            from transformers import AutoTokenizer
-
+        self.hf_tokenizer = None  # a pretrained encoder's tokenizer, saved with the checkpoint
+        if saved is not None:
+            self.vision = SiglipVisionModel(SiglipVisionConfig.from_pretrained(saved / "vision"))
+            self.text = SiglipTextModel(SiglipTextConfig.from_pretrained(saved / "text"))
+            self.hf_tokenizer = AutoTokenizer.from_pretrained(saved / "tokenizer")
+        elif cfg.pretrained_encoder:
             self.vision = SiglipVisionModel.from_pretrained(cfg.pretrained_encoder)
             self.text = SiglipTextModel.from_pretrained(cfg.pretrained_encoder)
-            hf_tokenizer = AutoTokenizer.from_pretrained(cfg.pretrained_encoder)
+            self.hf_tokenizer = AutoTokenizer.from_pretrained(cfg.pretrained_encoder)
+        if self.hf_tokenizer is not None:
+            hf_tokenizer = self.hf_tokenizer
             self.tokenize = lambda texts, device: _hf_tokenize(hf_tokenizer, texts, cfg.max_text_tokens, device)
         else:
             mlp = int(cfg.mlp_ratio)
@@ -62,6 +74,14 @@ class ConditionEncoder(nn.Module):
         self.text_proj = nn.Linear(self.text.config.hidden_size, cfg.dim)
         self.state_proj = nn.Linear(cfg.state_dim, cfg.dim)
         self.out_norm = nn.LayerNorm(cfg.dim)
+
+    def save(self, directory: Path) -> None:
+        """Pretrained towers' configs and tokenizer into ``directory`` (the ``saved`` of a rebuild); the weights
+        travel in the policy's ``model.safetensors``. Towers built from the policy's config need nothing."""
+        if self.hf_tokenizer is not None:
+            self.vision.config.save_pretrained(directory / "vision")
+            self.text.config.save_pretrained(directory / "text")
+            self.hf_tokenizer.save_pretrained(directory / "tokenizer")
 
     def forward(self, images: list[torch.Tensor], state: torch.Tensor, instructions: list[str]):
         """images: per camera (B, 3, S, S) in [0, 1]; state (B, state_dim), normalized; B instructions."""

@@ -35,6 +35,8 @@ the statistics are buffers, so they travel inside every checkpoint's weights.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 from diffusers import DDIMScheduler, DDPMScheduler
@@ -58,6 +60,7 @@ from policies.observation import check_observation
 from policies.pretrained import PreTrainedPolicy
 from vla_core.types import ACTION, OBS_STATE, TASK, ZERO_DELAY_PASS, ActionChunk, image_key
 
+ENCODER_DIR = "encoder"  # in a saved directory: pretrained towers' configs and tokenizer
 LATENCY_IMAGE_CHANNELS, LATENCY_KEYPOINTS = 16, 16  # the fast head's own image encoder (latency-aware only)
 
 
@@ -67,10 +70,10 @@ class DiffusionVLAPolicy(DenoisingRL, PreTrainedPolicy):
     config_class = DiffusionVLAConfig
     supports_copies = True
 
-    def __init__(self, config: DiffusionVLAConfig):
+    def __init__(self, config: DiffusionVLAConfig, saved_encoder: Path | None = None):
         super().__init__(config)
         cfg = config
-        self.encoder = ConditionEncoder(cfg)
+        self.encoder = ConditionEncoder(cfg, saved_encoder)
         self.dit = DiT(
             cfg.action_dim, cfg.horizon, cfg.dim, cfg.depth, cfg.heads, cfg.mlp_ratio,
             known_tokens=cfg.max_delay_steps > 0,
@@ -85,6 +88,16 @@ class DiffusionVLAPolicy(DenoisingRL, PreTrainedPolicy):
         self.train_scheduler = DDPMScheduler(**sched, prediction_type="epsilon")
         sampler = DDIMScheduler if cfg.ddpm_sampler == "ddim" else DDPMScheduler
         self.sample_scheduler = sampler(**sched, prediction_type="epsilon")
+
+    @classmethod
+    def for_directory(cls, config: DiffusionVLAConfig, directory: Path) -> DiffusionVLAPolicy:
+        """Built from a saved directory's own ``encoder/`` when it has one (pretrained towers' configs and
+        tokenizer), so a checkpoint loads without the directory its towers were first loaded from."""
+        saved = Path(directory) / ENCODER_DIR
+        return cls(config, saved_encoder=saved if saved.is_dir() else None)
+
+    def save_assets(self, directory: Path) -> None:
+        self.encoder.save(Path(directory) / ENCODER_DIR)
 
     @property
     def supports_inpainting(self) -> bool:
