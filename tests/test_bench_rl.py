@@ -44,7 +44,8 @@ def finished_seed0(cfg: BenchRLConfig, out: Path) -> None:
     counts = {"imitation": 40, "ppo": 60, "grpo": 50}
     results = {arm: {"episodes": 100, "successes": k, "success_rate": k / 100, "success_ci95": [0.0, 1.0]}
                for arm, k in counts.items()}  # fmt: skip
-    report = {"config": asdict(replace(cfg, seed=0, seeds=[], num_threads=2)), "results": results,
+    seed_cfg = replace(cfg, seed=0, seeds=[], num_threads=2, output_dir=str(out / "seed0"))
+    report = {"config": asdict(seed_cfg), "results": results,
               "gains_points": {"ppo": 20.0, "grpo": 10.0}, "runs": {}, "minutes": 10.0,
               "env_steps": {"ppo": 150_000, "grpo": 150_100}}  # fmt: skip
     (out / "seed0").mkdir(parents=True)

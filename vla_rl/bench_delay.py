@@ -52,6 +52,10 @@ Protocol history (runs numbered in the order of README.md's table, each by its f
   `vla-rl bench delay-calibration` runs this benchmark as the protocol of
   ``benchmarks/delay_calibration_2026-12-02.md`` fixes it on the task and delay it chose, and refuses
   any other setting; the protocol file's SHA-256 is recorded under ``calibration`` in the results.
+- 2026-12-04, an addition (no result of it known when written; a run without it is unchanged):
+  ``--seeds=[0,1]`` runs each seed as its own resumable run (with ``--calibration``, in the folder the
+  calibration fixed for that seed) and pools the cells over the seeds (successes summed), the headline
+  recomputed from the pooled cells, with `` seeds=<s,...>`` appended to the final line (``pooled.json``).
 """
 
 from __future__ import annotations
@@ -63,6 +67,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vla_core.files import write_text_atomic
 from vla_core.runtime import ChunkingConfig, DelayConfig
 
 POLICIES = ("plain", "augmented")
@@ -84,6 +89,10 @@ class BenchDelayConfig:
     episodes: int = 100  # evaluation episodes per (policy, merge, delay) cell
     num_envs: int = 50  # worlds stepped together in recording and evaluation
     seed: int = 0  # seed of the demonstrations and of training
+    # Several training seeds, each its own resumable run in <output_dir>/seed<s> (with --calibration, in the
+    # folder the calibration fixed for it; a finished seed is read back), then the cells and the final line
+    # pooled over them (successes summed; ` seeds=<s,...>` appended) in <output_dir>/pooled.json. Empty: one run.
+    seeds: list[int] = field(default_factory=list)
     eval_seed: int = 1000  # seed of the evaluation initial states, the same in every cell
     num_threads: int = 0  # torch CPU threads; 0 = all cores
     # dataset, policies, per-cell evaluations, delay.json and delay.png; a finished stage found here is
@@ -101,17 +110,35 @@ class BenchDelayConfig:
 
 
 def bench_delay(cfg: BenchDelayConfig) -> dict[str, Any]:
-    """Run the protocol of the module docstring; returns (and writes as ``delay.json``) every cell."""
-    from vla_rl.bench_stages import check_calibration, delay_cell, record_demos, train_imitation
+    """Run the protocol of the module docstring; returns (and writes as ``delay.json``) every cell. With
+    ``cfg.seeds``, each seed's run and the cells pooled over them (``pooled.json``)."""
+    from vla_rl.bench_stages import calibrated_folder, pool_cells, seed_runs
 
     cfg.apply_quick()
-    calibration = check_calibration(cfg.calibration, "delay", cfg) if cfg.calibration else None
     if not cfg.delays or min(cfg.delays) < 0 or max(cfg.delays) >= cfg.horizon:
         raise ValueError(f"delays must be in [0, horizon={cfg.horizon}), got {cfg.delays}")
     for merge in cfg.merges:
         ChunkingConfig(merge=merge).validate()
     # A quick run keeps to its own folder: a full run must never resume its toy policies.
     out = Path(cfg.output_dir) / "quick" if cfg.quick else Path(cfg.output_dir)
+    if not cfg.seeds:
+        return _bench_one_seed(cfg, out)
+    folder = calibrated_folder(cfg.calibration, "delay") if cfg.calibration else (lambda seed: out / f"seed{seed}")
+    reports = seed_runs(cfg, folder, "delay.json", _bench_one_seed)
+    cells = pool_cells([r["cells"] for r in reports.values()], ("policy", "merge", "delay"))
+    pooled = {"config": asdict(cfg), "cells": cells, "summary": summarize(cells, max(cfg.delays), min(cfg.delays)),
+              "seeds": {str(seed): report for seed, report in reports.items()}}  # fmt: skip
+    out.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(out / "pooled.json", json.dumps(pooled, indent=2))
+    plot(cells, out / "pooled.png", cfg.task)
+    return pooled
+
+
+def _bench_one_seed(cfg: BenchDelayConfig, out: Path) -> dict[str, Any]:
+    """The protocol for ``cfg.seed`` in ``out``: every cell, also written as ``out / "delay.json"``."""
+    from vla_rl.bench_stages import check_calibration, delay_cell, record_demos, train_imitation
+
+    calibration = check_calibration(cfg.calibration, "delay", cfg) if cfg.calibration else None
     start = time.time()
     dataset = out / "dataset"
     record_demos(cfg, dataset)
@@ -134,7 +161,7 @@ def bench_delay(cfg: BenchDelayConfig) -> dict[str, Any]:
         "train_seconds": round(train_seconds, 1), "seconds": round(time.time() - start, 1),
     }  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
-    (out / "delay.json").write_text(json.dumps(report, indent=2))
+    write_text_atomic(out / "delay.json", json.dumps(report, indent=2))
     plot(cells, out / "delay.png", cfg.task)
     report["plot"] = str(out / "delay.png")
     return report
@@ -194,8 +221,10 @@ def plot(cells: list[dict], path: Path, task: str) -> None:
 
 
 def format_summary(report: dict[str, Any]) -> str:
-    """Every cell, then the final line."""
-    lines = [f"{'policy':<10} {'merge':<9} {'delay':>5} {'success':>8}  95% interval      episodes"]
+    """Every cell, then the final line; for a pooled report each seed's final line first, the pooled cells, and
+    `` seeds=<s,...>`` appended to the final line."""
+    lines = [f"seed {seed}: {_final_line(r['summary'])}" for seed, r in report.get("seeds", {}).items()]
+    lines.append(f"{'policy':<10} {'merge':<9} {'delay':>5} {'success':>8}  95% interval      episodes")
     for c in report["cells"]:
         lo, hi = c["success_ci95"]
         lines.append(
@@ -209,9 +238,14 @@ def format_summary(report: dict[str, Any]) -> str:
     )
     if report["config"]["quick"]:
         lines.append("quick run: toy sizes, the numbers below say nothing about delay robustness")
-    lines.append(
+    seeds = report["config"]["seeds"]
+    lines.append(_final_line(s) + (f" seeds={','.join(map(str, seeds))}" if seeds else ""))
+    return "\n".join(lines)
+
+
+def _final_line(s: dict[str, Any]) -> str:
+    return (
         f"augmented_over_plain={s['augmented_over_plain']:.3f} "
         f"augmented_at_zero_delay={s['augmented']['at_zero_delay']:.3f} "
         f"plain_at_zero_delay={s['plain']['at_zero_delay']:.3f}"
     )
-    return "\n".join(lines)

@@ -67,6 +67,10 @@ Protocol history (runs numbered as README.md numbers them, each by its final lin
   `vla-rl bench delay-calibration` runs this benchmark as the protocol of
   ``benchmarks/delay_calibration_2026-12-02.md`` fixes it on the task and delay it chose, and refuses
   any other setting; the protocol file's SHA-256 is recorded under ``calibration`` in the results.
+- 2026-12-04, an addition (no result of it known when written; a run without it is unchanged):
+  ``--seeds=[0,1]`` runs each seed as its own resumable run (with ``--calibration``, in the folder the
+  calibration fixed for that seed) and pools the cells over the seeds (successes summed), the headline
+  recomputed from the pooled cells, with `` seeds=<s,...>`` appended to the final line (``pooled.json``).
 """
 
 from __future__ import annotations
@@ -78,6 +82,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vla_core.files import write_text_atomic
 from vla_core.runtime.protocol import DEFAULT_MID_FRACTION
 
 ARMS = ("imitation", "naive", "latency_aware", "warmup_only", "standard", "training_rtc")
@@ -102,6 +107,10 @@ class BenchLatencyRLConfig:
     eval_episodes: int = 100  # held-out episodes per cell
     eval_seed: int = 7000  # seed of the held-out evaluation, the same in every cell
     seed: int = 0
+    # Several training seeds, each its own resumable run in <output_dir>/seed<s> (with --calibration, in the
+    # folder the calibration fixed for it; a finished seed is read back), then the cells and the final line
+    # pooled over them (successes summed; ` seeds=<s,...>` appended) in <output_dir>/pooled.json. Empty: one run.
+    seeds: list[int] = field(default_factory=list)
     num_threads: int = 0  # torch CPU threads; 0 = all cores
     # dataset, checkpoints, runs, per-cell evaluations, latency_rl.json and latency_rl.png; a finished
     # stage found here is reused (a killed run goes on), a quick run goes to <output_dir>/quick
@@ -119,17 +128,35 @@ class BenchLatencyRLConfig:
 
 
 def bench_latency_rl(cfg: BenchLatencyRLConfig) -> dict[str, Any]:
-    """Run the protocol of the module docstring; returns (and writes as ``latency_rl.json``) every cell."""
-    from vla_rl.bench_stages import check_calibration, latency_rl_cell, ppo_run, record_demos, train_imitation
-    from vla_rl.stages import DelayConfig
+    """Run the protocol of the module docstring; returns (and writes as ``latency_rl.json``) every cell. With
+    ``cfg.seeds``, each seed's run and the cells pooled over them (``pooled.json``)."""
+    from vla_rl.bench_stages import calibrated_folder, pool_cells, seed_runs
 
     cfg.apply_quick()
-    calibration = check_calibration(cfg.calibration, "latency_rl", cfg) if cfg.calibration else None
     if not cfg.delays or min(cfg.delays) != 0 or max(cfg.delays) >= cfg.horizon:
         raise ValueError(
             f"delays must start at 0 (the standard arm) and stay below horizon={cfg.horizon}, got {cfg.delays}"
         )
     out = Path(cfg.output_dir) / "quick" if cfg.quick else Path(cfg.output_dir)
+    if not cfg.seeds:
+        return _bench_one_seed(cfg, out)
+    folder = calibrated_folder(cfg.calibration, "latency_rl") if cfg.calibration else (lambda s: out / f"seed{s}")
+    reports = seed_runs(cfg, folder, "latency_rl.json", _bench_one_seed)
+    cells = pool_cells([r["cells"] for r in reports.values()], ("arm", "delay", "delay_ms"))
+    pooled = {"config": asdict(cfg), "cells": cells, "summary": summarize(cells, max(cfg.delays)), "runs": {},
+              "seeds": {str(seed): report for seed, report in reports.items()}}  # fmt: skip
+    out.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(out / "pooled.json", json.dumps(pooled, indent=2))
+    plot(cells, out / "pooled.png", cfg.task)
+    return pooled
+
+
+def _bench_one_seed(cfg: BenchLatencyRLConfig, out: Path) -> dict[str, Any]:
+    """The protocol for ``cfg.seed`` in ``out``: every cell, also written as ``out / "latency_rl.json"``."""
+    from vla_rl.bench_stages import check_calibration, latency_rl_cell, ppo_run, record_demos, train_imitation
+    from vla_rl.stages import DelayConfig
+
+    calibration = check_calibration(cfg.calibration, "latency_rl", cfg) if cfg.calibration else None
     start = time.time()
     dataset = out / "dataset"
     record_demos(cfg, dataset)
@@ -178,7 +205,7 @@ def bench_latency_rl(cfg: BenchLatencyRLConfig) -> dict[str, Any]:
         "minutes": round((time.time() - start) / 60, 2),
     }  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
-    (out / "latency_rl.json").write_text(json.dumps(report, indent=2))
+    write_text_atomic(out / "latency_rl.json", json.dumps(report, indent=2))
     plot(cells, out / "latency_rl.png", cfg.task)
     report["plot"] = str(out / "latency_rl.png")
     return report
@@ -224,8 +251,10 @@ def plot(cells: list[dict], path: Path, task: str) -> None:
 
 
 def format_summary(report: dict[str, Any]) -> str:
-    """Every cell, then the final line."""
-    lines = [f"{'arm':<14} {'delay':>5} {'ms':>5} {'success':>8}  95% interval      episodes"]
+    """Every cell, then the final line; for a pooled report each seed's final line first, the pooled cells, and
+    `` seeds=<s,...>`` appended to the final line."""
+    lines = [f"seed {seed}: {_final_line(r['summary'])}" for seed, r in report.get("seeds", {}).items()]
+    lines.append(f"{'arm':<14} {'delay':>5} {'ms':>5} {'success':>8}  95% interval      episodes")
     for c in sorted(report["cells"], key=lambda c: (ARMS.index(c["arm"]), c["delay"])):
         lo, hi = c["success_ci95"]
         lines.append(
@@ -236,9 +265,13 @@ def format_summary(report: dict[str, Any]) -> str:
         lines.append(f"run {name}: {run['env_steps']} env steps, {run['iterations']} iterations, {run['minutes']} min")
     if report["config"]["quick"]:
         lines.append("quick run: toy sizes, the numbers below say nothing about latency-aware RL")
-    s = report["summary"]
-    lines.append(
+    seeds = report["config"]["seeds"]
+    lines.append(_final_line(report["summary"]) + (f" seeds={','.join(map(str, seeds))}" if seeds else ""))
+    return "\n".join(lines)
+
+
+def _final_line(s: dict[str, Any]) -> str:
+    return (
         f"latency_aware_over_naive={s['latency_aware_over_naive']:.3f} "
         f"latency_aware_over_nodelay={s['latency_aware_over_nodelay']:.3f}"
     )
-    return "\n".join(lines)

@@ -64,7 +64,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -119,28 +119,11 @@ def bench_rl(cfg: BenchRLConfig) -> dict[str, Any]:
         out = out / cfg.policy_type
     if not cfg.seeds:
         return _bench_one_seed(cfg, out)
-    if cfg.seed != 0 or len(set(cfg.seeds)) != len(cfg.seeds):
-        raise ValueError(f"--seeds={cfg.seeds} runs each seed once and sets --seed itself: drop --seed={cfg.seed} "
-                         "and repeat no seed")  # fmt: skip
-    reports = {}
-    for seed in cfg.seeds:
-        seed_cfg, seed_out = replace(cfg, seed=seed, seeds=[]), out / f"seed{seed}"
-        reports[seed] = _finished(seed_cfg, seed_out) or _bench_one_seed(seed_cfg, seed_out)
-    pooled = pool_seeds(reports)
+    from vla_rl.bench_stages import seed_runs
+
+    pooled = pool_seeds(seed_runs(cfg, lambda seed: out / f"seed{seed}", "rl.json", _bench_one_seed))
     write_text_atomic(out / "pooled.json", json.dumps(pooled, indent=2))
     return pooled
-
-
-def _finished(cfg: BenchRLConfig, out: Path) -> dict[str, Any] | None:
-    """The report of a seed's run that finished under ``cfg`` (its threads aside), else None."""
-    path = out / "rl.json"
-    if not path.is_file():
-        return None
-    report = json.loads(path.read_text())
-    recorded, wanted = dict(report["config"]), asdict(cfg)
-    for free in ("num_threads", "output_dir"):
-        recorded.pop(free, None), wanted.pop(free)
-    return report if recorded == wanted else None
 
 
 def _bench_one_seed(cfg: BenchRLConfig, out: Path) -> dict[str, Any]:
@@ -177,14 +160,16 @@ def _bench_one_seed(cfg: BenchRLConfig, out: Path) -> dict[str, Any]:
 
 def pool_seeds(reports: dict[int, dict[str, Any]]) -> dict[str, Any]:
     """Seeds' reports (by seed) -> the pooled report: each arm's successes and episodes summed over the seeds
-    (`vla_rl.stages.pooled_rate`), the gains of the pooled rates, the largest env-step count and the
+    (`vla_rl.bench_stages.pool_cells`), the gains of the pooled rates, the largest env-step count and the
     minutes summed; every seed's report kept under ``seeds``. The pooled interval counts every episode as
     independent: the seeds share their evaluation episodes' initial states (``eval_seed``)."""
-    from vla_rl.stages import pooled_rate
+    from vla_rl.bench_stages import pool_cells
 
     first = next(iter(reports.values()))
     arms = list(first["gains_points"])
-    results = {name: pooled_rate([r["results"][name] for r in reports.values()]) for name in ("imitation", *arms)}
+    cells = pool_cells([[{"arm": k, **r["results"][k]} for k in ("imitation", *arms)] for r in reports.values()],
+                       ("arm",))  # fmt: skip
+    results = {cell.pop("arm"): cell for cell in cells}
     before = results["imitation"]["success_rate"]
     return {
         "config": {**first["config"], "seed": None, "seeds": list(reports)},

@@ -1,7 +1,8 @@
 """The stages the learning benchmarks share (`bench delay`, `bench rl`, `bench latency-rl`, `bench
 delay-calibration`): scripted demonstrations, an imitation policy trained on them, one held-out
-evaluation cell, `bench latency-rl`'s PPO arm, and the check a calibrated arm run passes
-(`check_calibration`, against `bench delay-calibration`'s result and its protocol file). The first two
+evaluation cell, `bench latency-rl`'s PPO arm, the check a calibrated arm run passes
+(`check_calibration`, against `bench delay-calibration`'s result and its protocol file), and several
+training seeds as separate runs with their cells pooled (`seed_runs`, `pool_cells`). The first two
 are skipped or resumed when a killed run left them finished or part-done in the output folder. Each
 runs through the stages API (`vla_rl.stages`).
 
@@ -14,13 +15,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict
+from collections.abc import Callable
+from dataclasses import asdict, replace
 from pathlib import Path
 
 # The calibration protocol of the latency benchmarks (`bench delay-calibration`), beside the benchmarks.
 PROTOCOL = Path(__file__).resolve().parents[1] / "benchmarks" / "delay_calibration_2026-12-02.md"
 # The settings of an arm that may differ from the calibration's: its merges and how fast it runs.
-FREE_FIELDS = ("merges", "calibration", "num_threads")
+FREE_FIELDS = ("merges", "calibration", "num_threads", "seeds")
 
 
 def record_demos(cfg, dataset: Path) -> None:
@@ -186,6 +188,69 @@ def check_calibration(path: str, bench: str, bench_cfg) -> dict[str, str]:
                 "run as it was, and run the amended protocol into a new --output_dir"
             )
     return {"file": str(file.resolve()), "protocol_sha256": sha, "task": chosen["task"], "delay": chosen["delay"]}
+
+
+def seed_runs(
+    cfg, folder: Callable[[int], Path], result_file: str, run_one: Callable[[object, Path], dict]
+) -> dict[int, dict]:  # fmt: skip
+    """Each of ``cfg.seeds`` as its own run: ``cfg`` with that seed (its ``output_dir`` the seed's ``folder``)
+    given to ``run_one(seed_cfg, folder)``, unless that folder's ``result_file`` holds a run that finished under
+    the same settings (its threads aside), which is read back. A killed seed resumes its stages, so a claim
+    over several seeds can span sessions. Returns each seed's report, by seed."""
+    if cfg.seed != 0 or len(set(cfg.seeds)) != len(cfg.seeds):
+        raise ValueError(f"--seeds={cfg.seeds} runs each seed once and sets --seed itself: drop --seed={cfg.seed} "
+                         "and repeat no seed")  # fmt: skip
+    reports = {}
+    for seed in cfg.seeds:
+        out = folder(seed)
+        seed_cfg = replace(cfg, seed=seed, seeds=[], output_dir=str(out))
+        reports[seed] = _finished(seed_cfg, out / result_file) or run_one(seed_cfg, out)
+    return reports
+
+
+def calibrated_folder(path: str, bench: str) -> Callable[[int], Path]:
+    """The folder `bench delay-calibration` (its ``calibration.json`` at ``path``) fixed for each seed's run of
+    ``bench`` (``delay`` or ``latency_rl``); each run still passes `check_calibration` itself."""
+    file = Path(path)
+    if not file.is_file():
+        raise FileNotFoundError(f"--calibration={path} not found; run `vla-rl bench delay-calibration` first")
+    calibration = json.loads(file.read_text())
+    chosen = calibration.get("chosen")
+    if not chosen:
+        raise ValueError(f"the calibration in {path} chose no task and delay: no augmented or latency-aware arm runs")
+
+    def folder(seed: int) -> Path:
+        if seed not in chosen["seeds"]:
+            raise ValueError(f"--seeds holds {seed}, which is not a calibrated seed; use seeds of {chosen['seeds']}")
+        return Path(calibration["configs"][chosen["task"]][str(seed)][bench]["output_dir"])
+
+    return folder
+
+
+def _finished(cfg, path: Path) -> dict | None:
+    """The report at ``path`` if it is of a run made under ``cfg`` (threads aside), else None."""
+    if not path.is_file():
+        return None
+    report = json.loads(path.read_text())
+    recorded, wanted = dict(report["config"]), asdict(cfg)
+    recorded.pop("num_threads", None), wanted.pop("num_threads")
+    return report if recorded == wanted else None
+
+
+def pool_cells(cell_lists: list[list[dict]], keys: tuple[str, ...]) -> list[dict]:
+    """Several seeds' cells (each a list of dicts with ``keys`` and success counts) pooled: one cell per value
+    of ``keys``, its successes and episodes summed over the seeds, with their rate and Wilson interval. Every
+    seed must have every cell."""
+    from vla_rl.stages import pooled_rate
+
+    by_key: dict[tuple, list[dict]] = {}
+    for cells in cell_lists:
+        for cell in cells:
+            by_key.setdefault(tuple(cell[k] for k in keys), []).append(cell)
+    missing = [key for key, cells in by_key.items() if len(cells) != len(cell_lists)]
+    if missing:
+        raise ValueError(f"the seeds' runs do not share the cells {missing}: pool runs of one setting only")
+    return [{**dict(zip(keys, key, strict=True)), **pooled_rate(cells)} for key, cells in by_key.items()]
 
 
 def flag(value) -> str:
