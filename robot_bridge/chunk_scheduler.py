@@ -8,11 +8,18 @@ dropped), send the mid-inference observation of a latency-aware policy's request
 come (the freshest joint state and images; the request's own if the inputs are rejected right now),
 open the next request when due (never while holding, except to retry a failed policy), and take the
 next step's action. Every measured latency goes to ``latency_log`` (JSON lines with the control
-period), which ``--delay.kind=histogram`` replays in simulation. No ROS import here.
+period, and the request's episode and index in it), which ``--delay.kind=histogram`` draws from and
+``--delay.kind=trace`` replays, request by request, in simulation. No ROS import here.
+
+With the robot's episode status (``topics.episode``), the node calls :meth:`start_episode_if_due`
+before each tick's command: from the first joint state stamped after an episode's end, the protocol
+restarts as simulation's does at an episode's end (empty queue, step 0, a new epoch: the request
+still in flight is answered, logged and dropped), and requests are numbered from 0 again.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -25,7 +32,7 @@ from robot_bridge.diagnostics import BridgeDiagnostics
 from robot_bridge.inputs import JOINT_STATES, BridgeInputs
 from robot_bridge.log_limit import LogLimiter
 from robot_bridge.policy_health import PolicyHealth, fit_protocol
-from vla_core.runtime import LatencyLog, LatencyProtocol, mid_observation
+from vla_core.runtime import LatencyLog, LatencyProtocol, mid_observation, request_noise
 from vla_core.types import ActionChunk, Policy
 
 ONE = torch.ones(1, dtype=torch.bool)  # the robot is one world
@@ -44,6 +51,7 @@ class ChunkScheduler:
         self.policy_info: dict[str, Any] = {}
         self.in_flight: worker.InFlightRequest | None = None
         self._request_id, self._holding, self._merged = 0, False, False
+        self.episode, self.episode_requests = 0, 0  # the robot's episode (topics.episode) and its requests so far
         self.seam_obs_arrival = 0.0  # arrival of the joint state the newest merged chunk was conditioned on
         # The next tick's action ((A,) or None: nothing queued), its step, whether a new chunk starts there.
         self.next_target, self.next_step, self.next_is_seam = None, -1, False
@@ -77,12 +85,32 @@ class ChunkScheduler:
         self._holding = cause is not None
         if self.in_flight is not None and bool(p.take_asked()[0]):  # sent while holding too: the worker waits
             self._send_mid()
-        if self.health.may_ask(cause, now) and not self.worker.busy and self.in_flight is None and bool(p.due()[0]):
+        # Between the robot's episodes (its end announced, the next not begun) the newest observation is the ended
+        # episode's: nothing to ask about, as in simulation, where an episode's end opens the next one's request.
+        between = self.inputs.ended_episode is not None
+        if self.health.may_ask(cause, now) and not self.worker.busy and self.in_flight is None and bool(p.due()[0]) \
+                and not between:  # fmt: skip
             self._request(now)
         self.next_step = int(p.step[0])
         action, valid = p.next_action()  # also while holding: the step counter keeps time
         if bool(valid[0]) and not self._holding:
             self.next_target, self.next_is_seam, self._merged = action[0].numpy(), self._merged, False
+
+    def start_episode_if_due(self) -> bool:
+        """Start the robot's next episode when the newest joint state is stamped after the end the robot
+        announced (`BridgeInputs.ended_episode`); True when it did, and the node then anchors its hold anew."""
+        ended = self.inputs.ended_episode
+        if ended is None or self.inputs.stamp.get(JOINT_STATES, -math.inf) <= ended[1]:
+            return False
+        self.inputs.ended_episode = None
+        self.episode, self.episode_requests = ended[0] + 1, 0
+        p = self.protocol
+        if p is not None:
+            if self.in_flight is not None and bool(p.pending[0]):
+                self._send_mid()  # the worker waits for it; its answer will be dropped
+            p.restart(ONE)
+        self.next_target, self.next_is_seam, self._merged = None, False, False
+        return True
 
     def close(self) -> None:
         self.worker.close()
@@ -115,10 +143,13 @@ class ChunkScheduler:
             self.health.policy_failed(problem, raised=result.error is not None, now=now)
             return
         lag = int(p.step[0]) - result.obs_step  # steps that ran since the observation: the chunk's delay
+        chunk = ActionChunk(torch.from_numpy(result.actions), torch.tensor([result.obs_step]))
+        merged = bool(p.receive(chunk, ONE)[0])
         if self.latency_log is not None:
-            self.latency_log.write(latency, request_id=result.request_id, lag_steps=lag)
-        if not bool(p.receive(ActionChunk(torch.from_numpy(result.actions), torch.tensor([result.obs_step])), ONE)[0]):
-            self.diagnostics.count("dropped_chunks")  # planned before a hold: stale by definition
+            self.latency_log.write(latency, episode=request.episode, request=request.index, request_id=result.request_id,
+                                   obs_step=result.obs_step, lag_steps=lag, merged=merged)  # fmt: skip
+        if not merged:
+            self.diagnostics.count("dropped_chunks")  # planned before a hold or a new episode: stale by definition
             return
         self._merged, self.seam_obs_arrival, self.health.policy_error = True, request.obs_arrival, None
         self.diagnostics.count("chunks")
@@ -148,12 +179,17 @@ class ChunkScheduler:
         if asked and p.mid_fraction is not None:
             request.update(p.mid_observation(observation, ONE))
         guidance = tuple(g.numpy() for g in p.guidance) if p.sends_guidance else None
+        noise = None
+        if self.config.noise_seed >= 0:  # keyed as `vla-rl eval --noise_seed` keys the same request in simulation
+            noise = request_noise(self.config.noise_seed, self.episode, self.episode_requests, p.spec.horizon,
+                                  len(self.config.action_names)).numpy()  # fmt: skip
         self._request_id += 1
-        self.worker.submit(
-            worker.InferenceRequest(self._request_id, request, int(p.step[0]), guidance, needs_mid=not asked)
-        )
+        self.worker.submit(worker.InferenceRequest(self._request_id, request, int(p.step[0]), guidance,
+                                                   needs_mid=not asked, noise=noise))  # fmt: skip
         self.in_flight = worker.InFlightRequest(
             self._request_id, sent=now, delay_steps=int(p.announced[0]), obs_stamp=self.inputs.stamp.get(JOINT_STATES, 0.0),
             obs_arrival=self.inputs.arrival[JOINT_STATES], guided=guidance is not None,
-            instruction=self.inputs.instruction, observation=observation,
+            instruction=self.inputs.instruction, observation=observation, episode=self.episode,
+            index=self.episode_requests,
         )  # fmt: skip
+        self.episode_requests += 1

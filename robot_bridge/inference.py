@@ -41,6 +41,7 @@ class InferenceRequest:
     obs_step: int  # executor step the chunk is conditioned on
     guidance: tuple[np.ndarray, np.ndarray] | None = None  # RTC target (1, H, A) and weights (1, H)
     needs_mid: bool = False  # wait for this request's MidObservation before running the policy
+    noise: np.ndarray | None = None  # (1, H, A) float32 sampler start (serve's noise_seed); None: the policy draws it
 
 
 @dataclass
@@ -78,6 +79,8 @@ class InFlightRequest:
     guided: bool  # it carries RTC guidance toward the queued actions
     instruction: str
     observation: dict[str, Any]  # its observation (numpy), the mid observation's fallback
+    episode: int = 0  # the robot's episode it was made in (0 without topics.episode)
+    index: int = 0  # its index among that episode's requests, from 0
 
     def report(self, result: InferenceResult, merged_at_step: int, lag: int, merge: str, dry_run: bool) -> dict:
         """The metadata of its merged chunk, as the node publishes it (JSON on the chunk-info topic)."""
@@ -203,13 +206,14 @@ def serve_requests(
             with torch.no_grad():
                 batch = to_policy_batch(request.observation)
                 obs_step = torch.tensor([request.obs_step])
+                given = {} if request.noise is None else {"noise": torch.from_numpy(request.noise)}
                 if request.guidance is not None:
                     target, weights = (torch.from_numpy(a) for a in request.guidance)
-                    chunk = policy.predict_chunk(batch, obs_step, inpaint=(target, weights))
+                    chunk = policy.predict_chunk(batch, obs_step, inpaint=(target, weights), **given)
                 elif prepared is not None:
-                    chunk = policy.predict_chunk(batch, obs_step, prepared=prepared)
+                    chunk = policy.predict_chunk(batch, obs_step, prepared=prepared, **given)
                 else:
-                    chunk = policy.predict_chunk(batch, obs_step)
+                    chunk = policy.predict_chunk(batch, obs_step, **given)
                 actions = chunk.actions.detach().to("cpu", torch.float32).numpy()
             if added_latency_s > 0:
                 time.sleep(added_latency_s)

@@ -80,18 +80,28 @@ def per_world_seeds(seed: Sequence[int], count: int) -> list[int]:
     return seeds
 
 
-def seed_sequences(seed: int | Sequence[int] | None, worlds: np.ndarray, num_envs: int) -> list | None:
+def batch_world_seed(seed: int, world: int) -> np.random.SeedSequence:
+    """The stream world ``world`` draws its episodes from after a reset of the whole batch with the one int
+    ``seed``: child ``world`` of ``SeedSequence(seed)`` (what ``spawn`` gives, whatever the batch's size).
+    Passed as one world's seed (`seed_sequences`), it starts that world's episode in a batch of any size."""
+    return np.random.SeedSequence(int(seed), spawn_key=(int(world),))
+
+
+def seed_sequences(seed: int | Sequence[int] | None, worlds: np.ndarray) -> list | None:
     """The seed of each of ``worlds`` (k,) as a ``np.random.SeedSequence``, or None for "no seed given".
 
-    One int: world i gets child i of ``SeedSequence(seed)`` spawned N ways, what a full reset with
-    that seed gives it. One int per world: ``SeedSequence(seed[j])``, so equal seeds, equal streams.
+    One int: world i gets `batch_world_seed` (seed, i), what a full reset with that seed gives it. One
+    seed per world: an int s gives ``SeedSequence(s)``, so equal seeds, equal streams; a ``SeedSequence``
+    (`batch_world_seed`'s, say) is that world's stream as it is.
     """
     if seed is None:
         return None
     if is_batch_seed(seed):
-        children = np.random.SeedSequence(int(seed)).spawn(num_envs)
-        return [children[w] for w in worlds]
-    return [np.random.SeedSequence(s) for s in per_world_seeds(seed, len(worlds))]
+        return [batch_world_seed(int(seed), w) for w in worlds]
+    given = list(seed)
+    if len(given) != len(worlds):
+        raise ValueError(f"{len(worlds)} worlds need {len(worlds)} seeds (one each) or a single int, got {len(given)}")
+    return [s if isinstance(s, np.random.SeedSequence) else np.random.SeedSequence(int(s)) for s in given]
 
 
 def env_features(
@@ -117,6 +127,6 @@ def env_features(
 def reseed(streams: list[np.random.Generator], seed: int | Sequence[int] | None, worlds: np.ndarray) -> None:
     """Give each of ``worlds`` the random stream of its seed (`seed_sequences`); with no seed
     (None) they keep drawing from their own streams, as an autoreset does."""
-    seeds = seed_sequences(seed, worlds, len(streams))
+    seeds = seed_sequences(seed, worlds)
     for w, s in zip(worlds, seeds or []):
         streams[w] = np.random.default_rng(s)

@@ -1,4 +1,5 @@
-"""Test-side ROS 2 helpers: start `vla-rl` nodes as subprocesses and talk to the sim robot.
+"""Test-side ROS 2 helpers: start `vla-rl` nodes as subprocesses (`vla_rl.processes`, which the
+benchmarks start them with too) and talk to the sim robot.
 
 Every test module uses its own ROS_DOMAIN_ID and keeps discovery on this machine, so modules
 running at the same time (or other people's tests) never see each other's topics.
@@ -8,60 +9,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
-STOPPED_BY_SIGINT = 128 + signal.SIGINT  # the exit code of a `vla-rl` command ended by Ctrl-C
+from vla_rl.processes import STOPPED_BY_SIGINT, last_json, ros_environ, start_command, stop_command
 
-
-def ros_environ(domain_id: int) -> dict[str, str]:
-    return {**os.environ, "ROS_DOMAIN_ID": str(domain_id), "ROS_AUTOMATIC_DISCOVERY_RANGE": "LOCALHOST",
-            "MUJOCO_GL": "egl", "PYOPENGL_PLATFORM": "egl", "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}  # fmt: skip
-
-
-def start_command(args: list[str], domain_id: int, log_dir: Path, name: str) -> subprocess.Popen:
-    """``vla-rl <args>`` as a subprocess; stdout and stderr go to ``log_dir/<name>.{out,err}``."""
-    with (
-        open(log_dir / f"{name}.out", "w") as out,
-        open(log_dir / f"{name}.err", "w") as err,
-    ):  # the child keeps its copies
-        return subprocess.Popen(
-            [sys.executable, "-m", "vla_rl.cli", *args], stdout=out, stderr=err, env=ros_environ(domain_id)
-        )
-
-
-def stop_command(proc: subprocess.Popen, log_dir: Path, name: str, timeout: float = 20, exits_by_itself: bool = False,
-                 sig: int = signal.SIGINT) -> tuple[int, str, str]:  # fmt: skip
-    """Send ``sig`` (Ctrl-C by default; after ``timeout`` s if it ``exits_by_itself``); its exit code, stdout, stderr.
-
-    A `vla-rl` command stopped by a signal still prints its summary, and exits with 128 + the signal
-    number (130 for SIGINT: STOPPED_BY_SIGINT) to say it was stopped; one that ended by itself exits with 0.
-    """
-    if exits_by_itself:
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            pass
-    if proc.poll() is None:
-        proc.send_signal(sig)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    return proc.returncode, (log_dir / f"{name}.out").read_text(), (log_dir / f"{name}.err").read_text()
-
-
-def last_json(stdout: str) -> dict:
-    """The JSON summary a `vla-rl` command prints (the indented block before its human line)."""
-    start = stdout.index("{\n")
-    end = stdout.rindex("\n}") + 2
-    return json.loads(stdout[start:end])
+__all__ = ["STOPPED_BY_SIGINT", "RobotClient", "last_json", "ros_environ", "start_command", "stop_command"]
 
 
 class RobotClient:

@@ -28,7 +28,7 @@ from robot_bridge.inference import InferenceResult, WorkerStatus
 from robot_bridge.inputs import JOINT_STATES, BridgeInputs
 from robot_bridge.log_limit import LogLimiter
 from robot_bridge.policy_health import fit_protocol
-from vla_core.runtime import ChunkingConfig, DelayConfig
+from vla_core.runtime import ChunkingConfig, DelayConfig, request_noise
 from vla_core.types import (
     OBS_COMMITTED_ACTIONS,
     OBS_COMMITTED_MASK,
@@ -59,17 +59,19 @@ class ProbePolicy:
         )  # fmt: skip
         self.seen: list[tuple] = []
         self.mid: list[tuple[float, int]] = []  # a latency-aware probe's (mid state[0], mid steps) per request
+        self.noise: list[torch.Tensor | None] = []  # the sampler noise each request was given (None: none)
 
     def prepare_request(self, obs):  # the slow part of a latency-aware policy (`LatencyAwarePolicy`): nothing here
         return {"prepared": True}
 
-    def predict_chunk(self, obs, obs_step=None, *, inpaint=None, prepared=None) -> ActionChunk:
+    def predict_chunk(self, obs, obs_step=None, *, inpaint=None, prepared=None, noise=None) -> ActionChunk:
         committed = torch.as_tensor(obs[OBS_COMMITTED_ACTIONS])[0].float()
         mask = torch.as_tensor(obs[OBS_COMMITTED_MASK])[0].bool()
         delay = int(torch.as_tensor(obs[OBS_DELAY_STEPS])[0])
         t = int(obs_step[0])
         guidance = None if inpaint is None else tuple(g[0].float().clone() for g in inpaint)
         self.seen.append((t, delay, committed.clone(), mask.clone(), guidance))
+        self.noise.append(None if noise is None else noise.clone())
         if self.config.latency_aware:
             self.mid.append(
                 (float(torch.as_tensor(obs[OBS_MID_STATE])[0, 0]), int(torch.as_tensor(obs[OBS_MID_STEPS])[0]))
@@ -115,8 +117,8 @@ class TimelineDelays:
         self.max_steps = max(TIMELINE)
         self._next = iter(TIMELINE)
 
-    def sample(self, n: int, device=None) -> torch.Tensor:
-        return torch.tensor([next(self._next) for _ in range(n)], device=device)
+    def request_delays(self, opened, episodes, requests, device=None) -> torch.Tensor:
+        return torch.tensor([next(self._next) for _ in range(len(opened))], device=device)
 
 
 class Clock:
@@ -189,14 +191,19 @@ def run_sim(merge: str, latency_aware: bool = False) -> tuple[list, ProbePolicy]
     return emitted, policy
 
 
-def run_bridge(merge: str, latency_log: str, latency_aware: bool = False) -> tuple[list, ProbePolicy, list[dict]]:
+def run_bridge(merge: str, latency_log: str, latency_aware: bool = False, episode_ends: dict[int, int] | None = None,
+               noise_seed: int = -1) -> tuple[list, ProbePolicy, list[dict]]:  # fmt: skip
+    """The robot's shell on the test's clock. episode_ends: tick -> the robot's episode that ended just before
+    it (announced on the episode topic, its final state stamped half a period before the tick)."""
     policy = ProbePolicy(latency_aware)
     config = ServeConfig(
-        mid_inference=latency_aware,
+        mid_inference=latency_aware, noise_seed=noise_seed,
         checkpoint="(probe)", inference="thread", inference_cpu=-1, control_hz=1 / DT, latency_log=latency_log,
         chunking=ChunkingConfig(execute_steps=S, merge=merge, ensemble_coeff=0.5, estimate_window=WINDOW),
         cameras=[CameraTopic("front", "/camera/front/image_raw")],
     )  # fmt: skip
+    if episode_ends is not None:
+        config.topics.episode = "/sim_robot/episode"
     logger = SimpleNamespace(info=lambda *_: None, error=lambda *_: None, warning=lambda *_: None)
     diagnostics = BridgeDiagnostics()
     limiter = LogLimiter(lambda level, line: None)
@@ -210,18 +217,23 @@ def run_bridge(merge: str, latency_log: str, latency_aware: bool = False) -> tup
     scheduler.worker = TimelineWorker(scheduler.worker, clock)
     try:
         for _ in range(500):  # wait for the worker to load the policy
+            scheduler.start_episode_if_due()  # as the node does before each tick's command
             scheduler.prepare_next_action(None, clock.now)
             if scheduler.protocol is not None:
                 break
             threading.Event().wait(0.01)
         assert scheduler.protocol is not None, scheduler.health.worker_error
-        emitted = []
+        emitted, start = [], 0  # start: the tick the robot's current episode began at
         for tick in range(STEPS):  # tick k prepares the action of step k (published at the next tick)
             clock.now = tick * DT
             inputs.state[0] = tick  # the joint state the robot reads at this tick: the step it is of
+            inputs.stamp[JOINT_STATES] = tick * DT
+            if tick in (episode_ends or {}):
+                inputs.ended_episode = (episode_ends[tick], (tick - 0.5) * DT)
             if tick:
+                start = tick if scheduler.start_episode_if_due() else start
                 scheduler.prepare_next_action(None, clock.now)
-            assert scheduler.next_step == tick
+            assert scheduler.next_step == tick - start
             emitted.append(None if scheduler.next_target is None else scheduler.next_target.tolist())
     finally:
         scheduler.close()
@@ -333,3 +345,54 @@ def test_serve_refuses_a_latency_aware_policy_without_its_mid_inference_source()
     config.max_delay_steps = 6
     with pytest.raises(ValueError, match="fine-tuned for delays up to 4; serve faster"):
         fit_protocol(config, info)
+
+
+def logged(path) -> list[tuple]:
+    """(episode, request, obs_step, lag_steps, merged) of each line of a latency log."""
+    return [(r["episode"], r["request"], r["obs_step"], r["lag_steps"], r["merged"])
+            for r in map(json.loads, path.read_text().splitlines())]  # fmt: skip
+
+
+def test_the_robot_numbers_its_requests_by_episode_and_starts_each_episode_afresh(tmp_path):
+    """The robot's episode 0 ends just before tick 5. By hand from TIMELINE (S = 3): episode 0's requests at
+    steps 0 and 3 landed 2 and 1 steps later; at tick 5 the protocol restarts at step 0 and requests at once
+    (TIMELINE[2] = 3: lands at step 3), then at step 3 (4: lands at 7) and at 7 (1). Each request's noise is
+    the one keyed by (seed, episode, request), as simulation draws it."""
+    log = tmp_path / "latencies.jsonl"
+    emitted, policy, _ = run_bridge("latest", str(log), episode_ends={5: 0}, noise_seed=11)
+    assert logged(log)[:5] == [(0, 0, 0, 2, True), (0, 1, 3, 1, True), (1, 0, 0, 3, True), (1, 1, 3, 4, True),
+                               (1, 2, 7, 1, True)]  # fmt: skip
+    assert emitted[5:8] == [None, None, None]  # a new episode's queue starts empty: the robot holds until step 3
+    assert emitted[8][0] == 3.0  # tick 8 runs index 3 of the chunk conditioned on the new episode's step 0
+    for (episode, request), noise in zip([(0, 0), (0, 1), (1, 0), (1, 1)], policy.noise, strict=False):
+        assert torch.equal(noise, request_noise(11, episode, request, H, 4)), (episode, request)
+
+
+def test_a_request_in_flight_at_an_episodes_end_is_answered_logged_and_dropped(tmp_path):
+    """Episode 0 ends just before tick 8, while its request 2 (step 6, 3 steps) is in flight: it comes back at
+    tick 9 and is dropped, and only then does episode 1 request, at its step 1 (tick 9), landing 4 steps later.
+    Between the end's announcement and the next episode's first joint state nothing is requested."""
+    log = tmp_path / "latencies.jsonl"
+    run_bridge("latest", str(log), episode_ends={8: 0})
+    records = logged(log)
+    assert records[:4] == [(0, 0, 0, 2, True), (0, 1, 3, 1, True), (0, 2, 6, 1 - 6, False), (1, 0, 1, 4, True)]
+
+
+def test_a_new_episode_holds_where_the_robot_now_is_not_at_the_last_episodes_command():
+    """Simulation holds a new episode's arm where it starts; the robot's hold is its last command, so at a new
+    episode the node anchors it on the measured state again, as at start-up (the grip: initial_command's 0)."""
+    from robot_bridge.hold import Hold
+
+    config = ServeConfig()
+    diagnostics, limiter = BridgeDiagnostics(), LogLimiter(lambda level, line: None)
+    inputs = BridgeInputs(config, diagnostics, limiter, lambda line: None)
+    ee = [SIM_STATE_NAMES.index(name) for name in ("ee_x", "ee_y", "ee_z")]
+    inputs.state = np.zeros(len(SIM_STATE_NAMES))
+    inputs.state[ee] = [0.4, 0.1, 0.2]
+    hold = Hold(config, DT, inputs, None, diagnostics, limiter, SimpleNamespace(error=print, warning=print))
+    assert hold.command(None).tolist() == [0.4, 0.1, 0.2, 0.0]  # the first command: the measured state
+    hold.command(np.array([0.5, -0.1, 0.3, 1.0]))  # the last episode's last command
+    inputs.state[ee] = [0.6, 0.0, 0.25]  # the next episode's arm
+    assert hold.command(None).tolist() == [0.5, -0.1, 0.3, 1.0]
+    hold.start_episode()
+    assert hold.command(None).tolist() == [0.6, 0.0, 0.25, 0.0]

@@ -195,7 +195,8 @@ class BatchedEnv(Protocol):
     - ``reset(seed, worlds=w)`` starts new episodes in the worlds ``w`` only and returns the whole
       batch's observations (the other worlds' unchanged). ``seed`` is an int (world i draws what a
       full ``reset(seed)`` would give it), one int per selected world (worlds given equal seeds
-      start from equal states), or None (each world draws its next episode, as an autoreset does).
+      start from equal states) or one ``np.random.SeedSequence`` per world (a MuJoCo backend's world
+      stream: `sim.config.batch_world_seed`), or None (each world draws its next episode, as an autoreset does).
     - ``get_state(w)`` -> one `WorldState` per selected world; ``set_state(states, w)`` loads them
       into the worlds ``w`` (world ``w[j]`` gets ``states[j]``) and returns the batch's
       observations. A loaded world observes and, stepped with the same actions, evolves as the

@@ -162,6 +162,12 @@ def _run_bench_latency_rl(cfg):
     print(format_summary(bench_latency_rl(cfg)))
 
 
+def _run_bench_robot_parity(cfg):
+    from vla_rl.bench_robot_parity import bench_robot_parity, format_summary
+
+    print(format_summary(bench_robot_parity(cfg)))
+
+
 def _run_bench_delay_calibration(cfg):
     from vla_rl.bench_delay_calibration import bench_delay_calibration, format_summary
 
@@ -271,7 +277,8 @@ COMMANDS: dict[str, Command] = {
     ),
     "bench": Command(
         "benchmarks: `bench sim` (env-steps/s), `bench bridge` (ROS 2 latency), `bench delay` (success under "
-        "delay), `bench rl` (RL fine-tuning gains), `bench latency-rl` (ARLI), `bench delay-calibration` (their task and delay), `bench ray` (asynchronous Ray rollouts), "
+        "delay), `bench rl` (RL fine-tuning gains), `bench latency-rl` (ARLI), `bench delay-calibration` (their task and delay), `bench robot-parity` (the "
+        "latency model against a served robot), `bench ray` (asynchronous Ray rollouts), "
         "`bench libero` (LIBERO against LeRobot's evaluator), `bench ar-decoding` (token decoding speed)",
         "",
         None,
@@ -305,6 +312,11 @@ COMMANDS: dict[str, Command] = {
                 "latency-aware RL (ARLI) vs naive RL under inference delay, no-delay RL and training-time RTC",
                 "vla_rl.bench_latency_rl:BenchLatencyRLConfig",
                 _run_bench_latency_rl,
+            ),
+            "robot-parity": Command(
+                "one checkpoint served to the sim robot over ROS 2 and evaluated under its latency trace, paired",
+                "vla_rl.bench_robot_parity:BenchRobotParityConfig",
+                _run_bench_robot_parity,
             ),
             "ray": Command(
                 "Ray on a two-node local cluster: asynchronous over synchronous rollouts, a worker killed mid-run",

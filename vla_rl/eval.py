@@ -5,10 +5,12 @@ latency model of `vla_core.runtime` (request schedule, delay estimate, augmentat
 one the robot bridge drives; ``--chunking.*`` sets the steps executed per chunk and the merge mode
 (``rtc`` also guides a flow policy toward the queued actions, as ``vla-rl serve`` does),
 ``--delay.*`` evaluates under inference delay (none by default), drawn or replayed from latencies a
-served robot measured (``--delay.kind=histogram --delay.latencies_file=...``), announced to the
+served robot measured (``--delay.kind=histogram --delay.latencies_file=...``, or ``--delay.kind=trace``:
+request k of episode e gets the robot's latency of its request k of episode e), announced to the
 policy by the oracle or by the robot's own estimate (``--delay.estimate=measured``). Each world
 runs one episode per round; round r resets with seed ``seed + r``, so the same seed always
-evaluates the same initial states. On LIBERO a named protocol (``--protocol``, `sim.libero_protocol`)
+evaluates the same initial states; the plan numbers the episodes r * N + w (world w of N), as a trace
+and ``--noise_seed`` (each request's sampler noise keyed by episode and request) look them up. On LIBERO a named protocol (``--protocol``, `sim.libero_protocol`)
 fixes the episodes of each task, their initial states, settle steps and step limits instead.
 
 Writes ``eval.json`` (per-episode results, success rate with a 95% Wilson interval, a row per task,
@@ -34,7 +36,7 @@ from sim.config import EnvConfig
 from sim.libero_protocol import with_libero_cameras
 from vla_core import crash_log, interrupt
 from vla_core.files import temporary_beside, write_text_atomic
-from vla_core.runtime import ChunkingConfig, DelayConfig, DelayModel, LatencySpec
+from vla_core.runtime import ChunkingConfig, DelayConfig, DelayModel, LatencySpec, request_noise
 from vla_core.types import TASK, ActionChunk, world_indices
 from vla_rl.checkpoint import load_policy
 from vla_rl.eval_record import (
@@ -83,6 +85,9 @@ class EvalConfig:
     # steps executed per chunk (0 = the policy's n_action_steps), merge mode, ensemble weight
     chunking: ChunkingConfig = field(default_factory=ChunkingConfig)
     delay: DelayConfig = field(default_factory=DelayConfig)  # inference delay in control steps (0 = none)
+    # >= 0: the sampler's initial noise of request k of the plan's episode e is drawn from (noise_seed, e, k)
+    # (`vla_core.runtime.noise`), as `vla-rl serve --noise_seed` draws it on the robot; -1: from torch's stream.
+    noise_seed: int = -1
     video_episodes: int = 4  # episodes shown in rollouts.mp4 (0 = no video)
     video_size: int = 192  # pixels per episode tile in the video
     output_dir: str = "outputs/quickstart/eval"  # eval.json, episodes.jsonl, summary.md and rollouts.mp4 go here
@@ -165,6 +170,7 @@ def evaluate(cfg: EvalConfig, policy=None, expected_weights: str | None = None) 
                                         cfg.episodes_per_task or libero.episodes_per_task)  # fmt: skip
         else:
             plan = EpisodePlan.seeded(cfg.num_episodes or DEFAULT_EPISODES, n, cfg.seed)
+        delay.check_episodes(plan.num_episodes)  # a trace too short for the plan is refused before any step
         recorder = FrameRecorder(env, min(cfg.video_episodes, n, plan.num_episodes), cfg.video_size)
         # Chunks run through the same latency model as RL and the robot bridge; with the default
         # zero delay this is plain chunked execution. A delay the policy cannot take is refused here,
@@ -180,7 +186,7 @@ def evaluate(cfg: EvalConfig, policy=None, expected_weights: str | None = None) 
         # kept (episodes.jsonl, eval_progress.pt) and --resume=true goes on from there. eval.json is
         # written only once every episode has run.
         with interrupt.deferred(), crash_log.into(out):
-            _run_rounds(plan, record, delayed, recorder, policy, delays_seen, bar)
+            _run_rounds(plan, record, delayed, recorder, policy, delays_seen, bar, cfg.noise_seed)
         bar.close()
     episodes = sorted(record.episodes, key=lambda e: (e["round"], e["world"]))
     protocol_record = None
@@ -232,19 +238,21 @@ def identity(cfg: EvalConfig, weights_sha256: str) -> dict:
     return {**{k: v for k, v in asdict(cfg).items() if k not in skip}, "weights_sha256": weights_sha256}
 
 
-def _run_rounds(plan: EpisodePlan, record: EvalRecord, delayed, recorder, policy, delays_seen: dict, bar) -> None:
+def _run_rounds(plan: EpisodePlan, record: EvalRecord, delayed, recorder, policy, delays_seen: dict, bar,
+                noise_seed: int = -1) -> None:  # fmt: skip
     """Run the rounds of ``plan`` the record has not done, appending each episode as it ends and saving the
     progress after each round (see `vla_rl.eval_record`)."""
     env, n = recorder.env, delayed.num_envs
     for r in range(record.rounds_done, len(plan.rounds)):
         this = plan.rounds[r]
         recorder.enabled = r == 0
-        obs, need = delayed.reset(seed=this.seed)
+        obs, need = delayed.reset(seed=this.seed, episodes=plan.episode_numbers(r))
         finished = np.array([e is None for e in this.episodes])  # uncounted worlds run but are not kept
         length = np.zeros(n, dtype=np.int64)
         while not finished.all():
+            noise = _request_noise(policy, delayed, need, noise_seed) if noise_seed >= 0 else None
             obs, _, terminated, truncated, info, need = delayed.step(
-                _predict(policy, obs, need, delayed.obs_step, delayed.guidance)
+                _predict(policy, obs, need, delayed.obs_step, delayed.guidance, noise)
             )
             length += np.where(finished, 0, info["steps"].cpu().numpy())
             for d in info["delay_steps"][info["delay_steps"] >= 0].tolist():
@@ -253,7 +261,8 @@ def _run_rounds(plan: EpisodePlan, record: EvalRecord, delayed, recorder, policy
             for i in np.flatnonzero(done):
                 task = env.task_names[int(info["task_id"][i])]
                 record.append({"round": r, "world": int(i), "task": task, **this.episodes[i],
-                               "success": bool(info["success"][i]), "length": int(length[i])})  # fmt: skip
+                               "success": bool(info["success"][i]), "length": int(length[i]),
+                               "requests": int(info["requests"][i])})  # fmt: skip
                 bar.update(1)
             finished |= done
             interrupt.raise_if_stopped()
@@ -336,12 +345,33 @@ def rerun(cfg: EvalConfig) -> dict:
     return result
 
 
+def _request_noise(policy, delayed, need: torch.Tensor, noise_seed: int) -> torch.Tensor:
+    """(N, H, A) the sampler noise of each asked world's request: request k of the plan's episode e gets
+    ``request_noise(noise_seed, e, k)``, the robot's for its request k of episode e; a world running an
+    uncounted episode draws from torch's stream (its rows are never compared). Other rows are zero."""
+    cfg = policy.config
+    noise = torch.zeros(len(need), cfg.horizon, cfg.action_dim)
+    episodes, requests = delayed.episode, delayed.request_index
+    for w in torch.nonzero(need.cpu()).flatten().tolist():
+        e, k = int(episodes[w]), int(requests[w])
+        noise[w] = (
+            request_noise(noise_seed, e, k, cfg.horizon, cfg.action_dim)[0] if e >= 0 else torch.randn(noise.shape[1:])
+        )
+    return noise
+
+
 def _predict(
-    policy, obs: dict, need: torch.Tensor, obs_step: torch.Tensor, guidance: tuple[torch.Tensor, torch.Tensor] | None
+    policy,
+    obs: dict,
+    need: torch.Tensor,
+    obs_step: torch.Tensor,
+    guidance: tuple[torch.Tensor, torch.Tensor] | None,
+    noise: torch.Tensor | None = None,
 ) -> ActionChunk:
     """Run the policy on the requesting worlds only; other rows of the (N, H, A) chunk stay zero.
 
-    guidance: RTC's (target (N, H, A), weights (N, H)) for a flow policy, or None.
+    guidance: RTC's (target (N, H, A), weights (N, H)) for a flow policy, or None. noise: (N, H, A) each
+    world's sampler start (`_request_noise`), or None: drawn by the policy.
     """
     rows = torch.nonzero(need.cpu()).flatten()
     if len(rows) == 0:  # no world asks yet (a latency-aware policy waits for its mid-inference observation)
@@ -352,11 +382,12 @@ def _predict(
         for k, v in obs.items()
         if k == TASK or torch.is_tensor(v)
     }
+    given = {} if noise is None else {"noise": noise[rows]}
     if guidance is not None:
         inpaint = tuple(g[rows.to(g.device)] for g in guidance)
-        chunk = policy.predict_chunk(sub, obs_step[rows.to(obs_step.device)], inpaint=inpaint)
+        chunk = policy.predict_chunk(sub, obs_step[rows.to(obs_step.device)], inpaint=inpaint, **given)
     else:
-        chunk = policy.predict_chunk(sub, obs_step[rows.to(obs_step.device)])
+        chunk = policy.predict_chunk(sub, obs_step[rows.to(obs_step.device)], **given)
     # On the policy's device: the delay shell moves it to the env's (none of it to the host).
     actions = chunk.actions.new_zeros(len(need), *chunk.actions.shape[1:])
     actions[rows.to(actions.device)] = chunk.actions

@@ -13,7 +13,7 @@ sample from one stream of policy noise whatever ran before.
 
 The record, in the output directory:
 - ``episodes.jsonl``: one line per finished episode, appended as it finishes (round, world, task, seed
-  or initial state, success, length);
+  or initial state, success, length, requests: the chunks it asked for);
 - ``eval_progress.pt``: after each whole round, the rounds done and every random state the next
   round reads (torch's, the delay model's, the measured lags), written atomically;
 - ``eval.json``: the result, written at the end.
@@ -97,6 +97,17 @@ class EpisodePlan:
     @property
     def num_episodes(self) -> int:
         return sum(e is not None for r in self.rounds for e in r.episodes)
+
+    def episode_numbers(self, r: int) -> list[int]:
+        """(N,) the number of each world's episode in round ``r``: the counted episodes numbered from 0 in
+        plan order (round by round, world by world; r * N + w for a seeded plan), -1 for an uncounted world.
+        A trace delay and per-request noise are looked up by it (`vla_core.runtime.delayed_env`)."""
+        before = sum(e is not None for earlier in self.rounds[:r] for e in earlier.episodes)
+        numbers = []
+        for episode in self.rounds[r].episodes:
+            numbers.append(-1 if episode is None else before)
+            before += episode is not None
+        return numbers
 
 
 def _parsed(line: str) -> dict[str, Any] | None:

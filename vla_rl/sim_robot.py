@@ -2,7 +2,10 @@
 
 The world is a `sim.mujoco_env.MujocoBatchedEnv` with one world, so physics, reset distribution,
 IK and success are exactly the training task's, and seed s gives the episodes of a batched env
-reset with seed s. Each control step publishes one observation, all stamped alike:
+reset with seed s; with ``eval_worlds=N`` episode e starts instead where `vla-rl eval --seed=s
+--env.num_envs=N` starts its episode e (world e % N of the round reset with seed s + e // N), so
+each episode of the robot has a twin in simulation (`vla-rl bench robot-parity`). Each control step
+publishes one observation, all stamped alike:
 
 - ``/camera/<camera>/image_raw`` sensor_msgs/Image rgb8 (H, W, 3), one per camera of the env
   config, and ``.../compressed`` (png) with ``compressed_images=true``, encoded by `robot_bridge.codec`;
@@ -22,6 +25,12 @@ Commands: ``/command/joint_trajectory`` trajectory_msgs/JointTrajectory whose ``
 ``/command/array`` std_msgs/Float64MultiArray in ACTION_NAMES order. See :class:`CommandGate`
 for what is rejected and what the robot holds meanwhile. Topic names and types are those of
 `robot_bridge.topics`, the table `serve`, `record-ros` and `convert` use too.
+
+Between episodes a robot with ``episode_gap_s`` publishes nothing for that long, as a real robot
+resetting would (a server answers the inference still in flight meanwhile), and with
+``wait_for_controller`` it starts its first episode only once a node subscribes to its joint states
+and publishes commands. ``episode_log`` records each finished episode (its outcome, length and
+initial state), one JSON line each.
 
 The simulated robot composes the simulator and the bridge, so it lives with the commands: like
 every command module it imports `robot_bridge` (and through it ROS) only inside its functions.
@@ -65,6 +74,28 @@ class SimRobotConfig:
         0.5  # with sync, republish the waiting observation this often, freshly stamped, for late subscribers
     )
     node_name: str = "sim_robot"  # ROS 2 node name
+    # > 0: episode e starts where `vla-rl eval --seed=<seed> --env.num_envs=<eval_worlds>` starts its episode e
+    # (world e % eval_worlds of the round reset with seed + e // eval_worlds); 0: the episodes follow each other
+    # on one stream (a batched env's world 0 under autoreset)
+    eval_worlds: int = 0
+    # seconds with nothing published between episodes (and before the first, with wait_for_controller), as a
+    # robot resetting; a server answers its inference in flight meanwhile. Real time only (not with sync).
+    episode_gap_s: float = 0.0
+    # publish nothing until a node subscribes to the joint states and publishes commands (the server): no
+    # episode starts before anyone listens
+    wait_for_controller: bool = False
+    episode_log: str = ""  # JSON lines, one per finished episode: episode, success, length, initial state; "" = none
+
+
+def episode_seed(cfg: SimRobotConfig, episode: int):
+    """The reset seed of the robot's episode ``episode``: with ``eval_worlds`` N, the stream of world e % N of a
+    batch reset with seed + e // N (`sim.config.batch_world_seed`), where `vla-rl eval` runs its episode e;
+    else ``seed`` for the first and None after it (the stream goes on, as an autoreset's)."""
+    from sim.config import batch_world_seed
+
+    if cfg.eval_worlds:
+        return [batch_world_seed(cfg.seed + episode // cfg.eval_worlds, episode % cfg.eval_worlds)]
+    return cfg.seed if episode == 0 else None
 
 
 class CommandGate:
@@ -163,8 +194,9 @@ class SimRobot:
         self.episode_pub = publisher(topics.EPISODE)
         self.instruction_pub = publisher(topics.INSTRUCTION, latched)
         self.diagnostics_pub = publisher(topics.DIAGNOSTICS)
-        for topic, callback in ((topics.JOINT_TRAJECTORY, self._on_trajectory), (topics.COMMAND_ARRAY, self._on_array)):
-            node.create_subscription(topic.message_class(), topic.name, callback, 10)
+        self._command_subs = [node.create_subscription(topic.message_class(), topic.name, callback, 10)
+                              for topic, callback in ((topics.JOINT_TRAJECTORY, self._on_trajectory),
+                                                      (topics.COMMAND_ARRAY, self._on_array))]  # fmt: skip
 
         self.finished = Future()  # done after max_episodes episodes
         self.episode, self.step, self.tick = 0, 0, 0
@@ -177,16 +209,61 @@ class SimRobot:
         self._started = time.monotonic()
         self._first_tick_wall: float | None = None  # monotonic start of the first and of the latest control step
         self._latest_tick_wall = 0.0
+        self._waiting = cfg.wait_for_controller  # no node listens and commands yet: nothing is published
+        self._resume_at: float | None = None  # between episodes: monotonic time the next one is published
+        self._paused_s, self._pause_started = 0.0, 0.0  # wall seconds between episodes (left out of the
+        # real-time factor), and when the current pause began
+        self._episode_log = open(cfg.episode_log, "w") if cfg.episode_log else None  # noqa: SIM115 (closed in close)
 
-        self.obs = env.reset(seed=cfg.seed)
-        self._publish_instruction()
-        self._publish_observation()
+        self.obs = env.reset(seed=episode_seed(cfg, 0))
+        self._initial_state = self.obs[OBS_STATE][0].tolist()
+        if cfg.wait_for_controller:
+            node.create_timer(0.05, self._check_controller)
+        else:
+            self._begin_episode()
         if cfg.sync:
             node.create_timer(cfg.sync_republish_s, self._republish_if_idle)
         else:
             node.create_timer(env.control_dt / cfg.realtime_factor, self._control_step)
         node.create_timer(cfg.diagnostics_period_s, self._publish_diagnostics)
         self._idle_since = time.monotonic()
+
+    def _begin_episode(self) -> None:
+        """Publish the new episode's instruction and first observation: from now on it runs. A command that
+        came before (a server holding through the pause) was not computed from this episode: forgotten."""
+        self.gate.clear()
+        self._publish_instruction()
+        self._publish_observation()
+
+    def _check_controller(self) -> None:
+        """While waiting for a controller: once a node subscribes to the joint states and one publishes
+        commands, the first episode starts (after ``episode_gap_s``, for the server's side to match too)."""
+        if not self._waiting:
+            return
+        if self.joint_pub.get_subscription_count() and any(sub.get_publisher_count() for sub in self._command_subs):
+            self._waiting = False
+            self._pause(time.monotonic())
+
+    def _pause(self, start: float) -> None:
+        """Publish the next episode ``episode_gap_s`` after ``start`` (at once without a gap)."""
+        if self.cfg.episode_gap_s > 0:
+            self._resume_at, self._pause_started = start + self.cfg.episode_gap_s, start
+        else:
+            self._begin_episode()
+
+    def _paused(self) -> bool:
+        """Whether this control step runs no step: waiting for a controller, or between episodes (the step
+        that ends the pause publishes the episode's first observation)."""
+        if self._waiting:
+            return True
+        if self._resume_at is None:
+            return False
+        now = time.monotonic()
+        if now >= self._resume_at:
+            self._resume_at = None
+            self._paused_s += now - self._pause_started
+            self._begin_episode()
+        return True
 
     # -- commands ---------------------------------------------------------------------------
 
@@ -217,7 +294,7 @@ class SimRobot:
         """One control step with the gate's action (or holding position), then publish what follows."""
         import torch
 
-        if self.finished.done():
+        if self.finished.done() or self._paused():
             return
         start = time.monotonic()
         if self._first_tick_wall is None:
@@ -237,17 +314,40 @@ class SimRobot:
             self._publish_status(success, done, self._next_stamp()[1])
             self.successes += success
             self.log.info(f"episode {self.episode} {'succeeded' if success else 'ended'} after {self.step} steps")
+            self._log_episode(success)
             self.episode, self.step = self.episode + 1, 0
             self.gate.clear()
             self._hold = None
             if self.cfg.max_episodes and self.episode >= self.cfg.max_episodes:
                 self.finished.set_result(True)
             else:
-                self.obs = obs
-                self._publish_instruction()
-                self._publish_observation()
+                seed = episode_seed(
+                    self.cfg, self.episode
+                )  # the autoreset drew from the old stream; eval's twin's instead
+                self.obs = obs if seed is None else self.env.reset(seed=seed)
+                self._initial_state = self.obs[OBS_STATE][0].tolist()
+                self._pause(time.monotonic())
         self._step_seconds += time.monotonic() - start
         self._idle_since = time.monotonic()
+
+    def _log_episode(self, success: bool) -> None:
+        if self._episode_log is None:
+            return
+        record = {
+            "episode": self.episode,
+            "success": success,
+            "length": self.step,
+            "initial_state": self._initial_state,
+        }
+        if self.cfg.eval_worlds:  # where its twin runs in `vla-rl eval`
+            record.update(eval_seed=self.cfg.seed + self.episode // self.cfg.eval_worlds,
+                          eval_world=self.episode % self.cfg.eval_worlds)  # fmt: skip
+        self._episode_log.write(json.dumps(record) + "\n")
+        self._episode_log.flush()  # a killed robot keeps every episode it finished
+
+    def close(self) -> None:
+        if self._episode_log is not None:
+            self._episode_log.close()
 
     def _action(self) -> np.ndarray:
         """(4,) the gate's action, or the pose latched when holding began; logs the transitions."""
@@ -271,7 +371,8 @@ class SimRobot:
 
     def _republish_if_idle(self) -> None:
         """With sync, a waiting observation goes out again so subscribers that joined late see it."""
-        if time.monotonic() - self._idle_since >= self.cfg.sync_republish_s and not self.finished.done():
+        running = not (self.finished.done() or self._waiting or self._resume_at is not None)
+        if time.monotonic() - self._idle_since >= self.cfg.sync_republish_s and running:
             self._publish_observation()
 
     # -- publishing -------------------------------------------------------------------------
@@ -367,7 +468,8 @@ class SimRobot:
         """Simulated seconds per wall second between the starts of the first and the latest control step."""
         if self._first_tick_wall is None or self.tick < 2:
             return 0.0
-        return (self.tick - 1) * self.env.control_dt / max(1e-9, self._latest_tick_wall - self._first_tick_wall)
+        running = self._latest_tick_wall - self._first_tick_wall - self._paused_s
+        return (self.tick - 1) * self.env.control_dt / max(1e-9, running)
 
     def summary(self) -> dict:
         return {
@@ -416,6 +518,12 @@ def run_sim_robot(cfg: SimRobotConfig) -> dict:
         )
     if cfg.realtime_factor <= 0:
         raise ValueError(f"realtime_factor must be positive, got {cfg.realtime_factor}")
+    if cfg.eval_worlds < 0 or cfg.episode_gap_s < 0:
+        raise ValueError(f"eval_worlds and episode_gap_s must be >= 0, got {cfg.eval_worlds}, {cfg.episode_gap_s}")
+    if cfg.sync and cfg.episode_gap_s:
+        raise ValueError(
+            "episode_gap_s pauses a real-time robot; with --sync=true the robot waits for commands: drop one"
+        )
     # One world whatever env.num_envs says: the node is one robot.
     env = make_env(replace(cfg.env, num_envs=1))
     rclpy.init()
@@ -434,6 +542,8 @@ def run_sim_robot(cfg: SimRobotConfig) -> dict:
         if robot is not None and rclpy.ok():  # after Ctrl-C the context is gone, and nobody waits for a status
             robot.deliver_pending(FINAL_DELIVERY_TIMEOUT_S)
         summary = robot.summary() if robot is not None else {}
+        if robot is not None:
+            robot.close()
         node.destroy_node()
         if rclpy.ok():
             rclpy.shutdown()

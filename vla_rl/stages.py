@@ -43,16 +43,18 @@ if TYPE_CHECKING:
     from policies.diffusion_vla import DiffusionVLAConfig
     from sim.config import EnvConfig
     from vla_core.runtime import ChunkingConfig, DelayConfig
+    from vla_rl.checkpoint import load_policy, resolve_policy_dir, write_policy
     from vla_rl.config_json import config_dict
     from vla_rl.eval import EvalConfig
     from vla_rl.finetune import FinetuneConfig
     from vla_rl.latency_warmup import LatencyWarmupConfig
+    from vla_rl.processes import last_json, start_command, stop_command
     from vla_rl.record import RecordConfig
     from vla_rl.rl.grpo import GRPOConfig
     from vla_rl.rl.ppo import PPOConfig
     from vla_rl.rl.process_reward import RewardConfig
     from vla_rl.rl.ray_runtime import WORKER_NAME_PREFIX, RayConfig
-    from vla_rl.statistics import pooled_rate, wilson_interval
+    from vla_rl.statistics import mcnemar_exact, pooled_rate, wilson_interval
     from vla_rl.train import DatasetConfig, TrainConfig, build_policy
     from vla_rl.train_prm import PRMDatasetConfig, TrainPRMConfig
 
@@ -126,6 +128,18 @@ _EXPORTS = {
     "wilson_interval": "vla_rl.statistics",
     # Success counts pooled over runs (training seeds) with their interval.
     "pooled_rate": "vla_rl.statistics",
+    # McNemar's exact test of paired outcomes, for a composition that pairs episodes (`bench robot-parity`).
+    "mcnemar_exact": "vla_rl.statistics",
+    # A checkpoint's policy directory, loading a policy and writing one as a checkpoint, for a composition
+    # that makes or inspects a checkpoint itself (`bench robot-parity --quick`'s latency-aware toy).
+    "resolve_policy_dir": "vla_rl.checkpoint",
+    "load_policy": "vla_rl.checkpoint",
+    "write_policy": "vla_rl.checkpoint",
+    # `vla-rl` commands as child processes in a ROS domain of their own (serve and sim-robot, for a composition
+    # that runs a served robot).
+    "start_command": "vla_rl.processes",
+    "stop_command": "vla_rl.processes",
+    "last_json": "vla_rl.processes",
 }
 
 __all__ = [
@@ -152,11 +166,18 @@ __all__ = [
     "config_dict",
     "evaluate",
     "finetune",
+    "last_json",
+    "load_policy",
+    "mcnemar_exact",
     "pooled_rate",
     "record",
+    "resolve_policy_dir",
+    "start_command",
+    "stop_command",
     "train",
     "train_prm",
     "wilson_interval",
+    "write_policy",
 ]
 
 

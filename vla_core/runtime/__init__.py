@@ -1,7 +1,8 @@
 """The latency model: how long inference takes (``delay``), the protocol between a request and its chunk's
 actions (``protocol``: when requests go out, what they are told, which merges and delays a policy fits),
-how chunks become per-step actions (``executor``), the one config of chunking (``ChunkingConfig``), and
-the simulation's shell around the protocol (``delayed_env``; the robot's is `robot_bridge.chunk_scheduler`).
+how chunks become per-step actions (``executor``), the one config of chunking (``ChunkingConfig``), the
+noise of one request (``noise``), and the simulation's shell around the protocol (``delayed_env``; the
+robot's is `robot_bridge.chunk_scheduler`).
 Simulation, evaluation, fine-tuning, training and the robot all use these."""
 
 from vla_core.runtime.config import ChunkingConfig
@@ -9,6 +10,7 @@ from vla_core.runtime.delay import (
     DelayConfig,
     DelayModel,
     LatencyLog,
+    LatencyTrace,
     augmentation,
     committed_prefix,
     latencies_to_steps,
@@ -17,6 +19,7 @@ from vla_core.runtime.delay import (
     mid_observation,
 )
 from vla_core.runtime.executor import ActionChunkExecutor, MergeMode, rtc_blend_weights, rtc_weights
+from vla_core.runtime.noise import request_noise
 from vla_core.runtime.protocol import (
     DEFAULT_MID_FRACTION,
     MERGES,
@@ -36,6 +39,7 @@ __all__ = [
     "LatencyLog",
     "LatencyProtocol",
     "LatencySpec",
+    "LatencyTrace",
     "MergeMode",
     "augmentation",
     "check_merge",
@@ -45,6 +49,7 @@ __all__ = [
     "load_latencies",
     "mid_inference_steps",
     "mid_observation",
+    "request_noise",
     "rtc_blend_weights",
     "rtc_weights",
 ]

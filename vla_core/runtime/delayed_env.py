@@ -1,12 +1,16 @@
 """The simulation's shell around the latency protocol (`vla_core.runtime.protocol`): a batched env seen
 through inference delay, in simulated time. What only simulation does is stand in for inference: each
-request draws its delay from a `DelayModel` (fixed, uniform, or replayed from latencies a robot
-measured), and its chunk is held until ``LatencyProtocol.arrival_step``.
+request draws its delay from a `DelayModel` (fixed, uniform, or from latencies a robot measured: drawn
+at random, or replayed in the robot's order), and its chunk is held until ``LatencyProtocol.arrival_step``.
+Each world's request is numbered within its episode (``request_index``), and a reset may number the
+episodes it starts (``episode``, an evaluation plan's): a trace delay and a per-request noise seed
+(`vla_core.runtime.noise`) are looked up by the two.
 
 Host reads per control step: whether any world requests now (which ends the call); with a
 mid-inference observation also whether a policy is asked and whether an episode ended (which ends
 the call too: the ended world's transition is complete, and its new request is asked only m steps
-on). A call reads once more, to refuse a submitted chunk with NaN or inf. For RL, each world's chunk
+on). A call reads once more, to refuse a submitted chunk with NaN or inf (and, replaying a trace, once per
+request opened, to look its delay up). For RL, each world's chunk
 is one transition (`ChunkTransition`, ``info["transition"]``), from its request to its next request
 or to the end of its episode; a call may complete some worlds' transitions and only advance others'.
 """
@@ -49,11 +53,27 @@ class DelayedChunkEnv:
         self._flight: ActionChunk | None = None  # (N, H, A) the chunks in flight
         self._arrival = torch.zeros(env.num_envs, dtype=torch.long, device=dev)  # when each in-flight one lands
         self._transition = ChunkTransition.zeros(env.num_envs, dev, gamma)  # each world's, since its request
+        # Each world's episode number (-1: none; None until a reset numbers episodes) and its latest request's
+        # index within the episode (-1: none yet).
+        self._episode: torch.Tensor | None = None
+        self._request_index = torch.full((env.num_envs,), -1, dtype=torch.long, device=dev)
 
     @property
     def obs_step(self) -> torch.Tensor:
         """(N,) long: each world's latest request step, to condition its chunk on (the mid observation is later)."""
         return self.protocol.request_step.clone()
+
+    @property
+    def episode(self) -> torch.Tensor | None:
+        """(N,) long: the number a reset gave each world's episode (-1: none, as after an autoreset), or None
+        when no reset numbered episodes."""
+        return None if self._episode is None else self._episode.clone()
+
+    @property
+    def request_index(self) -> torch.Tensor:
+        """(N,) long: the index within its episode (from 0) of each world's latest request, the one its policy
+        answers when asked; -1 before its first."""
+        return self._request_index.clone()
 
     @property
     def guidance(self) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -65,20 +85,39 @@ class DelayedChunkEnv:
         """(N, A) the env's actions that keep each world still (None when it has none)."""
         return self.env.hold_actions() if hasattr(self.env, "hold_actions") else None
 
-    def reset(self, seed: int | Sequence[int] | None = None, *, worlds: Worlds = None) -> tuple[dict, torch.Tensor]:
+    def reset(
+        self, seed: int | Sequence[int] | None = None, *, worlds: Worlds = None, episodes: Sequence[int] | None = None
+    ) -> tuple[dict, torch.Tensor]:
         """New episodes in ``worlds`` (all when None; ``seed`` as in `BatchedEnv.reset`), which request at
-        once; the others keep their queues, in-flight chunks and transitions. Returns (obs, need)."""
-        return self._restart(self.env.reset(seed=seed, worlds=worlds), worlds)
+        once; the others keep their queues, in-flight chunks and transitions. episodes: one number per
+        reset world (-1: none), which a trace delay and per-request noise look up (``episode``); None:
+        unnumbered. Returns (obs, need)."""
+        return self._restart(self.env.reset(seed=seed, worlds=worlds), worlds, episodes)
 
     def set_state(self, states: Sequence[WorldState], worlds: Worlds = None) -> tuple[dict, torch.Tensor]:
         """Load saved world states (`BatchedEnv.set_state`) into ``worlds``, which start afresh as after
         ``reset`` (GRPO's group of worlds starting from one state). Returns (obs, need)."""
         return self._restart(self.env.set_state(states, worlds=worlds), worlds)
 
-    def _restart(self, obs: dict[str, Any], worlds: Worlds) -> tuple[dict, torch.Tensor]:
+    def _restart(
+        self, obs: dict[str, Any], worlds: Worlds, episodes: Sequence[int] | None = None
+    ) -> tuple[dict, torch.Tensor]:
+        indices = world_indices(worlds, self.num_envs)
         selected = np.zeros(self.num_envs, dtype=bool)
-        selected[world_indices(worlds, self.num_envs)] = True
+        selected[indices] = True
         mask = torch.from_numpy(selected).to(self.device)
+        if episodes is not None or self._episode is not None:
+            numbers = np.full(self.num_envs, -1, dtype=np.int64)
+            if episodes is not None:
+                if len(episodes) != len(indices):
+                    raise ValueError(
+                        f"{len(indices)} reset worlds need {len(indices)} episode numbers, got {len(episodes)}"
+                    )
+                numbers[indices] = episodes
+            if self._episode is None:
+                self._episode = torch.full_like(self._request_index, -1)
+            self._episode = torch.where(mask, torch.from_numpy(numbers).to(self.device), self._episode)
+        self._request_index = torch.where(mask, -1, self._request_index)
         self.protocol.restart(mask)
         self._need = self._need & ~mask
         self._transition.start(mask, torch.zeros_like(self._arrival))
@@ -90,7 +129,8 @@ class DelayedChunkEnv:
     def _open(self, worlds: torch.Tensor) -> None:
         """Open a request in ``worlds``: draw the delay it will get, and keep its observation until its
         policy is asked. Nothing arrives before the policy is asked and answers."""
-        drawn = self.delay.sample(self.num_envs, self.device)
+        self._request_index = torch.where(worlds, self._request_index + 1, self._request_index)
+        drawn = self.delay.request_delays(worlds, self._episode, self._request_index, self.device)
         self._true_delay = torch.where(worlds, drawn, self._true_delay)
         self.protocol.open(worlds, true_delay=self._true_delay)
         self._arrival = torch.where(worlds, torch.iinfo(torch.long).max, self._arrival)
@@ -106,7 +146,8 @@ class DelayedChunkEnv:
     def step(self, chunk: ActionChunk) -> tuple[dict, torch.Tensor, torch.Tensor, torch.Tensor, dict, torch.Tensor]:
         """Submit the asked worlds' chunks (N, H, A) and step until some world is asked: obs, reward (N,) summed,
         terminated, truncated, info, need. ``info``: ``steps`` (N,), ``success`` (N,) an episode ended in
-        success, ``delay_steps`` (N,) each submitted chunk's delay (-1: none) and ``transition``."""
+        success, ``delay_steps`` (N,) each submitted chunk's delay (-1: none), ``requests`` (N,) the requests
+        opened in the episode that ended (0 where none did) and ``transition``."""
         p, dev, submitted = self.protocol, self.device, self._need
         actions = chunk.actions.to(device=dev, dtype=torch.float32)
         if not (torch.isfinite(actions) | ~submitted[:, None, None]).all():
@@ -121,6 +162,7 @@ class DelayedChunkEnv:
         reward, steps = torch.zeros(n, device=dev), torch.zeros(n, dtype=torch.long, device=dev)
         terminated = torch.zeros(n, dtype=torch.bool, device=dev)
         truncated, success, info = terminated.clone(), terminated.clone(), {}
+        requests = torch.zeros_like(steps)
         hold = getattr(self.env, "hold_actions", None)
         while True:
             p.receive(self._flight, p.in_flight & (p.step >= self._arrival), validate=False)
@@ -150,6 +192,10 @@ class DelayedChunkEnv:
             success |= info["success"].to(dev)
             ended = term | trunc  # a new episode forgets the old one's queue, chunk in flight and open request
             p.restart(ended)
+            requests = torch.where(ended, self._request_index + 1, requests)
+            self._request_index = torch.where(ended, -1, self._request_index)
+            if self._episode is not None:  # an autoreset's episode is not one a reset numbered
+                self._episode = torch.where(ended, -1, self._episode)
             if p.mid_fraction is not None and ended.any():
                 need = torch.zeros_like(ended)  # the steps until its new request is asked belong to no transition
                 break
@@ -160,6 +206,7 @@ class DelayedChunkEnv:
             "steps": steps,
             "success": success,
             "delay_steps": delays,
+            "requests": requests,
             "transition": self._transition.clone(),
         }
         return self._asked_obs(), reward, terminated, truncated, info, need.clone()
