@@ -49,7 +49,7 @@ def test_an_imitation_run_of_another_seed_or_delay_is_refused_before_training(tm
         "steps": 4000,
         "batch_size": 64,
         "delay": asdict(DelayConfig()),
-        "policy": {"type": "diffusion"},
+        "policy": {"type": "diffusion", "horizon": 16, "n_action_steps": 4},
     }
     (run / "train_config.json").write_text(json.dumps(saved))
     with pytest.raises(ValueError, match="seed=0, but this run asks for seed=1"):
@@ -58,6 +58,14 @@ def test_an_imitation_run_of_another_seed_or_delay_is_refused_before_training(tm
         train_imitation(BenchRLConfig(), tmp_path / "dataset", run, DelayConfig(kind="uniform", low=0, high=8))
     with pytest.raises(ValueError, match="policy_type=diffusion, but this run asks for policy_type=autoregressive_vla"):
         train_imitation(BenchRLConfig(policy_type="autoregressive_vla"), tmp_path / "dataset", run)
+    with pytest.raises(ValueError, match="horizon=16, but this run asks for horizon=8"):
+        train_imitation(BenchRLConfig(horizon=8), tmp_path / "dataset", run)
+    ar = {**saved, "policy": {**saved["policy"], "type": "autoregressive_vla", "action_tokenizer": "fast"}}
+    (tmp_path / "ar" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "ar" / "train_config.json").write_text(json.dumps(ar))
+    with pytest.raises(ValueError, match="action_tokenizer=fast, but this run asks for action_tokenizer=uniform_bins"):
+        train_imitation(BenchRLConfig(policy_type="autoregressive_vla", action_tokenizer="uniform_bins"),
+                        tmp_path / "dataset", tmp_path / "ar")  # fmt: skip
     assert ran == []
     train_imitation(BenchRLConfig(), tmp_path / "dataset", run)  # the same run: resumed
     assert ran == [("train", 0, True)]

@@ -72,6 +72,7 @@ from vla_core.files import write_text_atomic
 
 ALGOS = ("ppo", "grpo")
 PolicyType = Literal["diffusion", "autoregressive_vla"]
+ActionTokenizer = Literal["fast", "uniform_bins"]
 
 
 @dataclass
@@ -80,6 +81,8 @@ class BenchRLConfig:
 
     task: str = "track"
     policy_type: PolicyType = "diffusion"  # the imitation policy RL starts from (autoregressive_vla: its own folder)
+    # autoregressive_vla only: its action tokens (see the 2026-12-04 amendment: chosen from the imitation arm alone)
+    action_tokenizer: ActionTokenizer = "fast"
     # A third arm: PPO with a process reward model `vla-rl train-prm` fits on the benchmark's demonstrations
     process_reward: bool = False
     demos: int = 200  # scripted demonstration episodes of the imitation policy

@@ -48,22 +48,24 @@ def train_imitation(cfg, dataset: Path, output_dir: Path, delay=None) -> None:
     the delay augmentation (training-time RTC), None = none."""
     from vla_rl.stages import AutoregressiveVLAConfig, DatasetConfig, DelayConfig, DiffusionConfig, TrainConfig, train
 
-    policy_config = {"diffusion": DiffusionConfig, "autoregressive_vla": AutoregressiveVLAConfig}[
-        getattr(cfg, "policy_type", "diffusion")
-    ]
+    policy_type = getattr(cfg, "policy_type", "diffusion")
+    policy = {"horizon": cfg.horizon, "n_action_steps": cfg.n_action_steps}
+    if policy_type == "autoregressive_vla":  # the benchmark's action tokenizer (`bench rl --action_tokenizer`)
+        policy["action_tokenizer"] = cfg.action_tokenizer
     delay = delay or DelayConfig()
     saved = output_dir / "train_config.json"
     if (output_dir / "checkpoints").is_dir() and saved.is_file():  # resumed: it must be this run's policy
         c = json.loads(saved.read_text())
-        _refuse_another_run(output_dir, "an imitation policy", {**c, "policy_type": c["policy"]["type"]}, {
+        recorded = {**c, "policy_type": c["policy"]["type"], **{k: c["policy"].get(k) for k in policy}}
+        _refuse_another_run(output_dir, "an imitation policy", recorded, {
             "seed": cfg.seed, "steps": cfg.train_steps, "batch_size": cfg.batch_size, "delay": asdict(delay),
-            "policy_type": getattr(cfg, "policy_type", "diffusion"),
+            "policy_type": policy_type, **policy,
         })  # fmt: skip
     train(TrainConfig(
         dataset=DatasetConfig(root=str(dataset)), output_dir=str(output_dir), steps=cfg.train_steps,
         batch_size=cfg.batch_size, seed=cfg.seed, log_with="none", save_every=cfg.train_steps,
         num_threads=cfg.num_threads, delay=delay, resume=(output_dir / "checkpoints").is_dir(),
-        policy=policy_config(horizon=cfg.horizon, n_action_steps=cfg.n_action_steps),
+        policy={"diffusion": DiffusionConfig, "autoregressive_vla": AutoregressiveVLAConfig}[policy_type](**policy),
     ))  # fmt: skip
 
 
