@@ -36,10 +36,12 @@ from safetensors.torch import load_model, save_model
 from torch import nn
 
 from policies.denoising_chain import ExplorationNoise
+from policies.flow_guidance import DEFAULT_MAX_GUIDANCE
+from policies.flow_matching import Objective, check_objective
 from policies.normalization import NormalizationMixin
 from policies.tokenizer import word_vocabulary
 from vla_core.runtime.protocol import DEFAULT_MID_FRACTION, check_mid_fraction
-from vla_core.types import ACTION, OBS_COMMITTED_ACTIONS, OBS_COMMITTED_MASK, OBS_STATE, ActionChunk, image_key
+from vla_core.types import ACTION, OBS_COMMITTED_ACTIONS, OBS_COMMITTED_MASK, OBS_STATE, ActionChunk, Steer, image_key
 
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
 
@@ -147,11 +149,17 @@ class DenoisingPolicyConfig(PolicyConfig):
     num_train_timesteps: int = 100  # DDPM noise levels during training
     num_inference_steps: int = 10  # sampler steps at inference (DDIM/DDPM steps, or Euler steps for flow)
     beta_schedule: str = "squaredcos_cap_v2"  # diffusers beta schedule (DDPM/DDIM)
+    # ddpm (epsilon prediction, DDPM noise, DDIM sampling) or flow (flow matching, Euler sampling;
+    # `policies.flow_matching`): flow offers RTC inpainting and the steering hooks. Each type sets its default.
+    objective: Objective = "ddpm"
+    # flow only: clip of the real-time-chunking inpainting guidance weight (`policies.flow_guidance`)
+    rtc_max_guidance: float = DEFAULT_MAX_GUIDANCE
 
     def validate(self) -> None:
         super().validate()
         if self.num_inference_steps < 1 or self.num_train_timesteps < 1:
             raise ValueError("policy.num_inference_steps and policy.num_train_timesteps must be >= 1")
+        check_objective(self.objective)
 
 
 def policy_class(type_name: str) -> type[PreTrainedPolicy]:
@@ -344,13 +352,15 @@ class PreTrainedPolicy(NormalizationMixin, nn.Module):
         *,
         noise: torch.Tensor | None = None,
         inpaint: tuple[torch.Tensor, torch.Tensor] | None = None,
+        steer: Steer | None = None,
     ) -> ActionChunk:
         """Observation batch of size B -> ActionChunk (B, horizon, action_dim) in dataset units.
 
-        obs_step: (B,) control step of the observation (zeros when None). noise: (B, horizon,
-        action_dim) initial noise of the sampler in normalized units (drawn when None), so a chunk can be
+        obs_step: (B,) control step of the observation (zeros when None). noise: (B, *noise_shape)
+        initial noise of the sampler in normalized units (drawn when None), so a chunk can be
         reproduced. inpaint: (target (B, H, A) in dataset units, weights (B, H) in [0, 1]): guide the
         chunk toward the target where the weight is 1, for policies with ``supports_inpainting``.
+        steer: a flow policy's extra velocity at every Euler step (`vla_core.types.Steer`).
         """
         raise NotImplementedError
 
@@ -367,6 +377,34 @@ class PreTrainedPolicy(NormalizationMixin, nn.Module):
         raise ValueError(
             f"the {self.config.type!r} policy has no RL actor (no exact log-probabilities), which RL needs; fine-tune "
             f"a diffusion or diffusion_vla checkpoint (any objective)"
+        )
+
+    # -- steering hooks of flow policies (`vla_core.types.FlowSteerable`) ------------------------------
+    # vla-rl's own denoising policies implement them in `policies.flow_matching.FlowHooks`, a LeRobot flow
+    # VLA in its adapter; any other policy refuses them here.
+
+    @property
+    def noise_shape(self) -> tuple[int, ...]:
+        """The shape of one sample's initial noise ``predict_chunk`` takes (`vla_core.types.FlowSteerable`)."""
+        raise ValueError(f"the {self.config.type!r} policy samples from no initial noise (it has no noise_shape)")
+
+    @property
+    def latent_dim(self) -> int:
+        """The width of ``latents`` (`vla_core.types.FlowSteerable`)."""
+        raise ValueError(self._no_flow_velocity("latent_dim"))
+
+    def velocity(self, obs: dict, x_t: torch.Tensor, t: float | torch.Tensor) -> torch.Tensor:
+        """(B, *noise_shape) the flow velocity at x_t and t (`vla_core.types.FlowSteerable`)."""
+        raise ValueError(self._no_flow_velocity("velocity"))
+
+    def latents(self, obs: dict, x_t: torch.Tensor, t: float | torch.Tensor) -> torch.Tensor:
+        """(B, latent_dim) the action expert's pooled hidden state at x_t and t (`vla_core.types.FlowSteerable`)."""
+        raise ValueError(self._no_flow_velocity("latents"))
+
+    def _no_flow_velocity(self, what: str) -> str:
+        return (
+            f"{what} needs a flow velocity, which the {self.config.type!r} policy does not have; steer a flow "
+            f"policy: diffusion or diffusion_vla trained with --policy.objective=flow, or LeRobot's pi0, pi05, SmolVLA"
         )
 
     # -- latency-aware policies (ARLI, `policies.latency_head`) ---------------------------------------
@@ -488,9 +526,11 @@ class PreTrainedPolicy(NormalizationMixin, nn.Module):
 
     def _initial_noise(self, noise: torch.Tensor | None, batch: int, device: torch.device) -> torch.Tensor:
         """(B, H, A) sampler start: the given noise, checked, or a fresh standard normal draw."""
-        shape = (batch, self.config.horizon, self.config.action_dim)
+        shape = (batch, *self.noise_shape)
         if noise is None:
             return torch.randn(shape, device=device)
         if tuple(noise.shape) != shape:
             raise ValueError(f"noise must be (B, horizon, action_dim) = {shape}, got {tuple(noise.shape)}")
-        return noise.to(device=device, dtype=torch.float32)
+        # Contiguous: a repeated noise is often an expanded view whose rows share memory; the sampler gets
+        # rows of its own, so nothing downstream writes through them or trips over their strides.
+        return noise.to(device=device, dtype=torch.float32).contiguous()

@@ -144,7 +144,7 @@ def test_a_native_crash_inside_a_run_leaves_its_python_stack_in_the_runs_folder(
     crash = (
         "import ctypes, sys\n"
         "from vla_core.runtime import delayed_env\n"
-        "def reset_and_crash(self, seed=None):\n"
+        "def reset_and_crash(self, seed=None, **kwargs):\n"
         "    ctypes.string_at(0)\n"
         "delayed_env.DelayedChunkEnv.reset = reset_and_crash\n"
         "from vla_rl import cli\n"

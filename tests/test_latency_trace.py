@@ -195,6 +195,10 @@ def test_each_asked_world_samples_the_noise_of_its_own_episode_and_request():
     _, _, _, _, _, need = shell.step(ActionChunk(torch.zeros(2, 4, 1), shell.obs_step))
     assert need.tolist() == [True, True] and shell.request_index.tolist() == [1, 1]
     assert torch.equal(_request_noise(policy, shell, need, 9)[0], request_noise(9, 4, 1, 4, 1)[0])
+    # A policy that declares its noise shape (a LeRobot flow VLA's padded chunk, 6 x 3 here) gets noise of it.
+    padded = SimpleNamespace(config=policy.config, noise_shape=(6, 3))
+    noise = _request_noise(padded, shell, need, 9)
+    assert noise.shape == (2, 6, 3) and torch.equal(noise[0], request_noise(9, 4, 1, 6, 3)[0])
 
 
 def test_an_evaluation_replays_the_trace_request_by_request(tiny_checkpoint, tmp_path):

@@ -422,6 +422,87 @@ def test_an_openpi_libero_evaluation_runs_a_lerobot_pi0(tokenizer_dir, tmp_path)
     assert [(r["task"], r["episodes"]) for r in result["per_task"]] == [("libero_spatial/0", 1)]
 
 
+# -- the steering hooks (`vla_core.types.FlowSteerable`) on LeRobot's padded chunk --------------------------
+
+
+def _euler_by_hand(policy, obs, start, extra=None):
+    """LeRobot's loop written out over the adapter's ``velocity`` hook: dt = -1/n, t_k = 1 + k dt,
+    x <- x + dt (v(x, t_k) + extra); the padded chunk (B, 8, 32) in LeRobot's normalization."""
+    n = policy.config.num_inference_steps
+    x = start.clone()
+    with torch.no_grad():
+        for k in range(n):
+            v = policy.velocity(obs, x, 1.0 + k * (-1.0 / n))
+            x = x + (-1.0 / n) * (v + (0 if extra is None else extra))
+    return x
+
+
+def test_a_lerobot_vla_declares_its_padded_noise_and_its_chunk_is_the_euler_integral_of_the_velocity_hook(
+    tiny_vla, tokenizer_dir
+):
+    directory, _ = tiny_vla
+    policy = _load(directory, tokenizer_dir)
+    assert policy.noise_shape == (8, 32) and policy.latent_dim == 32  # chunk_size, max_action_dim; the expert's width
+    obs, start = _obs(), torch.randn(B, 8, 32)
+    lerobots = policy.predict_chunk(obs, noise=start).actions  # LeRobot's own loop
+    by_hand = policy.postprocessor(_euler_by_hand(policy, obs, start)[..., :4])  # LeRobot unpads to 4 dims
+    torch.testing.assert_close(lerobots, by_hand, rtol=1e-5, atol=1e-5)
+    c = torch.rand(B, 8, 32, generator=torch.Generator().manual_seed(4)) * 0.6 - 0.3
+    seen = []
+
+    def steer(x_t, t, latents):
+        seen.append((x_t.clone(), t.clone(), latents.clone()))
+        return c
+
+    steered = policy.predict_chunk(obs, noise=start, steer=steer).actions
+    torch.testing.assert_close(steered, policy.postprocessor(_euler_by_hand(policy, obs, start, c)[..., :4]),
+                               rtol=1e-5, atol=1e-5)  # fmt: skip
+    assert torch.equal(torch.stack([t for _, t, _ in seen]), torch.tensor([[1.0, 2 / 3, 1 / 3]] * B).T)
+    for x_t, t, latents in seen:  # the latents the steer reads are the hook's at that step
+        assert latents.shape == (B, 32)
+        torch.testing.assert_close(latents, policy.latents(obs, x_t, t), rtol=1e-5, atol=1e-6)
+    assert (policy.latents(obs, start + 0.5, 1.0) - seen[0][2]).abs().max() > 1e-4  # they move with x_t
+    with pytest.raises(ValueError, match=r"noise for LeRobot's pi0\S* must be \(B, chunk_size, max_action_dim\) = "
+                                         r"\(3, 8, 32\), the padded chunk its sampler integrates, got \(3, 8, 4\)"):  # fmt: skip
+        policy.predict_chunk(obs, noise=torch.randn(B, 8, 4))  # (B, horizon, action_dim): not what pi0 integrates
+
+
+def test_a_constant_steer_shifts_a_lerobot_vlas_chunk_by_minus_itself_when_the_velocity_ignores_x(
+    tiny_vla, tokenizer_dir
+):
+    directory, _ = tiny_vla
+    policy = _load(directory, tokenizer_dir)
+    with torch.no_grad():
+        policy.model.model.action_in_proj.weight.zero_()  # the velocity no longer reads x
+    obs, start = _obs(), torch.randn(B, 8, 32)
+    c = torch.rand(B, 8, 32, generator=torch.Generator().manual_seed(4)) * 0.6 - 0.3
+    free = policy.normalize_action(policy.predict_chunk(obs, noise=start).actions)
+    steered = policy.normalize_action(policy.predict_chunk(obs, noise=start, steer=lambda x, t, lat: c).actions)
+    torch.testing.assert_close(steered - free, -c[..., :4], rtol=0, atol=1e-4)  # LeRobot does not clamp
+
+
+def test_a_repeated_noise_gives_a_finite_chunk_on_pi0_pi05_and_a_fine_tuned_bf16_lora_policy(tiny_vla, tokenizer_dir):
+    """DSRL's repeated noise: one vector of max_action_dim values along every chunk row (an expanded view)."""
+    directory, _ = tiny_vla
+    row = torch.randn(32, generator=torch.Generator().manual_seed(5))
+    for adapted in (None, AdaptationConfig(trainable="lora", lora_rank=4, dtype="bfloat16")):
+        policy = _load(directory, tokenizer_dir)
+        if adapted is not None:
+            policy.adapt(adapted)
+            with torch.no_grad():  # a trained adapter
+                for name, p in policy.named_parameters():
+                    if "lora_B" in name:
+                        p.normal_(0, 0.5)
+        repeated = row.expand(B, *policy.noise_shape)
+        chunk = policy.predict_chunk(_obs(), noise=repeated).actions
+        assert chunk.shape == (B, 8, 4) and torch.isfinite(chunk).all()
+        torch.testing.assert_close(chunk, policy.predict_chunk(_obs(), noise=repeated.clone()).actions, rtol=0, atol=0)
+        steered = policy.predict_chunk(_obs(), noise=repeated, steer=lambda x, t, latents: torch.ones_like(x))
+        assert torch.isfinite(steered.actions).all()
+        latents = policy.latents(_obs(), repeated, 0.5)  # read through the LoRA-wrapped output layer too
+        assert latents.shape == (B, policy.latent_dim) and torch.isfinite(latents).all()
+
+
 def test_a_lerobot_policy_that_is_not_a_flow_vla_is_refused_rl_and_rtc_naming_what_works(tmp_path):
     from test_lerobot_interop import _lerobot_act_policy
 
@@ -432,6 +513,11 @@ def test_a_lerobot_policy_that_is_not_a_flow_vla_is_refused_rl_and_rtc_naming_wh
         policy.rl_actor(ExplorationNoise())
     with pytest.raises(ValueError, match=r"needs a flow VLA.*--chunking.merge=latest"):
         policy.predict_chunk(_obs(), inpaint=(torch.zeros(B, 8, 4), torch.ones(B, 8)))
+    fix = r"needs a flow velocity, which LeRobot's act policy does not have; steer a flow policy: LeRobot's pi0"
+    for call in (lambda: policy.predict_chunk(_obs(), steer=lambda *a: 0), lambda: policy.noise_shape,
+                 lambda: policy.velocity(_obs(), torch.zeros(B, 8, 4), 0.5), lambda: policy.latent_dim):  # fmt: skip
+        with pytest.raises(ValueError, match=fix):
+            call()
     with pytest.raises(ValueError, match=r"--vla.\* adapts LeRobot's flow VLAs.*'act' policy: drop the --vla"):
         _finetune(tmp_path / "act", "", tmp_path / "run", vla=AdaptationConfig(trainable="expert"))
     with pytest.raises(ValueError, match="tokenizes no instructions: drop --tokenizer_dir"):
@@ -479,6 +565,14 @@ def test_smolvla_needs_its_vlms_config_and_its_zero_noise_chain_is_lerobots_samp
     torch.testing.assert_close(scored.values.sum(1), behaviour, rtol=1e-6, atol=1e-2)
     scored.values.sum().backward()
     assert any(p.grad is not None for p in policy.model.model.vlm_with_expert.lm_expert.parameters())
+    # The steering hooks: LeRobot's loop is the Euler integral of the velocity hook; a repeated noise is finite.
+    assert policy.noise_shape == (8, 32) and policy.latent_dim == policy.model.model.vlm_with_expert.expert_hidden_size
+    torch.testing.assert_close(lerobots, policy.postprocessor(_euler_by_hand(policy, obs, start)[..., :4]),
+                               rtol=1e-5, atol=1e-5)  # fmt: skip
+    repeated = torch.randn(32, generator=torch.Generator().manual_seed(5)).expand(B, 8, 32)
+    steered = policy.predict_chunk(obs, noise=repeated, steer=lambda x, t, latents: 0.1 * torch.ones_like(x)).actions
+    assert steered.shape == (B, 8, 4) and torch.isfinite(steered).all()
+    assert policy.latents(obs, repeated, 0.5).shape == (B, policy.latent_dim)
 
 
 def test_finetune_trains_smolvla_with_lora_and_saves_a_checkpoint_vla_rl_reloads_offline(tiny_smolvla, tmp_path):

@@ -18,9 +18,10 @@ from policies.diffusion.modeling_diffusion import DiffusionPolicy
 from vla_core.types import OBS_COMMITTED_ACTIONS, OBS_COMMITTED_MASK, OBS_DELAY_STEPS
 
 B = 2
-# The small policy, the VLA with each objective, and the VLA whose deterministic sampler is DDPM.
-KINDS = ["diffusion", "ddpm", "flow"]
+# The small policy and the VLA with each objective, and the VLA whose deterministic sampler is DDPM.
+KINDS = ["diffusion", "diffusion-flow", "ddpm", "flow"]
 EPSILON_KINDS = ["diffusion", "ddpm", "ddpm-sampler"]
+FLOW_KINDS = ["diffusion-flow", "flow"]
 
 # Sample 0 commits 2 chunk steps (its row 2 is padding), sample 1 commits 3; 3.0 is outside the range.
 COMMITTED = torch.tensor([[[0.5, 0.25], [-1.5, 0.9], [9.0, 9.0]], [[1.9, 0.1], [3.0, 0.7], [-0.3, 0.3]]])
@@ -66,10 +67,11 @@ def sample(policy, obs, noise: ExplorationNoise, seed: int = 3):
 
 def denoiser_output(policy, x: torch.Tensor, t: float, obs: dict, known: torch.Tensor | None) -> torch.Tensor:
     """The denoiser at one step, x (B, H, A) -> (B, H, A) noise or velocity; known steps already clean.
-    The VLA's known tokens sit at the clean end of the schedule (time 0)."""
+    t: the objective's time (a DDPM timestep, or the flow's t in [0, 1]). The VLA's known tokens sit at the
+    clean end of the schedule (time 0)."""
     if isinstance(policy, DiffusionPolicy):
         cond = policy.encode_observation(obs)
-        return policy.denoise(x, torch.full((B,), int(t)), cond, known)
+        return policy.denoise(x, torch.full((B,), t), cond, known)
     cond, mask = policy.encode_observation(obs)
     if known is None:
         return policy.dit(x[:, None], torch.full((B, 1), t), cond, mask)[:, 0]
@@ -141,8 +143,9 @@ def test_epsilon_chain_density_is_ddim_with_eta(kind, delayed, eta, min_std):
 
 
 @pytest.mark.parametrize("delayed", [False, True])
-def test_flow_chain_density_is_euler_with_fixed_std(delayed):
-    policy = make_policy("flow", max_delay_steps=3 if delayed else 0)
+@pytest.mark.parametrize("kind", FLOW_KINDS)
+def test_flow_chain_density_is_euler_with_fixed_std(kind, delayed):
+    policy = make_policy(kind, max_delay_steps=3 if delayed else 0)
     obs = observation(delayed)
     n, min_std = policy.config.num_inference_steps, 0.2
     _, chain, log_prob = sample(policy, obs, ExplorationNoise(eta=0.7, min_std=min_std))
@@ -281,7 +284,7 @@ def test_log_prob_refuses_a_zero_std(kind):
     std[3] = 0.0
     with pytest.raises(ValueError, match="min_std > 0"):
         policy.log_prob(obs, DenoisingChain(chain.latents, std, chain.known, chain.eta))
-    if kind != "flow":  # DDIM's last step has variance 0: eta alone leaves it without density
+    if kind not in FLOW_KINDS:  # DDIM's last step has variance 0: eta alone leaves it without density
         _, chain, log_prob = sample(policy, obs, ExplorationNoise(eta=1.0, min_std=0.0))
         assert chain.std[-1] == 0 and torch.isnan(log_prob).all()
         with pytest.raises(ValueError, match="min_std > 0"):
@@ -307,7 +310,8 @@ def test_rl_refuses_a_vla_whose_sampler_or_noise_it_would_not_train():
     policy than the one RL trains, and eta means nothing to a flow policy's Euler steps."""
     with pytest.raises(ValueError, match="RL scores DDIM-with-eta chains, but this policy samples with DDPM"):
         make_policy("ddpm-sampler").rl_actor(ExplorationNoise(eta=0.0, min_std=0.1))
-    with pytest.raises(ValueError, match=r"--noise.eta=0.5 does nothing for a flow policy"):
-        make_policy("flow").rl_actor(ExplorationNoise(eta=0.5, min_std=0.1))
-    assert make_policy("flow").rl_actor(ExplorationNoise(eta=0.0, min_std=0.1)).num_factors == 10  # K Euler steps
+    for kind in FLOW_KINDS:
+        with pytest.raises(ValueError, match=r"--noise.eta=0.5 does nothing for a flow policy"):
+            make_policy(kind).rl_actor(ExplorationNoise(eta=0.5, min_std=0.1))
+        assert make_policy(kind).rl_actor(ExplorationNoise(eta=0.0, min_std=0.1)).num_factors == 10  # K Euler steps
     assert make_policy("ddpm").rl_actor(ExplorationNoise(eta=1.0, min_std=0.1)).noise.eta == 1.0

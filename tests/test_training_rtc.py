@@ -16,7 +16,7 @@ from policies.pretrained import PreTrainedPolicy
 from policies.tokenizer import word_vocabulary
 from vla_core.types import OBS_COMMITTED_ACTIONS, OBS_COMMITTED_MASK, OBS_DELAY_STEPS
 
-KINDS = ["diffusion", "flow", "ddpm"]  # the small policy, and the VLA with each objective
+KINDS = ["diffusion", "diffusion-flow", "flow", "ddpm"]  # the small policy and the VLA, each objective
 
 
 def observation(b: int = 2) -> dict:
@@ -72,9 +72,10 @@ def test_conditioned_chunk_starts_with_the_committed_actions_and_continues_from_
     torch.testing.assert_close(nothing, free, rtol=0, atol=1e-5)
 
 
-def test_inpainting_guidance_still_works_with_a_committed_prefix():
+@pytest.mark.parametrize("kind", ["flow", "diffusion-flow"])
+def test_inpainting_guidance_still_works_with_a_committed_prefix(kind):
     """Flow RTC guidance toward a target on the steps after the prefix, on top of the conditioning."""
-    policy = make_policy("flow", max_delay_steps=3)
+    policy = make_policy(kind, max_delay_steps=3)
     obs, noise = observation(), torch.randn(2, H, A, generator=torch.Generator().manual_seed(2))
     obs = {**obs, **augmentation()}
     target = torch.tensor([[1.0, 0.5]]).expand(2, H, A)  # dataset units
@@ -166,7 +167,7 @@ def test_vla_loss_copies_share_the_clean_prefix_with_a_clean_timestep(objective,
 @pytest.mark.parametrize("kind", KINDS)
 def test_the_loss_does_not_depend_on_the_targets_of_known_steps_but_reads_the_committed_ones(kind):
     policy = make_policy(kind, max_delay_steps=3).train()
-    copies = 1 if kind == "diffusion" else 2
+    copies = 1 if kind.startswith("diffusion") else 2
     batch = training_batch()
 
     def loss(b):
@@ -190,12 +191,12 @@ def test_max_delay_steps_zero_ignores_the_augmentation_and_keeps_todays_paramete
     batch = training_batch()
     without = {k: v for k, v in batch.items() if not k.startswith("observation.committed") and k != OBS_DELAY_STEPS}
     plain.train()
-    copies = 1 if kind == "diffusion" else 2
+    copies = 1 if kind.startswith("diffusion") else 2
     losses = [plain(b, torch.Generator().manual_seed(0), copies=copies).item() for b in (batch, without)]
     assert losses[0] == losses[1]
     shapes = {name: tuple(p.shape) for name, p in plain.state_dict().items()}
     extra = {name: tuple(p.shape) for name, p in reading.state_dict().items() if shapes.get(name) != tuple(p.shape)}
-    if kind == "diffusion":  # the MLP's input: the flattened chunk, plus one known flag per step
+    if kind.startswith("diffusion"):  # the MLP's input: the flattened chunk, plus one known flag per step
         assert shapes["input_proj.weight"] == (32, H * A) and extra == {"input_proj.weight": (32, H * (A + 1))}
     else:  # the DiT: one learned known-token embedding, nothing else
         assert "dit.known_embedding" not in shapes and extra == {"dit.known_embedding": (32,)}

@@ -65,8 +65,9 @@ def test_train_batches_ask_for_the_zero_delay_pass():
     assert torch.equal(batch[OBS_COMMITTED_MASK], KNOWN[:, :3])
 
 
-def test_diffusion_denoises_each_frame_under_its_delay_and_at_zero_delay(monkeypatch):
-    policy = make_policy("diffusion", max_delay_steps=3).train()
+@pytest.mark.parametrize("kind", ["diffusion", "diffusion-flow"])
+def test_diffusion_denoises_each_frame_under_its_delay_and_at_zero_delay(kind, monkeypatch):
+    policy = make_policy(kind, max_delay_steps=3).train()
     seen = {}
 
     def zero_denoiser(noisy, t, cond, known=None):
@@ -78,8 +79,17 @@ def test_diffusion_denoises_each_frame_under_its_delay_and_at_zero_delay(monkeyp
     loss = policy(batch, torch.Generator().manual_seed(0))
     g = torch.Generator().manual_seed(0)  # forward()'s draws: noise and a timestep for 2B chunks
     noise = torch.randn(4, H, A, generator=g)
-    t = torch.randint(0, 100, (4,), generator=g)
-    per_row = (noise**2).mean(-1)  # the error of predicting zero noise
+    clean = normalized(batch[ACTION]).repeat(2, 1, 1)
+    if kind == "diffusion-flow":  # t ~ U(0, 1), x_t = t noise + (1 - t) x_0, the velocity noise - x_0 regressed
+        t = torch.rand(4, generator=g)
+        noised = t[:, None, None] * noise + (1 - t[:, None, None]) * clean
+        regress = noise - clean
+    else:  # DDPM: sqrt(a) x_0 + sqrt(1 - a) noise, the noise regressed
+        t = torch.randint(0, 100, (4,), generator=g)
+        alpha_bar = policy.train_scheduler.alphas_cumprod[t][:, None, None]
+        noised = alpha_bar.sqrt() * clean + (1 - alpha_bar).sqrt() * noise
+        regress = noise
+    per_row = (regress**2).mean(-1)  # the error of predicting zeros
     # Delayed pass (chunks 0-1): sample 0 rows 2-5, sample 1 rows 1-3. Zero-delay pass (chunks 2-3):
     # sample 0 rows 0-5, sample 1 rows 0-3, as plain training takes them.
     delayed = (per_row[0, 2:].sum() + per_row[1, 1:4].sum()) / 7
@@ -87,9 +97,6 @@ def test_diffusion_denoises_each_frame_under_its_delay_and_at_zero_delay(monkeyp
     assert loss.item() == pytest.approx(((delayed + at_zero) / 2).item(), rel=1e-6)
     assert torch.equal(seen["t"], t) and torch.equal(seen["cond"][:2], seen["cond"][2:])  # one encoding
     assert torch.equal(seen["known"], torch.cat([KNOWN, torch.zeros_like(KNOWN)]))
-    clean = normalized(batch[ACTION]).repeat(2, 1, 1)
-    alpha_bar = policy.train_scheduler.alphas_cumprod[t][:, None, None]
-    noised = alpha_bar.sqrt() * clean + (1 - alpha_bar).sqrt() * noise
     torch.testing.assert_close(seen["noisy"][:2], torch.where(KNOWN[..., None], clean[:2], noised[:2]))
     torch.testing.assert_close(seen["noisy"][2:], noised[2:])  # nothing known: all noised
 
@@ -149,9 +156,9 @@ def test_the_validation_loss_is_trainings_with_the_zero_delay_pass():
     assert got != policy(unmarked, torch.Generator().manual_seed(5)).item()
 
 
-@pytest.mark.parametrize("kind", ["diffusion", "flow", "ddpm"])
+@pytest.mark.parametrize("kind", ["diffusion", "diffusion-flow", "flow", "ddpm"])
 def test_without_the_mark_or_without_delays_the_loss_is_the_old_one_bit_for_bit(kind):
-    copies = 1 if kind == "diffusion" else 2
+    copies = 1 if kind.startswith("diffusion") else 2
 
     def loss(policy, batch):
         return policy.train()(batch, torch.Generator().manual_seed(0), copies=copies)

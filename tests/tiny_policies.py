@@ -18,15 +18,17 @@ def make_policy(kind: str, max_delay_steps: int = 0) -> PreTrainedPolicy:
     """A tiny policy of ``kind``, eval mode, with every weight random (the VLA's AdaLN-Zero gates too,
     so a token can see the others), horizon 6, actions in [-2, 2] x [0, 1], 16 px images.
 
-    kind: ``diffusion`` (the small policy), ``flow`` or ``ddpm`` (the VLA with that objective), or
-    ``ddpm-sampler`` (the VLA, ddpm objective, whose deterministic sampler is DDPM, not DDIM).
+    kind: ``diffusion`` (the small policy), ``diffusion-flow`` (the small policy, flow objective), ``flow``
+    or ``ddpm`` (the VLA with that objective), or ``ddpm-sampler`` (the VLA, ddpm objective, whose
+    deterministic sampler is DDPM, not DDIM).
     """
     torch.manual_seed(0)
     shared = {"state_dim": 3, "action_dim": A, "cameras": ["front"], "image_size": 16, "horizon": H,
               "n_action_steps": 2, "vocabulary": word_vocabulary([TASK]), "max_delay_steps": max_delay_steps}  # fmt: skip
-    if kind == "diffusion":
+    if kind.startswith("diffusion"):
+        objective = "flow" if kind == "diffusion-flow" else "ddpm"
         policy = DiffusionPolicy(DiffusionConfig(**shared, vision_channels=8, num_keypoints=4, text_dim=8,
-                                                 hidden_dim=32, num_blocks=2))  # fmt: skip
+                                                 hidden_dim=32, num_blocks=2, objective=objective))  # fmt: skip
     else:
         objective = "flow" if kind == "flow" else "ddpm"
         sampler = "ddpm" if kind == "ddpm-sampler" else "ddim"

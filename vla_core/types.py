@@ -16,7 +16,7 @@ Delay augmentation (built by :class:`vla_core.runtime.ActionChunkExecutor`) adds
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -138,6 +138,58 @@ class LatencyAwarePolicy(Protocol):
 
     def predict_chunk(self, obs: Observation, obs_step: torch.Tensor | None = None, *, noise: torch.Tensor | None = None,
                       inpaint: tuple[torch.Tensor, torch.Tensor] | None = None, prepared: Any = None) -> ActionChunk: ...  # fmt: skip
+
+
+Steer = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""``steer(x_t, t, latents) -> extra velocity``: x_t (B, *noise_shape) the sampler's state, t (B,) float32
+its time (1 = noise, 0 = actions), latents (B, latent_dim) the action expert's pooled hidden state at that
+step (`FlowSteerable.latents`); returns (B, *noise_shape), added to the policy's velocity at every Euler
+step. The caller owns any weight or gate (multiply inside ``steer``)."""
+
+
+@runtime_checkable
+class FlowSteerable(Protocol):
+    """The steering hooks of a flow policy: what latent steering (RL^2) and noise-space steering (DSRL) act on.
+
+    Units and time are the sampler's: x_t in the policy's normalized action units (vla-rl's policies:
+    [-1, 1] is the dataset's range; a LeRobot VLA: its checkpoint's normalization), t in [0, 1] with
+    t = 1 the noise and t = 0 the actions, x_t = t * noise + (1 - t) * actions. ``predict_chunk``
+    integrates from t = 1 to 0 in n Euler steps of 1/n: x <- x - (v + steer(x, t, latents)) / n at
+    t_k = 1 - k / n, then clamps (vla-rl's policies) and unnormalizes.
+
+    - ``noise_shape``: the shape of one sample's initial noise, the whole state the sampler integrates:
+      one value per chunk row and per action dimension, (rows, dims). vla-rl's own policies:
+      (horizon, action_dim); a LeRobot flow VLA: its padded chunk (chunk_size, max_action_dim), e.g.
+      (50, 32) for pi0, whose padded dimensions are inputs of the next velocity like any other. A DSRL
+      noise policy acts in this space: its action is the full (rows, dims) noise, and a noise whose rows
+      are all equal (one vector repeated along the chunk) is one such noise, taken as it is.
+    - ``predict_chunk(obs, obs_step=None, *, noise=None, inpaint=None, steer=None)``: noise
+      (B, *noise_shape) the sampler's start (drawn when None); steer: a `Steer`. The observation is
+      encoded once per call, not once per Euler step.
+    - ``velocity(obs, x_t, t)`` -> (B, *noise_shape): the flow velocity at x_t (B, *noise_shape) and t
+      (a float, or (B,)), with the observation's committed actions (delay augmentation) held clean as
+      the sampler holds them.
+    - ``latents(obs, x_t, t)`` -> (B, ``latent_dim``): the action expert's last hidden state, as the
+      layer that writes the velocity reads it, pooled over the chunk by the mean of its tokens (a policy
+      whose expert has one hidden vector for the whole chunk returns that vector).
+
+    A policy without a flow velocity (an epsilon-objective or token policy) refuses the hooks and
+    ``steer`` with one line naming the fix.
+    """
+
+    @property
+    def noise_shape(self) -> tuple[int, ...]: ...
+
+    @property
+    def latent_dim(self) -> int: ...
+
+    def velocity(self, obs: Observation, x_t: torch.Tensor, t: float | torch.Tensor) -> torch.Tensor: ...
+
+    def latents(self, obs: Observation, x_t: torch.Tensor, t: float | torch.Tensor) -> torch.Tensor: ...
+
+    def predict_chunk(self, obs: Observation, obs_step: torch.Tensor | None = None, *, noise: torch.Tensor | None = None,
+                      inpaint: tuple[torch.Tensor, torch.Tensor] | None = None,
+                      steer: Steer | None = None) -> ActionChunk: ...  # fmt: skip
 
 
 WorldState = Any

@@ -36,7 +36,7 @@ from sim.config import EnvConfig
 from sim.libero_protocol import with_libero_cameras
 from vla_core import crash_log, interrupt
 from vla_core.files import temporary_beside, write_text_atomic
-from vla_core.runtime import ChunkingConfig, DelayConfig, DelayModel, LatencySpec, request_noise
+from vla_core.runtime import ChunkingConfig, DelayConfig, DelayModel, LatencySpec, noise_shape, request_noise
 from vla_core.types import TASK, ActionChunk, world_indices
 from vla_rl.checkpoint import load_policy
 from vla_rl.eval_record import (
@@ -346,17 +346,16 @@ def rerun(cfg: EvalConfig) -> dict:
 
 
 def _request_noise(policy, delayed, need: torch.Tensor, noise_seed: int) -> torch.Tensor:
-    """(N, H, A) the sampler noise of each asked world's request: request k of the plan's episode e gets
-    ``request_noise(noise_seed, e, k)``, the robot's for its request k of episode e; a world running an
-    uncounted episode draws from torch's stream (its rows are never compared). Other rows are zero."""
-    cfg = policy.config
-    noise = torch.zeros(len(need), cfg.horizon, cfg.action_dim)
+    """(N, *noise_shape) the sampler noise of each asked world's request (the policy's ``noise_shape``, else
+    (horizon, action_dim)): request k of the plan's episode e gets ``request_noise(noise_seed, e, k)``, the
+    robot's for its request k of episode e; a world running an uncounted episode draws from torch's stream
+    (its rows are never compared). Other rows are zero."""
+    shape = noise_shape(policy)
+    noise = torch.zeros(len(need), *shape)
     episodes, requests = delayed.episode, delayed.request_index
     for w in torch.nonzero(need.cpu()).flatten().tolist():
         e, k = int(episodes[w]), int(requests[w])
-        noise[w] = (
-            request_noise(noise_seed, e, k, cfg.horizon, cfg.action_dim)[0] if e >= 0 else torch.randn(noise.shape[1:])
-        )
+        noise[w] = request_noise(noise_seed, e, k, *shape)[0] if e >= 0 else torch.randn(shape)
     return noise
 
 

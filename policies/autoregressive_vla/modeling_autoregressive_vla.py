@@ -208,10 +208,12 @@ class AutoregressiveVLAPolicy(TokenRL, PreTrainedPolicy):
 
     @torch.no_grad()
     def predict_chunk(self, obs: dict, obs_step: torch.Tensor | None = None, *, noise: torch.Tensor | None = None,
-                      inpaint=None) -> ActionChunk:  # fmt: skip
+                      inpaint=None, steer=None) -> ActionChunk:  # fmt: skip
         """obs batch of size B -> ActionChunk (B, horizon, action_dim) in dataset units, decoded at
         ``config.temperature`` (0: greedy). With max_delay_steps > 0 the chunk's committed rows are the
-        committed actions exactly."""
+        committed actions exactly. It has no flow velocity to steer."""
+        if steer is not None:
+            raise ValueError(self._no_flow_velocity("steer"))
         if noise is not None or inpaint is not None:
             raise ValueError("the autoregressive_vla policy has no sampler noise and no inpainting (it decodes tokens)")
         return self.sample_tokens(obs, obs_step, self.config.temperature)[0]

@@ -10,7 +10,12 @@ from policies.pretrained import DenoisingPolicyConfig, PolicyConfig
 @PolicyConfig.register_subclass("diffusion")
 @dataclass
 class DiffusionConfig(DenoisingPolicyConfig):
-    """Diffusion policy: denoises an action chunk of `horizon` steps given image, state and instruction."""
+    """Diffusion policy: denoises an action chunk of `horizon` steps given image, state and instruction.
+
+    ``objective`` (DenoisingPolicyConfig) stays ``ddpm`` by default, as before the field existed (a
+    checkpoint without it loads as ddpm); ``--policy.objective=flow`` trains it by flow matching, which
+    gives a CPU-trainable policy with RTC inpainting and the steering hooks (`policies.flow_matching`).
+    """
 
     vision_channels: int = 32  # width of the convolutional image encoder
     num_keypoints: int = 32  # spatial-softmax keypoints per camera

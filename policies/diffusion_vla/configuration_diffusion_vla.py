@@ -5,10 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-from policies.flow_guidance import DEFAULT_MAX_GUIDANCE
+from policies.flow_matching import Objective
 from policies.pretrained import DenoisingPolicyConfig, PolicyConfig
 
-Objective = Literal["flow", "ddpm"]
 DdpmSampler = Literal["ddim", "ddpm"]
 
 
@@ -39,16 +38,12 @@ class DiffusionVLAConfig(DenoisingPolicyConfig):
     heads: int = 4  # attention heads in the DiT and the encoders
     mlp_ratio: float = 4.0  # MLP width / dim
     # -- objective --
-    objective: Objective = "flow"  # flow (flow matching, Euler sampling) or ddpm (epsilon prediction)
+    objective: Objective = "flow"  # the VLA's default; see DenoisingPolicyConfig
     ddpm_sampler: DdpmSampler = "ddim"  # ddpm only: ddim (deterministic, few steps) or ddpm
-    # flow only: clip of the real-time-chunking inpainting guidance weight (`policies.flow_guidance`)
-    rtc_max_guidance: float = DEFAULT_MAX_GUIDANCE
 
     def validate(self) -> None:
         """Raise ValueError naming the fix for an inconsistent config."""
         super().validate()
-        if self.objective not in get_args(Objective):
-            raise ValueError(f"policy.objective must be one of {get_args(Objective)}, got {self.objective!r}")
         if self.ddpm_sampler not in get_args(DdpmSampler):
             raise ValueError(f"policy.ddpm_sampler must be one of {get_args(DdpmSampler)}, got {self.ddpm_sampler!r}")
         if self.dim % self.heads or self.vision_width % self.heads or self.text_width % self.heads:

@@ -133,10 +133,12 @@ class DiT(nn.Module):
         cond: torch.Tensor,
         cond_mask: torch.Tensor,
         known: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+        with_hidden: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """noisy (B, K, H, A); t (B, K) float timesteps, one per copy, or (B, K, H), one per token;
         cond (B, L, dim); cond_mask (B, L) bool; known (B, K, H) bool: the tokens holding clean committed
-        actions (None: none), which get the known-token embedding (a DiT built with known_tokens)."""
+        actions (None: none), which get the known-token embedding (a DiT built with known_tokens).
+        with_hidden: also return the final hidden tokens (B, K, H, dim), what the output layer reads."""
         x = self.action_in(noisy) + self.position  # (B, K, H, dim)
         if known is not None:
             if self.known_embedding is None:
@@ -154,4 +156,6 @@ class DiT(nn.Module):
         for block in self.blocks:
             x = block(x, context, cond, cond_bias)
         shift, scale = self.final_ada(context).chunk(2, -1)
-        return self.action_out(modulate(self.final_norm(x), shift, scale))
+        hidden = modulate(self.final_norm(x), shift, scale)
+        out = self.action_out(hidden)
+        return (out, hidden) if with_hidden else out

@@ -7,8 +7,10 @@ Objectives (``config.objective``):
 
 - ``ddpm``: epsilon prediction with diffusers' DDPMScheduler noise; sampling with DDIM or DDPM.
 - ``flow``: flow matching with x_t = t * noise + (1 - t) * action, t in [0, 1], regressing the
-  velocity noise - action; sampling integrates from t = 1 to 0 with Euler steps. Flow sampling
-  can inpaint toward a previous chunk (real-time chunking guidance), see ``predict_chunk``.
+  velocity noise - action; sampling integrates from t = 1 to 0 with Euler steps (`policies.flow_matching`,
+  shared with the small ``diffusion`` policy). Flow sampling can inpaint toward a previous chunk
+  (real-time chunking guidance), see ``predict_chunk``, and offers the steering hooks
+  (`vla_core.types.FlowSteerable`; its latents are the DiT's final hidden tokens, pooled over the chunk).
 
 Delay augmentation (training-time RTC, Black et al. 2025), only when ``config.max_delay_steps`` > 0:
 the chunk steps in ``observation.committed_mask`` are known, already executing actions. Their tokens
@@ -54,18 +56,19 @@ from policies.denoising_chain import (
 from policies.diffusion_vla.condition_encoder import ConditionEncoder
 from policies.diffusion_vla.configuration_diffusion_vla import DiffusionVLAConfig
 from policies.diffusion_vla.dit import DiT
-from policies.flow_guidance import guided_velocity
+from policies.flow_matching import FLOW_FIX, FlowHooks, flow_times, flow_training_pair
 from policies.keypoints import ImageEncoder
 from policies.observation import check_observation
 from policies.pretrained import PreTrainedPolicy
-from vla_core.types import ACTION, OBS_STATE, TASK, ZERO_DELAY_PASS, ActionChunk, image_key
+from vla_core.types import ACTION, OBS_STATE, TASK, ZERO_DELAY_PASS, ActionChunk, Steer, image_key
 
 ENCODER_DIR = "encoder"  # in a saved directory: pretrained towers' configs and tokenizer
 LATENCY_IMAGE_CHANNELS, LATENCY_KEYPOINTS = 16, 16  # the fast head's own image encoder (latency-aware only)
 
 
-class DiffusionVLAPolicy(DenoisingRL, PreTrainedPolicy):
-    """Implements `vla_core.types.Policy`: observation batch -> ActionChunk (B, horizon, action_dim)."""
+class DiffusionVLAPolicy(FlowHooks, DenoisingRL, PreTrainedPolicy):
+    """Implements `vla_core.types.Policy`: observation batch -> ActionChunk (B, horizon, action_dim); with the
+    flow objective also the steering hooks (`vla_core.types.FlowSteerable`, `policies.flow_matching`)."""
 
     config_class = DiffusionVLAConfig
     supports_copies = True
@@ -98,11 +101,6 @@ class DiffusionVLAPolicy(DenoisingRL, PreTrainedPolicy):
 
     def save_assets(self, directory: Path) -> None:
         self.encoder.save(Path(directory) / ENCODER_DIR)
-
-    @property
-    def supports_inpainting(self) -> bool:
-        """Whether ``predict_chunk`` accepts ``inpaint`` (real-time chunking guidance): flow sampling only."""
-        return self.config.objective == "flow"
 
     # -- conditioning -------------------------------------------------------------------------
 
@@ -165,9 +163,7 @@ class DiffusionVLAPolicy(DenoisingRL, PreTrainedPolicy):
         noise = torch.randn(target.shape, generator=generator, device=target.device)
         if cfg.objective == "flow":
             t = torch.rand(b, k, generator=generator, device=target.device)  # (B, K)
-            tt = t[..., None, None]
-            noisy = tt * noise + (1 - tt) * target
-            regress = noise - target
+            noisy, regress = flow_training_pair(target, noise, t[..., None, None])
         else:
             t = torch.randint(0, cfg.num_train_timesteps, (b, k), generator=generator, device=target.device)
             # diffusers expects one timestep per leading index, so flatten (B, K) for the call.
@@ -210,6 +206,7 @@ class DiffusionVLAPolicy(DenoisingRL, PreTrainedPolicy):
         noise: torch.Tensor | None = None,
         inpaint: tuple[torch.Tensor, torch.Tensor] | None = None,
         prepared: dict | None = None,
+        steer: Steer | None = None,
     ) -> ActionChunk:
         """obs batch of size B -> ActionChunk (B, horizon, action_dim) in dataset units.
 
@@ -221,23 +218,29 @@ class DiffusionVLAPolicy(DenoisingRL, PreTrainedPolicy):
         With max_delay_steps > 0, the committed actions of the delay augmentation are kept: the
         chunk's known steps equal them exactly (training-time RTC; see the module docstring).
         prepared: ``prepare_request(obs)``'s output, computed before the mid-inference observation came.
+        steer: flow only, an extra velocity at every Euler step (`vla_core.types.Steer`; its latents are
+        the DiT's final hidden tokens, pooled: ``latents``). The condition is encoded once.
         """
-        cond, cond_mask = self.encode_observation(obs, prepared)
-        b, cfg = cond.shape[0], self.config
-        x = self._initial_noise(noise, b, cond.device)[:, None]  # (B, 1, H, A): one copy per condition
+        if steer is not None:
+            self.require_flow("steer")
+        condition = cond, cond_mask = self.encode_observation(obs, prepared)
         prefix = self.committed_actions(obs)
         clean = None if prefix is None else (self.normalize_action(prefix[0]), prefix[1])
+        b, cfg = cond.shape[0], self.config
+        x = self._initial_noise(noise, b, cond.device)
         if cfg.objective == "flow":
-            x = self._sample_flow(x, cond, cond_mask, inpaint, clean)
+            x = self._sample_flow(x, condition, clean, inpaint, steer)
         else:
             if inpaint is not None:
-                raise ValueError("inpainting guidance needs policy.objective=flow")
+                raise ValueError(f"inpainting guidance needs a flow policy; {FLOW_FIX}")
+            x = x[:, None]  # (B, 1, H, A): one copy per condition
             self.sample_scheduler.set_timesteps(cfg.num_inference_steps)
             for t in self.sample_scheduler.timesteps:
                 x, tt, known = self._timesteps(x, float(t), clean)
                 eps = self.dit(x, tt, cond, cond_mask, known)
                 x = self.sample_scheduler.step(eps, t, x).prev_sample
-        actions = self.unnormalize_action(x[:, 0].clamp(-1, 1))
+            x = x[:, 0]
+        actions = self.unnormalize_action(x.clamp(-1, 1))
         if prefix is not None:  # exactly the committed actions, not their normalization round trip
             actions = torch.where(prefix[1][..., None], prefix[0], actions)
         return self._chunk(actions, obs_step)
@@ -254,28 +257,29 @@ class DiffusionVLAPolicy(DenoisingRL, PreTrainedPolicy):
             return x, tt, None
         return self._insert_known(x, tt, *clean)
 
-    def _sample_flow(self, x, cond, cond_mask, inpaint, clean):
-        """Euler integration from t = 1 (noise) to t = 0 (actions); x (B, 1, H, A); clean: see ``_timesteps``."""
-        n = self.config.num_inference_steps
-        if inpaint is not None:
-            target = self.normalize_action(inpaint[0].to(x))[:, None]  # (B, 1, H, A)
-            weights = inpaint[1].to(x)[:, None, :, None]  # (B, 1, H, 1)
-        for i in range(n):
-            t = 1.0 - i / n
-            x, tt, known = self._timesteps(x, t, clean)
-            if inpaint is None:
-                v = self.dit(x, tt, cond, cond_mask, known)
-            else:
-                v = self._guided_velocity(x, tt, t, cond, cond_mask, known, target, weights)
-            x = x - v / n
-        return x
+    # -- the flow objective's hooks (`policies.flow_matching.FlowHooks`) -------------------------------
 
-    def _guided_velocity(self, x, tt, t, cond, cond_mask, known, target, weights):
-        """Velocity corrected so the predicted clean chunk moves toward ``target`` where weights > 0."""
-        time = tt[..., None] if tt.ndim == 3 else None  # a known token is already clean (its time is 0)
-        return guided_velocity(
-            lambda z: self.dit(z, tt, cond, cond_mask, known), x, t, target, weights, self.config.rtc_max_guidance, time
-        )
+    def _flow_inputs(self, obs: dict, prepared: dict | None = None):
+        """(condition tokens and mask, committed (normalized actions (B, H, A), known (B, H)) or None)."""
+        condition = self.encode_observation(obs, prepared)
+        prefix = self.committed_actions(obs)
+        return condition, None if prefix is None else (self.normalize_action(prefix[0]), prefix[1])
+
+    def _flow_pass(self, x, t, condition, committed, want_latents: bool = False):
+        """One DiT pass at x (B, H, A) and t (B,), the known steps clean at time 0 -> (velocity (B, H, A),
+        latents (B, dim): the final hidden tokens the output layer reads, mean over the H chunk tokens)."""
+        cond, cond_mask = condition
+        xx, tt, known = x[:, None], t[:, None], None
+        if committed is not None:
+            xx, tt, known = self._insert_known(xx, tt, *committed)
+        if not want_latents:
+            return self.dit(xx, tt, cond, cond_mask, known)[:, 0], None
+        v, hidden = self.dit(xx, tt, cond, cond_mask, known, with_hidden=True)
+        return v[:, 0], hidden[:, 0].mean(1)
+
+    @property
+    def _latent_width(self) -> int:
+        return self.config.dim
 
     # -- RL fine-tuning -------------------------------------------------------------------------
 
@@ -299,17 +303,7 @@ class DiffusionVLAPolicy(DenoisingRL, PreTrainedPolicy):
                 'evaluation and serving would not run the policy RL trains; set "ddpm_sampler": "ddim" in the '
                 "checkpoint's pretrained_model/config.json (the weights stay as they are) and fine-tune that"
             )
-        if cfg.objective == "flow" and noise.eta != 0:
-            raise ValueError(
-                f"--noise.eta={noise.eta} does nothing for a flow policy (its Euler steps' std is --noise.min_std); "
-                f"drop --noise.eta"
-            )
-        return super().rl_actor(noise, augmentation_width)
-
-    def _flow_times(self, device) -> torch.Tensor:
-        """(K,) the Euler steps' times, 1 - k / n, as ``_sample_flow`` takes them."""
-        n = self.config.num_inference_steps
-        return torch.tensor([1.0 - i / n for i in range(n)], device=device)
+        return super().rl_actor(noise, augmentation_width)  # FlowHooks refuses an eta under flow
 
     @torch.no_grad()
     def sample_with_log_prob(
@@ -319,28 +313,23 @@ class DiffusionVLAPolicy(DenoisingRL, PreTrainedPolicy):
         is) and std max(eta * sigma_t, min_std); flow takes Euler steps with std ``noise.min_std``. See
         `policies.denoising_chain.DenoisingRL`; noise 0 is ``predict_chunk``'s sampler (DDIM for ddpm)."""
         noise.validate()
-        cond, cond_mask = self.encode_observation(obs)
+        condition = cond, cond_mask = self.encode_observation(obs)
         b, n = cond.shape[0], self.config.num_inference_steps
         prefix = self.committed_actions(obs)
         committed = None if prefix is None else (self.normalize_action(prefix[0]), prefix[1])
+        initial = self._initial_noise(None, b, cond.device)
         if self.config.objective == "flow":
-            times = self._flow_times("cpu")  # read as Python floats, step by step
-            std = torch.full((n,), float(noise.min_std), device=cond.device)
-            eta = None
+            chain, log_prob = self._sample_flow_chain(initial, condition, committed, noise)
         else:
             steps = DDIMSteps.from_scheduler(self.sample_scheduler, n)
-            times = steps.timesteps.float()
+            times = steps.timesteps.float()  # read as Python floats, step by step
             steps = steps.to(cond.device)
-            std = steps.stds(noise)
-            eta = noise.eta
 
-        def step_mean(x: torch.Tensor, k: int) -> torch.Tensor:
-            xx, tt, known = self._timesteps(x[:, None], float(times[k]), committed)
-            out = self.dit(xx, tt, cond, cond_mask, known)[:, 0]
-            return x - out / n if eta is None else steps.mean(x, out, eta, k)
+            def step_mean(x: torch.Tensor, k: int) -> torch.Tensor:
+                xx, tt, known = self._timesteps(x[:, None], float(times[k]), committed)
+                return steps.mean(x, self.dit(xx, tt, cond, cond_mask, known)[:, 0], noise.eta, k)
 
-        initial = self._initial_noise(None, b, cond.device)
-        chain, log_prob = sample_chain(step_mean, initial, std, eta, committed)
+            chain, log_prob = sample_chain(step_mean, initial, steps.stds(noise), noise.eta, committed)
         actions = self.unnormalize_action(chain.latents[:, -1].clamp(-1, 1))
         if prefix is not None:  # exactly the committed actions, not their normalization round trip
             actions = torch.where(prefix[1][..., None], prefix[0], actions)
@@ -362,7 +351,7 @@ class DiffusionVLAPolicy(DenoisingRL, PreTrainedPolicy):
         committed = known_for_chain(committed, chain)
         x = chain.inputs(committed)  # (B, K, H, A): step k is copy k
         if flow:
-            times = self._flow_times(cond.device)
+            times = torch.tensor(flow_times(n), device=cond.device)
         else:
             steps = DDIMSteps.from_scheduler(self.sample_scheduler, n).to(cond.device)
             times = steps.timesteps.float()

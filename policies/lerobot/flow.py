@@ -13,6 +13,14 @@ preprocessing, prefix and velocity untouched):
   (LeRobot's ``@torch.no_grad`` on its sampler is lifted for the call).
 - Real-time chunking (``sample`` with guidance): each velocity is corrected by
   `policies.flow_guidance.guided_velocity`, the same guidance vla-rl's own flow policy uses.
+- Steering (``Sampler`` with ``steer``, `vla_core.types.Steer`): each velocity gets the steer's extra
+  velocity added, read with the action expert's hidden state of that step (`ExpertLatents`); the
+  hooks ``velocity`` and ``latents`` evaluate one step (`Probe`).
+
+The action expert's hidden state is read without touching LeRobot's code: pi0, pi05 and SmolVLA all
+write the velocity as ``action_out_proj(suffix_out)``, suffix_out the expert's last hidden state of the
+chunk's rows (after its final norm, float32, (B, chunk_size, width)), so a forward pre-hook on that
+layer sees it at every velocity call (a LoRA-wrapped layer too: it is called with the same input).
 
 The chain lives where LeRobot's sampler does: normalized actions (LeRobot's normalization of the
 checkpoint, e.g. mean/std), padded to the model's ``max_action_dim``. The padded dimensions are sampled
@@ -28,12 +36,15 @@ import sys
 import threading
 import types
 from collections.abc import Callable
+from typing import Self
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
 from policies.denoising_chain import DenoisingChain, check_chain_shape, sample_chain
 from policies.flow_guidance import DEFAULT_MAX_GUIDANCE, guided_velocity
+from policies.flow_matching import steering
+from vla_core.types import Steer
 
 # LeRobot's policy types whose sampler is `euler_integrate` over a `denoise_step` (LeRobot 0.6).
 FLOW_TYPES = ("pi0", "pi05", "smolvla")
@@ -84,14 +95,43 @@ def integrator(model, integrate: Callable, grad: bool = False):
             model.train(was_training)  # LeRobot's predict_action_chunk switched it to eval mode
 
 
+class ExpertLatents:
+    """Within the block, ``latest`` is the action expert's hidden state of the last velocity call, pooled:
+    the input of LeRobot's ``action_out_proj`` (B, chunk_size, width), mean over the chunk's rows ->
+    (B, width) (see the module docstring)."""
+
+    def __init__(self, model):
+        self.layer = model.model.action_out_proj
+        self.latest: torch.Tensor | None = None
+
+    @property
+    def width(self) -> int:
+        return self.layer.in_features
+
+    def _read(self, _layer, inputs) -> None:
+        self.latest = inputs[0].mean(1)
+
+    def __enter__(self) -> Self:
+        self._handle = self.layer.register_forward_pre_hook(self._read)
+        return self
+
+    def __exit__(self, *_) -> None:
+        self._handle.remove()
+
+
 class Sampler:
     """An integrator that samples a chain: x_{k+1} = x_k + dt * v_k + std[k] * z (std 0: LeRobot's Euler
     steps), v_k guided toward ``guidance`` = (target (B, H, A_max) normalized, weights (B, H, A_max)) when
-    given. After the call, ``chain`` and ``log_prob`` (B,) hold what it drew."""
+    given, then steered: v_k + steer(x_k, t_k, latents) with ``latents`` (an active `ExpertLatents`) read
+    at that velocity call. After the call, ``chain`` and ``log_prob`` (B,) hold what it drew."""
 
     def __init__(self, std: torch.Tensor, guidance: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 max_guidance: float = DEFAULT_MAX_GUIDANCE):  # fmt: skip
+                 max_guidance: float = DEFAULT_MAX_GUIDANCE, steer: Steer | None = None,
+                 latents: ExpertLatents | None = None):  # fmt: skip
+        if (steer is None) != (latents is None):
+            raise ValueError("a steered Sampler reads the expert's latents: pass steer and latents together")
         self.std, self.guidance, self.max_guidance = std, guidance, max_guidance
+        self.steer, self.latents = steer, latents
         self.chain: DenoisingChain | None = None
         self.log_prob: torch.Tensor | None = None
 
@@ -110,6 +150,8 @@ class Sampler:
             else:
                 target, weights = self.guidance
                 v = guided_velocity(lambda z: velocity(z, t), x, times[k], target, weights, self.max_guidance)
+            if self.steer is not None:
+                v = v + steering(self.steer, x, t, self.latents.latest.detach())
             return x + dt * v
 
         std = self.std.to(noise)
@@ -147,6 +189,19 @@ class Scorer:
             means.append(x + dt * v)
         self.means = torch.stack(means, 1)
         return self.chain.latents[:, -1].to(noise)
+
+
+class Probe:
+    """An integrator that evaluates the velocity once, at ``x_t`` (B, chunk_size, max_action_dim) and ``t``
+    (B,), into ``velocity``, and returns x_t (LeRobot's output of the call is not read)."""
+
+    def __init__(self, x_t: torch.Tensor, t: torch.Tensor):
+        self.x_t, self.t = x_t, t
+        self.velocity: torch.Tensor | None = None
+
+    def __call__(self, velocity: Velocity, noise: torch.Tensor, num_steps: int) -> torch.Tensor:
+        self.velocity = velocity(self.x_t, self.t)
+        return self.x_t
 
 
 class CleanChunk:

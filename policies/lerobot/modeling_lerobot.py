@@ -4,22 +4,26 @@ postprocessor, run in that order on a vla-rl observation batch (the feature name
 LeRobot's flow VLAs (pi0, pi05, SmolVLA; `policies.lerobot.flow`) also implement the RL contract of a
 denoising policy (`policies.denoising_chain.DenoisingRL`: chains with exact log-probabilities around
 LeRobot's own Euler steps) and real-time-chunking guidance (``inpaint``), so ``vla-rl finetune`` trains
-them and ``vla-rl eval`` / ``serve`` run them with the rtc merge.
+them and ``vla-rl eval`` / ``serve`` run them with the rtc merge; and the steering hooks
+(`vla_core.types.FlowSteerable`) on the padded chunk LeRobot's sampler integrates, (chunk_size,
+max_action_dim) per sample, in LeRobot's normalization of the checkpoint.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from pathlib import Path
 
 import torch
 
 from policies.denoising_chain import DenoisingActor, DenoisingRL, ExplorationNoise
+from policies.flow_matching import time_batch
 from policies.lerobot import adaptation, assets, flow
 from policies.lerobot.configuration_lerobot import LeRobotConfig, load_lerobot_config
 from policies.observation import check_observation
 from policies.pretrained import PreTrainedPolicy
-from vla_core.types import ACTION, OBS_STATE, ActionChunk
+from vla_core.types import ACTION, OBS_STATE, ActionChunk, Steer
 
 
 class LeRobotPolicy(PreTrainedPolicy, DenoisingRL):
@@ -93,7 +97,7 @@ class LeRobotPolicy(PreTrainedPolicy, DenoisingRL):
                 self.model.model.vlm_with_expert.processor.save_pretrained(directory / assets.TOKENIZER_FOLDER)
                 self.model.model.vlm_with_expert.config.save_pretrained(directory / assets.TOKENIZER_FOLDER)
 
-    # -- sampling -------------------------------------------------------------------------------
+    # -- LeRobot's batches ------------------------------------------------------------------------
 
     def _model_batch(self, obs: dict, actions: torch.Tensor | None = None) -> dict:
         """LeRobot's preprocessed batch of ``obs`` (with ``actions`` (B, H, A) in dataset units normalized
@@ -115,21 +119,84 @@ class LeRobotPolicy(PreTrainedPolicy, DenoisingRL):
         return self._chunk(actions[:, : self.config.horizon], obs_step)
 
     def _padded_shape(self, batch_size: int) -> tuple[int, int, int]:
-        """(B, H, A_max): the flow sampler's latent (its chunk, padded to the model's max_action_dim)."""
-        return batch_size, self.config.horizon, self.model.config.max_action_dim
+        """(B, chunk_size, A_max): the flow sampler's latent (its chunk, padded to the model's max_action_dim)."""
+        return batch_size, *self.noise_shape
+
+    # -- the steering hooks (flow VLAs; `vla_core.types.FlowSteerable`) ---------------------------------
+
+    @property
+    def noise_shape(self) -> tuple[int, int]:
+        """(chunk_size, max_action_dim) from LeRobot's config: the padded chunk its flow sampler integrates,
+        one noise per chunk row and per (padded) action dimension, e.g. (50, 32) for pi0 and pi05."""
+        self._require_flow("noise_shape")
+        return self.model.config.chunk_size, self.model.config.max_action_dim
+
+    @property
+    def latent_dim(self) -> int:
+        """The action expert's width: the input width of LeRobot's ``action_out_proj``."""
+        self._require_flow("latent_dim")
+        return flow.ExpertLatents(self.model).width
+
+    def velocity(self, obs: dict, x_t: torch.Tensor, t: float | torch.Tensor) -> torch.Tensor:
+        """(B, chunk_size, max_action_dim) LeRobot's velocity at x_t (the padded chunk, in LeRobot's
+        normalization) and time t (a float or (B,), 1 = noise): its ``denoise_step`` on the observation's
+        prefix, through the replaced Euler loop (`policies.lerobot.flow.Probe`). Autograd follows the caller."""
+        return self._probe(obs, x_t, t, "velocity")[0]
+
+    def latents(self, obs: dict, x_t: torch.Tensor, t: float | torch.Tensor) -> torch.Tensor:
+        """(B, latent_dim) the action expert's hidden state of the chunk's rows at x_t and t, as LeRobot's
+        ``action_out_proj`` reads it, mean over the chunk_size rows (`policies.lerobot.flow.ExpertLatents`)."""
+        return self._probe(obs, x_t, t, "latents")[1]
+
+    def _probe(self, obs: dict, x_t: torch.Tensor, t, what: str) -> tuple[torch.Tensor, torch.Tensor]:
+        self._require_flow(what)
+        batch = self._model_batch(obs)
+        x = self._checked_noise(x_t, len(obs[OBS_STATE]), "x_t")
+        probe = flow.Probe(x, time_batch(t, x.shape[0], x.device))
+        grad = torch.is_grad_enabled()
+        with flow.ExpertLatents(self.model) as latents, flow.integrator(self.model, probe, grad=grad) as predict:
+            predict(batch, noise=x)
+        return probe.velocity, latents.latest
+
+    def _require_flow(self, what: str) -> None:
+        if not self.is_flow:
+            raise ValueError(
+                f"{what} needs a flow velocity, which LeRobot's {self.config.lerobot_type} policy does not have; "
+                f"steer a flow policy: LeRobot's pi0, pi05, SmolVLA, or vla-rl's diffusion or diffusion_vla trained "
+                f"with --policy.objective=flow"
+            )
+
+    def _checked_noise(self, noise: torch.Tensor, batch_size: int, name: str = "noise") -> torch.Tensor:
+        """A flow VLA's sampler state (B, chunk_size, max_action_dim), checked, contiguous float32 on the
+        model's device (a repeated noise is often an expanded view whose rows share memory)."""
+        shape = self._padded_shape(batch_size)
+        if tuple(noise.shape) != shape:
+            raise ValueError(
+                f"{name} for LeRobot's {self.config.lerobot_type} must be (B, chunk_size, max_action_dim) = {shape}, "
+                f"the padded chunk its sampler integrates, got {tuple(noise.shape)}"
+            )
+        return noise.to(self.device, torch.float32).contiguous()
+
+    # -- sampling -------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def predict_chunk(self, obs, obs_step=None, *, noise=None, inpaint=None) -> ActionChunk:
+    def predict_chunk(self, obs, obs_step=None, *, noise=None, inpaint=None, steer: Steer | None = None) -> ActionChunk:
         """obs batch of size B -> ActionChunk (B, horizon, action_dim) in dataset units.
 
-        noise is passed to LeRobot's ``predict_action_chunk`` (its diffusion and flow policies take one;
-        a flow VLA's is (B, horizon, max_action_dim)). inpaint (flow VLAs): (target (B, H, A) in dataset
-        units, weights (B, H)), real-time-chunking guidance of LeRobot's Euler steps
-        (`policies.flow_guidance`).
+        noise: a flow VLA's is (B, chunk_size, max_action_dim) (``noise_shape``), its Euler loop's start in
+        LeRobot's normalization; LeRobot's diffusion policy gets its own noise unchanged. inpaint (flow
+        VLAs): (target (B, H, A) in dataset units, weights (B, H)), real-time-chunking guidance of LeRobot's
+        Euler steps (`policies.flow_guidance`). steer (flow VLAs): an extra velocity at every Euler step
+        (`vla_core.types.Steer`), read with the expert's latents of that step. LeRobot encodes the
+        observation's prefix once per call; its loop only runs the action expert.
         """
         if noise is not None and not self._takes_noise:
             raise ValueError(f"the LeRobot {self.config.lerobot_type} policy samples without an initial noise")
-        if inpaint is None:
+        if steer is not None:
+            self._require_flow("steer")
+        if noise is not None and self.is_flow:
+            noise = self._checked_noise(noise, len(obs[OBS_STATE]))
+        if inpaint is None and steer is None:
             batch = self._model_batch(obs)
             actions = self.model.predict_action_chunk(batch, **({"noise": noise} if noise is not None else {}))
             return self._chunk_out(actions, obs, obs_step)
@@ -138,17 +205,25 @@ class LeRobotPolicy(PreTrainedPolicy, DenoisingRL):
                 f"inpainting guidance (the rtc merge) needs a flow VLA (pi0, pi05, SmolVLA), not LeRobot's "
                 f"{self.config.lerobot_type}; use --chunking.merge=latest or ensemble"
             )
-        batch = self._model_batch(obs, inpaint[0])
+        batch = self._model_batch(obs, None if inpaint is None else inpaint[0])
         b, h, a_max = self._padded_shape(len(obs[OBS_STATE]))
-        target = torch.zeros(b, h, a_max, device=self.device)
-        target[..., : self.config.action_dim] = batch[ACTION].to(self.device)[:, :h]
-        weights = torch.zeros_like(target)
-        weights[..., : self.config.action_dim] = inpaint[1].to(self.device)[:, :h, None]
+        guidance = None if inpaint is None else self._guidance(batch, inpaint[1], (b, h, a_max))
         start = noise if noise is not None else torch.randn(b, h, a_max, device=self.device)
-        sampler = flow.Sampler(torch.zeros(self.config.num_inference_steps), (target, weights))
-        with flow.integrator(self.model, sampler) as predict:
-            actions = predict(batch, noise=start.to(self.device))
+        with flow.ExpertLatents(self.model) if steer is not None else contextlib.nullcontext() as latents:
+            sampler = flow.Sampler(torch.zeros(self.config.num_inference_steps), guidance, steer=steer, latents=latents)
+            with flow.integrator(self.model, sampler) as predict:
+                actions = predict(batch, noise=start)
         return self._chunk_out(actions, obs, obs_step)
+
+    def _guidance(self, batch: dict, weights: torch.Tensor, shape: tuple[int, int, int]):
+        """RTC's (target, weights), both (B, chunk_size, A_max): the batch's normalized ``action`` and the
+        (B, H) weights, on the policy's action dimensions (the padded ones are free)."""
+        h, a = shape[1], self.config.action_dim
+        target = torch.zeros(shape, device=self.device)
+        target[..., :a] = batch[ACTION].to(self.device)[:, :h]
+        padded = torch.zeros_like(target)
+        padded[..., :a] = weights.to(self.device)[:, :h, None]
+        return target, padded
 
     def forward(self, batch, generator=None, copies=1) -> torch.Tensor:
         """LeRobot's own training loss of the batch (its preprocessor normalizes it first)."""

@@ -19,7 +19,7 @@ from vla_core.runtime.delay import (
     mid_observation,
 )
 from vla_core.runtime.executor import ActionChunkExecutor, MergeMode, rtc_blend_weights, rtc_weights
-from vla_core.runtime.noise import request_noise
+from vla_core.runtime.noise import noise_shape, request_noise
 from vla_core.runtime.protocol import (
     DEFAULT_MID_FRACTION,
     MERGES,
@@ -49,6 +49,7 @@ __all__ = [
     "load_latencies",
     "mid_inference_steps",
     "mid_observation",
+    "noise_shape",
     "request_noise",
     "rtc_blend_weights",
     "rtc_weights",
