@@ -55,9 +55,17 @@ class ChunkScheduler:
         self.seam_obs_arrival = 0.0  # arrival of the joint state the newest merged chunk was conditioned on
         # The next tick's action ((A,) or None: nothing queued), its step, whether a new chunk starts there.
         self.next_target, self.next_step, self.next_is_seam = None, -1, False
+        # After a call of prepare_next_action that merged a chunk the protocol keeps: (its first step, the
+        # executor's plan from there (P, A)), the trajectory `output=trajectory` sends; else None.
+        self.merged_plan: tuple[int, np.ndarray] | None = None
         c = config
-        self.worker = worker.InferenceWorker(load_policy, mode=c.inference, cpu=c.inference_cpu, num_threads=c.inference_threads,
-                                      nice=c.inference_nice, load_retry_s=c.load_retry_s, added_latency_s=c.added_latency_s)  # fmt: skip
+        if c.inference == "remote":  # the policy on a `vla-rl policy-server`, same interface
+            from robot_bridge.policy_server import RemoteInferenceWorker
+
+            self.worker = RemoteInferenceWorker(c.inference_server, retry_s=c.load_retry_s)
+        else:
+            self.worker = worker.InferenceWorker(load_policy, mode=c.inference, cpu=c.inference_cpu, num_threads=c.inference_threads,
+                                          nice=c.inference_nice, load_retry_s=c.load_retry_s, added_latency_s=c.added_latency_s)  # fmt: skip
 
     @property
     def delay_steps(self) -> int:
@@ -70,6 +78,7 @@ class ChunkScheduler:
     def prepare_next_action(self, cause: str | None, now: float) -> None:
         """Merge returned chunks, send a due mid observation, request when due, and take the next step's
         action. cause: why this tick held (None: it did not)."""
+        self.merged_plan = None
         for message in self.worker.poll():
             if isinstance(message, worker.WorkerStatus):
                 self._on_worker_status(message)
@@ -82,6 +91,7 @@ class ChunkScheduler:
             return
         if cause is not None and not self._holding:
             p.hold(ONE)  # the plan made before the hold never runs, nor the chunk in flight
+            self.merged_plan = None
         self._holding = cause is not None
         if self.in_flight is not None and bool(p.take_asked()[0]):  # sent while holding too: the worker waits
             self._send_mid()
@@ -95,6 +105,13 @@ class ChunkScheduler:
         action, valid = p.next_action()  # also while holding: the step counter keeps time
         if bool(valid[0]) and not self._holding:
             self.next_target, self.next_is_seam, self._merged = action[0].numpy(), self._merged, False
+
+    def discard_plan(self) -> None:
+        """The merged plan never reached the robot (trajectory output, a waypoint out of the IK's reach): the queue
+        forgets it, so the latency protocol does not take it for the committed prefix."""
+        if self.protocol is not None:
+            self.protocol.executor.discard_queue(ONE)
+        self.merged_plan = None
 
     def start_episode_if_due(self) -> bool:
         """Start the robot's next episode when the newest joint state is stamped after the end the robot
@@ -147,11 +164,15 @@ class ChunkScheduler:
         merged = bool(p.receive(chunk, ONE)[0])
         if self.latency_log is not None:
             self.latency_log.write(latency, episode=request.episode, request=request.index, request_id=result.request_id,
-                                   obs_step=result.obs_step, lag_steps=lag, merged=merged)  # fmt: skip
+                                   obs_step=result.obs_step, lag_steps=lag, merged=merged,
+                                   compute_s=round(result.compute_s, 6))  # fmt: skip
         if not merged:
             self.diagnostics.count("dropped_chunks")  # planned before a hold or a new episode: stale by definition
             return
         self._merged, self.seam_obs_arrival, self.health.policy_error = True, request.obs_arrival, None
+        actions, queued = p.executor.plan()  # from the step after this tick's: the committed prefix is behind it
+        if int(queued[0]):  # a chunk that came a whole chunk late leaves nothing to run: the robot runs out, holds
+            self.merged_plan = (int(p.step[0]), actions[0, : int(queued[0])].numpy().astype(np.float64))
         self.diagnostics.count("chunks")
         self.diagnostics.latencies_ms.append(latency * 1e3)
         if p.width and lag > p.width:
@@ -181,8 +202,8 @@ class ChunkScheduler:
         guidance = tuple(g.numpy() for g in p.guidance) if p.sends_guidance else None
         noise = None
         if self.config.noise_seed >= 0:  # keyed as `vla-rl eval --noise_seed` keys the same request in simulation
-            noise = request_noise(self.config.noise_seed, self.episode, self.episode_requests, p.spec.horizon,
-                                  len(self.config.action_names)).numpy()  # fmt: skip
+            shape = self.policy_info.get("noise_shape") or (p.spec.horizon, len(self.config.action_names))
+            noise = request_noise(self.config.noise_seed, self.episode, self.episode_requests, *shape).numpy()
         self._request_id += 1
         self.worker.submit(worker.InferenceRequest(self._request_id, request, int(p.step[0]), guidance,
                                                    needs_mid=not asked, noise=noise))  # fmt: skip

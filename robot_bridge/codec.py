@@ -3,7 +3,9 @@
 - images: sensor_msgs/Image (rgb8, bgr8, rgba8, bgra8, mono8) and CompressedImage (png, jpeg)
   <-> (H, W, 3) uint8 RGB, decoded and encoded with OpenCV (the ``ros`` extra's image library);
 - sensor_msgs/JointState <-> a vector in a given name order;
-- trajectory_msgs/JointTrajectory and std_msgs/Float64MultiArray <-> an action vector;
+- trajectory_msgs/JointTrajectory and std_msgs/Float64MultiArray <-> an action vector (one point per
+  control tick), and JointTrajectory <-> a whole trajectory (its start stamp, the points' times and
+  positions: what a joint trajectory controller executes);
 - builtin_interfaces/Time <-> seconds or nanoseconds.
 
 `vla-rl serve` decodes its camera and joint-state inputs here and `vla-rl convert` the recorded
@@ -224,3 +226,52 @@ def trajectory_msg(command: np.ndarray, action_names: list[str], stamp, time_fro
     msg.header.stamp = stamp
     msg.points = [JointTrajectoryPoint(positions=_float_array(command), time_from_start=time_from_start)]
     return msg
+
+
+# -- whole trajectories --------------------------------------------------------------------------
+
+
+def trajectory_points_msg(joint_names: list[str], positions: np.ndarray, stamp, period_s: float,
+                          first_s: float | None = None):  # fmt: skip
+    """(P, J) joint positions -> JointTrajectory over ``joint_names``: point k reached at ``stamp`` + ``first_s``
+    + k ``period_s`` (``first_s`` one period by default: ``time_from_start`` = (k + 1) periods; a stamp of 0
+    means "when it arrives")."""
+    from trajectory_msgs.msg import JointTrajectory, JointTrajectoryPoint
+
+    positions = np.asarray(positions, dtype=np.float64)
+    first_s = period_s if first_s is None else first_s
+    msg = JointTrajectory(joint_names=list(joint_names))
+    msg.header.stamp = stamp
+    msg.points = [JointTrajectoryPoint(positions=_float_array(row), time_from_start=duration_msg(first_s + k * period_s))
+                  for k, row in enumerate(positions)]  # fmt: skip
+    return msg
+
+
+def trajectory_points(msg, joint_names: list[str]) -> tuple[int, np.ndarray, np.ndarray]:
+    """JointTrajectory -> (start stamp ns (0: "when it arrives"), each point's time_from_start ns (P,) int64,
+    positions (P, J) float64 in the order of ``joint_names``, matched by name).
+
+    Rejected (``InputRejected``, as a joint trajectory controller rejects them): no points, names other than
+    ``joint_names`` (in any order), a point whose positions do not match the names, non-finite positions, and
+    times that do not strictly increase or are negative.
+    """
+    if not msg.points:
+        raise InputRejected("the trajectory has no points", "no_points")
+    names = list(msg.joint_names)
+    if sorted(names) != sorted(joint_names) or len(set(names)) != len(names):
+        raise InputRejected(f"joint_names {names} must be {list(joint_names)} in any order", "wrong_names")
+    order = [names.index(n) for n in joint_names]
+    rows, times = [], []
+    for k, point in enumerate(msg.points):
+        values = list(point.positions)
+        if len(values) != len(names):
+            raise InputRejected(f"point {k} has {len(values)} positions for {len(names)} joint names", "wrong_length")
+        rows.append([values[i] for i in order])
+        times.append(stamp_ns(point.time_from_start))
+    positions, times = np.array(rows, dtype=np.float64), np.array(times, dtype=np.int64)
+    if not np.isfinite(positions).all():
+        raise InputRejected("the trajectory has non-finite positions", "not_finite")
+    if times[0] < 0 or (np.diff(times) <= 0).any():
+        raise InputRejected(f"time_from_start must be >= 0 and strictly increase, got {(times / 1e9).tolist()} s",
+                            "not_increasing")  # fmt: skip
+    return stamp_ns(msg.header.stamp), times, positions

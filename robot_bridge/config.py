@@ -27,8 +27,13 @@ SIM_STATE_BOUNDS = {name: list(bound) for name, bound in SIM_PANDA.state_bounds.
 ActionMode = Literal["absolute", "delta"]
 Clock = Literal["joint_states", "timer"]
 RosExecutor = Literal["events", "single_threaded"]
-InferenceMode = Literal["process", "thread"]
+InferenceMode = Literal["process", "thread", "remote"]
 Reliability = Literal["best_effort", "reliable"]
+# ticks: one single-point JointTrajectory per control tick, in the action's own terms; trajectory: each merged
+# chunk as one JointTrajectory over the arm's joints (and one over the gripper's), as joint trajectory
+# controllers take them (`robot_bridge.trajectory`).
+Output = Literal["ticks", "trajectory"]
+GripperOpen = Literal["upper", "lower"]  # which of a gripper joint's limits is open (grip 0)
 
 
 @dataclass
@@ -54,6 +59,13 @@ class TopicsConfig:
     joint_trajectory: str = topic_table.JOINT_TRAJECTORY.name
     # std_msgs/Float64MultiArray with the same values (when publish_array)
     command_array: str = topic_table.COMMAND_ARRAY.name
+    # output=trajectory: trajectory_msgs/JointTrajectory of each merged chunk over the arm's joints, and over
+    # the gripper's joints (joint_trajectory_controller's topic interface, /<controller>/joint_trajectory)
+    arm_trajectory: str = topic_table.ARM_TRAJECTORY.name
+    gripper_trajectory: str = topic_table.GRIPPER_TRAJECTORY.name
+    # std_msgs/String holding the robot's URDF, as robot_state_publisher publishes it (transient local); read
+    # when robot_description (the file) is empty; serve holds until it arrives. "" = none.
+    robot_description: str = ""
     chunk_info: str = topic_table.CHUNK_INFO.name  # std_msgs/String, JSON metadata of each merged chunk
     diagnostics: str = topic_table.DIAGNOSTICS.name  # diagnostic_msgs/DiagnosticArray
     # std_msgs/String JSON status of the robot's episodes ({"episode", "done", "stamp_ns"}, as `vla-rl
@@ -72,9 +84,12 @@ class QosConfig:
 
 @dataclass
 class SafetyConfig:
-    position_min: list[float] = field(default_factory=list)  # lowest command per action dim; empty = unbounded
-    position_max: list[float] = field(default_factory=list)  # highest command per action dim; empty = unbounded
-    # |command change| / period per action dim; empty = unlimited
+    # Lowest and highest command per action dim; empty = unbounded, or with a robot_description given, its
+    # limits (a joint's, the grip's [0, 1]).
+    position_min: list[float] = field(default_factory=list)
+    position_max: list[float] = field(default_factory=list)
+    # |command change| / period per action dim; empty = unlimited, or with a robot_description given, its
+    # joints' velocity limits
     max_velocity: list[float] = field(default_factory=list)
     # |velocity change| / period per action dim; empty = unlimited
     max_acceleration: list[float] = field(default_factory=list)
@@ -83,9 +98,14 @@ class SafetyConfig:
     # stamp, or a driver's clock that stepped forward. Stamps are compared across machines, so their clocks
     # must agree to well within it (chrony, PTP).
     future_stamp_tolerance_s: float = 0.5
+    # Each image the policy sees is paired with the joint state it runs on by header stamp (as message_filters'
+    # approximate synchronizer pairs them): of a camera's last IMAGE_BUFFER images the one closest in stamp,
+    # and none further apart than this (seconds); else the request waits and the camera's fault holds.
+    pair_tolerance_s: float = 0.1
     # [low, high] per JointState entry (by name): a state outside [low - state_margin, high +
     # state_margin] is a sensor fault and is rejected (hold) before it reaches the policy. Names not
-    # in state_names are ignored and entries without bounds are unchecked; {} checks nothing.
+    # in state_names are ignored and entries without bounds are unchecked; {} checks nothing, except, with a
+    # robot_description given, the entries that are its joints: they are bounded by its joint limits.
     state_bounds: dict[str, list[float]] = field(
         default_factory=lambda: {name: list(bound) for name, bound in SIM_STATE_BOUNDS.items()}
     )
@@ -112,6 +132,28 @@ class ServeConfig:
     action_names: list[str] = field(default_factory=lambda: list(SIM_ACTION_NAMES))
     action_space: ActionSpace = SIM_PANDA.action_space  # joint or end_effector: what the action dims command
     action_mode: ActionMode = "absolute"  # absolute targets, or delta: added to the last commanded target
+    # The robot's URDF file: its joints, limits, velocity limits and the chain end-effector actions are solved
+    # on. "": topics.robot_description when set, else the simulated Panda's (vla_core/robots/sim_panda.urdf).
+    # The safety limits left empty default to its limits.
+    robot_description: str = ""
+    # The URDF link end-effector actions command (ee_x, ee_y, ee_z in the URDF root link's frame); "" = the
+    # simulated Panda's "grasp" with its own URDF, and none with another (an end-effector policy is then refused).
+    ee_link: str = ""
+    # ticks: one JointTrajectory point per control tick on topics.joint_trajectory (the action as it is);
+    # trajectory: each merged chunk as one JointTrajectory over the arm's joints on topics.arm_trajectory
+    # (end-effector actions through IK on the robot description), the grip on topics.gripper_trajectory.
+    output: Output = "ticks"
+    # output=trajectory: the gripper's joints in the URDF; the grip action (0 open, 1 closed) is mapped linearly
+    # onto each one's range, gripper_open naming the limit that is open.
+    gripper_joints: list[str] = field(default_factory=lambda: ["finger_joint1", "finger_joint2"])
+    gripper_open: GripperOpen = "upper"
+    # output=trajectory: metres within which an end-effector waypoint counts as reached by the IK; a chunk
+    # with a waypoint the IK does not reach is not sent (ik_failures), and the previous trajectory runs on.
+    ik_tolerance: float = 0.001
+    # output=trajectory: send each arm trajectory as a goal of this control_msgs/FollowJointTrajectory
+    # action (joint_trajectory_controller's, e.g. /arm_controller/follow_joint_trajectory) instead of on the
+    # topic; needs control_msgs, which has no pip wheel. "" = the topic.
+    trajectory_action: str = ""
     instruction: str = ""  # task instruction until one arrives on the instruction topic
     image_size: int = 0  # expected square image side; 0 = the policy's config.image_size
     resize_images: bool = False  # resize images of another size instead of rejecting them
@@ -136,7 +178,10 @@ class ServeConfig:
     # Every measured inference latency, as JSON lines with the control period (rewritten at start;
     # "" = none): replay it in simulation with --delay.kind=histogram --delay.latencies_file=<this file>.
     latency_log: str = "outputs/serve/latencies.jsonl"
-    inference: InferenceMode = "process"  # process (own core, no GIL sharing) or thread
+    # process (own core, no GIL sharing), thread, or remote: a `vla-rl policy-server` on another machine
+    inference: InferenceMode = "process"
+    # remote: the policy server's host:port (`vla-rl policy-server --address=...`, `robot_bridge.policy_server`)
+    inference_server: str = ""
     inference_cpu: int = 1  # core the inference is pinned to; -1 = no pinning
     control_cpu: int = 0  # core the control loop is pinned to; -1 = no pinning
     inference_threads: int = 1  # torch threads of the inference
@@ -161,7 +206,7 @@ class ServeConfig:
     load_retry_s: float = 5.0  # wait before loading the checkpoint again after a failure
     error_retry_s: float = 0.5  # wait before asking the policy again after it raised
     dry_run: bool = False  # compute everything but publish nothing to the robot (no command topics)
-    publish_array: bool = False  # also publish each command as std_msgs/Float64MultiArray
+    publish_array: bool = False  # output=ticks: also publish each command as std_msgs/Float64MultiArray
     diagnostics_hz: float = 2.0  # diagnostics rate (state changes are published at once too)
     duration_s: float = 0.0  # stop after this many seconds; 0 = until Ctrl-C
     topics: TopicsConfig = field(default_factory=TopicsConfig)  # topic names
@@ -176,6 +221,8 @@ class ServeConfig:
             "clock": (self.clock, get_args(Clock)),
             "inference": (self.inference, get_args(InferenceMode)),
             "ros_executor": (self.ros_executor, get_args(RosExecutor)),
+            "output": (self.output, get_args(Output)),
+            "gripper_open": (self.gripper_open, get_args(GripperOpen)),
             "qos.sensor_reliability": (self.qos.sensor_reliability, get_args(Reliability)),
         }
         for name, (value, allowed) in choices.items():
@@ -186,6 +233,16 @@ class ServeConfig:
         self.chunking.validate()
         if self.max_delay_steps < 0 or self.horizon < 0 or self.image_size < 0 or self.added_latency_s < 0:
             raise ValueError("max_delay_steps, horizon, image_size and added_latency_s must be >= 0")
+        if (self.inference == "remote") != bool(self.inference_server):
+            raise ValueError("inference: remote and inference_server: HOST:PORT (a `vla-rl policy-server`) go together; "
+                             "set both, or neither")  # fmt: skip
+        if self.inference == "remote" and self.added_latency_s:
+            raise ValueError("added_latency_s is slept by the local worker; with inference: remote give it to the "
+                             "server (`vla-rl policy-server --added_latency_s=...`)")  # fmt: skip
+        if self.ik_tolerance <= 0:
+            raise ValueError(f"ik_tolerance must be > 0 metres, got {self.ik_tolerance}")
+        if self.trajectory_action and self.output != "trajectory":
+            raise ValueError("trajectory_action sends whole trajectories; set output: trajectory, or leave it empty")
         if not self.state_names or not self.action_names:
             raise ValueError(
                 "state_names and action_names must not be empty; list the JointState names and action dims"
@@ -210,6 +267,8 @@ class ServeConfig:
             )
         if self.safety.stale_after_s <= 0:
             raise ValueError(f"safety.stale_after_s must be > 0, got {self.safety.stale_after_s}")
+        if self.safety.pair_tolerance_s <= 0:
+            raise ValueError(f"safety.pair_tolerance_s must be > 0 seconds, got {self.safety.pair_tolerance_s}")
         if self.safety.state_margin < 0:
             raise ValueError(f"safety.state_margin must be >= 0, got {self.safety.state_margin}")
         for name, bound in self.safety.state_bounds.items():

@@ -12,9 +12,14 @@ import numpy as np
 # The node's states; the DiagnosticStatus level (OK, WARN, ERROR) each is reported with.
 STATE_LEVELS = {"RUNNING": "OK", "LOADING": "WARN", "HOLDING": "WARN", "ESTOP": "WARN", "FAILED": "ERROR"}
 # excess_states: joint states that ticked no command (clock=joint_states, arriving faster than control_hz).
+# description_rejected: robot descriptions (URDF) refused. output=trajectory: trajectories sent, ik_failures
+# (chunks not sent: a waypoint out of reach), velocity_limited_points (points the joints' velocity limits
+# slowed), trajectory_goals_accepted and trajectory_rejected (goals of the FollowJointTrajectory action the server
+# took, and refused or could not take: none was up).
 COUNTERS = ("ticks", "missed_deadlines", "rejected_messages", "out_of_order", "stale_events", "chunks",
             "dropped_chunks", "policy_errors", "invalid_chunks", "load_failures", "delay_clamped",
-            "excess_states")  # fmt: skip
+            "excess_states", "description_rejected", "trajectories", "ik_failures", "velocity_limited_points",
+            "trajectory_goals_accepted", "trajectory_rejected")  # fmt: skip
 
 
 class BridgeDiagnostics:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from robot_bridge.config import ServeConfig
+from robot_bridge.description import DescriptionSource
 from robot_bridge.diagnostics import BridgeDiagnostics
 from robot_bridge.inputs import BridgeInputs
 from robot_bridge.log_limit import LogLimiter
@@ -28,7 +29,8 @@ if TYPE_CHECKING:
 class Hold:
     """The node's state (RUNNING, LOADING, HOLDING, ESTOP, FAILED), its cause, and the safety-filtered command.
 
-    ``logger`` has rclpy's ``info``/``warning``/``error``; ``log_limiter`` rate-limits what repeats.
+    ``logger`` has rclpy's ``info``/``warning``/``error``; ``log_limiter`` rate-limits what repeats;
+    ``description`` (optional): the robot description's source, whose problem (none yet, or rejected) holds.
     """
 
     def __init__(
@@ -40,8 +42,9 @@ class Hold:
         diagnostics: BridgeDiagnostics,
         log_limiter: LogLimiter,
         logger,
+        description: DescriptionSource | None = None,
     ) -> None:
-        self.config, self.period = config, period
+        self.config, self.period, self.description = config, period, description
         self.inputs, self.scheduler, self.diagnostics = inputs, scheduler, diagnostics
         self.log_limiter, self.logger = log_limiter, logger
         s = config.safety
@@ -79,7 +82,12 @@ class Hold:
         """(key, text): why the next command must be a hold, or (None, None) when the policy's action can go out."""
         if self.safety.estopped:
             return "estop", "e-stop engaged"
-        for problem in (self.scheduler.health.worker_problem(self.scheduler.worker.alive()), self.inputs.fault()):
+        robot = self.description.problem() if self.description is not None else None
+        for problem in (
+            robot,
+            self.scheduler.health.worker_problem(self.scheduler.worker.alive()),
+            self.inputs.fault(),
+        ):
             if problem is not None:
                 return problem
         stale = self.inputs.stale(now)
@@ -127,20 +135,30 @@ class Hold:
         if self.safety.last_command is None:
             if self.inputs.state is None:
                 return None
-            self.safety.start_from(self._measured_command())
+            self.safety.start_from(self.measured_command())
         if target is None:
             return self.safety.hold()
         if self.config.action_mode == "delta":
             target = self.safety.last_command + target
         return self.safety.step(target)
 
+    def set_limits(self, position_min: list[float], position_max: list[float], max_velocity: list[float]) -> None:
+        """New position and velocity limits per action dim (the robot description's, once it is known); the
+        command the filter holds and the e-stop carry over."""
+        s, old = self.config.safety, self.safety
+        self.safety = SafetyFilter(self.period, len(self.config.action_names), position_min, position_max,
+                                   max_velocity, s.max_acceleration)  # fmt: skip
+        self.safety.estopped = old.estopped
+        if old.last_command is not None:
+            self.safety.start_from(old.last_command)
+
     def start_episode(self) -> None:
         """The robot started a new episode (`ChunkScheduler.start_episode_if_due`): hold where it now is, as at
         start-up, not at the last episode's last command (the simulation holds a new episode's world still)."""
         if self.inputs.state is not None:
-            self.safety.start_from(self._measured_command())
+            self.safety.start_from(self.measured_command())
 
-    def _measured_command(self) -> np.ndarray:
+    def measured_command(self) -> np.ndarray:
         """(A,) the hold before any command: state entries named like the actions, else safety.initial_command."""
         cfg = self.config
         index = {n: i for i, n in enumerate(cfg.state_names)}

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from robot_bridge.scheduling import normal_scheduling, use_normal
+from vla_core.runtime.noise import noise_shape
 from vla_core.runtime.protocol import LatencySpec
 from vla_core.types import OBS_IMAGES, OBS_MID, TASK, LatencyAwarePolicy, Policy
 
@@ -145,6 +146,7 @@ def policy_info(policy: Policy) -> dict[str, Any]:
         "action_dim": getattr(config, "action_dim", None),
         **LatencySpec.of(policy).as_dict(),
         "splits_inference": isinstance(policy, LatencyAwarePolicy),  # has prepare_request (the slow part)
+        "noise_shape": noise_shape(policy),  # one sample's sampler noise, which serve's noise_seed draws
     }
 
 

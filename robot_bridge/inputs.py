@@ -5,7 +5,13 @@ Each message is decoded by `robot_bridge.codec` (the decoder `vla-rl convert` us
 data) and checked: shape, encoding, finiteness, a header stamp neither ahead of the node's clock
 (beyond ``safety.future_stamp_tolerance_s``) nor out of order (see `BridgeInputs._accept`), and for
 joint states the plausibility bounds of ``safety.state_bounds``. A rejected message leaves a fault
-on its source (the hold names it) until that source's next good message. No ROS import at module
+on its source (the hold names it) until that source's next good message.
+
+Images are paired with the joint state by header stamp when an observation is built (what
+message_filters' approximate synchronizer does): each camera keeps its last ``IMAGE_BUFFER`` images, and
+the one closest in stamp to the newest joint state is used, never one further from it than
+``safety.pair_tolerance_s`` (the camera is then faulty, ``unpaired``, until its next image). The joint
+state is always the newest: its stamp is the observation's in the latency accounting. No ROS import at module
 level: :meth:`BridgeInputs.subscribe` takes the node.
 """
 
@@ -14,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -27,6 +34,9 @@ from robot_bridge.log_limit import LogLimiter
 from vla_core.types import OBS_STATE, TASK
 
 JOINT_STATES = "joint_states"  # the joint states' source name; a camera's is "camera <name>"
+# Images kept per camera for pairing: a camera at 30 Hz and joint states at up to 1 kHz give the closest image
+# within the last 8 (about 0.27 s), longer than any pairing tolerance worth setting.
+IMAGE_BUFFER = 8
 
 
 def check_bounds(vector: np.ndarray, names: list[str], low: np.ndarray, high: np.ndarray, margin: float) -> None:
@@ -89,19 +99,26 @@ class BridgeInputs:
         self.state_stamp = None  # builtin_interfaces/Time of that joint state, echoed exactly in the commands
         self.arrival: dict[str, float] = {}  # source -> monotonic arrival of its newest accepted message
         self.stamp: dict[str, float] = {}  # source -> header stamp of that message, seconds
-        self.images: dict[str, np.ndarray] = {}  # camera -> (H, W, 3) uint8
+        self.images: dict[str, np.ndarray] = {}  # camera -> its newest accepted image, (H, W, 3) uint8
+        # camera -> its last IMAGE_BUFFER accepted (stamp seconds, (H, W, 3) uint8), oldest first, for pairing
+        self.frames: dict[str, deque[tuple[float, np.ndarray]]] = {}
         self.faults: dict[str, tuple[str, str]] = {}  # source -> (kind, why) its last message was rejected
         self.instruction = config.instruction
         # (the robot's episode that ended, the stamp in seconds of its final state) as topics.episode announced
         # it, until the scheduler starts the next episode; the first joint state starts episode 0.
         self.ended_episode: tuple[int, float] | None = (-1, -math.inf) if config.topics.episode else None
         self.policy_image_size: int | None = None  # the loaded policy's, once it is known
-        # Plausibility bounds of the state entries, in state_names order; +-inf where none is configured.
-        bounds = config.safety.state_bounds
-        self.state_low = np.array([bounds[n][0] if n in bounds else -np.inf for n in config.state_names])
-        self.state_high = np.array([bounds[n][1] if n in bounds else np.inf for n in config.state_names])
+        self.set_state_bounds(config.safety.state_bounds)
+
+    def set_state_bounds(self, bounds) -> None:
+        """The plausibility bounds of the state entries: name -> (low, high); the robot description's once it is
+        known (its joint limits, and the configured ``safety.state_bounds``)."""
+        names = self.config.state_names
+        # In state_names order; +-inf where none is given.
+        self.state_low = np.array([bounds[n][0] if n in bounds else -np.inf for n in names])
+        self.state_high = np.array([bounds[n][1] if n in bounds else np.inf for n in names])
         # A robot whose joint names differ from the sim arm's gets no check from the defaults: the node says so.
-        self.unchecked_state = [n for n in config.state_names if n not in bounds]
+        self.unchecked_state = [n for n in names if n not in bounds]
 
     @property
     def image_size(self) -> int | None:
@@ -150,8 +167,10 @@ class BridgeInputs:
             rgb = decode_image(msg)
             if self.image_size:
                 rgb = fit_image(rgb, self.image_size, self.config.resize_images)
-            self._accept(source, stamp_seconds(msg.header.stamp), arrival)
+            stamp = stamp_seconds(msg.header.stamp)
+            self._accept(source, stamp, arrival)
             self.images[camera.name] = rgb
+            self.frames.setdefault(camera.name, deque(maxlen=IMAGE_BUFFER)).append((stamp, rgb))
         except InputRejected as err:
             self.reject(source, err)
 
@@ -223,15 +242,34 @@ class BridgeInputs:
         sources = [JOINT_STATES] + [f"camera {c.name}" for c in self.config.cameras]
         return [s for s in sources if now - self.arrival.get(s, -math.inf) > limit]
 
-    def observation(self) -> dict[str, Any] | None:
-        """The policy's numpy batch of one: state (1, S) float32, instruction, images (1, H, W, 3) uint8.
+    def paired_image(self, camera: CameraTopic) -> np.ndarray | None:
+        """(H, W, 3) uint8: the camera's buffered image closest in stamp to the newest joint state, or None (the
+        camera rejected as ``unpaired``, counted) when none is within ``safety.pair_tolerance_s``."""
+        state_stamp, tolerance = self.stamp[JOINT_STATES], self.config.safety.pair_tolerance_s
+        stamp, rgb = min(self.frames[camera.name], key=lambda frame: abs(frame[0] - state_stamp))
+        if abs(stamp - state_stamp) <= tolerance:
+            return rgb
+        newest = self.frames[camera.name][-1][0]
+        self.reject(f"camera {camera.name}", InputRejected(
+            f"no image within {tolerance:g} s of the joint state stamped {state_stamp:.3f} s (the closest is "
+            f"{(stamp - state_stamp) * 1e3:+.0f} ms from it, the newest stamped {newest:.3f} s): the camera and the "
+            f"robot stamp on different clocks, or the camera lags; synchronize their clocks, or raise "
+            f"safety.pair_tolerance_s", "unpaired"))  # fmt: skip
+        return None
 
-        None (the camera rejected) when an image that arrived before the policy told its size does not fit it.
+    def observation(self) -> dict[str, Any] | None:
+        """The policy's numpy batch of one: state (1, S) float32, instruction, images (1, H, W, 3) uint8, each
+        image paired with the state by stamp (:meth:`paired_image`).
+
+        None (the camera rejected) when a camera has no image within the pairing tolerance, or when an image
+        that arrived before the policy told its size does not fit it.
         """
         observation: dict[str, Any] = {OBS_STATE: self.state[None].astype(np.float32), TASK: [self.instruction]}
         size = self.image_size
         for cam in self.config.cameras:
-            rgb = self.images[cam.name]
+            rgb = self.paired_image(cam)
+            if rgb is None:
+                return None
             if size:
                 try:
                     rgb = fit_image(rgb, size, self.config.resize_images)

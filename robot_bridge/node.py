@@ -9,7 +9,10 @@ One thread runs every callback (subscriptions, timers), so a control tick never 
   (e-stop, loading, rejected or stale input, policy error), the watchdog, and the `SafetyFilter`;
 - `robot_bridge.chunk_scheduler.ChunkScheduler`: the inference worker (its own process by
   default), the in-flight request, and the `vla_core.runtime.ActionChunkExecutor` chunks merge into;
-- `robot_bridge.diagnostics.BridgeDiagnostics`: counters, latencies and the /diagnostics report.
+- `robot_bridge.diagnostics.BridgeDiagnostics`: counters, latencies and the /diagnostics report;
+- `robot_bridge.description.DescriptionSource`: the robot description (a URDF file, the
+  /robot_description topic, or the simulated Panda's) and how the policy's actions map onto it;
+- `robot_bridge.trajectory.TrajectoryPlanner` (``output=trajectory``): each merged chunk as joint trajectories.
 
 Control tick (one per arriving joint state with ``clock=joint_states``, at most ``control_hz`` a
 second, else one per timer period): pass the action prepared for this step through the safety filter and publish it. Only
@@ -23,10 +26,12 @@ made before it stopped. The e-stop latches: ``True`` on the estop topic holds un
 fault that repeats with every message is logged at most once a second per cause (`LogLimiter`);
 the exact counts, per cause, are on /diagnostics (``rejected_<kind>``, ``invalid_chunks``, ...).
 
-Commands: JointTrajectory with ``joint_names = action_names`` and one point (the command,
-``time_from_start`` = one period); ``header.stamp`` is the stamp of the newest joint state the
+Commands, ``output=ticks``: JointTrajectory with ``joint_names = action_names`` and one point (the
+command, ``time_from_start`` = one period); ``header.stamp`` is the stamp of the newest joint state the
 command was computed with. Delta actions are integrated against the last command, never
-re-anchored on the measured state.
+re-anchored on the measured state. ``output=trajectory``: after each merge, one JointTrajectory over the
+arm's joints and one over the gripper's (`robot_bridge.trajectory`: the seam, the stamps, the IK); a
+tick publishes only while holding (the held setpoint, every tick).
 """
 
 from __future__ import annotations
@@ -46,18 +51,21 @@ from rcl_interfaces.msg import ParameterDescriptor
 from rclpy.experimental import EventsExecutor
 from rclpy.node import Node
 from rclpy.parameter import Parameter
-from rclpy.qos import HistoryPolicy, QoSProfile, ReliabilityPolicy
+from rclpy.qos import DurabilityPolicy, HistoryPolicy, QoSProfile, ReliabilityPolicy
 from std_msgs.msg import Float64MultiArray, String
 
 from robot_bridge import codec, topics
 from robot_bridge.chunk_scheduler import ChunkScheduler
 from robot_bridge.config import ServeConfig, apply_overrides, flat_fields
+from robot_bridge.description import ActionMapping, DescriptionSource, safety_limits
 from robot_bridge.diagnostics import BridgeDiagnostics
 from robot_bridge.hold import Hold, TickBudget
 from robot_bridge.inputs import JOINT_STATES, BridgeInputs
 from robot_bridge.log_limit import LogLimiter
 from robot_bridge.scheduling import lock_memory, quiet_interpreter, use_realtime
+from robot_bridge.trajectory import IKFailure, PlannedTrajectory, TrajectoryPlanner
 from vla_core.renamed import RENAMED, renamed_line
+from vla_core.robot import RobotDescription
 from vla_core.types import Policy
 
 LIST_PARAMETER_TYPES = {
@@ -111,16 +119,24 @@ class PolicyBridge(Node):
         self.inputs = BridgeInputs(cfg, self.diagnostics, self.log_limiter, logger.info, self._on_joint_state,
                                    clock_now=lambda: self.get_clock().now().nanoseconds * 1e-9)  # fmt: skip
         self.tick_budget = TickBudget(cfg.control_hz)
+        self._create_publishers()
+        self.scheduler = ChunkScheduler(
+            cfg, load_policy, self.inputs, self.diagnostics, self.log_limiter, logger, self._publish_chunk
+        )
+        self.robot = DescriptionSource(cfg, self.diagnostics, self.log_limiter, self._on_description)
+        self.hold = Hold(cfg, self.period, self.inputs, self.scheduler, self.diagnostics, self.log_limiter, logger,
+                         self.robot)  # fmt: skip
+        self.planner: TrajectoryPlanner | None = None  # output=trajectory, once the description is known
+        self._arm_in_state: list[int] = []  # where the arm joints are in the joint state (output=trajectory)
+        self._tick_step, self._tick_ns = -1, 0  # the step of the latest tick and its time (ns, this node's clock)
+        fallback = self.robot.start()
+        if fallback:
+            logger.info(fallback)
         if self.inputs.unchecked_state:
             logger.warning(
                 f"state entries {self.inputs.unchecked_state} have no plausibility bounds, so a sensor fault there "
                 f"reaches the policy; give each a [low, high] under safety.state_bounds in the serve YAML"
             )
-        self._create_publishers()
-        self.scheduler = ChunkScheduler(
-            cfg, load_policy, self.inputs, self.diagnostics, self.log_limiter, logger, self._publish_chunk
-        )
-        self.hold = Hold(cfg, self.period, self.inputs, self.scheduler, self.diagnostics, self.log_limiter, logger)
         self._create_subscriptions_and_timers()
         logger.info(
             f"serving {cfg.checkpoint} at {cfg.control_hz:g} Hz ({cfg.clock} clock), merge={cfg.chunking.merge}, "
@@ -175,14 +191,26 @@ class PolicyBridge(Node):
 
     def _create_publishers(self) -> None:
         cfg, qos = self.config, self._qos(sensor=False)
-        # Dry run: the command topics do not exist at all, so nothing can reach the robot.
+        # Dry run: the command topics do not exist at all, so nothing can reach the robot; each output has its own.
+        per_tick = cfg.output == "ticks" and not cfg.dry_run
         self._trajectory_pub = (
-            None if cfg.dry_run else self.create_publisher(topics.JOINT_TRAJECTORY.message_class(),
-                                                           cfg.topics.joint_trajectory, qos)
+            self.create_publisher(topics.JOINT_TRAJECTORY.message_class(), cfg.topics.joint_trajectory, qos)
+            if per_tick else None
         )  # fmt: skip
         self._array_pub = None
-        if cfg.publish_array and not cfg.dry_run:
+        if cfg.publish_array and per_tick:
             self._array_pub = self.create_publisher(Float64MultiArray, cfg.topics.command_array, qos)
+        self._arm_pub = self._gripper_pub = self._follow = None
+        if cfg.output == "trajectory" and not cfg.dry_run:
+            trajectory_type = topics.ARM_TRAJECTORY.message_class()
+            self._gripper_pub = self.create_publisher(trajectory_type, cfg.topics.gripper_trajectory, qos)
+            if cfg.trajectory_action:  # the arm's trajectories as action goals instead of on the topic
+                from robot_bridge.follow_joint_trajectory import FollowJointTrajectoryClient
+
+                self._follow = FollowJointTrajectoryClient(self, cfg.trajectory_action, self.diagnostics,
+                                                           self.log_limiter)  # fmt: skip
+            else:
+                self._arm_pub = self.create_publisher(trajectory_type, cfg.topics.arm_trajectory, qos)
         self._chunk_pub = self.create_publisher(String, cfg.topics.chunk_info, qos)
         self._diagnostics_pub = self.create_publisher(topics.DIAGNOSTICS.message_class(), cfg.topics.diagnostics, qos)
         self._period_msg = codec.duration_msg(self.period)
@@ -192,6 +220,12 @@ class PolicyBridge(Node):
         self.inputs.subscribe(self, self._qos(sensor=True), self._qos(sensor=False))
         self.create_subscription(topics.ESTOP.message_class(), cfg.topics.estop, self.hold.on_estop,
                                  self._qos(sensor=False))  # fmt: skip
+        if cfg.topics.robot_description and not cfg.robot_description:
+            # robot_state_publisher's QoS: reliable, transient local, so the URDF published before we started arrives.
+            latched = QoSProfile(history=HistoryPolicy.KEEP_LAST, depth=1, reliability=ReliabilityPolicy.RELIABLE,
+                                 durability=DurabilityPolicy.TRANSIENT_LOCAL)  # fmt: skip
+            self.create_subscription(topics.ROBOT_DESCRIPTION.message_class(), cfg.topics.robot_description,
+                                     self.robot.on_message, latched)  # fmt: skip
         if cfg.clock == "timer":
             self._next_scheduled = time.monotonic() + self.period
             self.create_timer(self.period, self._on_timer)
@@ -232,13 +266,18 @@ class PolicyBridge(Node):
     def _control_tick(self, scheduled: float) -> None:
         now = time.monotonic()
         plan = self.scheduler
-        if plan.start_episode_if_due():  # the robot's next episode (topics.episode) starts at this joint state
+        new_episode = plan.start_episode_if_due()  # the robot's next episode (topics.episode) starts at this state
+        if new_episode:
             self.hold.start_episode()
+        self._tick_step, self._tick_ns = plan.next_step, self._tick_time_ns()
         cause_key, cause = self.hold.check(now)
         target = plan.next_target if cause is None else None
-        command = self.hold.command(target)
-        if command is not None:
-            self._publish_command(command)
+        if self.config.output == "ticks":
+            command = self.hold.command(target)
+            if command is not None:
+                self._publish_command(command)
+        else:
+            command = self._trajectory_tick(cause, new_episode)
         published = time.monotonic()
         # Everything below runs after the command went out.
         if self.hold.update(cause_key, cause):
@@ -255,6 +294,98 @@ class PolicyBridge(Node):
         if plan.next_is_seam:
             self.diagnostics.obs_to_command_ms.append((published - plan.seam_obs_arrival) * 1e3)
         plan.prepare_next_action(cause, now)
+        # Between the robot's episodes nothing goes out (the planner is anchored on the ended one).
+        if plan.merged_plan is not None and self.planner is not None and self.planner.anchored \
+                and self.inputs.ended_episode is None:  # fmt: skip
+            self._send_plan(*plan.merged_plan)
+
+    def _tick_time_ns(self) -> int:
+        """This tick's time, ns: with ``clock=joint_states`` the stamp of the joint state that ticked it (the
+        robot's time of that step, so a trajectory's points land on the robot's control instants without the
+        transport's jitter; the robot's and this node's clocks agree, see ``safety.future_stamp_tolerance_s``),
+        else this node's clock now."""
+        if self.config.clock == "joint_states" and self.inputs.state_stamp is not None:
+            return codec.stamp_ns(self.inputs.state_stamp)
+        return self.get_clock().now().nanoseconds
+
+    # -- trajectory output -----------------------------------------------------------------------
+
+    def _on_description(self, description: RobotDescription, mapping: ActionMapping, given: bool) -> None:
+        """A robot description was accepted. One given (file or topic): the safety limits the config leaves empty
+        become its own and its joints' limits bound the state (the simulated Panda's default leaves the config's
+        limits as they are). Trajectory output plans on it."""
+        cfg = self.config
+        if given:
+            low, high, velocity = safety_limits(description, cfg)
+            self.hold.set_limits(low, high, velocity)
+            self.inputs.set_state_bounds(description.state_bounds)
+        else:
+            s = cfg.safety
+            low, high, velocity = s.position_min, s.position_max, s.max_velocity
+        if cfg.output == "trajectory":
+            self.planner = TrajectoryPlanner(description, mapping, self.period, cfg.ik_tolerance, low, high, velocity,
+                                             cfg.safety.max_acceleration, delta=cfg.action_mode == "delta")  # fmt: skip
+            self._arm_in_state = [cfg.state_names.index(n) for n in mapping.arm_joints]
+        how = "end-effector targets solved to" if mapping.end_effector else "joint actions on"
+        grip = f", grip on {list(mapping.gripper_joints)}" if mapping.gripper_joints else ""
+        self.get_logger().info(f"robot {description.name!r}: {how} joints {list(mapping.arm_joints)}{grip}")
+
+    def _trajectory_tick(self, cause: str | None, new_episode: bool) -> np.ndarray | None:
+        """``output=trajectory``: anchor the planner on the measured state (the first one, and each episode's), and
+        while holding publish the held setpoint, stamped now and reached ``safety.stale_after_s`` later (at least a
+        period): the point is where the controller already is, and a robot that reads it late (a loaded machine)
+        must not find it in the past and reject it. Returns the action the controller executes at this tick's
+        step (None before the description and a joint state are in)."""
+        planner = self.planner
+        if planner is None or self.inputs.state is None:
+            return None
+        if self.inputs.ended_episode is not None:
+            # The robot's episode ended and it resets (topics.episode): a hold of the ended episode's setpoint reaching
+            # it after its reset would pull the arm back there. Nothing until the next episode's first state.
+            return None
+        if new_episode or not planner.anchored:
+            planner.anchor(self.hold.measured_command(), self.inputs.state[self._arm_in_state])
+        if cause is None:
+            planner.release()
+            return planner.action_at(self._tick_step)
+        held = planner.hold(self._tick_step)
+        lead = max(self.period, self.config.safety.stale_after_s)
+        self._publish_trajectory(held, self.get_clock().now().nanoseconds, lead)
+        return held.actions[0].copy()
+
+    def _send_plan(self, first_step: int, actions: np.ndarray) -> None:
+        """The merged plan (P, A) from ``first_step`` as trajectories, stamped with the tick time of that step;
+        not sent when a waypoint is out of the IK's reach (counted, logged once a second: the previous runs on)."""
+        result = self.planner.plan(first_step, actions)
+        if result is None:
+            return
+        if isinstance(result, IKFailure):
+            # The executor forgets the plan the controller never got: the next request's committed prefix and
+            # guidance must not describe it. The controller runs the previous trajectory to its end.
+            self.scheduler.discard_plan()
+            line = result.line(self.config.ik_tolerance)
+            self.diagnostics.count("ik_failures")
+            self.diagnostics.last_error = line
+            self.log_limiter("ik failure", "warning", line)
+            return
+        self.diagnostics.count("trajectories")
+        self.diagnostics.count("velocity_limited_points", result.limited_points)
+        self._publish_trajectory(result, self._tick_ns + round((first_step - self._tick_step) * self.period * 1e9))
+
+    def _publish_trajectory(self, trajectory: PlannedTrajectory, stamp_ns: int, first_s: float | None = None) -> None:
+        """The arm's and the gripper's trajectory, stamped ``stamp_ns``, point 0 reached ``first_s`` after it (a
+        period by default), the next a period apart."""
+        if self._arm_pub is None and self._follow is None:  # dry run
+            return
+        stamp = codec.time_msg(stamp_ns)
+        arm = codec.trajectory_points_msg(list(trajectory.arm_joints), trajectory.arm, stamp, self.period, first_s)
+        if self._follow is not None:
+            self._follow.send(arm)
+        else:
+            self._arm_pub.publish(arm)
+        if trajectory.gripper_joints:
+            self._gripper_pub.publish(codec.trajectory_points_msg(list(trajectory.gripper_joints), trajectory.gripper,
+                                                                  stamp, self.period, first_s))  # fmt: skip
 
     def _publish_command(self, command: np.ndarray) -> None:
         if self._trajectory_pub is None:

@@ -56,10 +56,11 @@ class SafetyFilter:
         self.last_command: np.ndarray | None = None  # (A,), None until the first command
         self._velocity = np.zeros(action_dim)  # (A,) of the last command, per second
 
-    def start_from(self, command: np.ndarray) -> None:
-        """Anchor the filter at a measured position (A,), at rest, before the first command."""
+    def start_from(self, command: np.ndarray, velocity: np.ndarray | None = None) -> None:
+        """Anchor the filter at a position (A,): a measured one, at rest, before the first command; or a
+        command already sent and its ``velocity`` (A,) per second, to go on from it (a trajectory's seam)."""
         self.last_command = np.clip(np.asarray(command, dtype=np.float64), self.low, self.high)
-        self._velocity = np.zeros(self.action_dim)
+        self._velocity = np.zeros(self.action_dim) if velocity is None else np.asarray(velocity, dtype=np.float64)
 
     def step(self, target: np.ndarray) -> np.ndarray:
         """target (A,) -> the limited command (A,). Holds while the e-stop is engaged."""

@@ -28,6 +28,13 @@ ESTOP = Topic("/estop", "std_msgs/msg/Bool")  # True latches a hold in serve unt
 # Policy -> robot
 JOINT_TRAJECTORY = Topic("/command/joint_trajectory", "trajectory_msgs/msg/JointTrajectory")
 COMMAND_ARRAY = Topic("/command/array", "std_msgs/msg/Float64MultiArray")  # the same values, in action order
+# Policy -> a ros2_control-like robot (`serve --output=trajectory`): each merged chunk as one trajectory over the
+# arm's joints, and one over the gripper's joints with the same timing, on the topic interface of
+# joint_trajectory_controller (``/<controller>/joint_trajectory``).
+ARM_TRAJECTORY = Topic("/arm_controller/joint_trajectory", "trajectory_msgs/msg/JointTrajectory")
+GRIPPER_TRAJECTORY = Topic("/gripper_controller/joint_trajectory", "trajectory_msgs/msg/JointTrajectory")
+# The robot's URDF as robot_state_publisher publishes it (transient local: a late subscriber gets it)
+ROBOT_DESCRIPTION = Topic("/robot_description", "std_msgs/msg/String")
 # Reports
 CHUNK_INFO = Topic("/vla_rl/chunk", "std_msgs/msg/String")  # JSON metadata of each chunk serve merged
 EPISODE = Topic("/sim_robot/episode", "std_msgs/msg/String")  # JSON status of the sim robot's episode

@@ -31,6 +31,9 @@ ACTION_LOW = np.array(ROBOT.action_low)
 ACTION_HIGH = np.array(ROBOT.action_high)
 
 FINGER_TRAVEL = ROBOT.joint_limits["finger_joint1"][1]  # metres each finger slides open (qpos[7], qpos[8])
+# The joints of the servos ctrl[:9] (qpos[:9]), by their URDF names: the 7 arm joints, then the 2 fingers.
+SERVO_JOINTS = list(ROBOT.joint_limits)
+ARM_JOINTS, FINGER_JOINTS = SERVO_JOINTS[:7], SERVO_JOINTS[7:]
 # The arm joints' limits (radians), joint1..joint7 = qpos[:7], as (lower, upper) pairs.
 JOINT_RANGES = [ROBOT.joint_limits[f"joint{i}"] for i in range(1, 8)]
 

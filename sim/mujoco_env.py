@@ -210,9 +210,26 @@ class MujocoBatchedEnv:
         # a held (invalid) row is counted as invalid only.
         clipped = ~invalid & ((act < self.ACTION_LOW) | (act > self.ACTION_HIGH)).any(axis=1)
         act = np.clip(act, self.ACTION_LOW, self.ACTION_HIGH)
+        return self._finish_step(self._advance(act), invalid, clipped)
 
-        final_state = self._advance(act)
+    def step_servo_targets(self, targets: np.ndarray):
+        """Step every world with the arm's servo targets given per physics substep, instead of an end-effector
+        action through the IK controller: what a joint trajectory follower at the physics rate drives
+        (`vla-rl sim-robot --input=trajectory`). Returns what :meth:`step` returns.
 
+        targets: (N, substeps, 9) finite, the 7 arm joints (rad) then the 2 fingers (m each) in `sim.arm`'s
+        ``SERVO_JOINTS`` order, substep j's held through it; MuJoCo clamps each to its servo's ctrlrange.
+        ``info["invalid_actions"]`` and ``info["clipped_actions"]`` are all False: there is no action.
+        """
+        targets = np.asarray(targets, dtype=np.float64)
+        shape = (self.num_envs, self.config.substeps, 9)
+        if targets.shape != shape or not np.isfinite(targets).all():
+            raise ValueError(f"servo targets must be finite with shape {shape}, got {targets.shape}")
+        none = np.zeros(self.num_envs, dtype=bool)
+        return self._finish_step(self._advance(None, targets), none, none)
+
+    def _finish_step(self, final_state: np.ndarray, invalid: np.ndarray, clipped: np.ndarray):
+        """Count the step, judge success and the ends, reset the worlds that ended, observe: :meth:`step`'s return."""
         self.episode_step += 1
         success = self._success.copy()
         qpos = final_state[:, self._qpos_in_state : self._qpos_in_state + self.model.nq]
@@ -298,9 +315,10 @@ class MujocoBatchedEnv:
         self._obs_qpos[i] = d.qpos[:9]
         self._obs_ee[i] = d.site_xpos[self._site]
 
-    def _advance(self, act: np.ndarray) -> np.ndarray:
-        """Control and ``substeps`` physics steps for every world: (N, 4) clipped actions in, the
-        (N, nstate) FULLPHYSICS states reached out (``self.data`` holds them, positions forwarded).
+    def _advance(self, act: np.ndarray | None, servo: np.ndarray | None = None) -> np.ndarray:
+        """Control and ``substeps`` physics steps for every world: (N, 4) clipped actions in (or, with ``act``
+        None, the servo targets (N, substeps, 9) per substep), the (N, nstate) FULLPHYSICS states reached out
+        (``self.data`` holds them, positions forwarded).
 
         The worlds go through ``mujoco.rollout`` in blocks. Its threads release the GIL, so while
         they step block b this thread prepares the controls of the blocks after it and loads the
@@ -309,21 +327,22 @@ class MujocoBatchedEnv:
         """
         if self._stepper is None:
             block = self._blocks[0]
-            self._prepare(block, act)
+            self._prepare(block, act, servo)
             self._rollout_block(block)
             self._load_results(block)
         else:
             running = []
             for block in self._blocks:
-                self._prepare(block, act)
+                self._prepare(block, act, servo)
                 running.append(self._stepper.submit(self._rollout_block, block))
             for block, job in zip(self._blocks, running):
                 job.result()
                 self._load_results(block)
         return self._rollout_state[:, -1]
 
-    def _prepare(self, block: slice, act: np.ndarray) -> None:
-        """One IK step (``sim.ik``, batched) for the worlds of ``block``; fills their rollout inputs.
+    def _prepare(self, block: slice, act: np.ndarray | None, servo: np.ndarray | None = None) -> None:
+        """One IK step (``sim.ik``, batched) for the worlds of ``block``, or their given ``servo`` targets (N,
+        substeps, 9) per substep; fills their rollout inputs.
 
         One pass over the worlds reads what the controller and the rollout need; the math is batched.
         """
@@ -340,9 +359,13 @@ class MujocoBatchedEnv:
         init[:, k:] = gathered[:, k + nc :]
         control[:] = gathered[:, None, k : k + nc]  # ctrl, then the mocap poses, for every substep
 
+        ctrl = self._ctrl[block]  # (B, nu)
+        if servo is not None:  # the last substep's targets stay in ctrl, as an action's do
+            ctrl[:, :9] = servo[block, -1]
+            control[:, :, :9] = servo[block]
+            return
         q = init[:, self._qpos_in_state : self._qpos_in_state + 7]  # (B, 7)
         jac = np.concatenate([jacp[:, :, :7], jacr[:, :, :7]], axis=1)  # (B, 6, 7)
-        ctrl = self._ctrl[block]  # (B, nu)
         self._controller.servo_targets(act[block], q, jac, site_pos, site_rot, out=ctrl)
         control[:, :, : model.nu] = ctrl[:, None, :]
 

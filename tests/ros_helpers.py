@@ -50,6 +50,9 @@ class RobotClient:
         sub(DiagnosticArray, "/diagnostics", lambda m: self.diagnostics.extend(m.status), 50)
         self.trajectory_pub = self.node.create_publisher(JointTrajectory, "/command/joint_trajectory", 10)
         self.array_pub = self.node.create_publisher(Float64MultiArray, "/command/array", 10)
+        # A robot with --input=trajectory: its arm's and gripper's joint_trajectory_controller-like topics.
+        self.arm_pub = self.node.create_publisher(JointTrajectory, "/arm_controller/joint_trajectory", 10)
+        self.gripper_pub = self.node.create_publisher(JointTrajectory, "/gripper_controller/joint_trajectory", 10)
 
     def spin_until(self, predicate, timeout: float, what: str):
         """Spin until ``predicate()`` returns an array or a truthy value and return it; fail naming ``what``
@@ -87,15 +90,24 @@ class RobotClient:
         msg.header.stamp = Time(sec=ns // 10**9, nanosec=ns % 10**9)
         self.trajectory_pub.publish(msg)
 
+    def send_joint_trajectory(self, publisher, names: list[str], positions, period_s: float, stamp_ns: int = 0) -> None:
+        """A whole trajectory: point k of ``positions`` (P, J) reached (k + 1) ``period_s`` after ``stamp_ns`` (0 =
+        when it arrives), on ``publisher`` (``arm_pub`` or ``gripper_pub``)."""
+        from robot_bridge import codec
+
+        publisher.publish(codec.trajectory_points_msg(names, np.asarray(positions), codec.time_msg(stamp_ns), period_s))
+
     def send_array(self, values: list[float]) -> None:
         from std_msgs.msg import Float64MultiArray
 
         self.array_pub.publish(Float64MultiArray(data=[float(v) for v in values]))
 
-    def wait_for_robot(self, timeout: float = 60) -> None:
-        """Until the robot's publishers and our command subscriptions have matched each other."""
-        self.spin_until(lambda: self.trajectory_pub.get_subscription_count() and self.array_pub.get_subscription_count()
-                        and self.joint_states and self.statuses, timeout, "the sim robot")  # fmt: skip
+    def wait_for_robot(self, timeout: float = 60, trajectories: bool = False) -> None:
+        """Until the robot's publishers and our command subscriptions have matched each other (``trajectories``:
+        the subscriptions of a robot with --input=trajectory)."""
+        pubs = (self.arm_pub, self.gripper_pub) if trajectories else (self.trajectory_pub, self.array_pub)
+        self.spin_until(lambda: all(p.get_subscription_count() for p in pubs) and self.joint_states and self.statuses,
+                        timeout, "the sim robot")  # fmt: skip
 
     def close(self) -> None:
         import rclpy

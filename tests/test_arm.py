@@ -112,3 +112,27 @@ def test_controller_at_its_goal_commands_no_motion():
     )
     np.testing.assert_allclose(out[0, :7], model.key("home").qpos[:7], atol=1e-12)
     np.testing.assert_allclose(out[0, 7:9], [0.03, 0.03])
+
+
+def test_servo_targets_step_the_worlds_as_the_controllers_own_targets_do():
+    """`step_servo_targets` with, at every substep, the servo targets the IK controller wrote for an action
+    reaches the same state, bit for bit, as stepping that action (the hook a joint trajectory follower drives)."""
+    from sim.arm import SERVO_JOINTS
+
+    assert SERVO_JOINTS == [*(f"joint{i}" for i in range(1, 8)), "finger_joint1", "finger_joint2"]  # ctrl[:9]
+    config = EnvConfig(task="lift", num_envs=2, cameras=[])
+    with MujocoBatchedEnv(config) as by_action, MujocoBatchedEnv(config) as by_servo:
+        by_action.reset(seed=5)
+        by_servo.reset(seed=5)
+        action = torch.from_numpy(by_action.ee_positions() + [0.02, -0.01, -0.02]).float()
+        action = torch.cat([action, torch.tensor([[0.3], [0.8]])], dim=1)
+        by_action.step(action)
+        targets = np.stack([d.ctrl[:9].copy() for d in by_action.data])  # (2, 9) what the controller wrote
+        *_, info = by_servo.step_servo_targets(np.repeat(targets[:, None], config.substeps, axis=1))
+        for a, s in zip(by_action.data, by_servo.data, strict=True):
+            np.testing.assert_array_equal(a.qpos, s.qpos)
+            np.testing.assert_array_equal(a.qvel, s.qvel)
+            np.testing.assert_array_equal(a.ctrl, s.ctrl)
+        assert not info["invalid_actions"].any() and not info["clipped_actions"].any()
+        with pytest.raises(ValueError, match=r"servo targets must be finite with shape \(2, 25, 9\)"):
+            by_servo.step_servo_targets(np.zeros((2, 9)))

@@ -65,6 +65,13 @@ class FakeRobot:
         self.node.create_subscription(JointTrajectory, "/command/joint_trajectory", self._on_command, 10)
         self.node.create_subscription(DiagnosticArray, "/diagnostics", self._on_diagnostics, 10)
         self.node.create_subscription(String, "/vla_rl/chunk", lambda m: self.chunks.append(json.loads(m.data)), 10)
+        # output=trajectory: what the arm's and the gripper's controllers receive
+        self.arm_trajectories: list[JointTrajectory] = []
+        self.gripper_trajectories: list[JointTrajectory] = []
+        self.node.create_subscription(JointTrajectory, "/arm_controller/joint_trajectory", self.arm_trajectories.append,
+                                      10)  # fmt: skip
+        self.node.create_subscription(JointTrajectory, "/gripper_controller/joint_trajectory",
+                                      self.gripper_trajectories.append, 10)  # fmt: skip
         self.publishing = {"state": True, "image": True}
         self.state_override = None  # callable(JointState) -> JointState, for injecting bad states
         self.image_override = None  # callable(Image) -> Image
@@ -706,5 +713,175 @@ def test_state_entries_without_bounds_are_named_at_start(ros, capfd):
     try:
         assert bridge.inputs.unchecked_state == []  # the defaults cover every entry of the sim arm
         assert "plausibility bounds" not in capfd.readouterr().err
+    finally:
+        bridge.close()
+
+
+# -- output=trajectory ---------------------------------------------------------------------------------------
+
+
+def _ns(stamp) -> int:
+    return stamp.sec * 10**9 + stamp.nanosec
+
+
+def _at_home_pose(msg):
+    """The joint state of an arm really at HOME_JOINTS: its end effector where the URDF puts it (FakeRobot's EE is
+    5 cm off, which a per-tick command never notices but an IK warm-started at the measured joints would)."""
+    from vla_core.robot import SIM_PANDA
+
+    msg.position = [*HOME_JOINTS, 0.04, *SIM_PANDA.chain().forward(np.array(HOME_JOINTS))[0][0]]
+    return msg
+
+
+def test_trajectory_output_sends_each_merged_plan_from_the_step_after_its_tick_stamped_at_that_ticks_time(ros):
+    """RampPolicy's chunk row j commands ee_x + STEP * (j + 1) (ee as observed) and grip 0.5. A chunk merged at the
+    tick of step n - 1 (merged_at_step n, lag d) is sent as one arm and one gripper trajectory: stamped with the
+    tick time of step n (the stamp of the joint state that ticked step n - 1, plus one period), point k = chunk row
+    d + k reached (k + 1) periods later, H - d points, the arm's joints putting the end effector there (URDF forward
+    kinematics), the fingers at 0.04 * (1 - 0.5) = 0.02. Nothing goes on the per-tick topic."""
+    from vla_core.robot import SIM_PANDA
+
+    context, executor = ros
+    ticks = []
+    bridge, robot = make_bridge(context, executor, on_tick=ticks.append, merge="latest", horizon=8, output="trajectory")
+    robot.state_override = _at_home_pose
+    chain, period_ns = SIM_PANDA.chain(), round(1e9 / HZ)
+    try:
+        assert spin_until(executor, lambda: len(robot.chunks) >= 4 and len(robot.arm_trajectories) >= 5)
+        plans = [t for t in robot.arm_trajectories if len(t.points) > 1]  # a hold has one point
+        chunks = {c["merged_at_step"]: c for c in robot.chunks}
+        state_stamp = {t.step: round(t.obs_stamp * 1e9) for t in ticks}  # the joint state each tick ran on
+        checked = 0
+        for plan, gripper in zip(plans, [g for g in robot.gripper_trajectories if len(g.points) > 1], strict=False):
+            first = next(n for n, c in chunks.items() if abs(_ns(plan.header.stamp) - state_stamp.get(n - 1, 0)
+                                                            - period_ns) < 1000)  # fmt: skip
+            lag = chunks[first]["lag_steps"]
+            assert len(plan.points) == 8 - lag and list(plan.joint_names) == [f"joint{i}" for i in range(1, 8)]
+            assert [_ns(p.time_from_start) for p in plan.points] == [(k + 1) * period_ns for k in range(8 - lag)]
+            reached = chain.forward(np.array([list(p.positions) for p in plan.points]))[0]
+            ee = chain.forward(np.array(HOME_JOINTS))[0][0]
+            expected = ee + np.array([[STEP * (lag + k + 1), 0, 0] for k in range(8 - lag)])
+            assert np.abs(reached - expected).max() <= 0.001 + 1e-9  # the IK's tolerance
+            assert gripper.header.stamp == plan.header.stamp and list(gripper.joint_names) == [
+                "finger_joint1",
+                "finger_joint2",
+            ]
+            assert [list(p.positions) for p in gripper.points] == [[0.02, 0.02]] * (8 - lag)
+            checked += 1
+        assert checked >= 3 and robot.commands == []
+        assert (
+            bridge.diagnostics.counters["trajectories"] >= checked and bridge.diagnostics.counters["ik_failures"] == 0
+        )
+    finally:
+        bridge.close()
+
+
+def test_trajectory_output_holds_the_setpoint_in_force_with_one_point_stamped_now(ros):
+    """E-stop: every tick sends the same one-point arm and gripper trajectory, stamped with this node's clock at the
+    tick; released, the merged plans flow again."""
+    context, executor = ros
+    bridge, robot = make_bridge(context, executor, output="trajectory")
+    robot.state_override = _at_home_pose
+    try:
+        assert spin_until(executor, lambda: bridge.diagnostics.counters["trajectories"] >= 2)
+        before = bridge.get_clock().now().nanoseconds
+        robot.estop_pub.publish(Bool(data=True))
+        assert spin_until(executor, lambda: bridge.hold.state == "ESTOP")
+        first = len(robot.arm_trajectories)
+        assert spin_until(executor, lambda: len(robot.arm_trajectories) >= first + 6)
+        held = robot.arm_trajectories[first + 1 : first + 6]  # the first may be a plan still in transport
+        assert all(
+            len(t.points) == 1 and list(t.points[0].positions) == list(held[0].points[0].positions) for t in held
+        )
+        # Reached safety.stale_after_s (0.3 s) later: where the controller is already, and valid if read late.
+        assert _ns(held[0].points[0].time_from_start) == 300_000_000
+        assert before < _ns(held[0].header.stamp) <= bridge.get_clock().now().nanoseconds
+        assert list(robot.gripper_trajectories[-1].points[0].positions) == [0.02, 0.02]
+        robot.estop_pub.publish(Bool(data=False))
+        sent = bridge.diagnostics.counters["trajectories"]
+        assert spin_until(executor, lambda: bridge.diagnostics.counters["trajectories"] >= sent + 2)
+        assert len(robot.arm_trajectories[-1].points) > 1
+    finally:
+        bridge.close()
+
+
+def test_an_ik_failure_sends_nothing_and_is_counted_with_the_fix(ros):
+    """With an IK tolerance no solver reaches (1 nm), every waypoint fails: no trajectory leaves (the robot's
+    controller holds its last point), ik_failures counts each chunk on /diagnostics, and the log names the fix
+    once a second at most."""
+    context, executor = ros
+    lines = []
+    bridge, robot = make_bridge(context, executor, output="trajectory", ik_tolerance=1e-9)
+    bridge.log_limiter.sink = lambda level, line: lines.append(line)
+    robot.state_override = _at_home_pose
+    started = time.monotonic()
+    try:
+        assert spin_until(executor, lambda: bridge.diagnostics.counters["ik_failures"] >= 3)
+        # Checked in the spin of the failing tick: the plan the robot never got is not the protocol's queue.
+        assert bridge.scheduler.queue_depth() == 0
+        assert bridge.diagnostics.counters["trajectories"] == 0 and bridge.hold.state == "RUNNING"
+        assert all(len(t.points) == 1 for t in robot.arm_trajectories)  # only holds, before the policy was ready
+        assert spin_until(executor, lambda: int(robot.diagnostics[-1].get("ik_failures", 0)) >= 3)
+        failures = [line for line in lines if line.startswith("end-effector target")]
+        assert failures and "safety.position_min / position_max" in failures[0]
+        assert len(failures) <= 1 + (time.monotonic() - started)  # at most one a second
+    finally:
+        bridge.close()
+
+
+def test_the_robot_description_from_its_topic_holds_until_a_good_one_arrives(ros):
+    """topics.robot_description: the node holds, saying it waits; a URDF that does not parse is counted and named;
+    the simulated Panda's URDF (published transient local, as robot_state_publisher does; ee_link names the link
+    its end-effector actions command) lets it run."""
+    from rclpy.qos import DurabilityPolicy
+
+    from robot_bridge.config import TopicsConfig
+    from vla_core.robot import SIM_PANDA
+
+    context, executor = ros
+    bridge, robot = make_bridge(context, executor, output="trajectory", ee_link="grasp",
+                                topics=TopicsConfig(robot_description="/robot_description"))  # fmt: skip
+    latched = QoSProfile(depth=1, durability=DurabilityPolicy.TRANSIENT_LOCAL)
+    description_pub = robot.node.create_publisher(String, "/robot_description", latched)
+    robot.state_override = _at_home_pose
+    try:
+        assert spin_until(executor, lambda: "waiting for the robot description" in (bridge.hold.cause or ""))
+        description_pub.publish(String(data="<robot name='arm'><link name='a'/>"))
+        assert spin_until(executor, lambda: bridge.diagnostics.counters["description_rejected"] == 1)
+        assert spin_until(executor, lambda: "not valid XML" in bridge.hold.cause) and bridge.hold.state == "HOLDING"
+        assert spin_until(executor, lambda: any("rejected" in d["message"] for d in robot.diagnostics))
+        description_pub.publish(String(data=SIM_PANDA.urdf))
+        assert spin_until(executor, lambda: bridge.diagnostics.counters["trajectories"] >= 1), bridge.hold.cause
+        assert bridge.robot.description.name == "sim_panda"
+    finally:
+        bridge.close()
+
+
+def test_trajectory_output_sends_no_hold_between_the_robots_episodes(ros):
+    """topics.episode: once the robot announces its episode's end it resets, so a hold of the ended episode's
+    setpoint (which would pull the reset arm back) is not sent while the node holds on the silent inputs; the next
+    episode's first state re-anchors the planner and its plans flow."""
+    from robot_bridge.config import TopicsConfig
+
+    context, executor = ros
+    ticks = []
+    bridge, robot = make_bridge(context, executor, on_tick=ticks.append, output="trajectory",
+                                topics=TopicsConfig(episode="/sim_robot/episode"))  # fmt: skip
+    episode_pub = robot.node.create_publisher(String, "/sim_robot/episode", 10)
+    robot.state_override = _at_home_pose
+    try:
+        assert spin_until(executor, lambda: bridge.diagnostics.counters["trajectories"] >= 2)
+        robot.publishing.update(state=False, image=False)  # the robot resets: it publishes nothing
+        ended = bridge.get_clock().now().nanoseconds
+        stamp_ns = round(robot.stamp * 1e9)
+        episode_pub.publish(String(data=json.dumps({"episode": 0, "done": True, "stamp_ns": stamp_ns})))
+        first = len(ticks)
+        assert spin_until(executor, lambda: sum(t.state == "HOLDING" for t in ticks[first:]) >= 10)  # watchdog ticks
+        holds = [t for t in robot.arm_trajectories if len(t.points) == 1 and _ns(t.header.stamp) > ended]
+        assert holds == [] and bridge.inputs.ended_episode == (0, stamp_ns * 1e-9)
+        sent = bridge.diagnostics.counters["trajectories"]
+        robot.publishing.update(state=True, image=True)  # the next episode's first state, stamped after the end
+        assert spin_until(executor, lambda: bridge.diagnostics.counters["trajectories"] >= sent + 2)
+        assert bridge.scheduler.episode == 1
     finally:
         bridge.close()

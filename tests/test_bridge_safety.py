@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from robot_bridge.codec import InputRejected, decode_image, joint_state_vector
-from robot_bridge.config import SIM_ACTION_NAMES, SIM_STATE_BOUNDS, SIM_STATE_NAMES, ServeConfig
+from robot_bridge.config import SIM_ACTION_NAMES, SIM_STATE_BOUNDS, SIM_STATE_NAMES, CameraTopic, ServeConfig
 from robot_bridge.inference import chunk_problem
 from robot_bridge.inputs import check_bounds, fit_image
 from robot_bridge.log_limit import LogLimiter
@@ -25,7 +25,8 @@ def test_importing_the_bridge_core_needs_no_ros():
         "import sys, robot_bridge.safety, robot_bridge.config, robot_bridge.codec, robot_bridge.topics, "
         "robot_bridge.inputs, robot_bridge.hold, robot_bridge.chunk_scheduler, robot_bridge.diagnostics, "
         "robot_bridge.inference, robot_bridge.log_limit, vla_rl.sim_robot, robot_bridge.record, "
-        "robot_bridge.convert; print('rclpy' in sys.modules)"
+        "robot_bridge.convert, robot_bridge.description, robot_bridge.trajectory, robot_bridge.trajectory_follower; "
+        "print('rclpy' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
     assert out.stdout.strip() == "False", out.stderr
@@ -262,3 +263,38 @@ def test_the_tick_budget_caps_a_flood_at_the_control_rate_and_keeps_a_jittery_st
     # then every 6 (from -0.5 back to 0.5): 0, 3, 9, ..., 117: 21 ticks, within T * hz + 1.5 = 21.5.
     flood = TickBudget(20.0)
     assert sum(flood.allow(k / 120) for k in range(121)) == 21
+
+
+def _image_at(stamp_s: float, value: int) -> SimpleNamespace:
+    """A 2x2 rgb8 image of one value, stamped."""
+    image = _image("rgb8", np.full((2, 2, 3), value, np.uint8))
+    sec = int(stamp_s)
+    image.header = SimpleNamespace(stamp=SimpleNamespace(sec=sec, nanosec=round((stamp_s - sec) * 1e9)))
+    return image
+
+
+def test_images_are_paired_with_the_joint_state_by_stamp_within_the_tolerance():
+    """Tolerance 50 ms (set here). Images stamped 9.90, 9.97 and 10.04 s; with the joint state at 10.00 s the policy
+    sees the 9.97 one (30 ms before it; the newest is 40 ms after), at 10.03 s the 10.04 one; at 10.20 s none is
+    within 50 ms: no observation, and the camera is held as unpaired until its next image."""
+    from robot_bridge.diagnostics import BridgeDiagnostics
+    from robot_bridge.inputs import BridgeInputs
+
+    config = ServeConfig(cameras=[CameraTopic("front")])
+    config.safety.pair_tolerance_s = 0.05
+    diagnostics = BridgeDiagnostics()
+    inputs = BridgeInputs(config, diagnostics, LogLimiter(lambda level, line: None), lambda line: None)
+    for stamp, value in ((9.90, 1), (9.97, 2), (10.04, 3)):
+        inputs.on_image(config.cameras[0], _image_at(stamp, value))
+    inputs.on_joint_state(_state_at(10.0))
+    obs = inputs.observation()
+    assert obs["observation.images.front"][0, 0, 0, 0] == 2  # 30 ms before, not the newest (40 ms after)
+    inputs.on_joint_state(_state_at(10.03))
+    assert inputs.observation()["observation.images.front"][0, 0, 0, 0] == 3  # 10 ms after it
+    inputs.on_joint_state(_state_at(10.20))  # the nearest image is 160 ms older
+    assert inputs.observation() is None
+    assert inputs.faults["camera front"][0] == "unpaired" and diagnostics.rejections == {"unpaired": 1}
+    assert "safety.pair_tolerance_s" in inputs.faults["camera front"][1]
+    inputs.on_image(config.cameras[0], _image_at(10.21, 4))  # the camera's next image clears the fault and pairs
+    assert "camera front" not in inputs.faults
+    assert inputs.observation()["observation.images.front"][0, 0, 0, 0] == 4

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections import deque
 from types import SimpleNamespace
 
 import numpy as np
@@ -209,7 +210,8 @@ def run_bridge(merge: str, latency_log: str, latency_aware: bool = False, episod
     limiter = LogLimiter(lambda level, line: None)
     inputs = BridgeInputs(config, diagnostics, limiter, logger.info)
     inputs.state = np.zeros(len(SIM_STATE_NAMES))
-    inputs.images["front"] = np.zeros((8, 8, 3), dtype=np.uint8)
+    image = np.zeros((8, 8, 3), dtype=np.uint8)
+    inputs.images["front"], inputs.frames["front"] = image, deque([(0.0, image)])
     inputs.arrival[JOINT_STATES], inputs.stamp[JOINT_STATES] = 0.0, 0.0
     chunks: list[dict] = []
     scheduler = ChunkScheduler(config, lambda: policy, inputs, diagnostics, limiter, logger, chunks.append)
@@ -228,6 +230,7 @@ def run_bridge(merge: str, latency_log: str, latency_aware: bool = False, episod
             clock.now = tick * DT
             inputs.state[0] = tick  # the joint state the robot reads at this tick: the step it is of
             inputs.stamp[JOINT_STATES] = tick * DT
+            inputs.frames["front"].append((tick * DT, image))  # the camera's frame of the same instant
             if tick in (episode_ends or {}):
                 inputs.ended_episode = (episode_ends[tick], (tick - 0.5) * DT)
             if tick:

@@ -140,6 +140,36 @@ def test_trajectories_round_trip_by_name_and_bad_commands_are_rejected_by_kind()
     assert kind(Float64MultiArray(data=[1.0]), ["p", "q"]) == "wrong_length"
 
 
+def test_whole_trajectories_carry_their_stamp_and_point_times_and_bad_ones_are_rejected_by_kind():
+    positions = np.array([[0.1, 0.2], [0.3, 0.4], [0.5, 0.6]])
+    msg = codec.trajectory_points_msg(["j1", "j2"], positions, STAMP, 0.05)
+    # Point k is reached (k + 1) periods after the stamp.
+    assert [codec.stamp_ns(p.time_from_start) for p in msg.points] == [50_000_000, 100_000_000, 150_000_000]
+    assert msg.header.stamp == STAMP and list(msg.joint_names) == ["j1", "j2"]
+    start, times, decoded = codec.trajectory_points(msg, ["j2", "j1"])  # by name, in the order asked for
+    assert start == 12_500_000_000 and times.tolist() == [50_000_000, 100_000_000, 150_000_000]
+    assert decoded.tolist() == [[0.2, 0.1], [0.4, 0.3], [0.6, 0.5]]
+
+    def kind(msg, names=("j1", "j2")):
+        with pytest.raises(InputRejected) as err:
+            codec.trajectory_points(msg, list(names))
+        return err.value.kind
+
+    assert kind(JointTrajectory(joint_names=["j1", "j2"])) == "no_points"
+    assert (
+        kind(msg, ["j1", "j3"])
+        == kind(codec.trajectory_points_msg(["j1", "j1"], positions, STAMP, 0.05))
+        == ("wrong_names")
+    )
+    short = codec.trajectory_points_msg(["j1", "j2"], positions, STAMP, 0.05)
+    short.points[1].positions = [0.3]
+    assert kind(short) == "wrong_length"
+    assert kind(codec.trajectory_points_msg(["j1", "j2"], positions * np.nan, STAMP, 0.05)) == "not_finite"
+    backwards = codec.trajectory_points_msg(["j1", "j2"], positions, STAMP, 0.05)
+    backwards.points[2].time_from_start = backwards.points[0].time_from_start
+    assert kind(backwards) == "not_increasing"
+
+
 def test_stamps():
     assert codec.stamp_ns(codec.time_msg(12_500_000_001)) == 12_500_000_001
     assert codec.stamp_seconds(STAMP) == 12.5
@@ -163,5 +193,12 @@ def test_one_topic_table_for_serve_sim_robot_record_and_convert():
     assert topics.camera_of("/camera/wrist/image_raw") == ("wrist", False)
     assert topics.camera_of("/joint_states") is None and topics.camera_of("/camera/image_raw") is None
     # Every role's type is an installed message class of that name.
-    for topic in (topics.JOINT_STATES, topics.JOINT_TRAJECTORY, topics.DIAGNOSTICS, topics.camera("x", True)):
+    # Trajectory output: joint_trajectory_controller's topic per controller; the description robot_state_publisher's.
+    assert (serve.arm_trajectory, serve.gripper_trajectory) == (
+        topics.ARM_TRAJECTORY.name,
+        topics.GRIPPER_TRAJECTORY.name,
+    )
+    assert topics.ARM_TRAJECTORY.name == "/arm_controller/joint_trajectory" and serve.robot_description == ""
+    for topic in (topics.JOINT_STATES, topics.JOINT_TRAJECTORY, topics.DIAGNOSTICS, topics.camera("x", True),
+                  topics.ARM_TRAJECTORY, topics.GRIPPER_TRAJECTORY, topics.ROBOT_DESCRIPTION):  # fmt: skip
         assert topic.message_class().__name__ == topic.type.rsplit("/", 1)[1]

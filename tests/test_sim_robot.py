@@ -179,3 +179,49 @@ def test_real_time_mode_keeps_pace(client, tmp_path):
     summary = last_json(out)
     assert summary["steps"] >= 100
     assert 0.9 <= summary["realtime_factor"] <= 1.05, summary
+
+
+def test_trajectory_input_follows_starves_and_rejects(client, tmp_path):
+    """--input=trajectory: the arm follows a joint trajectory (names matched in any order) and the fingers theirs,
+    holds the last point once it runs out (the ticks after are starved), and a trajectory that names other joints
+    or ends in the past is rejected, counted and leaves the arm where it is; the summary reports the tracking error."""
+    from sim.arm import ARM_JOINTS, FINGER_JOINTS
+
+    robot = start_command(["sim-robot", "--env.task=lift", "--env.max_episode_steps=1000", "--input=trajectory",
+                           "--diagnostics_period_s=0.2"], DOMAIN_ID, tmp_path, "robot")  # fmt: skip
+    try:
+        client.wait_for_robot(trajectories=True)
+        client.spin_until(lambda: client.diagnostics, TIMEOUT, "the first diagnostics")
+        assert client.diagnostics[-1].message == "no trajectory yet; holding position"
+        start = np.array(client.joint_states[-1].position[:7])
+        goal = start + np.array([0.15, -0.1, 0.0, 0.0, 0.0, 0.0, 0.1])
+        points = start + np.linspace(0.1, 1.0, 10)[:, None] * (goal - start)  # 10 points 0.1 s apart: 1 s
+        client.send_joint_trajectory(client.arm_pub, ARM_JOINTS[::-1], points[:, ::-1], 0.1)  # reversed, by name
+        client.send_joint_trajectory(client.gripper_pub, FINGER_JOINTS, [[0.01, 0.01]], 0.5)
+
+        def arm() -> np.ndarray:
+            return np.array(client.joint_states[-1].position[:7])
+
+        client.spin_until(lambda: np.abs(arm() - goal).max() < 0.01, TIMEOUT, f"the arm at {goal}")
+        assert client.joint_states[-1].position[7] == pytest.approx(0.02, abs=0.003)  # both fingers at 0.01 m
+        client.spin_until(lambda: client.diagnostics[-1].message == "the trajectory ran out; holding its last point",
+                          TIMEOUT, "the trajectory to run out")  # fmt: skip
+        client.send_joint_trajectory(client.arm_pub, [*ARM_JOINTS[:6], "elbow"], points, 0.1)
+        # Stamped when the episode began (its first status), its points 0.1 and 0.2 s later: over a second ago.
+        began = min(s["stamp_ns"] for s in client.statuses if s["episode"] == 0)
+        client.send_joint_trajectory(client.arm_pub, ARM_JOINTS, points[:2], 0.1, stamp_ns=began)
+        client.spin_until(lambda: _diagnostic(client, "commands_rejected") == "2", TIMEOUT, "2 rejections reported")
+        count = len(client.joint_states)
+        client.spin_until(lambda: len(client.joint_states) >= count + 10, TIMEOUT, "ten more joint states")
+        assert np.abs(arm() - goal).max() < 0.01  # still holding the last point
+        client.spin_until(lambda: int(_diagnostic(client, "starved_ticks")) >= 10, TIMEOUT, "starved ticks reported")
+    finally:
+        code, out, err = stop_command(robot, tmp_path, "robot")
+    assert code == STOPPED_BY_SIGINT, err
+    summary = last_json(out)
+    assert summary["input"] == "trajectory" and summary["commands_received"] == 4
+    assert summary["commands_rejected"] == {"wrong_names": 1, "stale": 1}
+    # The servos (P gains of 2000-4500 N m/rad against gravity) track within hundredths of a radian.
+    assert 0 < summary["tracking_error_rms_rad"] < 0.03 and summary["tracking_error_max_rad"] < 0.1, summary
+    assert summary["starved_ticks"] >= 10
+    assert "rejected command on /arm_controller/joint_trajectory: wrong_names" in err

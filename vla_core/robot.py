@@ -29,6 +29,10 @@ if TYPE_CHECKING:
 
 # What the action dims command: joint positions, or an end-effector pose (plus a gripper value).
 ActionSpace = Literal["joint", "end_effector"]
+# The action names of an end-effector position (m, in the URDF root link's frame: the world frame of the
+# simulated Panda), and of the gripper value (0 open, 1 closed), as every end-effector policy here names them.
+EE_POSITION = ("ee_x", "ee_y", "ee_z")
+GRIP = "grip"
 
 
 @dataclass(frozen=True)
@@ -166,7 +170,7 @@ def _ranges(ranges: Mapping[str, Sequence[float]]) -> Mapping[str, tuple[float, 
 
 PANDA_URDF = Path(__file__).parent / "robots" / "sim_panda.urdf"
 _PANDA_ARM = [f"joint{i}" for i in range(1, 8)]
-_EE = ["ee_x", "ee_y", "ee_z"]  # the end-effector (grasp site) position, m, world frame
+_EE = list(EE_POSITION)  # the end-effector (grasp site) position, m, world frame
 # The end-effector workspace every action is clipped to (m, world frame), then the grip's range.
 _PANDA_LOW, _PANDA_HIGH = (0.25, -0.35, 0.0, 0.0), (0.80, 0.35, 0.40, 1.0)
 # The fingers' travel (m each finger opens), the URDF's: the reported gripper width is both together.
@@ -178,7 +182,7 @@ SIM_PANDA = RobotDescription.read_urdf(
     # (11,): the 7 arm joint angles (rad), the gripper width (m, both fingers together), the end effector (m)
     state_names=[*_PANDA_ARM, "gripper_width", *_EE],
     # (4,): the end-effector target position (m, world frame) and the grip, 0 open to 1 closed
-    action_names=[*_EE, "grip"],
+    action_names=[*_EE, GRIP],
     action_space="end_effector",
     action_low=_PANDA_LOW,
     action_high=_PANDA_HIGH,

@@ -58,6 +58,14 @@ def _run_serve(cfg):
     print(json.dumps(summary, indent=2))
 
 
+def _run_policy_server(cfg):
+    from functools import partial
+
+    from robot_bridge.policy_server import run_policy_server
+
+    run_policy_server(cfg, partial(_policy_from_checkpoint, cfg.checkpoint, cfg.device, cfg.tokenizer_dir))
+
+
 def _run_bench_bridge(cfg):
     from robot_bridge.bench import bench_bridge, format_summary
 
@@ -258,7 +266,7 @@ COMMANDS: dict[str, Command] = {
         _run_train_prm,
     ),
     "sim-robot": Command(
-        "a MuJoCo-simulated arm as a ROS 2 node (joint states, images, commands)",
+        "a MuJoCo-simulated arm as a ROS 2 node (joint states, images, commands or joint trajectories)",
         "vla_rl.sim_robot:SimRobotConfig",
         _run_sim_robot,
     ),
@@ -271,9 +279,14 @@ COMMANDS: dict[str, Command] = {
         _run_convert,
     ),
     "serve": Command(
-        "run a checkpoint as a ROS 2 node: sensors in, safe commands out at the control rate",
+        "run a checkpoint as a ROS 2 node: sensors in, safe commands out at the control rate (or a trajectory a chunk)",
         "robot_bridge.config:ServeConfig",
         _run_serve,
+    ),
+    "policy-server": Command(
+        "serve a checkpoint's inference to a robot on another machine (`serve --inference=remote`) over gRPC",
+        "robot_bridge.policy_server:PolicyServerConfig",
+        _run_policy_server,
     ),
     "bench": Command(
         "benchmarks: `bench sim` (env-steps/s), `bench bridge` (ROS 2 latency), `bench delay` (success under "

@@ -20,11 +20,24 @@ publishes one observation, all stamped alike:
 local, so late subscribers get it); ``/diagnostics`` reports commands received and rejected, why,
 whether the command is stale, and the real-time factor reached.
 
-Commands: ``/command/joint_trajectory`` trajectory_msgs/JointTrajectory whose ``joint_names`` are
-`sim.arm.ACTION_NAMES` in any order (the first point is the next step's action), or
-``/command/array`` std_msgs/Float64MultiArray in ACTION_NAMES order. See :class:`CommandGate`
-for what is rejected and what the robot holds meanwhile. Topic names and types are those of
-`robot_bridge.topics`, the table `serve`, `record-ros` and `convert` use too.
+Commands (``input=ticks``, the default): ``/command/joint_trajectory`` trajectory_msgs/JointTrajectory
+whose ``joint_names`` are `sim.arm.ACTION_NAMES` in any order (the first point is the next step's action),
+or ``/command/array`` std_msgs/Float64MultiArray in ACTION_NAMES order. See :class:`CommandGate` for what
+is rejected and what the robot holds meanwhile.
+
+Trajectories (``input=trajectory``), as a ros2_control robot with a joint_trajectory_controller per
+group takes them (`vla-rl serve --output=trajectory` sends them): ``/arm_controller/joint_trajectory``
+over the arm's joints (`sim.arm.ARM_JOINTS`, any order) and ``/gripper_controller/joint_trajectory``
+over the fingers' (`sim.arm.FINGER_JOINTS`), each interpolated at the physics rate (every substep) and
+replaced at the new one's start time by `robot_bridge.trajectory_follower.TrajectoryFollower`, which drives
+the servos directly (`MujocoBatchedEnv.step_servo_targets`, no IK). Before the first trajectory of an
+episode the arm holds where it is. The summary and /diagnostics report the joints' tracking error (RMS
+and max, rad) and ``starved_ticks``: control ticks that started after the trajectory in force had run
+out. A trajectory that is malformed, ends in the past or is stamped before its episode began is
+rejected and counted as a command is.
+
+Topic names and types are those of `robot_bridge.topics`, the table `serve`, `record-ros` and `convert`
+use too.
 
 Between episodes a robot with ``episode_gap_s`` publishes nothing for that long, as a real robot
 resetting would (a server answers the inference still in flight meanwhile), and with
@@ -43,11 +56,15 @@ import math
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
+from functools import partial
+from typing import Literal, get_args
 
 import numpy as np
 
 from sim.config import EnvConfig
 from vla_core.types import ACTION, OBS_STATE, image_key
+
+CommandInput = Literal["ticks", "trajectory"]
 
 FINAL_DELIVERY_TIMEOUT_S = 5.0  # how long a stopping robot waits for subscribers to acknowledge its last messages
 
@@ -85,6 +102,10 @@ class SimRobotConfig:
     # episode starts before anyone listens
     wait_for_controller: bool = False
     episode_log: str = ""  # JSON lines, one per finished episode: episode, success, length, initial state; "" = none
+    # ticks: a command per control step (/command/joint_trajectory or /command/array, the action); trajectory:
+    # whole joint trajectories for the arm and the gripper, followed at the physics rate, as a ros2_control
+    # robot's joint_trajectory_controller does (`vla-rl serve --output=trajectory`). Real time only.
+    input: CommandInput = "ticks"
 
 
 def episode_seed(cfg: SimRobotConfig, episode: int):
@@ -129,14 +150,14 @@ class CommandGate:
         try:
             action = codec.command_action(msg, self.action_names)
         except InputRejected as err:
-            return self._reject(err.kind, str(err), now_ns)
+            return self.reject(err.kind, str(err), now_ns)
         stamp_ns = codec.stamp_ns(msg.header.stamp) if hasattr(msg, "header") else 0
         if stamp_ns:
             if stamp_ns < self._last_stamp_ns:
                 lag_ms = (self._last_stamp_ns - stamp_ns) / 1e6
-                return self._reject("out_of_order", f"stamped {lag_ms:.1f} ms before the last accepted command", now_ns)
+                return self.reject("out_of_order", f"stamped {lag_ms:.1f} ms before the last accepted command", now_ns)
             if now_ns - stamp_ns > self.timeout_ns:
-                return self._reject(
+                return self.reject(
                     "stale", f"stamped {(now_ns - stamp_ns) / 1e9:.2f} s ago (limit {self.timeout_ns / 1e9} s)", now_ns
                 )
             self._last_stamp_ns = stamp_ns
@@ -160,7 +181,8 @@ class CommandGate:
         """Forget the last action (at an episode start: commands for the previous episode no longer apply)."""
         self._action = None
 
-    def _reject(self, kind: str, reason: str, now_ns: int) -> str:
+    def reject(self, kind: str, reason: str, now_ns: int) -> str:
+        """Count a rejected command (or trajectory) of ``kind``; returns the line that says why."""
         self.rejected[kind] += 1
         self.last_rejection, self.last_rejected_ns = f"{kind}: {reason}", now_ns
         return self.last_rejection
@@ -194,9 +216,21 @@ class SimRobot:
         self.episode_pub = publisher(topics.EPISODE)
         self.instruction_pub = publisher(topics.INSTRUCTION, latched)
         self.diagnostics_pub = publisher(topics.DIAGNOSTICS)
+        self.arm = self.gripper = None  # input=trajectory: the arm's and the gripper's trajectory followers
+        commands = ((topics.JOINT_TRAJECTORY, self._on_trajectory), (topics.COMMAND_ARRAY, self._on_array))
+        from robot_bridge.trajectory_follower import TrackingError, TrajectoryFollower
+
+        if cfg.input == "trajectory":
+            from sim.arm import ARM_JOINTS, FINGER_JOINTS
+
+            self.arm, self.gripper = TrajectoryFollower(ARM_JOINTS), TrajectoryFollower(FINGER_JOINTS)
+            commands = tuple((topic, partial(self._on_joint_trajectory, follower, topic.name))
+                             for topic, follower in ((topics.ARM_TRAJECTORY, self.arm),
+                                                     (topics.GRIPPER_TRAJECTORY, self.gripper)))  # fmt: skip
         self._command_subs = [node.create_subscription(topic.message_class(), topic.name, callback, 10)
-                              for topic, callback in ((topics.JOINT_TRAJECTORY, self._on_trajectory),
-                                                      (topics.COMMAND_ARRAY, self._on_array))]  # fmt: skip
+                              for topic, callback in commands]  # fmt: skip
+        self.tracking, self.starved_ticks = TrackingError(), 0  # input=trajectory: the arm's tracking, starvation
+        self._episode_start_ns = 0  # the stamp of the current episode's first observation
 
         self.finished = Future()  # done after max_episodes episodes
         self.episode, self.step, self.tick = 0, 0, 0
@@ -232,8 +266,10 @@ class SimRobot:
         """Publish the new episode's instruction and first observation: from now on it runs. A command that
         came before (a server holding through the pause) was not computed from this episode: forgotten."""
         self.gate.clear()
+        self._clear_trajectories()
         self._publish_instruction()
         self._publish_observation()
+        self._episode_start_ns = self._last_stamp_ns
 
     def _check_controller(self) -> None:
         """While waiting for a controller: once a node subscribes to the joint states and one publishes
@@ -277,13 +313,49 @@ class SimRobot:
 
         self._after_command(topics.COMMAND_ARRAY.name, self.gate.offer(msg, self._now_ns()))
 
+    def _on_joint_trajectory(self, follower, topic: str, msg) -> None:
+        """A trajectory for ``follower`` (the arm's or the gripper's): checked, then taken by the replacement rule
+        (`robot_bridge.trajectory_follower`), or rejected and counted."""
+        from robot_bridge import codec
+        from robot_bridge.codec import InputRejected
+
+        now = self._now_ns()
+        self.gate.received += 1
+        reason = None
+        try:
+            start, times, positions = codec.trajectory_points(msg, follower.joint_names)
+        except InputRejected as err:
+            reason = self.gate.reject(err.kind, str(err), now)
+        else:
+            if start and start < self._episode_start_ns:  # computed for the previous episode
+                early_ms = (self._episode_start_ns - start) / 1e6
+                reason = self.gate.reject("before_episode", f"stamped {early_ms:.1f} ms before this episode began", now)
+            else:
+                servos = self.env.data[0].ctrl
+                current = (servos[:7] if follower is self.arm else servos[7:9]).copy()  # the setpoint in force
+                why = follower.offer(start, times, positions, now, current)
+                if why is not None:
+                    kind, _, detail = why.partition(": ")
+                    reason = self.gate.reject(kind, detail, now)
+        self._after_command(topic, reason)
+
+    def _held(self) -> str:
+        """What the robot goes on with after a rejected command."""
+        if self.arm is not None:
+            return "the trajectory in force" if self.arm.active else "position"
+        return "the last valid action" if self.gate.state(self._now_ns()) == "fresh" else "position"
+
+    def _clear_trajectories(self) -> None:
+        if self.arm is not None:
+            self.arm.clear()
+            self.gripper.clear()
+
     def _after_command(self, topic: str, reason: str | None) -> None:
         if reason is not None:
             kind, now = reason.split(":")[0], time.monotonic()
             if now - self._logged_rejection.get(kind, -math.inf) >= 1.0:  # each kind at most once a second
                 self._logged_rejection[kind] = now
-                held = "the last valid action" if self.gate.state(self._now_ns()) == "fresh" else "position"
-                self.log.warning(f"rejected command on {topic}: {reason}; holding {held}")
+                self.log.warning(f"rejected command on {topic}: {reason}; holding {self._held()}")
             self._publish_diagnostics()
         if self.cfg.sync and not self.finished.done():
             self._control_step()
@@ -300,8 +372,11 @@ class SimRobot:
         if self._first_tick_wall is None:
             self._first_tick_wall = start
         self._latest_tick_wall = start
-        action = self._action()
-        obs, _, terminated, truncated, info = self.env.step(torch.from_numpy(action[None]))
+        if self.arm is not None and self.arm.active:
+            obs, _, terminated, truncated, info = self._follow_trajectories()
+        else:
+            action = self._action()
+            obs, _, terminated, truncated, info = self.env.step(torch.from_numpy(action[None]))
         self.tick += 1
         self.step += 1
         done = bool(terminated[0] or truncated[0])
@@ -317,6 +392,7 @@ class SimRobot:
             self._log_episode(success)
             self.episode, self.step = self.episode + 1, 0
             self.gate.clear()
+            self._clear_trajectories()
             self._hold = None
             if self.cfg.max_episodes and self.episode >= self.cfg.max_episodes:
                 self.finished.set_result(True)
@@ -329,6 +405,29 @@ class SimRobot:
                 self._pause(time.monotonic())
         self._step_seconds += time.monotonic() - start
         self._idle_since = time.monotonic()
+
+    def _follow_trajectories(self):
+        """One control step with the servos at the followers' setpoints, substep by substep (the fingers held
+        where they are until the gripper's first trajectory); counts starvation and the tracking error."""
+        env, servos = self.env, self.env.data[0].ctrl
+        start = self._last_stamp_ns  # the stamp of the state this step starts from: the step's start time
+        substeps = env.config.substeps
+        step_ns = env.control_dt / self.cfg.realtime_factor * 1e9  # wall nanoseconds of one control step
+        times = start + np.round(np.arange(1, substeps + 1) * step_ns / substeps).astype(np.int64)  # substeps' ends
+        self.starved_ticks += self.arm.starved(start)
+        arm = self.arm.setpoint(times)  # (substeps, 7)
+        fingers = self.gripper.setpoint(times) if self.gripper.active else np.repeat(servos[None, 7:9], substeps, 0)
+        result = env.step_servo_targets(np.concatenate([arm, fingers], axis=1)[None])
+        measured = result[4]["final_obs"][OBS_STATE][0, :7].double().numpy()  # before an episode's reset
+        self.tracking.add(measured, arm[-1])
+        return result
+
+    def _trajectory_report(self) -> dict:
+        """input=trajectory: the arm's tracking error (rad) and the starved ticks; {} otherwise."""
+        if self.arm is None:
+            return {}
+        return {"tracking_error_rms_rad": round(self.tracking.rms, 5),
+                "tracking_error_max_rad": round(self.tracking.max, 5), "starved_ticks": self.starved_ticks}  # fmt: skip
 
     def _log_episode(self, success: bool) -> None:
         if self._episode_log is None:
@@ -431,14 +530,18 @@ class SimRobot:
         if recent_rejection:
             level, message = (
                 DiagnosticStatus.WARN,
-                f"rejected command ({self.gate.last_rejection}); holding "
-                + ("the last valid action" if state == "fresh" else "position"),
+                f"rejected command ({self.gate.last_rejection}); holding {self._held()}",
             )
         elif state == "stale":
             level, message = (
                 DiagnosticStatus.WARN,
                 f"command stale ({self.gate.age_s(now):.2f} s old); holding position",
             )
+        elif self.arm is not None:  # input=trajectory
+            state = "none" if not self.arm.active else "ended" if self.arm.starved(now) else "following"
+            level, message = {"none": (DiagnosticStatus.OK, "no trajectory yet; holding position"),
+                              "ended": (DiagnosticStatus.WARN, "the trajectory ran out; holding its last point"),
+                              "following": (DiagnosticStatus.OK, "following the trajectory")}[state]  # fmt: skip
         elif state == "none":
             level, message = DiagnosticStatus.OK, "no command yet; holding position"
         else:
@@ -454,6 +557,7 @@ class SimRobot:
             "successes": self.successes,
             "realtime_factor": f"{self.realtime_factor():.3f}",
             "step_ms_mean": f"{1e3 * self._step_seconds / max(1, self.tick):.2f}",
+            **self._trajectory_report(),
         }
         status = DiagnosticStatus(level=level, name=f"{self.cfg.node_name}: commands", message=message,
                                   hardware_id=self.cfg.node_name,
@@ -478,6 +582,8 @@ class SimRobot:
             "successes": self.successes,
             "commands_received": self.gate.received,
             "commands_rejected": dict(self.gate.rejected),
+            "input": self.cfg.input,
+            **self._trajectory_report(),
             "realtime_factor": round(self.realtime_factor(), 3),
             "step_ms_mean": round(1e3 * self._step_seconds / max(1, self.tick), 2),
             "wall_s": round(time.monotonic() - self._started, 1),
@@ -508,6 +614,7 @@ class SimRobot:
 def run_sim_robot(cfg: SimRobotConfig) -> dict:
     """Run the node until ``max_episodes`` episodes are done or Ctrl-C; returns a summary dict."""
     import rclpy
+    from rclpy._rclpy_pybind11 import RCLError
     from rclpy.executors import ExternalShutdownException
 
     from sim.factory import make_env
@@ -524,8 +631,18 @@ def run_sim_robot(cfg: SimRobotConfig) -> dict:
         raise ValueError(
             "episode_gap_s pauses a real-time robot; with --sync=true the robot waits for commands: drop one"
         )
+    if cfg.input not in get_args(CommandInput):
+        raise ValueError(f"input={cfg.input!r} is not one of {get_args(CommandInput)}; pass --input=ticks")
+    if cfg.sync and cfg.input == "trajectory":
+        raise ValueError("a trajectory runs on the robot's clock, not one step per command: with --input=trajectory "
+                         "drop --sync=true")  # fmt: skip
     # One world whatever env.num_envs says: the node is one robot.
     env = make_env(replace(cfg.env, num_envs=1))
+    if cfg.input == "trajectory" and not hasattr(env, "step_servo_targets"):
+        env.close()
+        raise ValueError(f"--input=trajectory drives the arm's servos at the physics rate, which only the MuJoCo CPU "
+                         f"suite offers (got {type(env).__name__}); pass --env.backend=cpu with a suite task, or "
+                         f"--input=ticks")  # fmt: skip
     rclpy.init()
     node = rclpy.create_node(cfg.node_name)
     robot = None
@@ -538,9 +655,21 @@ def run_sim_robot(cfg: SimRobotConfig) -> dict:
         rclpy.spin_until_future_complete(node, robot.finished)
     except (KeyboardInterrupt, ExternalShutdownException):
         pass
+    except RuntimeError:
+        # Ctrl-C landing inside rclpy's native take of a message surfaces as a RuntimeError (pybind11 converts
+        # the interrupt); rclpy's handler shuts the context down on its own thread, so wait briefly for that
+        # before calling it a real error.
+        end = time.monotonic() + 1.0
+        while rclpy.ok() and time.monotonic() < end:
+            time.sleep(0.01)
+        if rclpy.ok():
+            raise
     finally:
         if robot is not None and rclpy.ok():  # after Ctrl-C the context is gone, and nobody waits for a status
-            robot.deliver_pending(FINAL_DELIVERY_TIMEOUT_S)
+            try:
+                robot.deliver_pending(FINAL_DELIVERY_TIMEOUT_S)
+            except RCLError:  # Ctrl-C landed after the check: rclpy's handler invalidated the context meanwhile
+                pass
         summary = robot.summary() if robot is not None else {}
         if robot is not None:
             robot.close()

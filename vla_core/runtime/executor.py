@@ -183,6 +183,15 @@ class ActionChunkExecutor:
         # A copy, so a caller that edits its actions in place cannot change the held action.
         return actions.clone(), valid
 
+    def plan(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """What the queue will emit if no chunk merges: actions (B, horizon, A), slot k for step ``step + k``
+        (zeros in empty slots), and how many consecutive steps from ``step`` on are queued (B,) long.
+
+        A robot whose controller takes whole trajectories (`vla-rl serve --output=trajectory`) sends this
+        after each merge: the committed prefix (the steps already emitted) is behind ``step``, never in it.
+        """
+        return self._queued_actions(), self.queue_length()
+
     def discard_queue(self, env_mask: torch.Tensor | None = None) -> None:
         """Forget the queued actions of the masked envs (all when None), keeping step and held action.
 
