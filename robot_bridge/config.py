@@ -100,7 +100,8 @@ class SafetyConfig:
     future_stamp_tolerance_s: float = 0.5
     # Each image the policy sees is paired with the joint state it runs on by header stamp (as message_filters'
     # approximate synchronizer pairs them): of a camera's last IMAGE_BUFFER images the one closest in stamp,
-    # and none further apart than this (seconds); else the request waits and the camera's fault holds.
+    # and none further apart than this (seconds); else no request goes out (unpaired_observations), and a camera
+    # unpaired longer than stale_after_s holds the robot.
     pair_tolerance_s: float = 0.1
     # [low, high] per JointState entry (by name): a state outside [low - state_margin, high +
     # state_margin] is a sensor fault and is rejected (hold) before it reaches the policy. Names not

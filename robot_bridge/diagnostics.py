@@ -12,6 +12,7 @@ import numpy as np
 # The node's states; the DiagnosticStatus level (OK, WARN, ERROR) each is reported with.
 STATE_LEVELS = {"RUNNING": "OK", "LOADING": "WARN", "HOLDING": "WARN", "ESTOP": "WARN", "FAILED": "ERROR"}
 # excess_states: joint states that ticked no command (clock=joint_states, arriving faster than control_hz).
+# unpaired_observations: requests not made because a camera had no image within safety.pair_tolerance_s.
 # description_rejected: robot descriptions (URDF) refused. output=trajectory: trajectories sent, ik_failures
 # (chunks not sent: a waypoint out of reach), velocity_limited_points (points the joints' velocity limits
 # slowed), trajectory_goals_accepted and trajectory_rejected (goals of the FollowJointTrajectory action the server
@@ -19,7 +20,7 @@ STATE_LEVELS = {"RUNNING": "OK", "LOADING": "WARN", "HOLDING": "WARN", "ESTOP": 
 COUNTERS = ("ticks", "missed_deadlines", "rejected_messages", "out_of_order", "stale_events", "chunks",
             "dropped_chunks", "policy_errors", "invalid_chunks", "load_failures", "delay_clamped",
             "excess_states", "description_rejected", "trajectories", "ik_failures", "velocity_limited_points",
-            "trajectory_goals_accepted", "trajectory_rejected")  # fmt: skip
+            "trajectory_goals_accepted", "trajectory_rejected", "unpaired_observations")  # fmt: skip
 
 
 class BridgeDiagnostics:

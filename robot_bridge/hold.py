@@ -94,7 +94,7 @@ class Hold:
         if stale:
             text = f"stale input (none newer than {self.config.safety.stale_after_s:g} s): {', '.join(stale)}"
             return "stale " + ", ".join(stale), text
-        return self.scheduler.health.policy_problem() or (None, None)
+        return self.inputs.pairing_problem(now) or self.scheduler.health.policy_problem() or (None, None)
 
     def update(self, key: str | None, cause: str | None) -> bool:
         """Take (key, cause) from :meth:`check` as the current one; True when the state changed (report it now)."""

@@ -10,8 +10,9 @@ on its source (the hold names it) until that source's next good message.
 Images are paired with the joint state by header stamp when an observation is built (what
 message_filters' approximate synchronizer does): each camera keeps its last ``IMAGE_BUFFER`` images, and
 the one closest in stamp to the newest joint state is used, never one further from it than
-``safety.pair_tolerance_s`` (the camera is then faulty, ``unpaired``, until its next image). The joint
-state is always the newest: its stamp is the observation's in the latency accounting. No ROS import at module
+``safety.pair_tolerance_s``: else no request goes out (counted, said once a second), and a camera that
+stays unpaired longer than ``safety.stale_after_s`` holds the robot. The joint state is always the
+newest: its stamp is the observation's in the latency accounting. No ROS import at module
 level: :meth:`BridgeInputs.subscribe` takes the node.
 """
 
@@ -102,6 +103,8 @@ class BridgeInputs:
         self.images: dict[str, np.ndarray] = {}  # camera -> its newest accepted image, (H, W, 3) uint8
         # camera -> its last IMAGE_BUFFER accepted (stamp seconds, (H, W, 3) uint8), oldest first, for pairing
         self.frames: dict[str, deque[tuple[float, np.ndarray]]] = {}
+        # camera source -> (monotonic time its pairing first failed, why), until it pairs again
+        self.unpaired: dict[str, tuple[float, str]] = {}
         self.faults: dict[str, tuple[str, str]] = {}  # source -> (kind, why) its last message was rejected
         self.instruction = config.instruction
         # (the robot's episode that ended, the stamp in seconds of its final state) as topics.episode announced
@@ -242,26 +245,52 @@ class BridgeInputs:
         sources = [JOINT_STATES] + [f"camera {c.name}" for c in self.config.cameras]
         return [s for s in sources if now - self.arrival.get(s, -math.inf) > limit]
 
+    def _closest(self, camera: str) -> tuple[float, np.ndarray]:
+        """(stamp seconds, (H, W, 3) uint8) of the camera's buffered image closest in stamp to the newest joint state."""
+        state_stamp = self.stamp[JOINT_STATES]
+        return min(self.frames[camera], key=lambda frame: abs(frame[0] - state_stamp))
+
     def paired_image(self, camera: CameraTopic) -> np.ndarray | None:
-        """(H, W, 3) uint8: the camera's buffered image closest in stamp to the newest joint state, or None (the
-        camera rejected as ``unpaired``, counted) when none is within ``safety.pair_tolerance_s``."""
+        """(H, W, 3) uint8: the camera's buffered image closest in stamp to the newest joint state, or None when
+        none is within ``safety.pair_tolerance_s`` (counted as ``unpaired_observations``, said once a second,
+        and a hold cause once it lasts longer than ``safety.stale_after_s``: :meth:`pairing_problem`)."""
+        source = f"camera {camera.name}"
         state_stamp, tolerance = self.stamp[JOINT_STATES], self.config.safety.pair_tolerance_s
-        stamp, rgb = min(self.frames[camera.name], key=lambda frame: abs(frame[0] - state_stamp))
+        stamp, rgb = self._closest(camera.name)
         if abs(stamp - state_stamp) <= tolerance:
+            self.unpaired.pop(source, None)
             return rgb
         newest = self.frames[camera.name][-1][0]
-        self.reject(f"camera {camera.name}", InputRejected(
-            f"no image within {tolerance:g} s of the joint state stamped {state_stamp:.3f} s (the closest is "
-            f"{(stamp - state_stamp) * 1e3:+.0f} ms from it, the newest stamped {newest:.3f} s): the camera and the "
-            f"robot stamp on different clocks, or the camera lags; synchronize their clocks, or raise "
-            f"safety.pair_tolerance_s", "unpaired"))  # fmt: skip
+        why = (f"{source}: no image within {tolerance:g} s of the joint state stamped {state_stamp:.3f} s (the closest "
+               f"is {(stamp - state_stamp) * 1e3:+.0f} ms from it, the newest stamped {newest:.3f} s): the camera and "
+               f"the robot stamp on different clocks, or the camera lags; synchronize their clocks, or raise "
+               f"safety.pair_tolerance_s")  # fmt: skip
+        self.diagnostics.count("unpaired_observations")
+        self.diagnostics.last_error = why
+        self.log_limiter(f"unpaired {source}", "warning", why + "; no request until it pairs")
+        self.unpaired[source] = (self.unpaired.get(source, (time.monotonic(), ""))[0], why)
         return None
+
+    def pairing_problem(self, now: float) -> tuple[str, str] | None:
+        """(key, text) naming the cameras that have not paired with the joint state for longer than
+        ``safety.stale_after_s`` (a camera that just stopped is reported stale first), or None. Checked afresh
+        here: no request goes out while the node holds, so the next request cannot be what clears it."""
+        tolerance = self.config.safety.pair_tolerance_s
+        for source in list(self.unpaired):
+            stamp, _ = self._closest(source.removeprefix("camera "))
+            if abs(stamp - self.stamp[JOINT_STATES]) <= tolerance:
+                del self.unpaired[source]
+        limit = self.config.safety.stale_after_s
+        lasting = sorted((source, why) for source, (since, why) in self.unpaired.items() if now - since > limit)
+        if not lasting:
+            return None
+        return "unpaired " + ", ".join(s for s, _ in lasting), "unpaired input: " + "; ".join(w for _, w in lasting)
 
     def observation(self) -> dict[str, Any] | None:
         """The policy's numpy batch of one: state (1, S) float32, instruction, images (1, H, W, 3) uint8, each
         image paired with the state by stamp (:meth:`paired_image`).
 
-        None (the camera rejected) when a camera has no image within the pairing tolerance, or when an image
+        None when a camera has no image within the pairing tolerance, or (the camera rejected) when an image
         that arrived before the policy told its size does not fit it.
         """
         observation: dict[str, Any] = {OBS_STATE: self.state[None].astype(np.float32), TASK: [self.instruction]}

@@ -273,15 +273,16 @@ def _image_at(stamp_s: float, value: int) -> SimpleNamespace:
     return image
 
 
-def test_images_are_paired_with_the_joint_state_by_stamp_within_the_tolerance():
-    """Tolerance 50 ms (set here). Images stamped 9.90, 9.97 and 10.04 s; with the joint state at 10.00 s the policy
-    sees the 9.97 one (30 ms before it; the newest is 40 ms after), at 10.03 s the 10.04 one; at 10.20 s none is
-    within 50 ms: no observation, and the camera is held as unpaired until its next image."""
+def test_images_are_paired_with_the_joint_state_by_stamp_within_the_tolerance(monkeypatch):
+    """Tolerance 50 ms, staleness 0.25 s (set here). Images stamped 9.90, 9.97 and 10.04 s; with the joint state at
+    10.00 s the policy sees the 9.97 one (30 ms before it; the newest is 40 ms after), at 10.03 s the 10.04 one; at
+    10.20 s none is within 50 ms: no observation, counted, and a hold cause once that has lasted over 0.25 s."""
+    from robot_bridge import inputs as inputs_module
     from robot_bridge.diagnostics import BridgeDiagnostics
     from robot_bridge.inputs import BridgeInputs
 
     config = ServeConfig(cameras=[CameraTopic("front")])
-    config.safety.pair_tolerance_s = 0.05
+    config.safety.pair_tolerance_s, config.safety.stale_after_s = 0.05, 0.25
     diagnostics = BridgeDiagnostics()
     inputs = BridgeInputs(config, diagnostics, LogLimiter(lambda level, line: None), lambda line: None)
     for stamp, value in ((9.90, 1), (9.97, 2), (10.04, 3)):
@@ -292,9 +293,13 @@ def test_images_are_paired_with_the_joint_state_by_stamp_within_the_tolerance():
     inputs.on_joint_state(_state_at(10.03))
     assert inputs.observation()["observation.images.front"][0, 0, 0, 0] == 3  # 10 ms after it
     inputs.on_joint_state(_state_at(10.20))  # the nearest image is 160 ms older
-    assert inputs.observation() is None
-    assert inputs.faults["camera front"][0] == "unpaired" and diagnostics.rejections == {"unpaired": 1}
-    assert "safety.pair_tolerance_s" in inputs.faults["camera front"][1]
-    inputs.on_image(config.cameras[0], _image_at(10.21, 4))  # the camera's next image clears the fault and pairs
-    assert "camera front" not in inputs.faults
+    monkeypatch.setattr(inputs_module.time, "monotonic", lambda: 500.0)
+    assert inputs.observation() is None and inputs.observation() is None
+    assert diagnostics.counters["unpaired_observations"] == 2 and inputs.faults == {}
+    assert inputs.pairing_problem(500.2) is None  # 0.2 s: not yet a hold (a stopped camera is stale first)
+    key, text = inputs.pairing_problem(500.3)
+    assert key == "unpaired camera front" and "safety.pair_tolerance_s" in text and "-160 ms" in text
+    # The camera's next image pairs, and the problem ends before any request (none goes out while holding).
+    inputs.on_image(config.cameras[0], _image_at(10.21, 4))
+    assert inputs.pairing_problem(501.0) is None
     assert inputs.observation()["observation.images.front"][0, 0, 0, 0] == 4
