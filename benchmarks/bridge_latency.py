@@ -1,12 +1,13 @@
-"""Deadline misses, jitter and added latency of the ROS 2 serve node, against raw rclpy ping-pong in the same run.
+"""The ROS 2 serve node's two outputs under a training load: trajectory output's starved controller ticks and late
+chunks, per-tick output's late commands, and the latency added over a raw rclpy ping-pong in the same run.
 
-The same code as `vla-rl bench bridge` (``robot_bridge.bench``): a robot process and the serve node
-process over loopback DDS, the policy a real torch network calibrated to ``--inference_ms`` on one core.
+The same code as `vla-rl bench bridge` (``robot_bridge.bench``, where the protocol and its dated history are): a
+robot process and the serve node process over loopback DDS, the policy a real torch network calibrated to
+``--inference_ms`` on the idle inference core, a training run on that core (``--load``).
 
-Usage: python benchmarks/bridge_latency.py [--rates_hz=[50,100]] [--cycles=10000] [--inference_ms=300] [--help]
+Usage: python benchmarks/bridge_latency.py [--quick=true] [--outputs=[ticks,trajectory]] [--cycles=100000] [--help]
 Writes JSON (default outputs/bench/bridge.json); the last line printed is
-``deadline_misses=<n> added_latency_p99_ms=<x> jitter_p99_ms=<y> realtime_scheduling=<granted|refused>
-memory_locking=<granted|refused>``; a miss is a command more than ``--deadline_ms`` (default 5) late.
+``starved_ticks=<n> late_chunks=<m> tick_mode_late=<k> ticks=<t>``.
 """
 
 import sys

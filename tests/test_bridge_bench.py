@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -23,14 +24,13 @@ from robot_bridge.bench import (
     format_summary,
     scheduling_record,
     seam_jumps,
+    size_horizon,
 )
+from robot_bridge.trajectory_follower import TrajectoryFollower
 from vla_core.types import OBS_COMMITTED_ACTIONS, OBS_STATE, image_key
 
 ROOT = Path(__file__).resolve().parents[1]
-FINAL_LINE = re.compile(
-    r"^deadline_misses=(\d+) added_latency_p99_ms=(-?\d+\.\d{3}) jitter_p99_ms=(\d+\.\d{3}) "
-    r"realtime_scheduling=(granted|refused) memory_locking=(granted|refused)$"
-)
+FINAL_LINE = re.compile(r"^starved_ticks=(\d+) late_chunks=(\d+) tick_mode_late=(\d+) ticks=(\d+)$")
 
 
 def test_seam_jumps_separate_seams_from_the_rest():
@@ -56,30 +56,44 @@ def test_a_miss_is_a_command_more_than_deadline_ms_late_at_any_rate():
     assert deadline_misses(sent, received, deadline_ms=10.0) == ([2], 1)
 
 
-def _run(rate, realtime_problem=None, lock_problem=None, misses=0):
+def _run(rate, realtime_problem=None, lock_problem=None, misses=0, output="ticks", ticks=0, starved=0, late=0):
     """One run's row as `_run_one` writes it, with made-up timings."""
     q = {"p50": 1.0, "p99": 2.0, "max": 3.0}
+    row = {"output": output, "rate_hz": rate, "merge": "rtc", "cycles": 100, "inference_latency_ms": q,
+           "obs_to_influenced_command_ms": q, "scheduling": scheduling_record(realtime_problem, lock_problem)}  # fmt: skip
+    if output == "trajectory":
+        return {**row, "ticks": ticks, "starved_ticks": starved, "chunks_received": 10, "late_chunks": late,
+                "chunk_margin_ms": {"min": -1.0 if late else 5.0, "p1": 5.0, "p50": 50.0, "max": 90.0}}  # fmt: skip
     return {
-        "rate_hz": rate, "merge": "rtc", "cycles": 100, "deadline_ms": 5.0, "deadline_misses": misses,
-        "node_deadline_misses": 0, "starved_ticks": 0, "state_to_command_ms": q, "node_tick_latency_ms": q,
-        "jitter_ms": q, "inference_latency_ms": q, "obs_to_influenced_command_ms": q,
+        **row, "deadline_ms": 5.0, "deadline_misses": misses, "node_deadline_misses": 0, "starved_ticks": 0,
+        "state_to_command_ms": q, "node_tick_latency_ms": q, "jitter_ms": q,
         "seams": {"seam_max_velocity_jump": 0.1, "within_max_velocity_jump": 0.1},
-        "scheduling": scheduling_record(realtime_problem, lock_problem),
     }  # fmt: skip
 
 
-def test_summary_records_scheduling_and_warns_when_it_was_refused():
+def test_summary_sums_each_outputs_figures_and_warns_when_scheduling_was_refused():
     cfg = BenchBridgeConfig(rates_hz=[50.0, 100.0], deadline_ms=5.0)
     pings = {r: {"pings": 30, "pongs": 29, "round_trip_ms": {"p50": 0.5, "p99": 1.0, "max": 1.5}} for r in cfg.rates_hz}
-    granted = _summarize(cfg, 16, [_run(50.0, misses=2), _run(100.0, misses=3)], pings)
-    assert granted["deadline_ms"] == 5.0 and granted["deadline_misses"] == 5
+    runs = [_run(50.0, misses=2), _run(100.0, misses=3), _run(50.0, output="trajectory", ticks=100, starved=1),
+            _run(100.0, output="trajectory", ticks=100, starved=4, late=2)]  # fmt: skip
+    granted = _summarize(cfg, 16, runs, pings)
+    assert (granted["tick_mode_late"], granted["starved_ticks"], granted["late_chunks"], granted["ticks"]) == (
+        5,
+        5,
+        2,
+        200,
+    )
+    # Tick mode's state -> command p99 (2.0) minus the ping's (1.0), its p50 (1.0) minus the ping's (0.5).
+    assert granted["per_rate"]["50.0"]["added_latency_p99_ms"] == 1.0
+    assert granted["per_rate"]["100.0"]["added_latency_p50_ms"] == 0.5
+    assert granted["per_rate"]["100.0"]["chunk_margin_min_ms"] == -1.0
     assert granted["scheduling"] == {
         "realtime_scheduling": True, "memory_locked": True, "robot_realtime_scheduling": True, "problems": [],
     }  # fmt: skip
     text = format_summary(granted)
     assert "WARNING" not in text
     assert granted["per_rate"]["50.0"]["raw_pongs"] == [29, 30] and "(29/30 answered)" in text
-    assert text.splitlines()[-1].endswith("realtime_scheduling=granted memory_locking=granted")
+    assert text.splitlines()[-1] == "starved_ticks=5 late_chunks=2 tick_mode_late=5 ticks=200"
 
     # One serve process of two refused each: the whole benchmark says refused, and why.
     no_rt = "no permission for SCHED_FIFO (needs CAP_SYS_NICE or an rtprio limit, e.g. in limits.conf)"
@@ -96,8 +110,40 @@ def test_summary_records_scheduling_and_warns_when_it_was_refused():
     assert len(warnings) == 2
     assert warnings[0].startswith(f"WARNING: real-time scheduling was refused ({no_rt})")
     assert warnings[1].startswith(f"WARNING: memory locking was refused ({no_lock})")
-    match = FINAL_LINE.match(lines[-1])
-    assert match and match.group(4, 5) == ("refused", "refused"), lines[-1]
+    assert FINAL_LINE.match(lines[-1]) and refused["ticks"] == 0, lines[-1]
+
+
+def test_the_horizon_covers_two_loaded_inference_delays_at_one_and_a_half_times_their_p99():
+    """p99 of 100 latencies 10..1000 ms (step 10) is 990.1 ms: at 100 Hz 2 x 1.5 x 0.9901 s = 297.03 steps -> 298,
+    plus 10 executed steps = 308; a fast inference still gets 16."""
+    cfg = BenchBridgeConfig(rates_hz=[50.0, 100.0], execute_steps=10)
+    assert size_horizon(cfg, [10.0 * k for k in range(1, 101)]) == 308
+    assert size_horizon(cfg, [1.0] * 20) == 16
+
+
+def test_the_controller_follows_trajectories_counts_starvation_and_late_chunks():
+    """The bench robot as a controller at 100 Hz, driven by hand-made messages: a 3-point chunk stamped at t = 1 s
+    (points at 1.01, 1.02, 1.03 s) arriving at 1.005 s is 5 ms early; ticks at 1.015 s (halfway from 1.01 to
+    1.02: the mean of the points), 1.03 s (its last point: starved) and a chunk arriving 2 ms after its first
+    point is late."""
+    from robot_bridge import codec
+    from robot_bridge.bench import BenchRobot
+
+    robot = BenchRobot.__new__(BenchRobot)  # the message handling only, without a ROS node
+    robot.position, robot.follower, robot.follower_lock = [0.0] * 4, TrajectoryFollower(JOINTS), threading.Lock()
+    robot.start_counting()
+    s = 1_000_000_000
+    chunk = codec.trajectory_points_msg(JOINTS, np.array([[0.1] * 4, [0.2] * 4, [0.3] * 4]), codec.time_msg(s), 0.01)
+    robot._on_trajectory(chunk, {"received_timestamp": s + 5_000_000})
+    robot.control_tick(s + 15_000_000)
+    assert robot.position == pytest.approx([0.15] * 4) and robot.starved_ticks == 0
+    robot.control_tick(s + 30_000_000)
+    assert robot.position == pytest.approx([0.3] * 4) and (robot.ticks, robot.starved_ticks) == (2, 1)
+    hold = codec.trajectory_points_msg(JOINTS, np.array([[0.3] * 4]), codec.time_msg(s + 30_000_000), 0.01)
+    robot._on_trajectory(hold, {"received_timestamp": s + 31_000_000})  # one point: a hold, no margin
+    late = codec.trajectory_points_msg(JOINTS, np.array([[0.4] * 4, [0.5] * 4]), codec.time_msg(s + 40_000_000), 0.01)
+    robot._on_trajectory(late, {"received_timestamp": s + 52_000_000})  # its first point was due at 50 ms
+    assert robot.chunk_margins_ms == pytest.approx([5.0, -2.0])
 
 
 def test_bench_policy_depth_is_calibrated_to_the_inference_time(monkeypatch):
@@ -132,27 +178,35 @@ def test_bench_policy_chunks_follow_one_reference_with_small_corrections():
 
 
 def test_bench_bridge_tiny_run(tmp_path):
+    """Both outputs, 80 ticks each at 100 Hz under the training load. deadline_ms = 1 us: every tick-mode command
+    is late (DDS alone takes longer), so the count shows the setting is what decides."""
     out = tmp_path / "bridge.json"
     env = {**os.environ, "ROS_AUTOMATIC_DISCOVERY_RANGE": "LOCALHOST"}
-    # deadline_ms = 1 us: every command is late (DDS alone takes longer), so the count shows the
-    # setting is what decides (half a period would be 5 ms at 100 Hz).
     args = [
         sys.executable, "-m", "vla_rl.cli", "bench", "bridge", "--cycles=80", "--ping_cycles=30",
         "--rates_hz=[100]", "--merges=[rtc]", "--inference_ms=50", "--domain_id=43", f"--output_json={out}",
         "--deadline_ms=0.001",
     ]  # fmt: skip
-    proc = subprocess.run(args, capture_output=True, text=True, timeout=240, cwd=ROOT, env=env, check=False)
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()
     match = FINAL_LINE.match(lines[-1])
     assert match, lines[-1]
     result = json.loads(out.read_text())
-    assert result["deadline_misses"] == int(match.group(1))
-    run = result["runs"][0]
-    assert run["cycles"] == 80 and run["merge"] == "rtc" and run["rate_hz"] == 100.0
-    assert result["deadline_ms"] == run["deadline_ms"] == 0.001
-    assert result["deadline_misses"] == run["deadline_misses"] == 80
-    assert run["node_counters"]["missed_deadlines"] >= run["node_deadline_misses"] > 0
+    assert [int(v) for v in match.groups()] == [result[k] for k in ("starved_ticks", "late_chunks", "tick_mode_late",
+                                                                     "ticks")]  # fmt: skip
+    ticks, trajectory = result["runs"]
+    assert (ticks["output"], trajectory["output"]) == ("ticks", "trajectory")
+    assert ticks["cycles"] == trajectory["cycles"] == 80 and ticks["merge"] == "rtc" and ticks["rate_hz"] == 100.0
+    assert result["deadline_ms"] == ticks["deadline_ms"] == 0.001
+    assert result["tick_mode_late"] == ticks["deadline_misses"] == 80
+    assert ticks["node_counters"]["missed_deadlines"] >= ticks["node_deadline_misses"] > 0
+    assert ticks["commands_received"] + ticks["lost_commands"] == 80
+    # The controller ticked once per state sent once the first chunk was in, and chunks kept coming.
+    assert result["ticks"] == trajectory["ticks"] == 80 and trajectory["chunks_received"] >= 1
+    assert trajectory["node_counters"]["trajectories"] >= trajectory["chunks_received"]
+    assert result["inference"]["loaded"] and result["inference"]["load_steps_per_s"] > 0
+    assert result["horizon"] >= 16 and (out.parent / "bench_arm.urdf").exists()
     # Scheduling as the calls return it for this user on this machine, asked in a process of its own.
     probe = (
         "import json; from robot_bridge.scheduling import use_realtime, lock_memory; "
@@ -161,17 +215,7 @@ def test_bench_bridge_tiny_run(tmp_path):
     rt_problem, lock_problem = json.loads(
         subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd=ROOT).stdout
     )
-    assert run["scheduling"] == scheduling_record(rt_problem, lock_problem)
+    assert ticks["scheduling"] == scheduling_record(rt_problem, lock_problem)
     assert result["scheduling"]["realtime_scheduling"] == (rt_problem is None)
     assert result["scheduling"]["memory_locked"] == (lock_problem is None)
-    granted = {True: "granted", False: "refused"}
-    assert match.group(4, 5) == (granted[rt_problem is None], granted[lock_problem is None])
     assert ("WARNING: real-time scheduling was refused" in proc.stdout) == (rt_problem is not None)
-    assert run["commands_received"] + run["lost_commands"] == 80
-    assert np.isfinite(run["state_to_command_ms"]["p50"]) and run["state_to_command_ms"]["p50"] > 0
-    assert run["inference_latency_ms"]["p50"] > 10  # a real forward pass, not nothing
-    assert set(run["seams"]) == {"seam_max_velocity_jump", "within_max_velocity_jump"}
-    # On loopback every ping comes back unless the echo is starved: the inference worker once
-    # started at the serve process's real-time priority and held its core while importing torch.
-    assert result["pings"]["100.0"]["pongs"] >= 28 and result["per_rate"]["100.0"]["raw_pongs"][1] == 30
-    assert set(result["per_rate"]["100.0"]) >= {"added_latency_p99_ms", "jitter_p99_ms", "raw_round_trip_ms", "seams"}
