@@ -52,6 +52,10 @@ class EnvConfig:
     # e.g. PerAct's test set); when set, reset(seed) starts worlds at stored episodes, as PerAct evaluates;
     # "" = new random scenes.
     rlbench_demo_root: str = ""
+    # A variation outside the demonstrations (`sim.variations`, the MuJoCo suite on the cpu backend): position,
+    # size, colour, distractors, camera or lighting, drawn per episode from the world's seed and recorded with
+    # each episode. "" = in distribution.
+    variation: str = ""
 
 
 # -- what every backend shares: world selection, seeds, features ---------------------------------

@@ -123,6 +123,10 @@ def make_env(config: EnvConfig):
             "starts settled (drop the flag)"
         )
     _check_family_fields(config, family)
+    if config.variation and (family.prefix or config.backend != "cpu"):
+        raise ValueError(f"--env.variation={config.variation} varies the MuJoCo suite's tasks on the cpu backend, not "
+                         f"{config.task!r} on {config.backend!r}; pass --env.backend=cpu with a suite task, or drop "
+                         f"the flag")  # fmt: skip
     if config.backend not in family.builders:
         backends = " or ".join(family.builders)
         raise ValueError(

@@ -29,6 +29,7 @@ from sim.config import EnvConfig, env_features, render_thread_count, reseed
 from sim.events import EventSchedules, draw_events
 from sim.ik import ArmController
 from sim.render import ParallelRenderers, Renderers
+from sim.variations import VariedWorlds, scene_with_distractors
 from vla_core.types import OBS_STATE, TASK, Worlds, image_key, world_indices
 
 
@@ -82,7 +83,10 @@ class MujocoBatchedEnv:
         self.max_episode_steps = config.max_episode_steps or self.task.max_episode_steps
         self.control_dt = 0.002 * config.substeps
 
-        self.model = mujoco.MjModel.from_xml_path(self.task.xml_path())
+        xml = self.task.xml_path()
+        self.model = (
+            scene_with_distractors(xml) if config.variation == "distractors" else mujoco.MjModel.from_xml_path(xml)
+        )
         self.data = [mujoco.MjData(self.model) for _ in range(self.num_envs)]
         nthread = config.num_threads or os.cpu_count() or 1
         self._thread_data = [mujoco.MjData(self.model) for _ in range(min(nthread, self.num_envs))]
@@ -121,7 +125,9 @@ class MujocoBatchedEnv:
         self._obs_qpos = np.empty((self.num_envs, 9))
         self._obs_ee = np.empty((self.num_envs, 3))
         self._success = np.zeros(self.num_envs, dtype=bool)
-        self._models = [self.model] * self.num_envs
+        # Each world's model: the one model, or with a variation (`sim.variations`) a copy per world.
+        self._varied = VariedWorlds(config.variation, self.task, self.model, self.num_envs)
+        self._models = self._varied.models
         self._jacp = np.zeros((self.num_envs, 3, self.model.nv))
         self._jacr = np.zeros((self.num_envs, 3, self.model.nv))
         self._renderers = Renderers(self.model)  # single frames (videos)
@@ -170,6 +176,8 @@ class MujocoBatchedEnv:
             physics = np.empty(mujoco.mj_stateSize(self.model, self._saved_spec))
             mujoco.mj_getState(self.model, self.data[i], physics, self._saved_spec)
             states.append({"physics": physics, "episode_step": int(self.episode_step[i])})
+            if self.config.variation:
+                states[-1]["variation"] = self._varied.snapshot(i)
         if self._events is not None:
             for state, events in zip(states, self._events.snapshot(selected)):
                 state["events"] = events
@@ -183,8 +191,10 @@ class MujocoBatchedEnv:
             raise ValueError(f"{len(selected)} worlds need {len(selected)} states, got {len(states)}")
         for i, state in zip(selected, states):
             d = self.data[i]
+            if "variation" in state:
+                self._varied.load(i, state["variation"])
             mujoco.mj_setState(self.model, d, state["physics"], self._saved_spec)
-            mujoco.mj_forward(self.model, d)
+            mujoco.mj_forward(self._models[i], d)
             self.episode_step[i] = state["episode_step"]
             self._obs_qpos[i] = d.qpos[:9]
             self._obs_ee[i] = d.site_xpos[self._site]
@@ -288,7 +298,12 @@ class MujocoBatchedEnv:
 
     def render(self, world: int = 0, camera: str | None = None, size: int = 256) -> np.ndarray:
         """(size, size, 3) uint8 frame of one world, for videos."""
-        return self._renderers.frame(self.data[world], camera or (self.config.cameras or ["front"])[0], size).copy()
+        camera = camera or (self.config.cameras or ["front"])[0]
+        return self._renderers.frame(self.data[world], camera, size, model=self._models[world]).copy()
+
+    def variation_record(self, world: int) -> dict[str, Any]:
+        """What the variation drew for ``world``'s current episode (`sim.variations`; {} in distribution)."""
+        return self._varied.record(world)
 
     def close(self) -> None:
         self._renderers.close()
@@ -311,6 +326,9 @@ class MujocoBatchedEnv:
         mujoco.mj_forward(self.model, d)
         if self._events is not None:  # drawn from the same stream, after the initial state
             self._events.load([i], [draw_events(self.task, self.model, d, self._seeds[i])])
+        if self.config.variation:  # drawn from the same stream, after the events
+            self._varied.apply(i, d, self._seeds[i])
+            mujoco.mj_forward(self._models[i], d)
         self.episode_step[i] = 0
         self._obs_qpos[i] = d.qpos[:9]
         self._obs_ee[i] = d.site_xpos[self._site]
@@ -399,7 +417,7 @@ class MujocoBatchedEnv:
         for i in range(block.start, block.stop):
             d = self.data[i]
             mujoco.mj_setState(model, d, stored[i], self._store_spec)
-            self._forward_positions(model, d)
+            self._forward_positions(self._models[i], d)  # a varied world's own sizes collide
             ee[i] = d.site_xpos[site]
         self._success[block] = task.success(model, HostWorlds(model, self.data[block]))
 
@@ -410,7 +428,9 @@ class MujocoBatchedEnv:
         datas = [self.data[i] for i in index]
         obs: dict[str, Any] = {}
         for cam in self.config.cameras:
-            frames = self._camera_renderers.frames(datas, cam, size, np.empty((n, size, size, 3), dtype=np.uint8))
+            models = [self._models[i] for i in index] if self.config.variation else None
+            frames = self._camera_renderers.frames(datas, cam, size, np.empty((n, size, size, 3), dtype=np.uint8),
+                                                   models)  # fmt: skip
             # uint8 -> [0, 1] in numpy, on this thread: torch would run it on its OpenMP pool, whose
             # threads then spin-wait on the cores that the physics and render threads need next
             # (measured: 0.75 ms per env-step against 1.0 at N = 16 with a 64 px camera on 2 cores).

@@ -24,12 +24,21 @@ class Renderers:
         self.model = model
         self._by_size: dict[int, mujoco.Renderer] = {}
 
-    def frame(self, data: mujoco.MjData, camera: str, size: int, out: np.ndarray | None = None) -> np.ndarray:
-        """(size, size, 3) uint8 image of ``data`` from ``camera``; written into ``out`` when given."""
+    def frame(self, data: mujoco.MjData, camera: str, size: int, out: np.ndarray | None = None,
+              model: mujoco.MjModel | None = None) -> np.ndarray:  # fmt: skip
+        """(size, size, 3) uint8 image of ``data`` from ``camera``; written into ``out`` when given. ``model``: the
+        world's own model when it differs from the renderers' in colours, sizes, cameras or lights only (a
+        variation, `sim.variations`); the scene is then built from it."""
         if size not in self._by_size:
             self._by_size[size] = mujoco.Renderer(self.model, size, size)
         renderer = self._by_size[size]
-        renderer.update_scene(data, camera)
+        if model is None or model is self.model:
+            renderer.update_scene(data, camera)
+        else:  # what update_scene does, from the world's model (the GL context holds only meshes and textures)
+            view = mujoco.MjvCamera()
+            view.type, view.fixedcamid = mujoco.mjtCamera.mjCAMERA_FIXED, model.camera(camera).id
+            mujoco.mjv_updateScene(model, data, mujoco.MjvOption(), None, view, mujoco.mjtCatBit.mjCAT_ALL,
+                                   renderer.scene)  # fmt: skip
         return renderer.render(out=out)
 
     def close(self) -> None:
@@ -62,12 +71,16 @@ class ParallelRenderers:
             [ThreadPoolExecutor(1, thread_name_prefix=f"render{k}") for k in range(threads)] if threads > 1 else []
         )
 
-    def frames(self, datas: Sequence[mujoco.MjData], camera: str, size: int, out: np.ndarray) -> np.ndarray:
-        """Render ``datas`` from ``camera`` into ``out`` (len(datas), size, size, 3) uint8; returns ``out``."""
+    def frames(self, datas: Sequence[mujoco.MjData], camera: str, size: int, out: np.ndarray,
+               models: Sequence[mujoco.MjModel] | None = None) -> np.ndarray:  # fmt: skip
+        """Render ``datas`` from ``camera`` into ``out`` (len(datas), size, size, 3) uint8; returns ``out``.
+        ``models``: each world's own model (`Renderers.frame`), None = the renderers' for all."""
 
         def render(k: int, worlds: range) -> None:
             for i in worlds:
-                self._renderers[k].frame(datas[i], camera, size, out=out[i])
+                self._renderers[k].frame(
+                    datas[i], camera, size, out=out[i], model=None if models is None else models[i]
+                )
 
         n = len(datas)
         if not self._executors:

@@ -393,3 +393,19 @@ def test_several_tasks_in_one_run_and_their_record_reruns(tiny_checkpoint, tmp_p
     assert (tmp_path / "both" / "lift" / "eval.json").stat().st_mtime_ns == mtime  # reused, not run again
     again = evaluate(EvalConfig(rerun=str(tmp_path / "both" / "eval.json"), output_dir=str(tmp_path / "again")))
     assert again["rerun"]["same_outcomes"] and again["per_episode"] == result["per_episode"]
+
+
+def test_eval_records_each_episodes_variation_as_the_env_drew_it(tiny_checkpoint, tmp_path):
+    """--env.variation=colour: each episode's line in episodes.jsonl carries the colour its world drew at the
+    round's reset; the same seed in a bare env draws the same, world by world."""
+    from sim.factory import make_env
+
+    out, _ = tiny_checkpoint
+    env_cfg = EnvConfig(num_envs=2, max_episode_steps=5, variation="colour")
+    evaluate(EvalConfig(checkpoint=str(out), env=env_cfg, num_episodes=2, video_episodes=0, seed=21,
+                        output_dir=str(tmp_path / "eval")))  # fmt: skip
+    lines = [json.loads(line) for line in (tmp_path / "eval" / "episodes.jsonl").read_text().splitlines()]
+    with make_env(env_cfg) as env:
+        env.reset(seed=21)
+        drawn = {i: env.variation_record(i) for i in range(2)}
+    assert sorted((e["world"], e["variation"]["rgb"]) for e in lines) == [(i, drawn[i]["rgb"]) for i in range(2)]

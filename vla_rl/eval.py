@@ -247,6 +247,9 @@ def _run_rounds(plan: EpisodePlan, record: EvalRecord, delayed, recorder, policy
         this = plan.rounds[r]
         recorder.enabled = r == 0
         obs, need = delayed.reset(seed=this.seed, episodes=plan.episode_numbers(r))
+        # A world's counted episode of the round is the one this reset began: its variation (`--env.variation`).
+        varied = getattr(env, "variation_record", None)
+        variations = [varied(i) if varied is not None else {} for i in range(n)]
         finished = np.array([e is None for e in this.episodes])  # uncounted worlds run but are not kept
         length = np.zeros(n, dtype=np.int64)
         while not finished.all():
@@ -262,7 +265,8 @@ def _run_rounds(plan: EpisodePlan, record: EvalRecord, delayed, recorder, policy
                 task = env.task_names[int(info["task_id"][i])]
                 record.append({"round": r, "world": int(i), "task": task, **this.episodes[i],
                                "success": bool(info["success"][i]), "length": int(length[i]),
-                               "requests": int(info["requests"][i])})  # fmt: skip
+                               "requests": int(info["requests"][i]),
+                               **({"variation": variations[i]} if variations[i] else {})})  # fmt: skip
                 bar.update(1)
             finished |= done
             interrupt.raise_if_stopped()
