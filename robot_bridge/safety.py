@@ -80,6 +80,24 @@ class SafetyFilter:
         self.last_command = command
         return command.copy()
 
+    def run(self, targets: np.ndarray) -> np.ndarray:
+        """targets (P, A) -> the commands (P, A) that P calls of :meth:`step` give, one period apart. When no
+        limit binds (each clamped target within the velocity and acceleration limits of the one before) they
+        are the clamped targets, computed at once: equal to stepping up to rounding, and a 2,000-step chunk
+        costs microseconds instead of the 30 ms the per-point loop takes. Otherwise it steps."""
+        targets = np.asarray(targets, dtype=np.float64)
+        if (self.last_command is not None and not self.estopped and targets.ndim == 2 and len(targets)
+                and targets.shape[1] == self.action_dim and np.isfinite(targets).all()):  # fmt: skip
+            position = np.clip(targets, self.low, self.high)
+            velocity = np.diff(np.vstack([self.last_command, position]), axis=0) / self.dt
+            change = np.diff(np.vstack([self._velocity, velocity]), axis=0)
+            if (np.abs(velocity) <= self.max_velocity).all() and (
+                np.abs(change) <= self.max_acceleration * self.dt
+            ).all():
+                self.last_command, self._velocity = position[-1].copy(), velocity[-1].copy()
+                return position
+        return np.stack([self.step(t) for t in targets]) if len(targets) else targets.reshape(0, self.action_dim)
+
     def hold(self) -> np.ndarray:
         """(A,) the previous command again, at zero velocity."""
         if self.last_command is None:

@@ -184,13 +184,15 @@ class TrajectoryPlanner:
         low, high, vmax, amax = self._action_limits
         limits = SafetyFilter(self.period, actions.shape[1], low, high, vmax, amax)
         limits.start_from(seam, velocity / self.period)
-        return np.stack([limits.step(limits.last_command + a if self.delta else a) for a in actions])
+        if not self.delta:
+            return limits.run(actions)
+        return np.stack([limits.step(limits.last_command + a) for a in actions])
 
     def _filter_joints(self, arm: np.ndarray, seam: np.ndarray, velocity: np.ndarray) -> tuple[np.ndarray, int]:
         """(P, J) joint positions clamped to the joints' limits and their velocity to the URDF's, from the seam on;
         and how many points the velocity limits moved."""
         limits = SafetyFilter(self.period, arm.shape[1], self._joint_low, self._joint_high, self._joint_velocity)
         limits.start_from(seam, velocity / self.period)
-        out = np.stack([limits.step(q) for q in arm])
+        out = limits.run(arm)
         clamped = np.clip(arm, self._joint_low, self._joint_high)
         return out, int((np.abs(out - clamped) > 1e-9).any(axis=1).sum())

@@ -303,3 +303,22 @@ def test_images_are_paired_with_the_joint_state_by_stamp_within_the_tolerance(mo
     inputs.on_image(config.cameras[0], _image_at(10.21, 4))
     assert inputs.pairing_problem(501.0) is None
     assert inputs.observation()["observation.images.front"][0, 0, 0, 0] == 4
+
+
+def test_running_a_whole_plan_gives_what_stepping_it_gives_whether_or_not_a_limit_binds():
+    """Period 0.1 s, |v| <= 1/s, |dv| <= 5/s per step (0.5/s at 0.1 s), positions in [-1, 1]: a slow ramp binds
+    nothing (the clamped targets at once), a jump binds the velocity limit, a target past 1 the clamp."""
+    for plan in (np.linspace(0.0, 0.3, 7)[1:, None], np.array([[0.05], [0.5], [0.5]]), np.array([[0.05], [1.5]])):
+        stepped, ran = (
+            SafetyFilter(0.1, 1, [-1.0], [1.0], [1.0], [5.0]),
+            SafetyFilter(0.1, 1, [-1.0], [1.0], [1.0], [5.0]),
+        )
+        stepped.start_from(np.zeros(1), np.array([0.5]))
+        ran.start_from(np.zeros(1), np.array([0.5]))
+        np.testing.assert_allclose(ran.run(plan), np.stack([stepped.step(t) for t in plan]), rtol=0, atol=1e-12)
+        np.testing.assert_allclose(ran.last_command, stepped.last_command, atol=1e-12)
+        np.testing.assert_allclose(ran.step(np.array([0.2])), stepped.step(np.array([0.2])), atol=1e-12)
+    # The jump from 0.05 to 0.5 at 0.1 s is 4.5/s: limited to 1/s, 0.15 then 0.25, not the target.
+    limited = SafetyFilter(0.1, 1, [-1.0], [1.0], [1.0], [5.0])
+    limited.start_from(np.zeros(1), np.array([0.5]))
+    assert limited.run(np.array([[0.05], [0.5], [0.5]]))[:, 0] == pytest.approx([0.05, 0.15, 0.25])
