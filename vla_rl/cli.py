@@ -129,6 +129,20 @@ def _run_finetune(cfg):
     )
 
 
+def _run_steer(cfg):
+    from vla_rl.steer import run_steer
+
+    summary = run_steer(cfg)
+    gate = summary["gate"]
+    print(
+        f"steer: {summary['episodes']} episodes ({summary['success_rate']:.0%} successful), {summary['requests']} "
+        f"requests; gate threshold {gate['threshold']:.3f} (held out: AUC {gate['auc']}, failures caught "
+        f"{gate['tpr']}, successes steered {gate['fpr']}); field loss {summary['field_loss']['first']} -> "
+        f"{summary['field_loss']['last']}; {cfg.output_dir}/steering\n"
+        f"evaluate: vla-rl eval --checkpoint={cfg.checkpoint} --steer.dir={cfg.output_dir}/steering --steer.mode=gated"
+    )
+
+
 def _run_train_prm(cfg):
     from vla_rl.train_prm import train_prm
 
@@ -264,6 +278,12 @@ COMMANDS: dict[str, Command] = {
         "train a process reward model (progress in [0, 1]) on a LeRobotDataset, for finetune --reward.process_model",
         "vla_rl.train_prm:TrainPRMConfig",
         _run_train_prm,
+    ),
+    "steer": Command(
+        "latent steering (RL²) of a frozen flow policy: collect its rollouts, train the steering field and the "
+        "failure predictor offline; evaluate with eval --steer.dir",
+        "vla_rl.steer:SteerConfig",
+        _run_steer,
     ),
     "sim-robot": Command(
         "a MuJoCo-simulated arm as a ROS 2 node (joint states, images, commands or joint trajectories)",

@@ -58,6 +58,13 @@ DEFAULT_EPISODES = 50  # episodes of an evaluation off LIBERO when --num_episode
 
 
 @dataclass
+class SteerEvalConfig:
+    dir: str = ""  # a `vla-rl steer` output's steering/ folder; "" = the policy unsteered
+    mode: str = "gated"  # gated: where the failure predictor expects a failure; always: every chunk
+    weight: float = 1.0  # w in v = v_base + w * v_steer
+
+
+@dataclass
 class EvalConfig:
     """Evaluate a policy checkpoint in closed loop in the batched simulator."""
 
@@ -88,6 +95,8 @@ class EvalConfig:
     # >= 0: the sampler's initial noise of request k of the plan's episode e is drawn from (noise_seed, e, k)
     # (`vla_core.runtime.noise`), as `vla-rl serve --noise_seed` draws it on the robot; -1: from torch's stream.
     noise_seed: int = -1
+    # Latent steering (RL²) of the frozen policy by a `vla-rl steer` output (`vla_rl.steering`): none by default.
+    steer: SteerEvalConfig = field(default_factory=lambda: SteerEvalConfig())
     video_episodes: int = 4  # episodes shown in rollouts.mp4 (0 = no video)
     video_size: int = 192  # pixels per episode tile in the video
     output_dir: str = "outputs/quickstart/eval"  # eval.json, episodes.jsonl, summary.md and rollouts.mp4 go here
@@ -145,6 +154,10 @@ def evaluate(cfg: EvalConfig, policy=None, expected_weights: str | None = None) 
         policy, ckpt = load_policy(cfg.checkpoint, device=cfg.device, tokenizer_dir=cfg.tokenizer_dir)
     else:
         ckpt = cfg.checkpoint
+    if cfg.steer.dir:
+        from vla_rl.steering import SteeredPolicy, Steering
+
+        policy = SteeredPolicy(policy, Steering.load(cfg.steer.dir).to(policy.device), cfg.steer.mode, cfg.steer.weight)
     origin = provenance(policy)
     if expected_weights is not None and origin["weights_sha256"] != expected_weights:
         raise ValueError(

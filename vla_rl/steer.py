@@ -1,0 +1,219 @@
+"""`vla-rl steer`: RL²'s latent steering of a frozen flow policy, from its own rollouts (`vla_rl.steering` holds
+the method and its math). Three stages, into ``output_dir``:
+
+1. collect: ``episodes`` closed-loop episodes of the frozen policy in the batched sim (the task and its
+   ``--env.variation``), through the latency model as `vla-rl eval` runs them. For every request the
+   sampler's initial noise e is drawn here and the latents at t = 1 are read through a recording steer
+   that adds nothing; x_0 is the sampler's end (its last Euler step undone from the velocity hook); then
+   ``samples_per_chunk`` times t ~ U(0, 1) give x_t = t e + (1 - t) x_0, the latents there and the
+   residual (e - x_0) - v_base(x_t, t). Each request keeps its episode's success once it ends; the
+   requests of episodes still running at the end are dropped. Saved as ``rollouts.safetensors``.
+2. train: episodes split by a seeded draw (``held_out_fraction`` held out); the failure predictor on the
+   training requests, its threshold on the held-out ones (Youden's J); the field by Q-weighted flow matching
+   on the training requests.
+3. write ``steering/`` (config.json with the threshold and held-out metrics, model.safetensors) and
+   ``steer_summary.json``. Evaluate with ``vla-rl eval --checkpoint=<base> --steer.dir=<output_dir>/steering
+   --steer.mode=gated|always``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+from tqdm import tqdm
+
+from sim.config import EnvConfig
+from vla_core.runtime import ChunkingConfig, DelayConfig, DelayModel, LatencySpec
+from vla_core.types import TASK, ActionChunk
+from vla_rl.checkpoint import load_policy
+from vla_rl.steering import (
+    Steering,
+    advantage_weights,
+    choose_threshold,
+    train_field,
+    train_predictor,
+)
+
+
+@dataclass
+class SteerConfig:
+    """Latent steering (RL²) of a frozen flow policy: collect its rollouts, train the steering field and the
+    failure predictor offline, write them for `vla-rl eval --steer.dir`."""
+
+    checkpoint: str = "outputs/quickstart/train"  # the frozen flow policy (a checkpoint dir or a training run)
+    env: EnvConfig = field(default_factory=lambda: EnvConfig(num_envs=16))  # the task, its variation, worlds
+    episodes: int = 200  # rollouts collected (whole episodes; the ones cut at the end are dropped)
+    seed: int = 7000  # initial states of the rollouts (apart from eval's 1000 and the recording seeds)
+    samples_per_chunk: int = 2  # times t drawn per request for the field's regression
+    held_out_fraction: float = 0.25  # episodes held out to choose the gate's threshold
+    predictor_steps: int = 500
+    field_steps: int = 2000
+    batch_size: int = 256
+    lr: float = 1e-3
+    hidden: int = 256  # the field's width
+    beta: float = 1.0  # temperature of the advantage weights
+    chunking: ChunkingConfig = field(default_factory=ChunkingConfig)
+    delay: DelayConfig = field(default_factory=DelayConfig)
+    device: str = "cpu"
+    num_threads: int = 0  # torch CPU threads; 0 = torch's default
+    output_dir: str = "outputs/steer"  # rollouts.safetensors, steering/, steer_summary.json
+
+
+def run_steer(cfg: SteerConfig) -> dict[str, Any]:
+    if cfg.num_threads:
+        torch.set_num_threads(cfg.num_threads)
+    if not 0 < cfg.held_out_fraction < 1 or cfg.episodes < 4:
+        raise ValueError("held_out_fraction must be in (0, 1) and episodes >= 4 (some to train on, some held out)")
+    out = Path(cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    policy, _ = load_policy(cfg.checkpoint, device=cfg.device)
+    policy.eval()
+    _check_steerable(policy)
+    start = time.time()
+    rollouts_file = out / "rollouts.safetensors"
+    if rollouts_file.exists():  # a run stopped after collecting goes on from its rollouts
+        data = load_file(str(rollouts_file))
+    else:
+        data = collect(cfg, policy)
+        tmp = out / "rollouts.safetensors.tmp"
+        save_file(data, str(tmp))
+        tmp.replace(rollouts_file)
+    collected_s = time.time() - start
+    steering, metrics = train(cfg, data, tuple(policy.noise_shape), policy.latent_dim)
+    steering.save(out / "steering", {"checkpoint": cfg.checkpoint, "env": asdict(cfg.env)})
+    summary = {"config": asdict(cfg), **metrics, "collect_seconds": round(collected_s, 1),
+               "seconds": round(time.time() - start, 1)}  # fmt: skip
+    tmp = out / "steer_summary.json.tmp"
+    tmp.write_text(json.dumps(summary, indent=2))
+    tmp.replace(out / "steer_summary.json")
+    return summary
+
+
+def _check_steerable(policy) -> None:
+    try:
+        policy.noise_shape, policy.latent_dim  # noqa: B018 (a policy without a flow velocity refuses these)
+    except ValueError as err:
+        raise ValueError(f"vla-rl steer needs a flow policy: {err}") from None
+
+
+# -- collect -------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def record_request(policy, obs: dict, obs_step: torch.Tensor, samples: int, generator: torch.Generator):
+    """Sample one chunk per row of ``obs`` from drawn noise and the regression samples of the module docstring.
+    Returns (the chunk's actions (B, H, A), {gate (B, L), x_t (B, K, *S), t (B, K), latents (B, K, L),
+    residual (B, K, *S)})."""
+    batch = len(obs_step)
+    noise = torch.randn(batch, *policy.noise_shape, generator=generator).to(policy.device)
+    seen: dict[str, torch.Tensor] = {}
+
+    def recording(x_t, t, latents):  # adds nothing; keeps the first step's latents and the last step's state
+        seen.setdefault("gate", latents.detach().float().cpu())
+        seen["x"], seen["t"] = x_t.detach(), t.detach()
+        return torch.zeros_like(x_t)
+
+    chunk = policy.predict_chunk(obs, obs_step, noise=noise, steer=recording)
+    step = seen["t"].view(-1, *[1] * (noise.ndim - 1))  # the last Euler step's time is its size, 1 / n
+    x_0 = seen["x"] - policy.velocity(obs, seen["x"], seen["t"]) * step
+    xs, ts, lats, residuals = [], [], [], []
+    for _ in range(samples):
+        t = torch.rand(batch, generator=generator).to(noise.device)
+        tt = t.view(-1, *[1] * (noise.ndim - 1))
+        x_t = tt * noise + (1 - tt) * x_0
+        xs.append(x_t.float().cpu())
+        ts.append(t.float().cpu())
+        lats.append(policy.latents(obs, x_t, t).float().cpu())
+        residuals.append(((noise - x_0) - policy.velocity(obs, x_t, t)).float().cpu())
+    record = {"gate": seen["gate"], "x_t": torch.stack(xs, 1), "t": torch.stack(ts, 1),
+              "latents": torch.stack(lats, 1), "residual": torch.stack(residuals, 1)}  # fmt: skip
+    return chunk.actions, record
+
+
+def collect(cfg: SteerConfig, policy) -> dict[str, torch.Tensor]:
+    """The rollouts of stage 1: per request, its episode (an id), the episode's success and the regression
+    samples (`record_request`)."""
+    from sim.factory import make_env
+    from vla_core.runtime.delayed_env import DelayedChunkEnv
+
+    generator = torch.Generator().manual_seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    requests: list[dict[str, torch.Tensor]] = []  # one per request: its record and its episode id
+    outcome: dict[int, bool] = {}
+    with make_env(cfg.env) as env:
+        n = env.num_envs
+        delayed = DelayedChunkEnv(env, LatencySpec.of(policy), cfg.chunking, DelayModel(cfg.delay, env.control_dt))
+        obs, need = delayed.reset(seed=cfg.seed)
+        episode = np.arange(n)  # each world's current episode id
+        next_id = n
+        bar = tqdm(total=cfg.episodes, desc="collect", unit="ep")
+        while len(outcome) < cfg.episodes:
+            rows = torch.nonzero(need.cpu()).flatten()
+            actions = None
+            if len(rows):
+                sub = {k: [v[i] for i in rows.tolist()] if k == TASK else v[rows.to(v.device)]
+                       for k, v in obs.items() if k == TASK or torch.is_tensor(v)}  # fmt: skip
+                chunk, record = record_request(policy, sub, delayed.obs_step[rows], cfg.samples_per_chunk, generator)
+                actions = chunk.new_zeros(n, *chunk.shape[1:])
+                actions[rows.to(actions.device)] = chunk
+                for j, w in enumerate(rows.tolist()):
+                    requests.append({**{k: v[j] for k, v in record.items()}, "episode": torch.tensor(int(episode[w]))})
+            if actions is None:
+                cfg_p = policy.config
+                actions = torch.zeros(n, cfg_p.horizon, cfg_p.action_dim)
+            obs, _, terminated, truncated, info, need = delayed.step(ActionChunk(actions, delayed.obs_step))
+            for w in torch.nonzero((terminated | truncated).cpu()).flatten().tolist():
+                if len(outcome) < cfg.episodes:
+                    outcome[int(episode[w])] = bool(info["success"][w])
+                    bar.update(1)
+                episode[w], next_id = next_id, next_id + 1
+        bar.close()
+    kept = [r for r in requests if int(r["episode"]) in outcome]
+    data = {k: torch.stack([r[k] for r in kept]) for k in kept[0]}
+    data["success"] = torch.tensor([outcome[int(r["episode"])] for r in kept])
+    return data
+
+
+# -- train ---------------------------------------------------------------------------------------
+
+
+def train(cfg: SteerConfig, data: dict[str, torch.Tensor], noise_shape: tuple[int, ...], latent_dim: int):
+    """Stage 2 on the collected ``data``: (the `Steering`, its metrics)."""
+    generator = torch.Generator().manual_seed(cfg.seed + 1)
+    episodes = torch.unique(data["episode"])
+    order = episodes[torch.randperm(len(episodes), generator=generator)]
+    held = set(order[: max(1, round(len(order) * cfg.held_out_fraction))].tolist())
+    is_held = torch.tensor([int(e) in held for e in data["episode"]])
+    fail = ~data["success"].bool()
+    steering = Steering(noise_shape, latent_dim, cfg.hidden)
+    train_rows, held_rows = ~is_held, is_held
+    predictor_loss = train_predictor(steering.predictor, data["gate"][train_rows], fail[train_rows], cfg.predictor_steps,
+                                     cfg.lr, cfg.batch_size, generator)  # fmt: skip
+    with torch.no_grad():
+        held_prob = torch.sigmoid(steering.predictor(data["gate"][held_rows]))
+        train_logit = steering.predictor(data["gate"][train_rows])
+    gate = choose_threshold(held_prob, fail[held_rows])
+    steering.threshold = gate["threshold"]
+    # The field's samples: every regression sample of every training request, with its request's weight.
+    k = data["t"].shape[1]
+    weights = advantage_weights(data["success"][train_rows], train_logit, cfg.beta).repeat_interleave(k)
+    flat = {name: data[name][train_rows].flatten(0, 1) for name in ("x_t", "t", "latents", "residual")}
+    field_loss = train_field(steering.field, flat, weights, cfg.field_steps, cfg.lr, cfg.batch_size, generator)
+    metrics = {
+        "requests": len(data["episode"]), "episodes": len(episodes), "held_out_episodes": len(held),
+        "success_rate": round(float(data["success"].float().mean()), 4),
+        "gate": {**{key: round(v, 4) for key, v in gate.items()},
+                 "steered_fraction_held_out": round(float((held_prob > steering.threshold).float().mean()), 4)},
+        "predictor_loss": {"first": round(predictor_loss[0], 5), "last": round(predictor_loss[-1], 5)},
+        "field_loss": {"first": round(field_loss[0], 5), "last": round(field_loss[-1], 5)},
+        "weights": {"mean": round(float(weights.mean()), 4), "max": round(float(weights.max()), 4)},
+    }  # fmt: skip
+    steering.metrics = metrics
+    return steering.eval(), metrics
