@@ -170,3 +170,19 @@ def test_vla_rl_steer_collects_trains_and_eval_serves_the_steered_policy(tmp_pat
                                  steer=SteerEvalConfig(dir=str(tmp_path / "steer" / "steering"), mode="always"),
                                  output_dir=str(tmp_path / "eval")))  # fmt: skip
     assert len(result["per_episode"]) == 2 and result["config"]["steer"]["mode"] == "always"
+    # Another base (one weight changed) is refused, naming the checkpoint the steering was trained on.
+    with torch.no_grad():
+        next(policy.parameters()).add_(1.0)
+    policy.save_pretrained(tmp_path / "other")
+    with pytest.raises(ValueError, match=r"trained on another base policy .* steer .*policy"):
+        evaluate(EvalConfig(checkpoint=str(tmp_path / "other"), env=env, num_episodes=2, video_episodes=0,
+                            steer=SteerEvalConfig(dir=str(tmp_path / "steer" / "steering")),
+                            output_dir=str(tmp_path / "eval_other")))  # fmt: skip
+
+
+def test_a_policy_without_a_flow_velocity_is_refused_naming_the_fix():
+    from vla_rl.steer import _check_steerable
+
+    with pytest.raises(ValueError, match="vla-rl steer needs a flow policy: .*--policy.objective=flow"):
+        _check_steerable(make_policy("diffusion"))
+    _check_steerable(make_policy("diffusion-flow"))  # a flow policy passes

@@ -33,6 +33,7 @@ from sim.config import EnvConfig
 from vla_core.runtime import ChunkingConfig, DelayConfig, DelayModel, LatencySpec
 from vla_core.types import TASK, ActionChunk
 from vla_rl.checkpoint import load_policy
+from vla_rl.eval_record import weights_sha256
 from vla_rl.steering import (
     Steering,
     advantage_weights,
@@ -87,6 +88,7 @@ def run_steer(cfg: SteerConfig) -> dict[str, Any]:
         tmp.replace(rollouts_file)
     collected_s = time.time() - start
     steering, metrics = train(cfg, data, tuple(policy.noise_shape), policy.latent_dim)
+    steering.base_sha256 = weights_sha256(policy)  # a steering refuses any other base (`SteeredPolicy`)
     steering.save(out / "steering", {"checkpoint": cfg.checkpoint, "env": asdict(cfg.env)})
     summary = {"config": asdict(cfg), **metrics, "collect_seconds": round(collected_s, 1),
                "seconds": round(time.time() - start, 1)}  # fmt: skip

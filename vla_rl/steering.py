@@ -82,11 +82,12 @@ class Steering(nn.Module):
     """The field, the predictor and the threshold, saved together (config.json + model.safetensors)."""
 
     def __init__(self, noise_shape: tuple[int, ...], latent_dim: int, hidden: int = 256, threshold: float = 0.5,
-                 metrics: dict[str, Any] | None = None):  # fmt: skip
+                 metrics: dict[str, Any] | None = None, base_sha256: str = ""):  # fmt: skip
         super().__init__()
         self.field = SteeringField(noise_shape, latent_dim, hidden)
         self.predictor = FailurePredictor(latent_dim)
         self.threshold, self.hidden, self.metrics = float(threshold), hidden, dict(metrics or {})
+        self.base_sha256 = base_sha256  # the weights of the base policy it was trained on ("" = not recorded)
 
     def steer(self, mode: SteerMode = "gated", weight: float = 1.0) -> Steer:
         """A `vla_core.types.Steer` for one chunk: the gate is read at its first Euler step (t = 1) and kept."""
@@ -107,7 +108,8 @@ class Steering(nn.Module):
         """config.json and model.safetensors in ``directory``, each written atomically."""
         directory.mkdir(parents=True, exist_ok=True)
         config = {"noise_shape": list(self.field.noise_shape), "latent_dim": self.field.latent_dim,
-                  "hidden": self.hidden, "threshold": self.threshold, "metrics": self.metrics, **(extra or {})}  # fmt: skip
+                  "hidden": self.hidden, "threshold": self.threshold, "base_sha256": self.base_sha256,
+                  "metrics": self.metrics, **(extra or {})}  # fmt: skip
         tmp = directory / "model.safetensors.tmp"
         save_file({k: v.contiguous() for k, v in self.state_dict().items()}, str(tmp))
         tmp.replace(directory / "model.safetensors")
@@ -122,7 +124,8 @@ class Steering(nn.Module):
             raise ValueError(f"{directory} holds no steering (config.json); write one with `vla-rl steer`")
         config = json.loads((directory / "config.json").read_text())
         steering = cls(tuple(config["noise_shape"]), config["latent_dim"], config["hidden"], config["threshold"],
-                       config.get("metrics"))  # fmt: skip
+                       config.get("metrics"), config.get("base_sha256", ""))  # fmt: skip
+        steering.trained_on = config.get("checkpoint", "")
         steering.load_state_dict(load_file(str(directory / "model.safetensors")))
         return steering.eval()
 
@@ -139,6 +142,16 @@ class SteeredPolicy(nn.Module):
                 f"{steering.field.latent_dim}, the policy has {tuple(base.noise_shape)} and {base.latent_dim}: "
                 "steer the policy it was collected on"
             )
+        if steering.base_sha256:
+            from vla_rl.eval_record import weights_sha256
+
+            sha = weights_sha256(base)
+            if sha != steering.base_sha256:
+                where = getattr(steering, "trained_on", "") or "the policy it was collected on"
+                raise ValueError(
+                    f"the steering was trained on another base policy (weights sha256 {steering.base_sha256[:12]}..., "
+                    f"this one {sha[:12]}...): steer {where}, or collect and train again with `vla-rl steer` on this one"
+                )
         self.base, self.steering, self.mode, self.weight = base, steering, mode, float(weight)
         steering.steer(mode)  # the mode checked now, not at the first chunk
 
