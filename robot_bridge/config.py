@@ -126,6 +126,11 @@ class ServeConfig:
     # with config.json); "": the checkpoint's tokenizer/ folder, else the Hugging Face cache.
     tokenizer_dir: str = ""
     device: str = "cpu"  # torch device of the policy
+    # Latent steering (RL²) composed with the checkpoint in the inference process: a `vla-rl steer` output's
+    # steering/ folder ("" = none), gated (where its failure predictor expects a failure) or always, weight w.
+    steer_dir: str = ""
+    steer_mode: str = "gated"
+    steer_weight: float = 1.0
     cameras: list[CameraTopic] = field(default_factory=lambda: [CameraTopic()])  # camera topic -> policy image feature
     # JointState names, in observation.state order
     state_names: list[str] = field(default_factory=lambda: list(SIM_STATE_NAMES))
@@ -223,6 +228,7 @@ class ServeConfig:
             "inference": (self.inference, get_args(InferenceMode)),
             "ros_executor": (self.ros_executor, get_args(RosExecutor)),
             "output": (self.output, get_args(Output)),
+            "steer_mode": (self.steer_mode, ("gated", "always")),
             "gripper_open": (self.gripper_open, get_args(GripperOpen)),
             "qos.sensor_reliability": (self.qos.sensor_reliability, get_args(Reliability)),
         }

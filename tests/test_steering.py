@@ -170,6 +170,15 @@ def test_vla_rl_steer_collects_trains_and_eval_serves_the_steered_policy(tmp_pat
                                  steer=SteerEvalConfig(dir=str(tmp_path / "steer" / "steering"), mode="always"),
                                  output_dir=str(tmp_path / "eval")))  # fmt: skip
     assert len(result["per_episode"]) == 2 and result["config"]["steer"]["mode"] == "always"
+    # serve and the policy server load the same composition in their inference process.
+    from robot_bridge.config import ServeConfig
+    from robot_bridge.inference import policy_info
+    from vla_rl.cli import _loader
+
+    served = _loader(ServeConfig(checkpoint=str(tmp_path / "policy"), steer_dir=str(tmp_path / "steer" / "steering"),
+                                 steer_mode="always"))()  # fmt: skip
+    assert isinstance(served, SteeredPolicy) and served.mode == "always"
+    assert policy_info(served)["noise_shape"] == (8, 4) and policy_info(served)["horizon"] == 8
     # Another base (one weight changed) is refused, naming the checkpoint the steering was trained on.
     with torch.no_grad():
         next(policy.parameters()).add_(1.0)

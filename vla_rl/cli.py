@@ -39,31 +39,43 @@ class Command:
         return getattr(importlib.import_module(module), name)
 
 
-def _policy_from_checkpoint(path: str, device: str, tokenizer_dir: str = ""):
-    """The serve node's policy loader; runs inside its inference worker, so a bad checkpoint is reported there."""
+def _policy_from_checkpoint(path: str, device: str, tokenizer_dir: str = "", steer_dir: str = "",
+                            steer_mode: str = "gated", steer_weight: float = 1.0):  # fmt: skip
+    """The serve node's policy loader; runs inside its inference worker, so a bad checkpoint is reported there.
+    With ``steer_dir`` the policy is steered there too (`vla_rl.steering.SteeredPolicy`)."""
     from vla_rl.checkpoint import load_policy
 
-    return load_policy(path, device=device, tokenizer_dir=tokenizer_dir)[0]
+    policy = load_policy(path, device=device, tokenizer_dir=tokenizer_dir)[0]
+    if steer_dir:
+        from vla_rl.steering import SteeredPolicy, Steering
+
+        policy = SteeredPolicy(policy, Steering.load(steer_dir).to(policy.device), steer_mode, steer_weight)
+    return policy
+
+
+def _loader(cfg):
+    """`_policy_from_checkpoint` bound to a serve or policy-server config."""
+    from functools import partial
+
+    return partial(_policy_from_checkpoint, cfg.checkpoint, cfg.device, cfg.tokenizer_dir, cfg.steer_dir,
+                   cfg.steer_mode, cfg.steer_weight)  # fmt: skip
 
 
 def _run_serve(cfg):
     import json
-    from functools import partial
 
     from robot_bridge.node import serve
 
     # `--ros-args ...` (ROS parameter overrides) was kept out of the config parse; rclpy reads it here.
     ros_args = sys.argv[sys.argv.index("--ros-args") :] if "--ros-args" in sys.argv else None
-    summary = serve(cfg, partial(_policy_from_checkpoint, cfg.checkpoint, cfg.device, cfg.tokenizer_dir), ros_args)
+    summary = serve(cfg, _loader(cfg), ros_args)
     print(json.dumps(summary, indent=2))
 
 
 def _run_policy_server(cfg):
-    from functools import partial
-
     from robot_bridge.policy_server import run_policy_server
 
-    run_policy_server(cfg, partial(_policy_from_checkpoint, cfg.checkpoint, cfg.device, cfg.tokenizer_dir))
+    run_policy_server(cfg, _loader(cfg))
 
 
 def _run_bench_bridge(cfg):
