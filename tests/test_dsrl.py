@@ -1,0 +1,100 @@
+"""DSRL (`vla_rl.rl.sac`, `vla-rl dsrl`): the rollout's decisions as transitions (pairing worked out by hand), the
+chunk discount, SAC through TorchRL learning a noise bandit, and the command end to end on a tiny flow policy."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from extras import require
+
+from vla_rl.rl.sac import NoiseAgent, NoiseDecision, SACConfig, chunk_discount, transitions
+
+require("torchrl", "steer")
+
+
+def rollout(world, episode, done, discount=None):
+    m = len(world)
+    return SimpleNamespace(
+        world=torch.tensor(world), episode=torch.tensor(episode), done=torch.tensor(done),
+        reward=torch.arange(m, dtype=torch.float32), discount=torch.tensor(discount or [0.9] * m),
+        decision=NoiseDecision(torch.arange(m, dtype=torch.float32)[:, None].repeat(1, 2),
+                               10 + torch.arange(m, dtype=torch.float32)[:, None]),
+        __len__=None,
+    )  # fmt: skip
+
+
+class _Rollout(SimpleNamespace):
+    def __len__(self):
+        return len(self.world)
+
+
+def test_each_decision_goes_to_the_next_one_of_its_world_and_episode():
+    """World 0: decisions 0, 1 (1 ends its episode); world 1: 2, 3 (ends), then 4 (a new episode, ends). Next states:
+    0 -> 1; the ended ones point at themselves (unused: done); 2 -> 3."""
+    r = _Rollout(**vars(rollout([0, 0, 1, 1, 1], [0, 0, 0, 0, 1], [False, True, False, True, True])))
+    td = transitions(r)
+    assert td["next", "observation"][:, 0].tolist() == [11, 11, 13, 13, 14]
+    assert td["next", "done"][:, 0].tolist() == [False, True, False, True, True]
+    assert td["action"][:, 0].tolist() == [0, 1, 2, 3, 4] and td["next", "reward"][:, 0].tolist() == [0, 1, 2, 3, 4]
+
+
+def test_the_chunk_discount_is_that_of_the_chunks_that_did_not_end_their_episode():
+    """gamma 0.99, chunks of 4 steps (0.99^4 = 0.96059601) unless they end the episode (shorter: left out)."""
+    r = _Rollout(**vars(rollout([0, 0, 0], [0, 0, 0], [False, False, True], [0.99**4, 0.99**4, 0.99])))
+    assert chunk_discount(r, 0.99) == pytest.approx(0.99**4)
+    assert chunk_discount(_Rollout(**vars(rollout([0], [0], [True]))), 0.99) == 0.99
+
+
+def test_sac_moves_the_noise_toward_the_rewarded_one():
+    """A one-step bandit on a fixed state: reward -|w - target|^2 with target (0.8, -0.6, 0.4, 0.0), each episode
+    one decision (done). The deterministic noise starts at 0 (|w - target| = 1.077) and must end within 0.3."""
+    from tensordict import TensorDict
+    from torchrl.data import LazyTensorStorage, ReplayBuffer
+
+    torch.manual_seed(0)
+    policy = SimpleNamespace(noise_shape=(2, 2), latent_dim=3, device=torch.device("cpu"))
+    agent = NoiseAgent(policy, SACConfig(lr=3e-3, batch_size=128, updates=1, hidden=64, alpha_init=0.01))
+    agent.loss.make_value_estimator(gamma=0.9)
+    target, state = torch.tensor([0.8, -0.6, 0.4, 0.0]), torch.zeros(64, 3)
+    replay = ReplayBuffer(storage=LazyTensorStorage(10_000), batch_size=128)
+
+    def deterministic() -> torch.Tensor:
+        from tensordict.nn import InteractionType, set_interaction_type
+
+        with torch.no_grad(), set_interaction_type(InteractionType.DETERMINISTIC):
+            return agent.actor(TensorDict({"observation": state[:1]}, batch_size=[1]))["action"][0]
+
+    start = (deterministic() - target).norm()
+    for _ in range(400):
+        with torch.no_grad():
+            noise = agent.actor(TensorDict({"observation": state}, batch_size=[64]))["action"]
+        done = torch.ones(64, 1, dtype=torch.bool)
+        replay.extend(TensorDict({"observation": state, "action": noise, "next": TensorDict({
+            "observation": state, "reward": -(noise - target).pow(2).sum(-1, keepdim=True), "done": done,
+            "terminated": done}, batch_size=[64])}, batch_size=[64]))  # fmt: skip
+        agent.update(replay)
+    assert start > 1.0 and (deterministic() - target).norm() < 0.3
+
+
+def test_vla_rl_dsrl_trains_through_the_shared_rollout_and_evaluates_both_arms(tmp_path):
+    from policies.diffusion import DiffusionConfig
+    from policies.diffusion.modeling_diffusion import DiffusionPolicy
+    from policies.tokenizer import word_vocabulary
+    from sim.config import EnvConfig
+    from vla_rl.dsrl import DSRLConfig, run_dsrl
+
+    torch.manual_seed(0)
+    policy = DiffusionPolicy(DiffusionConfig(
+        state_dim=11, action_dim=4, cameras=["front"], image_size=32, horizon=8, n_action_steps=4,
+        vocabulary=word_vocabulary(["pick up the red cube"]), vision_channels=8, num_keypoints=8, text_dim=8,
+        hidden_dim=32, num_blocks=2, num_inference_steps=4, objective="flow",
+    ))  # fmt: skip
+    policy.set_normalization([0.0] * 11, [1.0] * 11, [-1.0] * 4, [1.0] * 4)
+    policy.save_pretrained(tmp_path / "policy")
+    env = EnvConfig(num_envs=2, max_episode_steps=8, image_size=32, num_threads=1, render_threads=1)
+    summary = run_dsrl(DSRLConfig(checkpoint=str(tmp_path / "policy"), env=env, iterations=2, eval_episodes=2,
+                                  sac=SACConfig(batch_size=2, updates=2, hidden=16), output_dir=str(tmp_path / "dsrl")))  # fmt: skip
+    # 8 steps in chunks of 4 steps: 2 decisions per episode, 2 worlds, 2 iterations: 8 transitions.
+    assert [h["buffer"] for h in summary["history"]] == [4, 8] and "loss_qvalue" in summary["history"][1]
+    assert summary["gamma_chunk"] == pytest.approx(0.99**4)
+    assert set(summary["eval"]) == {"base", "dsrl"} and (tmp_path / "dsrl" / "dsrl" / "model.safetensors").exists()

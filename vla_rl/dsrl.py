@@ -1,0 +1,129 @@
+"""`vla-rl dsrl`: DSRL, steering a frozen flow policy through its initial noise with soft actor-critic
+(`vla_rl.rl.sac` holds the method). Each iteration rolls the agent out through the rollout PPO and GRPO use
+(`vla_rl.rl.rollout.collect`, the latency model included), adds its transitions to the replay buffer and
+takes ``sac.updates`` gradient steps. At the end the frozen policy and the policy driven by the actor's
+deterministic noise are evaluated on the same held-out initial states (`vla-rl eval`'s stage), and
+``dsrl/`` (the actor, config.json) and ``dsrl_summary.json`` are written atomically.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+from tqdm import tqdm
+
+from sim.config import EnvConfig
+from vla_core.runtime import ChunkingConfig, DelayConfig, DelayModel, LatencySpec
+from vla_rl.checkpoint import load_policy
+from vla_rl.rl.sac import NoiseAgent, SACConfig, chunk_discount, transitions
+
+
+@dataclass
+class DSRLConfig:
+    """DSRL: soft actor-critic over the initial noise of a frozen flow policy, in the batched sim."""
+
+    checkpoint: str = "outputs/quickstart/train"  # the frozen flow policy
+    env: EnvConfig = field(default_factory=lambda: EnvConfig(num_envs=16))  # the task, its variation, worlds
+    iterations: int = 30
+    episodes_per_world: int = 1  # whole episodes each world runs per iteration
+    seed: int = 8000  # rollouts reset from seed + 1,000,000 + iteration (never an evaluation seed)
+    eval_episodes: int = 100  # held-out episodes per arm at the end (frozen, DSRL), on eval_seed's states
+    eval_seed: int = 5000
+    sac: SACConfig = field(default_factory=SACConfig)
+    chunking: ChunkingConfig = field(default_factory=ChunkingConfig)
+    delay: DelayConfig = field(default_factory=DelayConfig)
+    device: str = "cpu"
+    num_threads: int = 0  # torch CPU threads; 0 = torch's default
+    output_dir: str = "outputs/dsrl"  # dsrl/, dsrl_summary.json, eval_base/, eval_dsrl/
+
+
+class NoisePolicy(nn.Module):
+    """The frozen policy driven by the DSRL actor's deterministic noise: what evaluation and serving run."""
+
+    def __init__(self, agent: NoiseAgent):
+        super().__init__()
+        self.base, self.actor = agent.policy, agent.actor_net
+        self._agent = agent
+
+    def predict_chunk(self, obs, obs_step=None, **kwargs):
+        kwargs.pop("noise", None)  # the actor chooses it
+        return self.base.predict_chunk(obs, obs_step, noise=self._agent.deterministic_noise(obs), **kwargs)
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["base"], name)
+
+
+def run_dsrl(cfg: DSRLConfig) -> dict[str, Any]:
+    from torchrl.data import LazyTensorStorage, ReplayBuffer
+
+    from sim.factory import make_env
+    from vla_core.runtime.delayed_env import DelayedChunkEnv
+    from vla_rl.eval import EvalConfig, evaluate
+    from vla_rl.rl.rollout import collect
+    from vla_rl.steer import _check_steerable
+
+    if cfg.num_threads:
+        torch.set_num_threads(cfg.num_threads)
+    out = Path(cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    policy, _ = load_policy(cfg.checkpoint, device=cfg.device)
+    policy.eval()
+    _check_steerable(policy)
+    torch.manual_seed(cfg.seed)
+    agent = NoiseAgent(policy, cfg.sac)
+    replay = ReplayBuffer(storage=LazyTensorStorage(cfg.sac.buffer_size), batch_size=cfg.sac.batch_size)
+    history, start = [], time.time()
+    with make_env(cfg.env) as env:
+        delayed = DelayedChunkEnv(env, LatencySpec.of(policy), cfg.chunking, DelayModel(cfg.delay, env.control_dt),
+                                  use="finetune", gamma=cfg.sac.gamma)  # fmt: skip
+        for it in tqdm(range(cfg.iterations), desc="dsrl", unit="it"):
+            rollout, stats = collect(agent, delayed, episodes_per_world=cfg.episodes_per_world,
+                                     seed=cfg.seed + 1_000_000 + it)  # fmt: skip
+            if agent.gamma_chunk is None:
+                agent.gamma_chunk = chunk_discount(rollout, cfg.sac.gamma)
+                agent.loss.make_value_estimator(gamma=agent.gamma_chunk)
+            replay.extend(transitions(rollout))
+            losses = agent.update(replay) if len(replay) >= cfg.sac.batch_size else {}
+            history.append({"iteration": it, "success_rate": round(stats.success_rate, 4), "episodes": stats.episodes,
+                            "env_steps": stats.env_steps, "buffer": len(replay),
+                            **{k: round(v, 5) for k, v in losses.items()}})  # fmt: skip
+    save_agent(out / "dsrl", agent, cfg)
+    arms = {}
+    for name, arm in (("base", policy), ("dsrl", NoisePolicy(agent))):
+        arms[name] = evaluate(EvalConfig(checkpoint=cfg.checkpoint, env=cfg.env, num_episodes=cfg.eval_episodes,
+                                         seed=cfg.eval_seed, chunking=cfg.chunking, delay=cfg.delay, video_episodes=0,
+                                         output_dir=str(out / f"eval_{name}"), overwrite=True), policy=arm)  # fmt: skip
+    rates = {name: {"success_rate": r["success_rate"], "ci95": r["success_ci95"]} for name, r in arms.items()}
+    summary = {"config": asdict(cfg), "history": history, "gamma_chunk": agent.gamma_chunk, "eval": rates,
+               "gain_points": round(100 * (rates["dsrl"]["success_rate"] - rates["base"]["success_rate"]), 1),
+               "seconds": round(time.time() - start, 1)}  # fmt: skip
+    tmp = out / "dsrl_summary.json.tmp"
+    tmp.write_text(json.dumps(summary, indent=2))
+    tmp.replace(out / "dsrl_summary.json")
+    return summary
+
+
+def save_agent(directory: Path, agent: NoiseAgent, cfg: DSRLConfig) -> None:
+    """The actor (model.safetensors) and what rebuilds it (config.json), each written atomically."""
+    from vla_rl.eval_record import weights_sha256
+
+    directory.mkdir(parents=True, exist_ok=True)
+    tmp = directory / "model.safetensors.tmp"
+    save_file({k: v.contiguous() for k, v in agent.actor_net.state_dict().items()}, str(tmp))
+    tmp.replace(directory / "model.safetensors")
+    config = {"sac": asdict(cfg.sac), "noise_shape": list(agent.policy.noise_shape), "latent_dim": agent.policy.latent_dim,
+              "checkpoint": cfg.checkpoint, "base_sha256": weights_sha256(agent.policy),
+              "gamma_chunk": agent.gamma_chunk}  # fmt: skip
+    tmp = directory / "config.json.tmp"
+    tmp.write_text(json.dumps(config, indent=2))
+    tmp.replace(directory / "config.json")
