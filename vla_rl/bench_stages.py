@@ -52,6 +52,8 @@ def train_imitation(cfg, dataset: Path, output_dir: Path, delay=None) -> None:
     policy = {"horizon": cfg.horizon, "n_action_steps": cfg.n_action_steps}
     if policy_type == "autoregressive_vla":  # the benchmark's action tokenizer (`bench rl --action_tokenizer`)
         policy["action_tokenizer"] = cfg.action_tokenizer
+    if getattr(cfg, "objective", ""):  # a flow base policy (`bench steering`)
+        policy["objective"] = cfg.objective
     delay = delay or DelayConfig()
     saved = output_dir / "train_config.json"
     if (output_dir / "checkpoints").is_dir() and saved.is_file():  # resumed: it must be this run's policy

@@ -202,6 +202,23 @@ def _run_bench_rl(cfg):
     print(format_summary(bench_rl(cfg)))
 
 
+def _run_bench_steering(cfg):
+    from vla_rl.bench_steering import bench_steering, final_line
+
+    report = bench_steering(cfg)
+    for cell, arms in report["cells"].items():
+        rates = ", ".join(f"{arm} {r['success_rate']:.2f} [{r['success_ci95'][0]:.2f}, {r['success_ci95'][1]:.2f}]"
+                          for arm, r in arms.items())  # fmt: skip
+        print(f"{cell}: {rates}")
+    timing = report["timing"]
+    print(f"base in distribution {report['base_in_distribution']:.2f} (floor 0.70 {'met' if report['base_floor_met'] else 'NOT met'}); "
+          f"per-chunk inference {timing['base_ms']} ms, gated x{timing['gated_over_base']}, always "
+          f"x{timing['always_over_base']}; {report['minutes']} min")  # fmt: skip
+    if cfg.quick:
+        print("quick run: toy sizes, the numbers say nothing about steering")
+    print(final_line(report))
+
+
 def _run_bench_latency_rl(cfg):
     from vla_rl.bench_latency_rl import bench_latency_rl, format_summary
 
@@ -364,6 +381,11 @@ COMMANDS: dict[str, Command] = {
                 "RL fine-tuning: PPO and GRPO gains over an imitation checkpoint on one env-step budget",
                 "vla_rl.bench_rl:BenchRLConfig",
                 _run_bench_rl,
+            ),
+            "steering": Command(
+                "steering a frozen flow policy out of distribution: RL² (gated, always) and DSRL against the base",
+                "vla_rl.bench_steering:BenchSteeringConfig",
+                _run_bench_steering,
             ),
             "delay-calibration": Command(
                 "the latency benchmarks' task and delay, chosen from their baseline arms by the fixed protocol",

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +31,9 @@ class DSRLConfig:
 
     checkpoint: str = "outputs/quickstart/train"  # the frozen flow policy
     env: EnvConfig = field(default_factory=lambda: EnvConfig(num_envs=16))  # the task, its variation, worlds
+    # Train across several settings: iteration i runs env.variation = variations[i % len] ("" = in
+    # distribution); empty = env.variation throughout. The final evaluation runs env as given.
+    variations: list[str] = field(default_factory=list)
     iterations: int = 30
     episodes_per_world: int = 1  # whole episodes each world runs per iteration
     seed: int = 8000  # rollouts reset from seed + 1,000,000 + iteration (never an evaluation seed)
@@ -83,20 +86,26 @@ def run_dsrl(cfg: DSRLConfig) -> dict[str, Any]:
     agent = NoiseAgent(policy, cfg.sac)
     replay = ReplayBuffer(storage=LazyTensorStorage(cfg.sac.buffer_size), batch_size=cfg.sac.batch_size)
     history, start = [], time.time()
-    with make_env(cfg.env) as env:
-        delayed = DelayedChunkEnv(env, LatencySpec.of(policy), cfg.chunking, DelayModel(cfg.delay, env.control_dt),
-                                  use="finetune", gamma=cfg.sac.gamma)  # fmt: skip
+    settings = [replace(cfg.env, variation=v) for v in cfg.variations] or [cfg.env]
+    envs = [make_env(setting) for setting in settings]
+    shells = [DelayedChunkEnv(env, LatencySpec.of(policy), cfg.chunking, DelayModel(cfg.delay, env.control_dt),
+                              use="finetune", gamma=cfg.sac.gamma) for env in envs]  # fmt: skip
+    try:
         for it in tqdm(range(cfg.iterations), desc="dsrl", unit="it"):
-            rollout, stats = collect(agent, delayed, episodes_per_world=cfg.episodes_per_world,
+            rollout, stats = collect(agent, shells[it % len(shells)], episodes_per_world=cfg.episodes_per_world,
                                      seed=cfg.seed + 1_000_000 + it)  # fmt: skip
             if agent.gamma_chunk is None:
                 agent.gamma_chunk = chunk_discount(rollout, cfg.sac.gamma)
                 agent.loss.make_value_estimator(gamma=agent.gamma_chunk)
             replay.extend(transitions(rollout))
             losses = agent.update(replay) if len(replay) >= cfg.sac.batch_size else {}
-            history.append({"iteration": it, "success_rate": round(stats.success_rate, 4), "episodes": stats.episodes,
+            history.append({"iteration": it, "variation": settings[it % len(settings)].variation,
+                            "success_rate": round(stats.success_rate, 4), "episodes": stats.episodes,
                             "env_steps": stats.env_steps, "buffer": len(replay),
                             **{k: round(v, 5) for k, v in losses.items()}})  # fmt: skip
+    finally:
+        for env in envs:
+            env.close()
     save_agent(out / "dsrl", agent, cfg)
     arms = {}
     for name, arm in (("base", policy), ("dsrl", NoisePolicy(agent))):
@@ -111,6 +120,22 @@ def run_dsrl(cfg: DSRLConfig) -> dict[str, Any]:
     tmp.write_text(json.dumps(summary, indent=2))
     tmp.replace(out / "dsrl_summary.json")
     return summary
+
+
+def load_noise_policy(directory: str | Path, base) -> NoisePolicy:
+    """The policy a `vla-rl dsrl` run wrote in ``directory`` (its dsrl/ folder), driving ``base``, the frozen
+    policy it was trained on (refused, naming it, when the weights differ)."""
+    from safetensors.torch import load_file
+
+    from vla_rl.eval_record import weights_sha256
+
+    directory = Path(directory)
+    config = json.loads((directory / "config.json").read_text())
+    if weights_sha256(base) != config["base_sha256"]:
+        raise ValueError(f"{directory} steers the policy of {config['checkpoint']}, not this one (weights differ)")
+    agent = NoiseAgent(base, SACConfig(**config["sac"]))
+    agent.actor_net.load_state_dict(load_file(str(directory / "model.safetensors")))
+    return NoisePolicy(agent)
 
 
 def save_agent(directory: Path, agent: NoiseAgent, cfg: DSRLConfig) -> None:

@@ -45,7 +45,8 @@ if TYPE_CHECKING:
     from vla_core.runtime import ChunkingConfig, DelayConfig
     from vla_rl.checkpoint import load_policy, resolve_policy_dir, write_policy
     from vla_rl.config_json import config_dict
-    from vla_rl.eval import EvalConfig
+    from vla_rl.dsrl import DSRLConfig, load_noise_policy
+    from vla_rl.eval import EvalConfig, SteerEvalConfig
     from vla_rl.finetune import FinetuneConfig
     from vla_rl.latency_warmup import LatencyWarmupConfig
     from vla_rl.processes import last_json, start_command, stop_command
@@ -54,7 +55,10 @@ if TYPE_CHECKING:
     from vla_rl.rl.ppo import PPOConfig
     from vla_rl.rl.process_reward import RewardConfig
     from vla_rl.rl.ray_runtime import WORKER_NAME_PREFIX, RayConfig
+    from vla_rl.rl.sac import SACConfig
     from vla_rl.statistics import mcnemar_exact, pooled_rate, wilson_interval
+    from vla_rl.steer import SteerConfig
+    from vla_rl.steering import SteeredPolicy, Steering
     from vla_rl.train import DatasetConfig, TrainConfig, build_policy
     from vla_rl.train_prm import PRMDatasetConfig, TrainPRMConfig
 
@@ -95,6 +99,20 @@ def finetune(cfg: FinetuneConfig) -> dict[str, Any]:
     return run(cfg)
 
 
+def steer(cfg: SteerConfig) -> dict[str, Any]:
+    """``vla-rl steer``: latent steering of ``cfg.checkpoint``, into ``cfg.output_dir`` (its steering/ folder)."""
+    from vla_rl.steer import run_steer
+
+    return run_steer(cfg)
+
+
+def dsrl(cfg: DSRLConfig) -> dict[str, Any]:
+    """``vla-rl dsrl``: noise-space steering of ``cfg.checkpoint``, into ``cfg.output_dir`` (its dsrl/ folder)."""
+    from vla_rl.dsrl import run_dsrl
+
+    return run_dsrl(cfg)
+
+
 # What a composition configures the stages with, by name -> the module defining it (imported on first use).
 _EXPORTS = {
     "RecordConfig": "vla_rl.record",
@@ -112,6 +130,14 @@ _EXPORTS = {
     "TrainPRMConfig": "vla_rl.train_prm",
     "PRMDatasetConfig": "vla_rl.train_prm",
     "RewardConfig": "vla_rl.rl.process_reward",
+    "SteerConfig": "vla_rl.steer",
+    "SteerEvalConfig": "vla_rl.eval",
+    "DSRLConfig": "vla_rl.dsrl",
+    "SACConfig": "vla_rl.rl.sac",
+    # The steered policies for a composition that evaluates them itself (`bench steering`).
+    "SteeredPolicy": "vla_rl.steering",
+    "Steering": "vla_rl.steering",
+    "load_noise_policy": "vla_rl.dsrl",
     "EnvConfig": "sim.config",
     "DelayConfig": "vla_core.runtime",
     "ChunkingConfig": "vla_core.runtime",
@@ -146,6 +172,7 @@ __all__ = [
     "WORKER_NAME_PREFIX",
     "AutoregressiveVLAConfig",
     "ChunkingConfig",
+    "DSRLConfig",
     "DatasetConfig",
     "DelayConfig",
     "DiffusionConfig",
@@ -160,19 +187,27 @@ __all__ = [
     "RayConfig",
     "RecordConfig",
     "RewardConfig",
+    "SACConfig",
+    "SteerConfig",
+    "SteerEvalConfig",
+    "SteeredPolicy",
+    "Steering",
     "TrainConfig",
     "TrainPRMConfig",
     "build_policy",
     "config_dict",
+    "dsrl",
     "evaluate",
     "finetune",
     "last_json",
+    "load_noise_policy",
     "load_policy",
     "mcnemar_exact",
     "pooled_rate",
     "record",
     "resolve_policy_dir",
     "start_command",
+    "steer",
     "stop_command",
     "train",
     "train_prm",

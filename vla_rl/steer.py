@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +50,10 @@ class SteerConfig:
 
     checkpoint: str = "outputs/quickstart/train"  # the frozen flow policy (a checkpoint dir or a training run)
     env: EnvConfig = field(default_factory=lambda: EnvConfig(num_envs=16))  # the task, its variation, worlds
-    episodes: int = 200  # rollouts collected (whole episodes; the ones cut at the end are dropped)
+    # Collect under several settings, ``episodes`` each, pooled: env.variation = each of these ("" = in
+    # distribution); empty = env.variation alone.
+    variations: list[str] = field(default_factory=list)
+    episodes: int = 200  # rollouts collected per setting (whole episodes; the ones cut at the end are dropped)
     seed: int = 7000  # initial states of the rollouts (apart from eval's 1000 and the recording seeds)
     samples_per_chunk: int = 2  # times t drawn per request for the field's regression
     held_out_fraction: float = 0.25  # episodes held out to choose the gate's threshold
@@ -70,8 +73,9 @@ class SteerConfig:
 def run_steer(cfg: SteerConfig) -> dict[str, Any]:
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
-    if not 0 < cfg.held_out_fraction < 1 or cfg.episodes < 4:
-        raise ValueError("held_out_fraction must be in (0, 1) and episodes >= 4 (some to train on, some held out)")
+    if not 0 < cfg.held_out_fraction < 1 or cfg.episodes * max(1, len(cfg.variations)) < 4:
+        raise ValueError("held_out_fraction must be in (0, 1) and the episodes over every setting >= 4 (some to "
+                         "train on, some held out)")  # fmt: skip
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     policy, _ = load_policy(cfg.checkpoint, device=cfg.device)
@@ -82,7 +86,9 @@ def run_steer(cfg: SteerConfig) -> dict[str, Any]:
     if rollouts_file.exists():  # a run stopped after collecting goes on from its rollouts
         data = load_file(str(rollouts_file))
     else:
-        data = collect(cfg, policy)
+        parts = [collect(replace(cfg, env=replace(cfg.env, variation=v)), policy, offset=k * 10**6)
+                 for k, v in enumerate(cfg.variations or [cfg.env.variation])]  # fmt: skip
+        data = {key: torch.cat([part[key] for part in parts]) for key in parts[0]}
         tmp = out / "rollouts.safetensors.tmp"
         save_file(data, str(tmp))
         tmp.replace(rollouts_file)
@@ -139,9 +145,9 @@ def record_request(policy, obs: dict, obs_step: torch.Tensor, samples: int, gene
     return chunk.actions, record
 
 
-def collect(cfg: SteerConfig, policy) -> dict[str, torch.Tensor]:
-    """The rollouts of stage 1: per request, its episode (an id), the episode's success and the regression
-    samples (`record_request`)."""
+def collect(cfg: SteerConfig, policy, offset: int = 0) -> dict[str, torch.Tensor]:
+    """The rollouts of stage 1 under ``cfg.env``: per request, its episode (an id from ``offset`` up), the
+    episode's success and the regression samples (`record_request`)."""
     from sim.factory import make_env
     from vla_core.runtime.delayed_env import DelayedChunkEnv
 
@@ -153,8 +159,8 @@ def collect(cfg: SteerConfig, policy) -> dict[str, torch.Tensor]:
         n = env.num_envs
         delayed = DelayedChunkEnv(env, LatencySpec.of(policy), cfg.chunking, DelayModel(cfg.delay, env.control_dt))
         obs, need = delayed.reset(seed=cfg.seed)
-        episode = np.arange(n)  # each world's current episode id
-        next_id = n
+        episode = offset + np.arange(n)  # each world's current episode id
+        next_id = offset + n
         bar = tqdm(total=cfg.episodes, desc="collect", unit="ep")
         while len(outcome) < cfg.episodes:
             rows = torch.nonzero(need.cpu()).flatten()

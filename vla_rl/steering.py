@@ -100,6 +100,8 @@ class Steering(nn.Module):
                 fail = torch.sigmoid(self.predictor(latents.float()))
                 on = fail > self.threshold if mode == "gated" else torch.ones_like(fail, dtype=torch.bool)
                 gate["g"] = on.to(x_t.dtype).view(-1, *[1] * (x_t.ndim - 1))
+            if not gate["g"].any():  # no row steered (the common case in distribution): the field costs nothing
+                return torch.zeros_like(x_t)
             return weight * gate["g"] * self.field(x_t.float(), t, latents.float()).to(x_t.dtype)
 
         return steer

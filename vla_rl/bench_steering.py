@@ -1,0 +1,185 @@
+"""`vla-rl bench steering` (= ``python benchmarks/steering.py``): does steering a frozen flow policy help it out of
+distribution, and what does it cost in distribution?
+
+Named before the first run (2026-12-04): the task is ``lift``; the variations are ``position`` (the layout
+2-10 cm beyond the recorded cube range) and ``lighting`` (0.3-0.6 or 1.4-1.8 times as bright), beside the
+in-distribution setting. Protocol, every stage resumable from its files in ``output_dir``:
+
+1. ``demos`` scripted demonstrations of lift in distribution (seed ``seed``); a small ``diffusion`` policy with
+   the flow objective trained on them (``train_steps``): the base. It must succeed >= 70% in distribution
+   (reported against that floor; the benchmark goes on either way).
+2. RL² (`vla-rl steer`): ``steer_episodes`` rollouts of the base in each of the three settings, pooled; the
+   failure predictor, its threshold on held-out episodes, and the steering field.
+3. DSRL (`vla-rl dsrl`): ``dsrl_iterations`` iterations cycling through the three settings.
+4. Every arm on every cell, ``eval_episodes`` (>= 100) held-out episodes from ``eval_seed`` (the same initial
+   states for every arm of a cell): base, always-steer (the field in every chunk), gated steering (RL²), DSRL.
+   Wilson intervals on each rate.
+5. The per-chunk inference time of the base with and without steering (gated and always), batch 1,
+   ``timing_repeats`` chunks each, interleaved in one process: the ratio is what steering adds on a robot.
+
+Final line ``gated_gain_ood=<points> gated_loss_id=<points> dsrl_gain_ood=<points>``: a gain is steered minus
+base in points averaged over the variations (each variation's cell in the JSON); ``gated_loss_id`` is base
+minus gated in distribution (positive = a loss). Targets: gated_gain_ood >= +10, gated_loss_id <= 2,
+dsrl_gain_ood >= +10. ``--quick`` runs every stage at toy sizes (about a minute): the plumbing, not the claim.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+ARMS = ("base", "always", "gated", "dsrl")
+
+
+@dataclass
+class BenchSteeringConfig:
+    """Steering a frozen flow policy out of distribution: RL² (gated and always) and DSRL against the base."""
+
+    task: str = "lift"
+    variations: list[str] = field(default_factory=lambda: ["position", "lighting"])
+    demos: int = 200
+    train_steps: int = 4000
+    batch_size: int = 64
+    horizon: int = 16
+    n_action_steps: int = 8
+    objective: str = "flow"  # the base must be a flow policy
+    num_envs: int = 25
+    seed: int = 0
+    steer_episodes: int = 100  # RL² rollouts per setting
+    steer_field_steps: int = 2000
+    dsrl_iterations: int = 24
+    eval_episodes: int = 100
+    eval_seed: int = 5000
+    timing_repeats: int = 20
+    num_threads: int = 0
+    output_dir: str = "outputs/bench/steering"  # quick runs go to <output_dir>/quick
+    quick: bool = False
+
+    def apply_quick(self) -> None:
+        if self.quick:
+            self.demos, self.train_steps, self.batch_size, self.num_envs = 4, 20, 16, 2
+            self.steer_episodes, self.steer_field_steps, self.dsrl_iterations = 2, 5, 2
+            self.eval_episodes, self.timing_repeats = 2, 2
+
+
+def bench_steering(cfg: BenchSteeringConfig) -> dict[str, Any]:
+    from vla_rl import stages
+    from vla_rl.bench_stages import record_demos, train_imitation
+
+    cfg.apply_quick()
+    out = Path(cfg.output_dir) / "quick" if cfg.quick else Path(cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    start = time.time()
+    record_demos(cfg, out / "dataset")
+    train_imitation(cfg, out / "dataset", out / "base")
+    base_dir = stages.resolve_policy_dir(out / "base")
+    env = stages.EnvConfig(task=cfg.task, num_envs=cfg.num_envs, max_episode_steps=8 if cfg.quick else 0)
+    cells = ["", *cfg.variations]
+    steering_dir = out / "steer" / "steering"
+    if not (steering_dir / "config.json").exists():
+        stages.steer(stages.SteerConfig(
+            checkpoint=str(base_dir), env=env, variations=cells, episodes=cfg.steer_episodes, seed=cfg.seed + 7000,
+            field_steps=cfg.steer_field_steps, num_threads=cfg.num_threads, output_dir=str(out / "steer"),
+        ))  # fmt: skip
+    dsrl_dir = out / "dsrl" / "dsrl"
+    if not (dsrl_dir / "config.json").exists():
+        stages.dsrl(stages.DSRLConfig(
+            checkpoint=str(base_dir), env=env, variations=cells, iterations=cfg.dsrl_iterations, eval_episodes=2,
+            seed=cfg.seed + 8000, num_threads=cfg.num_threads, output_dir=str(out / "dsrl"),
+        ))  # fmt: skip
+    base = stages.load_policy(str(base_dir))[0].eval()
+    arms = {
+        "base": base,
+        "always": stages.SteeredPolicy(base, stages.Steering.load(steering_dir), "always"),
+        "gated": stages.SteeredPolicy(base, stages.Steering.load(steering_dir), "gated"),
+        "dsrl": stages.load_noise_policy(dsrl_dir, base),
+    }
+    table = {}
+    for cell in cells:
+        for arm, policy in arms.items():
+            folder = out / "eval" / (cell or "in_distribution") / arm
+            result = _cell(folder) or stages.evaluate(stages.EvalConfig(
+                checkpoint=str(base_dir), env=replace(env, variation=cell), num_episodes=cfg.eval_episodes,
+                seed=cfg.eval_seed, video_episodes=0, output_dir=str(folder), overwrite=True), policy=policy)  # fmt: skip
+            table[(cell, arm)] = {k: result[k] for k in ("episodes", "successes", "success_rate", "success_ci95")}
+    report = _report(cfg, table, _timing(cfg, arms, env), time.time() - start)
+    _plot(report, out / "steering.png")
+    tmp = out / "steering.json.tmp"
+    tmp.write_text(json.dumps(report, indent=2))
+    tmp.replace(out / "steering.json")
+    return report
+
+
+def _cell(folder: Path) -> dict | None:
+    """A finished cell's eval.json (a killed run does not evaluate it again)."""
+    path = folder / "eval.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _timing(cfg: BenchSteeringConfig, arms: dict, env) -> dict[str, float]:
+    """Per-chunk inference seconds of the base, gated and always-steered (batch 1, interleaved), and the ratios."""
+    import torch
+
+    from sim.factory import make_env
+
+    with make_env(replace(env, num_envs=1)) as sim:
+        obs = sim.reset(seed=cfg.eval_seed)
+    step = torch.zeros(1, dtype=torch.long)
+    seconds = {arm: [] for arm in ("base", "gated", "always")}
+    with torch.no_grad():
+        for _ in range(cfg.timing_repeats):
+            for arm, times in seconds.items():
+                begin = time.perf_counter()
+                arms[arm].predict_chunk(obs, step)
+                times.append(time.perf_counter() - begin)
+    median = {arm: sorted(v)[len(v) // 2] for arm, v in seconds.items()}
+    return {**{f"{arm}_ms": round(1e3 * s, 3) for arm, s in median.items()},
+            "gated_over_base": round(median["gated"] / median["base"], 3),
+            "always_over_base": round(median["always"] / median["base"], 3)}  # fmt: skip
+
+
+def _report(cfg: BenchSteeringConfig, table: dict, timing: dict, seconds: float) -> dict[str, Any]:
+    def rate(cell: str, arm: str) -> float:
+        return table[(cell, arm)]["success_rate"]
+
+    def gain(arm: str) -> float:
+        return round(100 * sum(rate(v, arm) - rate(v, "base") for v in cfg.variations) / len(cfg.variations), 1)
+
+    cells = {(c or "in_distribution"): {arm: table[(c, arm)] for arm in ARMS} for c in ["", *cfg.variations]}
+    return {
+        "config": asdict(cfg), "cells": cells, "timing": timing, "minutes": round(seconds / 60, 1),
+        "base_in_distribution": rate("", "base"), "base_floor_met": rate("", "base") >= 0.70,
+        "gated_gain_ood": gain("gated"), "always_gain_ood": gain("always"), "dsrl_gain_ood": gain("dsrl"),
+        "gated_loss_id": round(100 * (rate("", "base") - rate("", "gated")), 1),
+    }  # fmt: skip
+
+
+def _plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cells = list(report["cells"])
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    width = 0.2
+    for k, arm in enumerate(ARMS):
+        rates = [report["cells"][c][arm]["success_rate"] for c in cells]
+        low = [r - report["cells"][c][arm]["success_ci95"][0] for c, r in zip(cells, rates)]
+        high = [report["cells"][c][arm]["success_ci95"][1] - r for c, r in zip(cells, rates)]
+        ax.bar([i + (k - 1.5) * width for i in range(len(cells))], rates, width, yerr=[low, high], label=arm)
+    ax.set_xticks(range(len(cells)), cells)
+    ax.set_ylabel("success (95% Wilson)")
+    ax.set_ylim(0, 1)
+    ax.legend(ncol=4, fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def final_line(report: dict[str, Any]) -> str:
+    return (f"gated_gain_ood={report['gated_gain_ood']:+.1f} gated_loss_id={report['gated_loss_id']:+.1f} "
+            f"dsrl_gain_ood={report['dsrl_gain_ood']:+.1f}")  # fmt: skip
