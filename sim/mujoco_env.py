@@ -191,8 +191,7 @@ class MujocoBatchedEnv:
             raise ValueError(f"{len(selected)} worlds need {len(selected)} states, got {len(states)}")
         for i, state in zip(selected, states):
             d = self.data[i]
-            if "variation" in state:
-                self._varied.load(i, state["variation"])
+            self._varied.load(i, state.get("variation"))
             mujoco.mj_setState(self.model, d, state["physics"], self._saved_spec)
             mujoco.mj_forward(self._models[i], d)
             self.episode_step[i] = state["episode_step"]

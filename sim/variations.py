@@ -15,11 +15,13 @@ base model's values before each draw, so nothing accumulates over episodes.
 - ``distractors``: three 3 cm boxes of other colours on the table, at least 8 cm from the task's bodies and
   from each other (the scene gets them as free bodies; an episode without room puts one aside);
 - ``camera``: the cameras moved by up to 5 cm per axis and turned by 2-5 degrees about the vertical;
-- ``lighting``: the lights and the headlight 0.3-0.6 or 1.4-1.8 times as bright, the lights moved by up to
-  0.5 m sideways.
+- ``lighting``: the lights' and the headlight's colours times 0.3-0.6 or 1.4-1.8 (each clipped at 1, so a
+  brighter scene can be less than that much brighter), the lights moved by up to 0.5 m sideways.
 
-Object variations need a task with a free body (lift, push, push_impulse, pick_place, stack; position also
-open_drawer's cabinet); the others are refused naming the tasks that have one.
+Object variations need a task with a free body (lift, push, push_impulse, pick_place, stack; position needs a
+recorded object range: lift, push, push_impulse, pick_place, open_drawer's cabinet); ``size`` is refused for
+pick_place and stack (their success reads the cube's fixed size) and ``distractors`` for pick_place and
+open_drawer (a box could land inside their fixture). The others are refused naming the tasks that fit.
 """
 
 from __future__ import annotations
@@ -46,6 +48,12 @@ def check_variation(name: str, task: Any, model: mujoco.MjModel) -> None:
     if name not in ("", *VARIATIONS):
         raise ValueError(f"unknown variation {name!r}; pass --env.variation= one of {', '.join(VARIATIONS)} "
                          f"(empty: in distribution)")  # fmt: skip
+    if name == "size" and task.name in ("stack", "pick_place"):
+        raise ValueError(f"--env.variation=size: task {task.name!r} judges success with its cube's fixed size; use "
+                         f"lift, push or push_impulse")  # fmt: skip
+    if name == "distractors" and model.nmocap and task.name in ("pick_place", "open_drawer"):
+        raise ValueError(f"--env.variation=distractors: task {task.name!r} has a fixture (a bin, a cabinet) the "
+                         f"boxes could be placed inside; use lift, push, push_impulse, stack, reach or track")  # fmt: skip
     if name in ("size", "colour") and not _free_bodies(model):
         raise ValueError(f"--env.variation={name} varies the task's object, and task {task.name!r} has none that "
                          f"moves freely; use lift, push, push_impulse, pick_place or stack")  # fmt: skip
@@ -54,7 +62,7 @@ def check_variation(name: str, task: Any, model: mujoco.MjModel) -> None:
                          "sim.variations.scene_with_distractors(task.xml_path())")  # fmt: skip
     if name == "position" and _y_range(task) is None:
         raise ValueError(f"--env.variation=position shifts the layout beyond the recorded object range, and task "
-                         f"{task.name!r} declares none; use lift, push, push_impulse, pick_place, stack or open_drawer")  # fmt: skip
+                         f"{task.name!r} declares none; use lift, push, push_impulse, pick_place or open_drawer")  # fmt: skip
 
 
 def scene_with_distractors(xml_path: str) -> mujoco.MjModel:
@@ -118,8 +126,16 @@ class VariedWorlds:
         headlight = {"diffuse": np.array(model.vis.headlight.diffuse), "ambient": np.array(model.vis.headlight.ambient)}
         return {"fields": fields, "headlight": headlight, "record": dict(self.records[i])}
 
-    def load(self, i: int, snapshot: dict[str, Any]) -> None:
-        """Give world i the variation of a :meth:`snapshot` (of any world of a batch of the same variation)."""
+    def load(self, i: int, snapshot: dict[str, Any] | None) -> None:
+        """Give world i the variation of a :meth:`snapshot` (of any world of a batch of the same variation); a
+        state saved with another variation, or none, is refused (it would vary the shared model, or keep this
+        world's previous episode's)."""
+        saved = (snapshot or {}).get("record", {}).get("variation", "")
+        if saved != self.name:
+            raise ValueError(f"a world saved with variation {saved!r} cannot be loaded into an env of variation "
+                             f"{self.name!r}; load it into an env built with --env.variation={saved}")  # fmt: skip
+        if not self.name:
+            return
         model = self.models[i]
         for name, value in snapshot["fields"].items():
             getattr(model, name)[:] = value

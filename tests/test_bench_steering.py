@@ -39,6 +39,24 @@ def test_bench_steering_quick_runs_every_stage_and_reports_each_cell(tmp_path):
         100 * (rate("in_distribution", "base") - rate("in_distribution", "gated")), abs=0.05
     )
     assert report["timing"]["base_ms"] > 0 and report["timing"]["gated_over_base"] > 0
-    # A second call reads every finished stage and cell back instead of running it again.
+    # A second call reads every finished stage and cell back instead of running it again (no file rewritten).
+    written = {p: p.stat().st_mtime_ns for p in (out / "eval").rglob("eval.json")}
     again = bench_steering(BenchSteeringConfig(quick=True, num_threads=1, output_dir=str(tmp_path)))
-    assert again["cells"] == report["cells"]
+    assert again["cells"] == report["cells"] and {p: p.stat().st_mtime_ns for p in written} == written
+    with pytest.raises(ValueError, match="holds a steering benchmark run with eval_seed=5000, not 5001"):
+        bench_steering(BenchSteeringConfig(quick=True, eval_seed=5001, output_dir=str(tmp_path)))
+
+
+def test_the_final_figures_are_the_cells_differences_in_points():
+    """Hand-made cells: in distribution base 0.80, gated 0.78 (a loss of 2.0 points); position base 0.40, gated
+    0.55, DSRL 0.50; lighting base 0.60, gated 0.65, DSRL 0.50: gated +10.0 on average, DSRL 0.0."""
+    from vla_rl.bench_steering import BenchSteeringConfig, _report, final_line
+
+    rates = {"": {"base": 0.80, "always": 0.70, "gated": 0.78, "dsrl": 0.79},
+             "position": {"base": 0.40, "always": 0.50, "gated": 0.55, "dsrl": 0.50},
+             "lighting": {"base": 0.60, "always": 0.62, "gated": 0.65, "dsrl": 0.50}}  # fmt: skip
+    table = {(c, a): {"episodes": 100, "successes": round(100 * r), "success_rate": r, "success_ci95": [0, 1]}
+             for c, arms in rates.items() for a, r in arms.items()}  # fmt: skip
+    report = _report(BenchSteeringConfig(), table, {}, 60.0)
+    assert final_line(report) == "gated_gain_ood=+10.0 gated_loss_id=+2.0 dsrl_gain_ood=+0.0"
+    assert report["always_gain_ood"] == 6.0 and report["base_floor_met"]

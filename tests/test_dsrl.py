@@ -12,10 +12,11 @@ from vla_rl.rl.sac import NoiseAgent, NoiseDecision, SACConfig, chunk_discount, 
 require("torchrl", "steer")
 
 
-def rollout(world, episode, done, discount=None):
+def rollout(world, episode, done, discount=None, diverged=None):
     m = len(world)
     return SimpleNamespace(
         world=torch.tensor(world), episode=torch.tensor(episode), done=torch.tensor(done),
+        diverged=torch.tensor(diverged or [False] * m),
         reward=torch.arange(m, dtype=torch.float32), discount=torch.tensor(discount or [0.9] * m),
         decision=NoiseDecision(torch.arange(m, dtype=torch.float32)[:, None].repeat(1, 2),
                                10 + torch.arange(m, dtype=torch.float32)[:, None]),
@@ -36,6 +37,10 @@ def test_each_decision_goes_to_the_next_one_of_its_world_and_episode():
     assert td["next", "observation"][:, 0].tolist() == [11, 11, 13, 13, 14]
     assert td["next", "done"][:, 0].tolist() == [False, True, False, True, True]
     assert td["action"][:, 0].tolist() == [0, 1, 2, 3, 4] and td["next", "reward"][:, 0].tolist() == [0, 1, 2, 3, 4]
+    # World 1's first episode blew up: its decisions 2 and 3 are left out.
+    blown = _Rollout(**vars(rollout([0, 0, 1, 1, 1], [0, 0, 0, 0, 1], [False, True, False, True, True],
+                                    diverged=[False, False, True, True, False])))  # fmt: skip
+    assert transitions(blown)["action"][:, 0].tolist() == [0, 1, 4]
 
 
 def test_the_chunk_discount_is_that_of_the_chunks_that_did_not_end_their_episode():
@@ -65,9 +70,11 @@ def test_sac_moves_the_noise_toward_the_rewarded_one():
             return agent.actor(TensorDict({"observation": state[:1]}, batch_size=[1]))["action"][0]
 
     start = (deterministic() - target).norm()
+    with torch.no_grad():  # the rollout's draws explore: two draws for one state differ
+        assert not torch.equal(agent.sample(state[:1]), agent.sample(state[:1]))
     for _ in range(400):
         with torch.no_grad():
-            noise = agent.actor(TensorDict({"observation": state}, batch_size=[64]))["action"]
+            noise = agent.sample(state)  # as act draws them
         done = torch.ones(64, 1, dtype=torch.bool)
         replay.extend(TensorDict({"observation": state, "action": noise, "next": TensorDict({
             "observation": state, "reward": -(noise - target).pow(2).sum(-1, keepdim=True), "done": done,

@@ -54,7 +54,7 @@ def test_the_threshold_maximizes_youdens_j_on_held_out_requests():
     chosen = choose_threshold(prob, fail)
     assert chosen["tpr"] == pytest.approx(2 / 3) and chosen["fpr"] == 0.0 and chosen["auc"] == pytest.approx(8 / 9)
     assert chosen["threshold"] == pytest.approx(0.75) and (prob > chosen["threshold"]).tolist() == [1, 1, 0, 0, 0, 0]
-    assert math.isnan(choose_threshold(prob, torch.zeros(6, dtype=torch.bool))["auc"])  # one class: no threshold
+    assert choose_threshold(prob, torch.zeros(6, dtype=torch.bool))["auc"] is None  # one class: no threshold
 
 
 def test_the_field_fits_the_advantage_weighted_mean_of_its_targets():
@@ -164,6 +164,9 @@ def test_vla_rl_steer_collects_trains_and_eval_serves_the_steered_policy(tmp_pat
     # 4 steps of 4 steps per chunk: one request an episode, 6 episodes (none succeeds in 4 steps).
     assert summary["requests"] == summary["episodes"] == 6 and summary["held_out_episodes"] == 2
     assert summary["success_rate"] == 0.0 and summary["gate"]["threshold"] == 0.5  # one class: no threshold to fit
+    with pytest.raises(ValueError, match="was collected with another seed"):  # resumed under another setting
+        run_steer(SteerConfig(checkpoint=str(tmp_path / "policy"), env=env, episodes=6, seed=1,
+                              output_dir=str(tmp_path / "steer")))  # fmt: skip
     saved = json.loads((tmp_path / "steer" / "steering" / "config.json").read_text())
     assert saved["noise_shape"] == [8, 4] and saved["threshold"] == 0.5
     result = evaluate(EvalConfig(checkpoint=str(tmp_path / "policy"), env=env, num_episodes=2, video_episodes=0,

@@ -5,6 +5,8 @@ Named before the first run (2026-12-04): the task is ``lift``; the variations ar
 2-10 cm beyond the recorded cube range) and ``lighting`` (0.3-0.6 or 1.4-1.8 times as bright), beside the
 in-distribution setting. Protocol, every stage resumable from its files in ``output_dir``:
 
+A folder holds one setting (``bench_config.json``): a run with other sizes there is refused.
+
 1. ``demos`` scripted demonstrations of lift in distribution (seed ``seed``); a small ``diffusion`` policy with
    the flow objective trained on them (``train_steps``): the base. It must succeed >= 70% in distribution
    (reported against that floor; the benchmark goes on either way).
@@ -72,6 +74,7 @@ def bench_steering(cfg: BenchSteeringConfig) -> dict[str, Any]:
     cfg.apply_quick()
     out = Path(cfg.output_dir) / "quick" if cfg.quick else Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
+    _same_run(cfg, out / "bench_config.json")
     start = time.time()
     record_demos(cfg, out / "dataset")
     train_imitation(cfg, out / "dataset", out / "base")
@@ -111,6 +114,20 @@ def bench_steering(cfg: BenchSteeringConfig) -> dict[str, Any]:
     tmp.write_text(json.dumps(report, indent=2))
     tmp.replace(out / "steering.json")
     return report
+
+
+def _same_run(cfg: BenchSteeringConfig, path: Path) -> None:
+    """A folder holds one setting: its stages and cells are reused only by a run of the same config (the threads
+    and the folder aside); another is refused, naming the first field that differs."""
+    mine = {k: v for k, v in asdict(cfg).items() if k not in ("num_threads", "output_dir")}
+    if path.exists():
+        saved = json.loads(path.read_text())
+        for name, value in mine.items():
+            if saved.get(name) != value:
+                raise ValueError(f"{path.parent} holds a steering benchmark run with {name}={saved.get(name)!r}, not "
+                                 f"{value!r}: pass another --output_dir (one per setting)")  # fmt: skip
+        return
+    path.write_text(json.dumps(mine, indent=2))
 
 
 def _cell(folder: Path) -> dict | None:

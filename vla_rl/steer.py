@@ -6,11 +6,14 @@ the method and its math). Three stages, into ``output_dir``:
    sampler's initial noise e is drawn here and the latents at t = 1 are read through a recording steer
    that adds nothing; x_0 is the sampler's end (its last Euler step undone from the velocity hook); then
    ``samples_per_chunk`` times t ~ U(0, 1) give x_t = t e + (1 - t) x_0, the latents there and the
-   residual (e - x_0) - v_base(x_t, t). Each request keeps its episode's success once it ends; the
-   requests of episodes still running at the end are dropped. Saved as ``rollouts.safetensors``.
+   residual (e - x_0) - v_base(x_t, t). Each request keeps its episode's success once it ends. Each world
+   counts its first ceil(episodes / N) episodes (so ``episodes`` rounds up to a multiple of the worlds),
+   whatever their length. Saved as ``rollouts.safetensors`` with ``rollouts_config.json``: a run resumed
+   with another base, env or sizes is refused.
 2. train: episodes split by a seeded draw (``held_out_fraction`` held out); the failure predictor on the
    training requests, its threshold on the held-out ones (Youden's J); the field by Q-weighted flow matching
-   on the training requests.
+   on the training requests, each weighted against a value from a predictor that did not see it (two folds
+   of the training episodes, each scored by the predictor fitted on the other).
 3. write ``steering/`` (config.json with the threshold and held-out metrics, model.safetensors) and
    ``steer_summary.json``. Evaluate with ``vla-rl eval --checkpoint=<base> --steer.dir=<output_dir>/steering
    --steer.mode=gated|always``.
@@ -82,8 +85,16 @@ def run_steer(cfg: SteerConfig) -> dict[str, Any]:
     policy.eval()
     _check_steerable(policy)
     start = time.time()
-    rollouts_file = out / "rollouts.safetensors"
-    if rollouts_file.exists():  # a run stopped after collecting goes on from its rollouts
+    rollouts_file, made_with = out / "rollouts.safetensors", out / "rollouts_config.json"
+    collection = {"base_sha256": weights_sha256(policy), "env": asdict(cfg.env), "variations": list(cfg.variations),
+                  "episodes": cfg.episodes, "seed": cfg.seed, "samples_per_chunk": cfg.samples_per_chunk,
+                  "chunking": asdict(cfg.chunking), "delay": asdict(cfg.delay)}  # fmt: skip
+    if rollouts_file.exists():  # a run stopped after collecting goes on from its rollouts, if they are this run's
+        saved = json.loads(made_with.read_text()) if made_with.exists() else {}
+        for name, value in collection.items():
+            if saved.get(name) != value:
+                raise ValueError(f"{rollouts_file} was collected with another {name} ({saved.get(name)!r} against "
+                                 f"{value!r}): pass another --output_dir, or delete it to collect again")  # fmt: skip
         data = load_file(str(rollouts_file))
     else:
         parts = [collect(replace(cfg, env=replace(cfg.env, variation=v)), policy, offset=k * 10**6)
@@ -92,9 +103,10 @@ def run_steer(cfg: SteerConfig) -> dict[str, Any]:
         tmp = out / "rollouts.safetensors.tmp"
         save_file(data, str(tmp))
         tmp.replace(rollouts_file)
+        made_with.write_text(json.dumps(collection, indent=2))
     collected_s = time.time() - start
     steering, metrics = train(cfg, data, tuple(policy.noise_shape), policy.latent_dim)
-    steering.base_sha256 = weights_sha256(policy)  # a steering refuses any other base (`SteeredPolicy`)
+    steering.base_sha256 = collection["base_sha256"]  # a steering refuses any other base (`SteeredPolicy`)
     steering.save(out / "steering", {"checkpoint": cfg.checkpoint, "env": asdict(cfg.env)})
     summary = {"config": asdict(cfg), **metrics, "collect_seconds": round(collected_s, 1),
                "seconds": round(time.time() - start, 1)}  # fmt: skip
@@ -159,10 +171,14 @@ def collect(cfg: SteerConfig, policy, offset: int = 0) -> dict[str, torch.Tensor
         n = env.num_envs
         delayed = DelayedChunkEnv(env, LatencySpec.of(policy), cfg.chunking, DelayModel(cfg.delay, env.control_dt))
         obs, need = delayed.reset(seed=cfg.seed)
+        # Each world counts its first ceil(episodes / N) episodes, whatever their length: keeping the first
+        # episodes to end would favour the short ones, and success ends an episode early.
+        per_world = -(-cfg.episodes // n)
+        finished = np.zeros(n, dtype=np.int64)  # episodes each world has ended
         episode = offset + np.arange(n)  # each world's current episode id
         next_id = offset + n
-        bar = tqdm(total=cfg.episodes, desc="collect", unit="ep")
-        while len(outcome) < cfg.episodes:
+        bar = tqdm(total=per_world * n, desc="collect", unit="ep")
+        while (finished < per_world).any():
             rows = torch.nonzero(need.cpu()).flatten()
             actions = None
             if len(rows):
@@ -178,9 +194,10 @@ def collect(cfg: SteerConfig, policy, offset: int = 0) -> dict[str, torch.Tensor
                 actions = torch.zeros(n, cfg_p.horizon, cfg_p.action_dim)
             obs, _, terminated, truncated, info, need = delayed.step(ActionChunk(actions, delayed.obs_step))
             for w in torch.nonzero((terminated | truncated).cpu()).flatten().tolist():
-                if len(outcome) < cfg.episodes:
+                if finished[w] < per_world:
                     outcome[int(episode[w])] = bool(info["success"][w])
                     bar.update(1)
+                finished[w] += 1
                 episode[w], next_id = next_id, next_id + 1
         bar.close()
     kept = [r for r in requests if int(r["episode"]) in outcome]
@@ -206,7 +223,8 @@ def train(cfg: SteerConfig, data: dict[str, torch.Tensor], noise_shape: tuple[in
                                      cfg.lr, cfg.batch_size, generator)  # fmt: skip
     with torch.no_grad():
         held_prob = torch.sigmoid(steering.predictor(data["gate"][held_rows]))
-        train_logit = steering.predictor(data["gate"][train_rows])
+    train_logit = _out_of_fold_logits(cfg, data["gate"][train_rows], fail[train_rows], data["episode"][train_rows],
+                                      latent_dim, generator)  # fmt: skip
     gate = choose_threshold(held_prob, fail[held_rows])
     steering.threshold = gate["threshold"]
     # The field's samples: every regression sample of every training request, with its request's weight.
@@ -217,7 +235,7 @@ def train(cfg: SteerConfig, data: dict[str, torch.Tensor], noise_shape: tuple[in
     metrics = {
         "requests": len(data["episode"]), "episodes": len(episodes), "held_out_episodes": len(held),
         "success_rate": round(float(data["success"].float().mean()), 4),
-        "gate": {**{key: round(v, 4) for key, v in gate.items()},
+        "gate": {**{key: None if v is None else round(v, 4) for key, v in gate.items()},
                  "steered_fraction_held_out": round(float((held_prob > steering.threshold).float().mean()), 4)},
         "predictor_loss": {"first": round(predictor_loss[0], 5), "last": round(predictor_loss[-1], 5)},
         "field_loss": {"first": round(field_loss[0], 5), "last": round(field_loss[-1], 5)},
@@ -225,3 +243,22 @@ def train(cfg: SteerConfig, data: dict[str, torch.Tensor], noise_shape: tuple[in
     }  # fmt: skip
     steering.metrics = metrics
     return steering.eval(), metrics
+
+
+def _out_of_fold_logits(cfg: SteerConfig, gate: torch.Tensor, fail: torch.Tensor, episode: torch.Tensor,
+                        latent_dim: int, generator: torch.Generator) -> torch.Tensor:  # fmt: skip
+    """(N,) failure logits of the training requests, each from a predictor fitted on the other fold of episodes: a
+    value baseline fitted on the very requests it weighs would learn their outcomes, and every weight would be
+    about 1. One fold when there are too few episodes: the fitted predictor's own logits."""
+    from vla_rl.steering import FailurePredictor
+
+    episodes = torch.unique(episode)
+    fold = torch.isin(episode, episodes[torch.randperm(len(episodes), generator=generator)][: len(episodes) // 2])
+    logits = torch.empty(len(gate))
+    for scored in (fold, ~fold):
+        fitted = FailurePredictor(latent_dim)
+        rows = ~scored if (~scored).any() else scored
+        train_predictor(fitted, gate[rows], fail[rows], cfg.predictor_steps, cfg.lr, cfg.batch_size, generator)
+        with torch.no_grad():
+            logits[scored] = fitted(gate[scored])
+    return logits

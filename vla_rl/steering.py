@@ -195,11 +195,12 @@ def train_predictor(predictor: FailurePredictor, latents: torch.Tensor, fail: to
 def choose_threshold(fail_prob: torch.Tensor, fail: torch.Tensor) -> dict[str, float]:
     """The threshold on held-out failure probabilities (N,) maximizing Youden's J = TPR - FPR of ``fail`` (N,)
     bool (of equal J the highest: steering a success costs, not steering a failure only fails to help), with
-    its rates and the ranking's AUC; 0.5 (J = 0) when the held-out requests are all one class."""
+    its rates and the ranking's AUC; 0.5 (J = 0, the rates and AUC None) when the held-out requests are all
+    one class."""
     fail = fail.bool()
     positives, negatives = int(fail.sum()), int((~fail).sum())
-    if not positives or not negatives:
-        return {"threshold": 0.5, "youden_j": 0.0, "tpr": float("nan"), "fpr": float("nan"), "auc": float("nan")}
+    if not positives or not negatives:  # None, not NaN: the record is JSON
+        return {"threshold": 0.5, "youden_j": 0.0, "tpr": None, "fpr": None, "auc": None}
     best = {"threshold": 0.5, "youden_j": -1.0, "tpr": 0.0, "fpr": 0.0}
     cuts = torch.unique(fail_prob)  # ascending
     for k, cut in enumerate(cuts.tolist()):

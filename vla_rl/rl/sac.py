@@ -117,12 +117,19 @@ class NoiseAgent:
 
     @torch.no_grad()
     def act(self, obs: dict, obs_step: torch.Tensor) -> tuple[ActionChunk, NoiseDecision]:
-        from tensordict import TensorDict
-
         features = features_of(self.policy, obs)
-        noise = self.actor(TensorDict({"observation": features}, batch_size=[len(features)]))["action"]
+        noise = self.sample(features)
         chunk = self.policy.predict_chunk(obs, obs_step, noise=noise.view(len(noise), *self.policy.noise_shape))
         return chunk, NoiseDecision(noise.cpu(), features.cpu())
+
+    def sample(self, features: torch.Tensor) -> torch.Tensor:
+        """(B, D) noises drawn from the actor for states (B, F), with exploration: TorchRL's actors return
+        their deterministic action unless told to sample."""
+        from tensordict import TensorDict
+        from tensordict.nn import InteractionType, set_interaction_type
+
+        with set_interaction_type(InteractionType.RANDOM):
+            return self.actor(TensorDict({"observation": features}, batch_size=[len(features)]))["action"]
 
     @torch.no_grad()
     def deterministic_noise(self, obs: dict) -> torch.Tensor:
@@ -164,9 +171,11 @@ def chunk_discount(rollout, gamma: float) -> float:
 
 
 def transitions(rollout):
-    """The rollout's decisions as TorchRL transitions (a TensorDict of M rows): observation (M, F), action (M, D),
-    next: observation (the same world's next decision's features in the episode; its own where the episode
-    ended, unused then), reward (M, 1), done and terminated (M, 1). Rows are in world-then-time order."""
+    """The rollout's decisions as TorchRL transitions (a TensorDict): observation (M, F), action (M, D), next:
+    observation (the same world's next decision's features in the episode; its own where the episode ended,
+    unused then), reward (M, 1), done and terminated (M, 1). Rows are in world-then-time order; the decisions
+    of episodes whose world blew up are left out, as PPO leaves them. An episode cut by the time limit ends as
+    a terminal one (the rollout does not tell it apart): no value is bootstrapped past it."""
     from tensordict import TensorDict
 
     decision = rollout.decision
@@ -178,4 +187,5 @@ def transitions(rollout):
     done = rollout.done[:, None]
     nxt = TensorDict({"observation": decision.features[following], "reward": rollout.reward[:, None].float(),
                       "done": done, "terminated": done}, batch_size=[m])  # fmt: skip
-    return TensorDict({"observation": decision.features, "action": decision.noise, "next": nxt}, batch_size=[m])
+    whole = TensorDict({"observation": decision.features, "action": decision.noise, "next": nxt}, batch_size=[m])
+    return whole[~rollout.diverged]
