@@ -15,10 +15,11 @@ conventional = B frames x 1 copy; Level-2 = B/K frames x K noised copies, each f
    caches the first steps create in both arms alike, do not hide the difference (the JSON also
    keeps the warmup steps' peak). Measured over a grid of K and encoder sizes to show how the
    ratios move.
-2. Time to quality: the conventional arm trains for ``--steps``; its final validation denoising
-   loss (held-out episodes, fixed noise and timesteps, EMA weights) is the target. The Level-2
-   arm trains with the same hyperparameters until it reaches that loss, for at most
-   ``--l2-max-steps`` steps. Both use a constant learning rate after warmup, so the Level-2 arm
+2. Time to quality: the conventional arm trains for ``--steps``; the mean of its last 3 validation
+   denoising losses (held-out episodes, fixed noise and timesteps, EMA weights) is the target. The
+   Level-2 arm trains with the same hyperparameters until 2 consecutive validations reach that loss,
+   for at most ``--l2-max-steps`` steps; it validates every K x ``--val-every`` steps (the same
+   interval in frames seen). Both use a constant learning rate after warmup, so the Level-2 arm
    may run past ``--steps`` without a schedule that has already decayed. Training seconds
    exclude validation.
 3. Success: both final policies run closed loop on the task with the same evaluation seeds.
@@ -48,6 +49,12 @@ Protocol history (runs as README.md reports them):
   ``--encoder small --towers trained --steps 3000 --episodes 600 --eval-episodes 200``
   (success: 30% conventional, 4% Level-2).
 - 2026-12-02: no protocol change (the script now calls `vla_rl.stages`).
+- 2026-12-04, an amendment before any run of it (from the issue's review of the method): the target is the
+  mean of the conventional arm's last 3 validations, not its last; an arm reaches it at the first of 2
+  consecutive validations at or below it (`vla-rl train --stop_consecutive`); Level-2 validates every K x
+  ``--val-every`` steps, so both arms validate at the same interval in frames seen; ``success_ratio`` is
+  nan when the conventional arm succeeds below 50%. Not yet done of that review: the trained-encoder
+  mode, seeds, both memory ratios on the line.
 """
 
 from __future__ import annotations
@@ -148,8 +155,10 @@ def train_config(args, encoder: str, copies: int, output_dir: Path, stop_at: flo
         output_dir=str(output_dir), steps=steps or args.steps, batch_size=args.batch, l2_copies=copies, lr=args.lr,
         lr_schedule="constant_with_warmup", warmup_steps=min(100, args.steps // 10), save_every=10**9,
         log_every=25, seed=0, log_with="none",
-        num_threads=args.threads, val_episodes=max(2, args.episodes // 10), val_every=args.val_every,
-        stop_at_val_loss=stop_at,
+        num_threads=args.threads, val_episodes=max(2, args.episodes // 10),
+        # Both arms validate at the same interval in frames seen: Level-2 sees B/K frames a step, so K times
+        # fewer validations per step.
+        val_every=args.val_every * copies, stop_at_val_loss=stop_at, stop_consecutive=CONSECUTIVE,
     )  # fmt: skip
 
 
@@ -278,7 +287,7 @@ def time_to_quality(args) -> dict:
     conventional = _reuse(args, out / "conventional") or train(
         train_config(args, args.encoder, 1, out / "conventional")
     )
-    target = conventional["val_curve"][-1][2]
+    target = target_loss(conventional["val_curve"])
     conv_seconds = _seconds_to(conventional["val_curve"], target)
     max_steps = args.l2_max_steps or 3 * args.steps
     l2 = train(train_config(args, args.encoder, args.copies, out / "level2", stop_at=target, steps=max_steps))
@@ -308,9 +317,24 @@ def _reuse(args, arm_dir: Path) -> dict | None:
     return json.loads(summary.read_text())
 
 
+SUCCESS_FLOOR = 0.5  # the conventional arm's success below which success_ratio is nan
+TARGET_VALIDATIONS, CONSECUTIVE = 3, 2  # the target: the mean of the last 3; reached: the first of 2 in a row
+
+
+def target_loss(curve: list) -> float:
+    """The conventional arm's target: the mean of its last ``TARGET_VALIDATIONS`` validation losses (its last one
+    alone moves with the validation's noise)."""
+    last = [loss for _, _, loss in curve[-TARGET_VALIDATIONS:]]
+    return sum(last) / len(last)
+
+
 def _seconds_to(curve: list, target: float) -> float | None:
-    """Training seconds at the first validation at or below target; None if never reached."""
-    return next((seconds for _, seconds, loss in curve if loss <= target), None)
+    """Training seconds at the first of ``CONSECUTIVE`` validations in a row at or below target (the rule `vla-rl
+    train --stop_consecutive` stops by); None if never reached."""
+    from vla_rl.stages import reached_target
+
+    index = reached_target(curve, target, CONSECUTIVE)
+    return None if index is None else curve[index][1]
 
 
 def success(args, arm: str) -> dict:
@@ -366,7 +390,8 @@ def main(argv=None) -> None:
     l2_seconds = quality["level2"]["seconds_to_target"]
     time_ratio = (l2_seconds if l2_seconds is not None else float("inf")) / quality["conventional"]["seconds_to_target"]
     conv_rate = success_conv["success_rate"]
-    success_ratio = success_l2["success_rate"] / conv_rate if conv_rate > 0 else float("nan")
+    # Below the floor the ratio says nothing about parity (both arms fail): printed as nan, both rates in the JSON.
+    success_ratio = success_l2["success_rate"] / conv_rate if conv_rate >= SUCCESS_FLOOR else float("nan")
     result = {
         "task": args.task, "device": args.device, "batch_denoising_samples": args.batch, "copies": args.copies,
         "encoder": {"name": args.encoder, "towers": args.towers, **ENCODERS[args.encoder]}, "dit": DIT, "steps": args.steps,

@@ -129,7 +129,8 @@ def test_every_name_of_the_api_resolves_to_the_commands_own_object():
     from vla_rl.record import RecordConfig
     from vla_rl.train import DatasetConfig, TrainConfig
 
-    assert set(stages.__all__) == {"record", "train", "evaluate", "finetune", "train_prm", *stages._EXPORTS}
+    assert set(stages.__all__) == {"record", "train", "evaluate", "finetune", "train_prm", "steer", "dsrl",
+                                   *stages._EXPORTS}  # fmt: skip
     for name in stages.__all__:
         assert getattr(stages, name) is not None, name
     for cls in (RecordConfig, TrainConfig, DatasetConfig, EvalConfig, FinetuneConfig, EnvConfig):
@@ -142,7 +143,8 @@ def test_every_name_of_the_api_resolves_to_the_commands_own_object():
     "stage, module, name, extra",
     [("record", "vla_rl.record", "record", ()), ("train", "vla_rl.train", "train", ()),
      ("evaluate", "vla_rl.eval", "evaluate", ("policy",)), ("finetune", "vla_rl.finetune", "finetune", ()),
-     ("train_prm", "vla_rl.train_prm", "train_prm", ())],
+     ("train_prm", "vla_rl.train_prm", "train_prm", ()), ("steer", "vla_rl.steer", "run_steer", ()),
+     ("dsrl", "vla_rl.dsrl", "run_dsrl", ())],
 )  # fmt: skip
 def test_a_stage_is_its_commands_entry_point(stage, module, name, extra, monkeypatch):
     """Each stage hands its config (and, for evaluate, the policy) to the command and returns what it returns,

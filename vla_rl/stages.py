@@ -59,7 +59,7 @@ if TYPE_CHECKING:
     from vla_rl.statistics import mcnemar_exact, pooled_rate, wilson_interval
     from vla_rl.steer import SteerConfig
     from vla_rl.steering import SteeredPolicy, Steering
-    from vla_rl.train import DatasetConfig, TrainConfig, build_policy
+    from vla_rl.train import DatasetConfig, TrainConfig, build_policy, reached_target
     from vla_rl.train_prm import PRMDatasetConfig, TrainPRMConfig
 
 
@@ -150,6 +150,8 @@ _EXPORTS = {
     # The policy `train` builds for a config and an opened dataset (seed torch first, as train does),
     # for a composition that times training steps outside `train`.
     "build_policy": "vla_rl.train",
+    # Where a validation curve first reaches a loss for some validations in a row (`--stop_consecutive`).
+    "reached_target": "vla_rl.train",
     # The 95% interval every evaluation reports (success_ci95), for a composition that pools cells.
     "wilson_interval": "vla_rl.statistics",
     # Success counts pooled over runs (training seeds) with their interval.
@@ -204,6 +206,7 @@ __all__ = [
     "load_policy",
     "mcnemar_exact",
     "pooled_rate",
+    "reached_target",
     "record",
     "resolve_policy_dir",
     "start_command",

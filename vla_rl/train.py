@@ -108,6 +108,8 @@ class TrainConfig:
     val_every: int = 250  # validation period in steps
     val_frames: int = 256  # held-out frames in the validation loss (evenly spaced)
     stop_at_val_loss: float = 0.0  # stop once the validation loss is at or below this; 0 = run all steps
+    # ... for this many consecutive validations (one validation at the target can be noise); 1 = the first
+    stop_consecutive: int = 1
     # Inference delays simulated in training (training-time RTC): each frame's chunk comes with its
     # first d demonstrated actions as committed actions. Sets policy.max_delay_steps to the largest d;
     # the default (fixed, 0 steps) trains without the delay augmentation. delay.seed seeds the draws.
@@ -551,7 +553,19 @@ def validate(run: Run, step: int) -> bool:
     progress.val_history.append([step, round(progress.train_seconds, 3), loss])
     if run.trackers:
         run.accelerator.log({"val_loss": loss}, step=step)
-    return cfg.stop_at_val_loss > 0 and loss <= cfg.stop_at_val_loss
+    return cfg.stop_at_val_loss > 0 and reached_target(progress.val_history, cfg.stop_at_val_loss,
+                                                       max(1, cfg.stop_consecutive)) is not None  # fmt: skip
+
+
+def reached_target(val_curve: list, target: float, consecutive: int = 1) -> int | None:
+    """The index in ``val_curve`` ([step, seconds, loss] rows) of the first of ``consecutive`` validations in a
+    row at or below ``target``: where a run reached it; None if it never did."""
+    run = 0
+    for i, (_, _, loss) in enumerate(val_curve):
+        run = run + 1 if loss <= target else 0
+        if run == consecutive:
+            return i - consecutive + 1
+    return None
 
 
 def checkpoint(run: Run, at_step: int) -> Path | None:

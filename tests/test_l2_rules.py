@@ -1,0 +1,49 @@
+"""The time-to-quality rules of benchmarks/l2_minibatching.py and `vla-rl train --stop_consecutive`, on hand-made
+validation curves, and a validation loss that repeats for fixed weights (the rule compares losses across runs)."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from vla_rl.train import reached_target
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def l2_script():
+    spec = importlib.util.spec_from_file_location("l2_minibatching", ROOT / "benchmarks" / "l2_minibatching.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_an_arm_reaches_the_target_at_the_first_of_two_consecutive_validations_at_or_below_it():
+    # [step, seconds, loss]: 0.30 at step 200 is alone (0.35 follows); 0.29 and 0.30 at steps 400 and 500 are two
+    # in a row: reached at step 400, 40 s.
+    curve = [[100, 10.0, 0.50], [200, 20.0, 0.30], [300, 30.0, 0.35], [400, 40.0, 0.29], [500, 50.0, 0.30]]
+    assert reached_target(curve, 0.30, 2) == 3 and reached_target(curve, 0.30, 1) == 1
+    assert reached_target(curve, 0.20, 2) is None and reached_target(curve[:4], 0.30, 2) is None
+    assert l2_script()._seconds_to(curve, 0.30) == 40.0
+
+
+def test_the_target_is_the_mean_of_the_conventional_arms_last_three_validations():
+    curve = [[100, 1.0, 0.9], [200, 2.0, 0.33], [300, 3.0, 0.30], [400, 4.0, 0.27]]
+    assert l2_script().target_loss(curve) == pytest.approx(0.30)
+
+
+def test_the_validation_loss_repeats_for_fixed_weights(tiny_checkpoint, tiny_dataset):
+    """Two calls on the same weights and frames give the same loss exactly: its noise and timesteps are fixed."""
+    import torch
+    from lerobot.datasets.lerobot_dataset import LeRobotDataset
+
+    from vla_core.data import ChunkedDemos
+    from vla_rl.checkpoint import load_policy
+    from vla_rl.train import validation_loss
+
+    policy = load_policy(str(tiny_checkpoint[0]))[0]
+    root = tiny_dataset[0]
+    demos = ChunkedDemos(LeRobotDataset(repo_id=f"local/{root.name}", root=str(root)), None)
+    frames = torch.arange(0, 32, 4)
+    first = validation_loss(policy, demos, frames, policy.config.horizon)
+    assert validation_loss(policy, demos, frames, policy.config.horizon) == first and first > 0
