@@ -54,8 +54,10 @@ Protocol history (runs as README.md reports them):
   consecutive validations at or below it (`vla-rl train --stop_consecutive`); Level-2 validates every K x
   ``--val-every`` steps, so both arms validate at the same interval in frames seen; ``success_ratio`` is
   nan when the conventional arm succeeds below 50%; the JSON adds the ratio of the processes' whole peak
-  RSS (``total_memory_ratio``) beside the working-memory one. Not yet done of that review: seeds, and the
-  locally pretrained encoder.
+  RSS (``total_memory_ratio``) beside the working-memory one; ``--seeds=0,1,2`` runs each training seed in
+  its own folder (a finished one read back) and the final line gives the medians over them (nan if any
+  seed's success ratio is), every seed in the JSON. Not yet done of that review: the locally pretrained
+  encoder.
 """
 
 from __future__ import annotations
@@ -120,6 +122,13 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads; 0 = all cores")
     p.add_argument("--out", default="outputs/bench/l2_minibatching", help="work and result directory")
     p.add_argument("--quick", action="store_true", help="toy sizes, to check every stage end to end")
+    p.add_argument("--seed", type=int, default=0, help="training seed of both arms (default: 0)")
+    p.add_argument(
+        "--seeds",
+        default="",
+        help="training seeds, e.g. 0,1,2: each its own run in <out>/seed<s> (a finished one is read back), then "
+        "the medians over them on the final line and every seed in the JSON",
+    )
     p.add_argument(
         "--reuse-conventional",
         action="store_true",
@@ -130,7 +139,7 @@ def parse_args(argv=None):
     if args.quick:
         args.episodes, args.steps, args.val_every, args.eval_episodes = 8, 20, 10, 4
         args.grid_copies, args.grid_encoders, args.encoder, args.copies = "1,4", "small", "small", 4
-        args.l2_max_steps = 40
+        args.l2_max_steps = 160  # Level-2 validates every K x 10 = 40 steps: room for a few
     if args.batch % args.copies:
         p.error(f"--copies={args.copies} must divide --batch={args.batch}")
     return args
@@ -155,7 +164,7 @@ def train_config(args, encoder: str, copies: int, output_dir: Path, stop_at: flo
         dataset=DatasetConfig(root=str(Path(args.out) / "dataset")), policy=policy_config(args, encoder),
         output_dir=str(output_dir), steps=steps or args.steps, batch_size=args.batch, l2_copies=copies, lr=args.lr,
         lr_schedule="constant_with_warmup", warmup_steps=min(100, args.steps // 10), save_every=10**9,
-        log_every=25, seed=0, log_with="none",
+        log_every=25, seed=args.seed, log_with="none",
         num_threads=args.threads, val_episodes=max(2, args.episodes // 10),
         # Both arms validate at the same interval in frames seen: Level-2 sees B/K frames a step, so K times
         # fewer validations per step.
@@ -292,7 +301,8 @@ def time_to_quality(args) -> dict:
         train_config(args, args.encoder, 1, out / "conventional")
     )
     target = target_loss(conventional["val_curve"])
-    conv_seconds = _seconds_to(conventional["val_curve"], target)
+    # Its own target at the latest at its last validation (a mean of the last 3 can sit between two of them).
+    conv_seconds = _seconds_to(conventional["val_curve"], target) or conventional["val_curve"][-1][1]
     max_steps = args.l2_max_steps or 3 * args.steps
     l2 = train(train_config(args, args.encoder, args.copies, out / "level2", stop_at=target, steps=max_steps))
     l2_seconds = _seconds_to(l2["val_curve"], target)
@@ -369,6 +379,58 @@ def main(argv=None) -> None:
     if args.measure_step:
         print(json.dumps(measure_step(json.loads(args.measure_step))))
         return
+    if not args.seeds:
+        result = run_one(args)
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        tmp = out / ".l2_minibatching.json.tmp"
+        tmp.write_text(json.dumps(result, indent=2))
+        os.replace(tmp, out.parent / "l2_minibatching.json")
+        print(f"time_ratio={result['time_ratio']:.3f} memory_ratio={result['memory_ratio']:.3f} "
+              f"success_ratio={result['success_ratio']:.3f}")  # fmt: skip
+        return
+    results = []
+    for seed in [int(s) for s in args.seeds.split(",")]:
+        run = argparse.Namespace(
+            **{**vars(args), "seed": seed, "seeds": "", "out": str(Path(args.out) / f"seed{seed}")}
+        )
+        done = Path(run.out) / "result.json"
+        if done.exists():  # a finished seed is read back: the figure can span sessions
+            print(f"seed {seed}: finished earlier, read from {done}", flush=True)
+            result = json.loads(done.read_text())
+        else:
+            result = run_one(run)
+            tmp = done.with_name(".result.json.tmp")
+            tmp.write_text(json.dumps(result, indent=2))
+            os.replace(tmp, done)
+        results.append(result)
+        print(f"seed {seed}: time_ratio={result['time_ratio']:.3f} memory_ratio={result['memory_ratio']:.3f} "
+              f"success_ratio={result['success_ratio']:.3f}", flush=True)  # fmt: skip
+    pooled = pool_seeds(results)
+    out = Path(args.out)
+    tmp = out / ".l2_minibatching.json.tmp"
+    tmp.write_text(json.dumps(pooled, indent=2))
+    os.replace(tmp, out.parent / "l2_minibatching.json")
+    print(f"time_ratio={pooled['time_ratio']:.3f} memory_ratio={pooled['memory_ratio']:.3f} "
+          f"success_ratio={pooled['success_ratio']:.3f}")  # fmt: skip
+
+
+def pool_seeds(results: list[dict]) -> dict:
+    """The medians over seeds of each ratio (nan when any seed's is nan: a seed below the success floor), and
+    every seed's result."""
+    import math
+    import statistics
+
+    def median(key: str) -> float:
+        values = [r[key] for r in results]
+        return float("nan") if any(math.isnan(v) for v in values) else statistics.median(values)
+
+    keys = ("time_ratio", "memory_ratio", "total_memory_ratio", "success_ratio", "per_step_time_ratio")
+    return {**{key: median(key) for key in keys}, "seeds": [r["seed"] for r in results], "per_seed": results}
+
+
+def run_one(args) -> dict:
+    """Every stage for one training seed in ``args.out``: the result (written by the caller)."""
     import torch
 
     out = Path(args.out)
@@ -405,17 +467,13 @@ def main(argv=None) -> None:
         "time_ratio": time_ratio, "memory_ratio": main_row["memory_ratio"], "success_ratio": success_ratio,
         "total_memory_ratio": main_row["total_memory_ratio"],
         "per_step_time_ratio": main_row["time_ratio"], "minutes": round((time.time() - started) / 60, 1),
-        "args": {k: v for k, v in vars(args).items() if k != "measure_step"},
+        "args": {k: v for k, v in vars(args).items() if k != "measure_step"}, "seed": args.seed,
     }  # fmt: skip
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = out / ".l2_minibatching.json.tmp"
-    tmp.write_text(json.dumps(result, indent=2))
-    os.replace(tmp, out.parent / "l2_minibatching.json")
     print(f"target validation loss {quality['target_val_loss']:.4f}: conventional "
           f"{quality['conventional']['seconds_to_target']:.0f} s, level-2 "
           f"{'not reached' if l2_seconds is None else f'{l2_seconds:.0f} s'}; success "
-          f"{conv_rate:.0%} vs {success_l2['success_rate']:.0%}; results in {out.parent / 'l2_minibatching.json'}")  # fmt: skip
-    print(f"time_ratio={time_ratio:.3f} memory_ratio={main_row['memory_ratio']:.3f} success_ratio={success_ratio:.3f}")
+          f"{conv_rate:.0%} vs {success_l2['success_rate']:.0%}")  # fmt: skip
+    return result
 
 
 if __name__ == "__main__":

@@ -47,3 +47,15 @@ def test_the_validation_loss_repeats_for_fixed_weights(tiny_checkpoint, tiny_dat
     frames = torch.arange(0, 32, 4)
     first = validation_loss(policy, demos, frames, policy.config.horizon)
     assert validation_loss(policy, demos, frames, policy.config.horizon) == first and first > 0
+
+
+def test_seeds_pool_to_the_median_of_each_ratio_and_a_seed_below_the_floor_makes_success_nan():
+    import math
+
+    pool = l2_script().pool_seeds
+    seeds = [{"seed": s, "time_ratio": t, "memory_ratio": 0.2, "total_memory_ratio": 0.9, "success_ratio": r,
+              "per_step_time_ratio": 0.1} for s, t, r in ((0, 0.18, 0.9), (1, 0.25, 1.0), (2, 0.16, 0.95))]  # fmt: skip
+    pooled = pool(seeds)
+    assert (pooled["time_ratio"], pooled["success_ratio"], pooled["seeds"]) == (0.18, 0.95, [0, 1, 2])
+    seeds[1]["success_ratio"] = float("nan")
+    assert math.isnan(pool(seeds)["success_ratio"]) and pool(seeds)["time_ratio"] == 0.18
