@@ -122,6 +122,12 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads; 0 = all cores")
     p.add_argument("--out", default="outputs/bench/l2_minibatching", help="work and result directory")
     p.add_argument("--quick", action="store_true", help="toy sizes, to check every stage end to end")
+    p.add_argument(
+        "--pretrained-encoder",
+        default="",
+        help="towers from a local SigLIP folder (`vla-rl pretrain-encoder`'s output), loaded as a real SigLIP is; "
+        "'' = random towers of --encoder's size (the mode of the runs in the history)",
+    )
     p.add_argument("--seed", type=int, default=0, help="training seed of both arms (default: 0)")
     p.add_argument(
         "--seeds",
@@ -154,6 +160,10 @@ def _cuda() -> bool:
 def policy_config(args, encoder: str):
     from vla_rl.stages import DiffusionVLAConfig
 
+    if args.pretrained_encoder:  # its towers' sizes are its own (the grid's encoder sizes do not apply)
+        return DiffusionVLAConfig(
+            **DIT, pretrained_encoder=args.pretrained_encoder, freeze_towers=args.towers == "frozen"
+        )
     return DiffusionVLAConfig(**DIT, **ENCODERS[encoder], freeze_towers=args.towers == "frozen")
 
 
