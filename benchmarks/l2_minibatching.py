@@ -146,6 +146,8 @@ def parse_args(argv=None):
         args.episodes, args.steps, args.val_every, args.eval_episodes = 8, 20, 10, 4
         args.grid_copies, args.grid_encoders, args.encoder, args.copies = "1,4", "small", "small", 4
         args.l2_max_steps = 160  # Level-2 validates every K x 10 = 40 steps: room for a few
+    if args.pretrained_encoder:  # one encoder, its own size: the grid and the main comparison run it alone
+        args.encoder = args.grid_encoders = "pretrained"
     if args.batch % args.copies:
         p.error(f"--copies={args.copies} must divide --batch={args.batch}")
     return args
@@ -470,7 +472,8 @@ def run_one(args) -> dict:
     success_ratio = success_l2["success_rate"] / conv_rate if conv_rate >= SUCCESS_FLOOR else float("nan")
     result = {
         "task": args.task, "device": args.device, "batch_denoising_samples": args.batch, "copies": args.copies,
-        "encoder": {"name": args.encoder, "towers": args.towers, **ENCODERS[args.encoder]}, "dit": DIT, "steps": args.steps,
+        "encoder": {"name": args.encoder, "towers": args.towers,
+                    **ENCODERS.get(args.encoder, {"pretrained_encoder": args.pretrained_encoder})}, "dit": DIT, "steps": args.steps,
         "torch_threads": args.threads or os.cpu_count(), "torch": torch.__version__,
         "per_step": grid, "time_to_quality": quality,
         "success": {"conventional": success_conv, "level2": success_l2, "eval_episodes": args.eval_episodes, "seed": 1000},
