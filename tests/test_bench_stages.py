@@ -57,15 +57,15 @@ def test_an_imitation_run_of_another_seed_or_delay_is_refused_before_training(tm
     with pytest.raises(ValueError, match="made with delay="):
         train_imitation(BenchRLConfig(), tmp_path / "dataset", run, DelayConfig(kind="uniform", low=0, high=8))
     with pytest.raises(ValueError, match="policy_type=diffusion, but this run asks for policy_type=autoregressive_vla"):
-        train_imitation(BenchRLConfig(policy_type="autoregressive_vla"), tmp_path / "dataset", run)
+        train_imitation(BenchRLConfig(policy_type="autoregressive_vla", train_steps=4000), tmp_path / "dataset", run)
     with pytest.raises(ValueError, match="horizon=16, but this run asks for horizon=8"):
         train_imitation(BenchRLConfig(horizon=8), tmp_path / "dataset", run)
     ar = {**saved, "policy": {**saved["policy"], "type": "autoregressive_vla", "action_tokenizer": "fast"}}
     (tmp_path / "ar" / "checkpoints").mkdir(parents=True)
     (tmp_path / "ar" / "train_config.json").write_text(json.dumps(ar))
     with pytest.raises(ValueError, match="action_tokenizer=fast, but this run asks for action_tokenizer=uniform_bins"):
-        train_imitation(BenchRLConfig(policy_type="autoregressive_vla", action_tokenizer="uniform_bins"),
-                        tmp_path / "dataset", tmp_path / "ar")  # fmt: skip
+        train_imitation(BenchRLConfig(policy_type="autoregressive_vla", action_tokenizer="uniform_bins",
+                                      train_steps=4000), tmp_path / "dataset", tmp_path / "ar")  # fmt: skip
     assert ran == []
     train_imitation(BenchRLConfig(), tmp_path / "dataset", run)  # the same run: resumed
     assert ran == [("train", 0, True)]
