@@ -65,7 +65,8 @@ def train_imitation(cfg, dataset: Path, output_dir: Path, delay=None) -> None:
         })  # fmt: skip
     train(TrainConfig(
         dataset=DatasetConfig(root=str(dataset)), output_dir=str(output_dir), steps=cfg.train_steps,
-        batch_size=cfg.batch_size, seed=cfg.seed, log_with="none", save_every=cfg.train_steps,
+        # A checkpoint every 1,000 steps: a killed imitation stage (12,000 steps of the AR VLA take hours) resumes.
+        batch_size=cfg.batch_size, seed=cfg.seed, log_with="none", save_every=min(cfg.train_steps, 1000),
         num_threads=cfg.num_threads, delay=delay, resume=(output_dir / "checkpoints").is_dir(),
         policy={"diffusion": DiffusionConfig, "autoregressive_vla": AutoregressiveVLAConfig}[policy_type](**policy),
     ))  # fmt: skip
