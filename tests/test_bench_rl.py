@@ -96,3 +96,13 @@ def test_pooled_rate_sums_the_counts_and_gives_their_wilson_interval():
     pooled = pooled_rate([{"successes": 30, "episodes": 100}, {"successes": 50, "episodes": 100}])
     assert (pooled["successes"], pooled["episodes"], pooled["success_rate"]) == (80, 200, 0.4)
     assert pooled["success_ci95"] == pytest.approx([0.40189 - 0.06728, 0.40189 + 0.06728], abs=2e-5)
+
+
+def test_the_autoregressive_vlas_imitation_steps_default_to_the_selected_setting_on_the_command_line():
+    """The command line sets --policy_type after the config is built: the default train_steps (0) must still mean
+    12,000 for the AR VLA (the 2026-12-04 selection) and 4,000 for diffusion; a given value stays."""
+    from vla_rl.cli import parse_config
+
+    assert parse_config("bench rl", ["--policy_type=autoregressive_vla"]).imitation_steps == 12000
+    assert parse_config("bench rl", []).imitation_steps == 4000
+    assert parse_config("bench rl", ["--policy_type=autoregressive_vla", "--train_steps=500"]).imitation_steps == 500

@@ -118,8 +118,11 @@ class BenchRLConfig:
     )
     quick: bool = False  # toy sizes: checks every stage runs, in about a minute; says nothing about the claim
 
-    def __post_init__(self) -> None:
-        self.train_steps = self.train_steps or DEFAULT_TRAIN_STEPS[self.policy_type]
+    @property
+    def imitation_steps(self) -> int:
+        """``train_steps``, or the policy type's when it is 0 (read when used: the command line sets the fields
+        after the config is built, so nothing may be resolved at construction)."""
+        return self.train_steps or DEFAULT_TRAIN_STEPS[self.policy_type]
 
     def apply_quick(self) -> None:
         if self.quick:

@@ -55,18 +55,19 @@ def train_imitation(cfg, dataset: Path, output_dir: Path, delay=None) -> None:
     if getattr(cfg, "objective", ""):  # a flow base policy (`bench steering`)
         policy["objective"] = cfg.objective
     delay = delay or DelayConfig()
+    steps = getattr(cfg, "imitation_steps", None) or cfg.train_steps  # `bench rl` resolves a policy type's default
     saved = output_dir / "train_config.json"
     if (output_dir / "checkpoints").is_dir() and saved.is_file():  # resumed: it must be this run's policy
         c = json.loads(saved.read_text())
         recorded = {**c, "policy_type": c["policy"]["type"], **{k: c["policy"].get(k) for k in policy}}
         _refuse_another_run(output_dir, "an imitation policy", recorded, {
-            "seed": cfg.seed, "steps": cfg.train_steps, "batch_size": cfg.batch_size, "delay": asdict(delay),
+            "seed": cfg.seed, "steps": steps, "batch_size": cfg.batch_size, "delay": asdict(delay),
             "policy_type": policy_type, **policy,
         })  # fmt: skip
     train(TrainConfig(
-        dataset=DatasetConfig(root=str(dataset)), output_dir=str(output_dir), steps=cfg.train_steps,
+        dataset=DatasetConfig(root=str(dataset)), output_dir=str(output_dir), steps=steps,
         # A checkpoint every 1,000 steps: a killed imitation stage (12,000 steps of the AR VLA take hours) resumes.
-        batch_size=cfg.batch_size, seed=cfg.seed, log_with="none", save_every=min(cfg.train_steps, 1000),
+        batch_size=cfg.batch_size, seed=cfg.seed, log_with="none", save_every=min(steps, 1000),
         num_threads=cfg.num_threads, delay=delay, resume=(output_dir / "checkpoints").is_dir(),
         policy={"diffusion": DiffusionConfig, "autoregressive_vla": AutoregressiveVLAConfig}[policy_type](**policy),
     ))  # fmt: skip
