@@ -71,3 +71,15 @@ def tiny_checkpoint(tiny_dataset, tmp_path_factory):
         save_every=20, log_every=10, log_with="none", num_threads=2, warmup_steps=5,
     )  # fmt: skip
     return out, train(cfg)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Torch on one thread for a module of tiny models (a thread pool only adds wake-ups, and stalls on a busy
+    machine); a module asks for it with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -6,6 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from extras import require
+from tiny_policies import save_lift_flow_policy
 
 from vla_rl.rl.sac import NoiseAgent, NoiseDecision, SACConfig, chunk_discount, transitions
 
@@ -84,20 +85,10 @@ def test_sac_moves_the_noise_toward_the_rewarded_one():
 
 
 def test_vla_rl_dsrl_trains_through_the_shared_rollout_and_evaluates_both_arms(tmp_path):
-    from policies.diffusion import DiffusionConfig
-    from policies.diffusion.modeling_diffusion import DiffusionPolicy
-    from policies.tokenizer import word_vocabulary
     from sim.config import EnvConfig
     from vla_rl.dsrl import DSRLConfig, run_dsrl
 
-    torch.manual_seed(0)
-    policy = DiffusionPolicy(DiffusionConfig(
-        state_dim=11, action_dim=4, cameras=["front"], image_size=32, horizon=8, n_action_steps=4,
-        vocabulary=word_vocabulary(["pick up the red cube"]), vision_channels=8, num_keypoints=8, text_dim=8,
-        hidden_dim=32, num_blocks=2, num_inference_steps=4, objective="flow",
-    ))  # fmt: skip
-    policy.set_normalization([0.0] * 11, [1.0] * 11, [-1.0] * 4, [1.0] * 4)
-    policy.save_pretrained(tmp_path / "policy")
+    save_lift_flow_policy(tmp_path / "policy", image_size=32)
     env = EnvConfig(num_envs=2, max_episode_steps=8, image_size=32, num_threads=1, render_threads=1)
     summary = run_dsrl(DSRLConfig(checkpoint=str(tmp_path / "policy"), env=env, iterations=2, eval_episodes=2,
                                   sac=SACConfig(batch_size=2, updates=2, hidden=16), output_dir=str(tmp_path / "dsrl")))  # fmt: skip

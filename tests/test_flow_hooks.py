@@ -11,7 +11,7 @@ import json
 
 import pytest
 import torch
-from tiny_policies import ACTION_MAX, ACTION_MIN, TASK, A, H, make_policy
+from tiny_policies import ACTION_MAX, ACTION_MIN, TASK, A, H, make_policy, save_lift_flow_policy
 
 from policies.pretrained import PreTrainedPolicy
 from vla_core.types import OBS_COMMITTED_ACTIONS, OBS_COMMITTED_MASK, OBS_DELAY_STEPS, FlowSteerable
@@ -26,13 +26,7 @@ MASK = torch.tensor([[True, True, False], [True, True, True]])
 KNOWN = torch.tensor([[True, True, False, False, False, False], [True, True, True, False, False, False]])
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """The models are tiny: a thread pool only adds wake-ups (and stalls on a busy machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def observation(delayed: bool = False) -> dict:
@@ -327,20 +321,10 @@ def test_finetune_runs_an_rl_update_on_a_flow_diffusion_policy(tmp_path):
     from safetensors.torch import load_file
     from test_rl import small_run
 
-    from policies.diffusion import DiffusionConfig
-    from policies.diffusion.modeling_diffusion import DiffusionPolicy
-    from policies.tokenizer import word_vocabulary
     from vla_rl.finetune import finetune
     from vla_rl.rl.ppo import PPOConfig
 
-    torch.manual_seed(0)
-    policy = DiffusionPolicy(DiffusionConfig(
-        state_dim=11, action_dim=4, cameras=["front"], image_size=64, horizon=8, n_action_steps=4,
-        vocabulary=word_vocabulary(["pick up the red cube"]), vision_channels=8, num_keypoints=8, text_dim=8,
-        hidden_dim=32, num_blocks=2, num_inference_steps=4, objective="flow",
-    ))  # fmt: skip
-    policy.set_normalization([0.0] * 11, [1.0] * 11, [-1.0] * 4, [1.0] * 4)
-    policy.save_pretrained(tmp_path / "policy")
+    save_lift_flow_policy(tmp_path / "policy", image_size=64)
     summary = finetune(small_run(tmp_path / "policy", tmp_path / "run", iterations=1, minibatch_size=8, lr=1e-3,
                                  num_threads=1, ppo=PPOConfig(critic_warmup_iterations=0)))  # fmt: skip
     assert summary["iterations"] == 1 and summary["history"][0]["executed_env_steps"] > 0

@@ -29,13 +29,7 @@ MASK = torch.tensor([[True, True, False], [True, True, True]])
 KNOWN = torch.tensor([[True, True, False, False, False, False], [True, True, True, False, False, False]])
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """The models are tiny: a thread pool only adds wake-ups (and stalls on a busy machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def observation(delayed: bool = False) -> dict:

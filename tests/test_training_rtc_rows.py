@@ -22,14 +22,7 @@ from vla_core.runtime import DelayConfig, DelayModel, committed_prefix
 from vla_core.types import ACTION, OBS_COMMITTED_MASK, OBS_DELAY_STEPS, ZERO_DELAY_PASS
 from vla_rl.train import with_delay_augmentation
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """The models are tiny: a thread pool only adds wake-ups (and stalls on a busy machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def training_batch(delays=(2, 1), zero_delay_pass: bool = True) -> dict:
