@@ -128,6 +128,7 @@ class ServeConfig:
     device: str = "cpu"  # torch device of the policy
     # Latent steering (RL²) composed with the checkpoint in the inference process: a `vla-rl steer` output's
     # steering/ folder ("" = none), gated (where its failure predictor expects a failure) or always, weight w.
+    # The mode is checked where the steering loads (`vla_rl.steering`), in the inference worker.
     steer_dir: str = ""
     steer_mode: str = "gated"
     steer_weight: float = 1.0
@@ -228,7 +229,6 @@ class ServeConfig:
             "inference": (self.inference, get_args(InferenceMode)),
             "ros_executor": (self.ros_executor, get_args(RosExecutor)),
             "output": (self.output, get_args(Output)),
-            "steer_mode": (self.steer_mode, ("gated", "always")),
             "gripper_open": (self.gripper_open, get_args(GripperOpen)),
             "qos.sensor_reliability": (self.qos.sensor_reliability, get_args(Reliability)),
         }
@@ -243,6 +243,15 @@ class ServeConfig:
         if (self.inference == "remote") != bool(self.inference_server):
             raise ValueError("inference: remote and inference_server: HOST:PORT (a `vla-rl policy-server`) go together; "
                              "set both, or neither")  # fmt: skip
+        if not self.steer_dir and (self.steer_mode, self.steer_weight) != (
+            ServeConfig.steer_mode,
+            ServeConfig.steer_weight,
+        ):
+            raise ValueError("steer_mode and steer_weight steer nothing without steer_dir (a `vla-rl steer` output's "
+                             "steering/ folder): set it, or drop them")  # fmt: skip
+        if self.inference == "remote" and self.steer_dir:
+            raise ValueError("with inference: remote the policy server runs the policy: give it the steering "
+                             "(`vla-rl policy-server --steer_dir=...`) and leave steer_dir empty here")  # fmt: skip
         if self.inference == "remote" and self.added_latency_s:
             raise ValueError("added_latency_s is slept by the local worker; with inference: remote give it to the "
                              "server (`vla-rl policy-server --added_latency_s=...`)")  # fmt: skip

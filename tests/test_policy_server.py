@@ -165,4 +165,8 @@ def test_remote_inference_needs_its_server_and_keeps_the_latency_on_the_server()
         ServeConfig(inference="remote").validate()
     with pytest.raises(ValueError, match="give it to the server"):
         ServeConfig(inference="remote", inference_server="gpu-box:50051", added_latency_s=0.1).validate()
+    with pytest.raises(ValueError, match=r"give it the steering \(`vla-rl policy-server --steer_dir"):
+        ServeConfig(inference="remote", inference_server="gpu-box:50051", steer_dir="steer/steering").validate()
+    with pytest.raises(ValueError, match="steer_mode and steer_weight steer nothing without steer_dir"):
+        ServeConfig(steer_mode="always").validate()
     ServeConfig(inference="remote", inference_server="gpu-box:50051").validate()

@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from tiny_policies import TASK, A, H, make_policy
+from tiny_policies import TASK, A, H, make_policy, save_lift_flow_policy
 
 from vla_rl.steering import (
     MAX_WEIGHT,
@@ -24,12 +24,7 @@ from vla_rl.steering import (
 B = 2
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def observation(batch: int = B) -> dict:
@@ -142,21 +137,11 @@ def test_a_request_records_its_regression_samples_on_the_straight_path_of_its_ow
 def test_vla_rl_steer_collects_trains_and_eval_serves_the_steered_policy(tmp_path):
     """A random flow `diffusion` policy on lift (4 steps an episode, 2 worlds): 6 episodes collected, the gate and
     the field trained and written; `vla-rl eval --steer.dir` loads them and runs."""
-    from policies.diffusion import DiffusionConfig
-    from policies.diffusion.modeling_diffusion import DiffusionPolicy
-    from policies.tokenizer import word_vocabulary
     from sim.config import EnvConfig
     from vla_rl.eval import EvalConfig, SteerEvalConfig, evaluate
     from vla_rl.steer import SteerConfig, run_steer
 
-    torch.manual_seed(0)
-    policy = DiffusionPolicy(DiffusionConfig(
-        state_dim=11, action_dim=4, cameras=["front"], image_size=32, horizon=8, n_action_steps=4,
-        vocabulary=word_vocabulary(["pick up the red cube"]), vision_channels=8, num_keypoints=8, text_dim=8,
-        hidden_dim=32, num_blocks=2, num_inference_steps=4, objective="flow",
-    ))  # fmt: skip
-    policy.set_normalization([0.0] * 11, [1.0] * 11, [-1.0] * 4, [1.0] * 4)
-    policy.save_pretrained(tmp_path / "policy")
+    policy = save_lift_flow_policy(tmp_path / "policy", image_size=32)
     env = EnvConfig(num_envs=2, max_episode_steps=4, image_size=32, num_threads=1, render_threads=1, variation="colour")
     summary = run_steer(SteerConfig(checkpoint=str(tmp_path / "policy"), env=env, episodes=6, samples_per_chunk=1,
                                     held_out_fraction=0.34, predictor_steps=5, field_steps=5, batch_size=8, hidden=16,
@@ -182,6 +167,9 @@ def test_vla_rl_steer_collects_trains_and_eval_serves_the_steered_policy(tmp_pat
                                  steer_mode="always"))()  # fmt: skip
     assert isinstance(served, SteeredPolicy) and served.mode == "always"
     assert policy_info(served)["noise_shape"] == (8, 4) and policy_info(served)["horizon"] == 8
+    with pytest.raises(ValueError, match="steer nothing without --steer.dir"):
+        evaluate(EvalConfig(checkpoint=str(tmp_path / "policy"), env=env, num_episodes=2, video_episodes=0,
+                            steer=SteerEvalConfig(mode="always"), output_dir=str(tmp_path / "eval_unsteered")))  # fmt: skip
     # Another base (one weight changed) is refused, naming the checkpoint the steering was trained on.
     with torch.no_grad():
         next(policy.parameters()).add_(1.0)
@@ -193,8 +181,8 @@ def test_vla_rl_steer_collects_trains_and_eval_serves_the_steered_policy(tmp_pat
 
 
 def test_a_policy_without_a_flow_velocity_is_refused_naming_the_fix():
-    from vla_rl.steer import _check_steerable
+    from vla_rl.steering import check_steerable
 
-    with pytest.raises(ValueError, match="vla-rl steer needs a flow policy: .*--policy.objective=flow"):
-        _check_steerable(make_policy("diffusion"))
-    _check_steerable(make_policy("diffusion-flow"))  # a flow policy passes
+    with pytest.raises(ValueError, match="steering needs a flow policy: .*--policy.objective=flow"):
+        check_steerable(make_policy("diffusion"))
+    check_steerable(make_policy("diffusion-flow"))  # a flow policy passes

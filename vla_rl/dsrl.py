@@ -16,13 +16,13 @@ from typing import Any
 
 import torch
 from safetensors.torch import save_file
-from torch import nn
 from tqdm import tqdm
 
 from sim.config import EnvConfig
 from vla_core.runtime import ChunkingConfig, DelayConfig, DelayModel, LatencySpec
 from vla_rl.checkpoint import load_policy
 from vla_rl.rl.sac import NoiseAgent, SACConfig, chunk_discount, transitions
+from vla_rl.steering import WrappedPolicy, check_steerable
 
 
 @dataclass
@@ -47,8 +47,8 @@ class DSRLConfig:
     output_dir: str = "outputs/dsrl"  # dsrl/, dsrl_summary.json, eval_base/, eval_dsrl/
 
 
-class NoisePolicy(nn.Module):
-    """The frozen policy driven by the DSRL actor's deterministic noise: what evaluation and serving run."""
+class NoisePolicy(WrappedPolicy):
+    """The frozen policy driven by the DSRL actor's deterministic noise: what evaluation runs."""
 
     def __init__(self, agent: NoiseAgent):
         super().__init__()
@@ -59,21 +59,14 @@ class NoisePolicy(nn.Module):
         kwargs.pop("noise", None)  # the actor chooses it
         return self.base.predict_chunk(obs, obs_step, noise=self._agent.deterministic_noise(obs), **kwargs)
 
-    def __getattr__(self, name: str):
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(self._modules["base"], name)
-
 
 def run_dsrl(cfg: DSRLConfig) -> dict[str, Any]:
     from torchrl.data import LazyTensorStorage, ReplayBuffer
 
     from sim.factory import make_env
     from vla_core.runtime.delayed_env import DelayedChunkEnv
-    from vla_rl.eval import EvalConfig, evaluate
     from vla_rl.rl.rollout import collect
-    from vla_rl.steer import _check_steerable
+    from vla_rl.stages import EvalConfig, evaluate
 
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
@@ -81,7 +74,7 @@ def run_dsrl(cfg: DSRLConfig) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     policy, _ = load_policy(cfg.checkpoint, device=cfg.device)
     policy.eval()
-    _check_steerable(policy)
+    check_steerable(policy)
     torch.manual_seed(cfg.seed)
     agent = NoiseAgent(policy, cfg.sac)
     replay = ReplayBuffer(storage=LazyTensorStorage(cfg.sac.buffer_size), batch_size=cfg.sac.batch_size)

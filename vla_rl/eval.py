@@ -154,6 +154,9 @@ def evaluate(cfg: EvalConfig, policy=None, expected_weights: str | None = None) 
         policy, ckpt = load_policy(cfg.checkpoint, device=cfg.device, tokenizer_dir=cfg.tokenizer_dir)
     else:
         ckpt = cfg.checkpoint
+    if not cfg.steer.dir and (cfg.steer.mode, cfg.steer.weight) != (SteerEvalConfig.mode, SteerEvalConfig.weight):
+        raise ValueError("--steer.mode and --steer.weight steer nothing without --steer.dir (a `vla-rl steer` "
+                         "output's steering/ folder): pass it, or drop them")  # fmt: skip
     if cfg.steer.dir:
         from vla_rl.steering import SteeredPolicy, Steering
 

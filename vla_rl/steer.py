@@ -40,6 +40,7 @@ from vla_rl.eval_record import weights_sha256
 from vla_rl.steering import (
     Steering,
     advantage_weights,
+    check_steerable,
     choose_threshold,
     train_field,
     train_predictor,
@@ -83,7 +84,7 @@ def run_steer(cfg: SteerConfig) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     policy, _ = load_policy(cfg.checkpoint, device=cfg.device)
     policy.eval()
-    _check_steerable(policy)
+    check_steerable(policy)
     start = time.time()
     rollouts_file, made_with = out / "rollouts.safetensors", out / "rollouts_config.json"
     collection = {"base_sha256": weights_sha256(policy), "env": asdict(cfg.env), "variations": list(cfg.variations),
@@ -114,13 +115,6 @@ def run_steer(cfg: SteerConfig) -> dict[str, Any]:
     tmp.write_text(json.dumps(summary, indent=2))
     tmp.replace(out / "steer_summary.json")
     return summary
-
-
-def _check_steerable(policy) -> None:
-    try:
-        policy.noise_shape, policy.latent_dim  # noqa: B018 (a policy without a flow velocity refuses these)
-    except ValueError as err:
-        raise ValueError(f"vla-rl steer needs a flow policy: {err}") from None
 
 
 # -- collect -------------------------------------------------------------------------------------

@@ -132,9 +132,27 @@ class Steering(nn.Module):
         return steering.eval()
 
 
-class SteeredPolicy(nn.Module):
-    """The frozen ``base`` policy whose every ``predict_chunk`` is steered (see the module docstring); the rest
-    of its interface (config, latency spec, hooks) is the base's."""
+def check_steerable(policy) -> None:
+    """ValueError naming the fix unless ``policy`` has the flow hooks steering acts on (`FlowSteerable`)."""
+    try:
+        policy.noise_shape, policy.latent_dim  # noqa: B018 (a policy without a flow velocity refuses these)
+    except ValueError as err:
+        raise ValueError(f"steering needs a flow policy: {err}") from None
+
+
+class WrappedPolicy(nn.Module):
+    """A frozen ``base`` policy whose ``predict_chunk`` a subclass changes; everything else (config, latency
+    spec, hooks, device) is the base's."""
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["base"], name)
+
+
+class SteeredPolicy(WrappedPolicy):
+    """The frozen ``base`` policy whose every ``predict_chunk`` is steered (see the module docstring)."""
 
     def __init__(self, base: nn.Module, steering: Steering, mode: SteerMode = "gated", weight: float = 1.0):
         super().__init__()
@@ -159,12 +177,6 @@ class SteeredPolicy(nn.Module):
 
     def predict_chunk(self, obs, obs_step=None, **kwargs):
         return self.base.predict_chunk(obs, obs_step, steer=self.steering.steer(self.mode, self.weight), **kwargs)
-
-    def __getattr__(self, name: str):
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(self._modules["base"], name)
 
 
 # -- the learner ---------------------------------------------------------------------------------
