@@ -8,8 +8,9 @@ the method and its math). Three stages, into ``output_dir``:
    ``samples_per_chunk`` times t ~ U(0, 1) give x_t = t e + (1 - t) x_0, the latents there and the
    residual (e - x_0) - v_base(x_t, t). Each request keeps its episode's success once it ends. Each world
    counts its first ceil(episodes / N) episodes (so ``episodes`` rounds up to a multiple of the worlds),
-   whatever their length. Saved as ``rollouts.safetensors`` with ``rollouts_config.json``: a run resumed
-   with another base, env or sizes is refused.
+   whatever their length. Written as a LeRobotDataset, ``rollouts/`` (`ROLLOUT_FEATURES`): one frame per
+   request (the observation the policy was asked with, the chunk it sampled, the ``steer.*`` features), one
+   LeRobot episode per rollout; a run resumed with another base, env or sizes is refused.
 2. train: episodes split by a seeded draw (``held_out_fraction`` held out); the failure predictor on the
    training requests, its threshold on the held-out ones (Youden's J); the field by Q-weighted flow matching
    on the training requests, each weighted against a value from a predictor that did not see it (two folds
@@ -22,6 +23,7 @@ the method and its math). Three stages, into ``output_dir``:
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -29,12 +31,14 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from sim.config import EnvConfig
+from vla_core import interrupt
+from vla_core.data import discard_dataset, open_dataset, quiet_datasets
+from vla_core.files import replace_directory
 from vla_core.runtime import ChunkingConfig, DelayConfig, DelayModel, LatencySpec
-from vla_core.types import TASK, ActionChunk
+from vla_core.types import OBS_IMAGES, OBS_STATE, TASK, ActionChunk
 from vla_rl.checkpoint import load_policy
 from vla_rl.eval_record import weights_sha256
 from vla_rl.steering import (
@@ -71,7 +75,7 @@ class SteerConfig:
     delay: DelayConfig = field(default_factory=DelayConfig)
     device: str = "cpu"
     num_threads: int = 0  # torch CPU threads; 0 = torch's default
-    output_dir: str = "outputs/steer"  # rollouts.safetensors, steering/, steer_summary.json
+    output_dir: str = "outputs/steer"  # rollouts/ (a LeRobotDataset), steering/, steer_summary.json
 
 
 def run_steer(cfg: SteerConfig) -> dict[str, Any]:
@@ -86,25 +90,20 @@ def run_steer(cfg: SteerConfig) -> dict[str, Any]:
     policy.eval()
     check_steerable(policy)
     start = time.time()
-    rollouts_file, made_with = out / "rollouts.safetensors", out / "rollouts_config.json"
+    rollouts = out / "rollouts"
     collection = {"base_sha256": weights_sha256(policy), "env": asdict(cfg.env), "variations": list(cfg.variations),
                   "episodes": cfg.episodes, "seed": cfg.seed, "samples_per_chunk": cfg.samples_per_chunk,
                   "chunking": asdict(cfg.chunking), "delay": asdict(cfg.delay)}  # fmt: skip
-    if rollouts_file.exists():  # a run stopped after collecting goes on from its rollouts, if they are this run's
-        saved = json.loads(made_with.read_text()) if made_with.exists() else {}
+    if (rollouts / "meta" / "info.json").is_file():  # a run stopped after collecting goes on from its rollouts
+        made_with = rollouts / "meta" / COLLECTION_FILE
+        saved = json.loads(made_with.read_text()) if made_with.is_file() else {}
         for name, value in collection.items():
             if saved.get(name) != value:
-                raise ValueError(f"{rollouts_file} was collected with another {name} ({saved.get(name)!r} against "
+                raise ValueError(f"{rollouts} was collected with another {name} ({saved.get(name)!r} against "
                                  f"{value!r}): pass another --output_dir, or delete it to collect again")  # fmt: skip
-        data = load_file(str(rollouts_file))
     else:
-        parts = [collect(replace(cfg, env=replace(cfg.env, variation=v)), policy, offset=k * 10**6)
-                 for k, v in enumerate(cfg.variations or [cfg.env.variation])]  # fmt: skip
-        data = {key: torch.cat([part[key] for part in parts]) for key in parts[0]}
-        tmp = out / "rollouts.safetensors.tmp"
-        save_file(data, str(tmp))
-        tmp.replace(rollouts_file)
-        made_with.write_text(json.dumps(collection, indent=2))
+        collect_dataset(cfg, policy, rollouts, collection)
+    data = load_rollouts(rollouts)
     collected_s = time.time() - start
     steering, metrics = train(cfg, data, tuple(policy.noise_shape), policy.latent_dim)
     steering.base_sha256 = collection["base_sha256"]  # a steering refuses any other base (`SteeredPolicy`)
@@ -151,53 +150,136 @@ def record_request(policy, obs: dict, obs_step: torch.Tensor, samples: int, gene
     return chunk.actions, record
 
 
-def collect(cfg: SteerConfig, policy, offset: int = 0) -> dict[str, torch.Tensor]:
-    """The rollouts of stage 1 under ``cfg.env``: per request, its episode (an id from ``offset`` up), the
-    episode's success and the regression samples (`record_request`)."""
+COLLECTION_FILE = "vla_rl_steer_collection.json"  # in the dataset's meta/: what the rollouts were collected with
+# The extra features of a rollout frame (one request), with their shapes: K = samples_per_chunk, S = the
+# policy's noise shape, L = its latent width, (H, A) its chunk.
+ROLLOUT_FEATURES = {
+    "steer.chunk": "(H, A) the chunk the frozen policy sampled",
+    "steer.gate": "(L,) latents at t = 1, the failure predictor's input",
+    "steer.x_t": "(K, *S) points on the straight path from the noise to the chunk",
+    "steer.t": "(K,) their times",
+    "steer.latents": "(K, L) the latents there",
+    "steer.residual": "(K, *S) (e - x_0) - v_base(x_t, t), the field's regression target",
+    "steer.obs_step": "(1,) the control step of the request's observation",
+    "steer.success": "(1,) whether the request's episode succeeded",
+    "steer.setting": "(1,) the index of its env.variation in the run's settings (`variations`, or env.variation)",
+}
+
+
+def rollout_features(env, policy, samples: int) -> dict:
+    """LeRobot's features of the rollouts dataset: the env's observations, then `ROLLOUT_FEATURES`."""
+    noise, latent, horizon = tuple(policy.noise_shape), policy.latent_dim, policy.config.horizon
+    shapes = {"steer.chunk": (horizon, env.action_dim), "steer.gate": (latent,), "steer.x_t": (samples, *noise),
+              "steer.t": (samples,), "steer.latents": (samples, latent), "steer.residual": (samples, *noise)}  # fmt: skip
+    feats = {k: dict(f) for k, f in env.features.items() if k == OBS_STATE or k.startswith(OBS_IMAGES + ".")}
+    feats |= {k: {"dtype": "float32", "shape": shape, "names": None} for k, shape in shapes.items()}
+    feats["steer.obs_step"] = feats["steer.setting"] = {"dtype": "int64", "shape": (1,), "names": None}
+    feats["steer.success"] = {"dtype": "bool", "shape": (1,), "names": None}
+    return feats
+
+
+def collect_dataset(cfg: SteerConfig, policy, root: Path, collection: dict) -> None:
+    """Stage 1 into the LeRobotDataset ``root``, each setting in turn, written beside it and moved into place
+    only when complete (a stopped collection leaves nothing behind)."""
+    from lerobot.datasets.lerobot_dataset import LeRobotDataset
+
     from sim.factory import make_env
+    from vla_core.data import video_backend
+
+    tmp = root.parent / f".{root.name}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    quiet_datasets()
+    dataset = None
+    try:
+        with interrupt.deferred():
+            for k, variation in enumerate(cfg.variations or [cfg.env.variation]):
+                setting = replace(cfg, env=replace(cfg.env, variation=variation))
+                with make_env(setting.env) as env:
+                    if dataset is None:  # its fps: one frame a request, about one every executed chunk
+                        per_request = env.control_dt * (cfg.chunking.execute_steps or policy.config.n_action_steps)
+                        dataset = LeRobotDataset.create(
+                            f"local/steer_{cfg.env.task}", fps=max(1, round(1 / per_request)),
+                            features=rollout_features(env, policy, cfg.samples_per_chunk), root=tmp,
+                            robot_type="panda", use_videos=False, video_backend=video_backend(),
+                        )  # fmt: skip
+                    collect(setting, policy, env, dataset, setting_index=k)
+            dataset.finalize()
+        (tmp / "meta" / COLLECTION_FILE).write_text(json.dumps(collection, indent=2))
+    except BaseException:
+        discard_dataset(dataset, tmp)
+        raise
+    replace_directory(tmp, root)
+
+
+def load_rollouts(root: Path) -> dict[str, torch.Tensor]:
+    """The ``steer.*`` columns of the rollouts dataset (no images decoded), keyed without the prefix, and each
+    frame's ``episode`` (LeRobot's episode index): what stage 2 trains on."""
+    names = [k for k in ROLLOUT_FEATURES if k != "steer.chunk"]
+    dataset = open_dataset(root)
+    table = dataset.hf_dataset.select_columns([*names, "episode_index"]).with_format("torch")[:]
+    # Each column to (frames, *its feature's shape): LeRobot stores a shape-(1,) feature as a scalar column.
+    data = {name.removeprefix("steer."): table[name].reshape(-1, *dataset.meta.features[name]["shape"])
+            for name in names}  # fmt: skip
+    for name in ("success", "obs_step", "setting"):  # one value a frame
+        data[name] = data[name].reshape(-1)
+    data["episode"] = table["episode_index"].reshape(-1)
+    return data
+
+
+def collect(cfg: SteerConfig, policy, env, dataset, setting_index: int = 0) -> None:
+    """The rollouts of stage 1 under ``cfg.env`` (``env`` made from it) into ``dataset``: one frame per request
+    with its regression samples (`record_request`), one LeRobot episode per counted rollout."""
     from vla_core.runtime.delayed_env import DelayedChunkEnv
 
     generator = torch.Generator().manual_seed(cfg.seed)
     torch.manual_seed(cfg.seed)
-    requests: list[dict[str, torch.Tensor]] = []  # one per request: its record and its episode id
-    outcome: dict[int, bool] = {}
-    with make_env(cfg.env) as env:
-        n = env.num_envs
-        delayed = DelayedChunkEnv(env, LatencySpec.of(policy), cfg.chunking, DelayModel(cfg.delay, env.control_dt))
-        obs, need = delayed.reset(seed=cfg.seed)
-        # Each world counts its first ceil(episodes / N) episodes, whatever their length: keeping the first
-        # episodes to end would favour the short ones, and success ends an episode early.
-        per_world = -(-cfg.episodes // n)
-        finished = np.zeros(n, dtype=np.int64)  # episodes each world has ended
-        episode = offset + np.arange(n)  # each world's current episode id
-        next_id = offset + n
-        bar = tqdm(total=per_world * n, desc="collect", unit="ep")
-        while (finished < per_world).any():
-            rows = torch.nonzero(need.cpu()).flatten()
-            actions = None
-            if len(rows):
-                sub = {k: [v[i] for i in rows.tolist()] if k == TASK else v[rows.to(v.device)]
-                       for k, v in obs.items() if k == TASK or torch.is_tensor(v)}  # fmt: skip
-                chunk, record = record_request(policy, sub, delayed.obs_step[rows], cfg.samples_per_chunk, generator)
-                actions = chunk.new_zeros(n, *chunk.shape[1:])
-                actions[rows.to(actions.device)] = chunk
-                for j, w in enumerate(rows.tolist()):
-                    requests.append({**{k: v[j] for k, v in record.items()}, "episode": torch.tensor(int(episode[w]))})
-            if actions is None:
-                cfg_p = policy.config
-                actions = torch.zeros(n, cfg_p.horizon, cfg_p.action_dim)
-            obs, _, terminated, truncated, info, need = delayed.step(ActionChunk(actions, delayed.obs_step))
-            for w in torch.nonzero((terminated | truncated).cpu()).flatten().tolist():
+    n = env.num_envs
+    delayed = DelayedChunkEnv(env, LatencySpec.of(policy), cfg.chunking, DelayModel(cfg.delay, env.control_dt))
+    obs, need = delayed.reset(seed=cfg.seed)
+    # Each world counts its first ceil(episodes / N) episodes, whatever their length: keeping the first
+    # episodes to end would favour the short ones, and success ends an episode early.
+    per_world = -(-cfg.episodes // n)
+    finished = np.zeros(n, dtype=np.int64)  # episodes each world has ended
+    frames: list[list[dict]] = [[] for _ in range(n)]  # each world's requests in its current episode
+    bar = tqdm(total=per_world * n, desc="collect", unit="ep")
+    while (finished < per_world).any():
+        rows = torch.nonzero(need.cpu()).flatten()
+        actions = None
+        if len(rows):
+            sub = {k: [v[i] for i in rows.tolist()] if k == TASK else v[rows.to(v.device)]
+                   for k, v in obs.items() if k == TASK or torch.is_tensor(v)}  # fmt: skip
+            obs_step = delayed.obs_step[rows]
+            chunk, record = record_request(policy, sub, obs_step, cfg.samples_per_chunk, generator)
+            actions = chunk.new_zeros(n, *chunk.shape[1:])
+            actions[rows.to(actions.device)] = chunk
+            for j, w in enumerate(rows.tolist()):
                 if finished[w] < per_world:
-                    outcome[int(episode[w])] = bool(info["success"][w])
-                    bar.update(1)
-                finished[w] += 1
-                episode[w], next_id = next_id, next_id + 1
-        bar.close()
-    kept = [r for r in requests if int(r["episode"]) in outcome]
-    data = {k: torch.stack([r[k] for r in kept]) for k in kept[0]}
-    data["success"] = torch.tensor([outcome[int(r["episode"])] for r in kept])
-    return data
+                    frames[w].append(_frame(sub, j, chunk[j], record, int(obs_step[j]), setting_index))
+        if actions is None:
+            actions = torch.zeros(n, policy.config.horizon, policy.config.action_dim)
+        obs, _, terminated, truncated, info, need = delayed.step(ActionChunk(actions, delayed.obs_step))
+        for w in torch.nonzero((terminated | truncated).cpu()).flatten().tolist():
+            if finished[w] < per_world:
+                for frame in frames[w]:
+                    dataset.add_frame(frame | {"steer.success": np.array([bool(info["success"][w])])})
+                dataset.save_episode()
+                bar.update(1)
+            frames[w] = []
+            finished[w] += 1
+        interrupt.raise_if_stopped()
+    bar.close()
+
+
+def _frame(obs: dict, j: int, chunk: torch.Tensor, record: dict, obs_step: int, setting: int) -> dict:
+    """Row ``j`` of a request as a dataset frame (images HWC uint8, as `vla-rl record` writes them)."""
+    frame = {k: v[j].permute(1, 2, 0).mul(255).round().to(torch.uint8).cpu().numpy()
+             for k, v in obs.items() if k.startswith(OBS_IMAGES + ".")}  # fmt: skip
+    frame[OBS_STATE] = obs[OBS_STATE][j].float().cpu().numpy()
+    frame["steer.chunk"] = chunk.float().cpu().numpy()
+    frame |= {f"steer.{k}": v[j].numpy() for k, v in record.items()}
+    frame["steer.obs_step"], frame["steer.setting"] = np.array([obs_step]), np.array([setting])
+    frame[TASK] = obs[TASK][j]
+    return frame
 
 
 # -- train ---------------------------------------------------------------------------------------
