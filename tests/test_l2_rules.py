@@ -59,3 +59,25 @@ def test_seeds_pool_to_the_median_of_each_ratio_and_a_seed_below_the_floor_makes
     assert (pooled["time_ratio"], pooled["success_ratio"], pooled["seeds"]) == (0.18, 0.95, [0, 1, 2])
     seeds[1]["success_ratio"] = float("nan")
     assert math.isnan(pool(seeds)["success_ratio"]) and pool(seeds)["time_ratio"] == 0.18
+
+
+def test_the_real_scale_grid_builds_so400m_shaped_towers_under_an_expert_of_pi0s_width():
+    """The vision tower's parameters counted from SigLIP-So400m's shape by hand (width 1152, 27 layers, patch 14 at
+    224 px, MLP 4 x width as the script states), on the meta device: nothing is allocated."""
+    import argparse
+
+    import torch
+
+    from policies.diffusion_vla.condition_encoder import ConditionEncoder
+
+    script = l2_script()
+    config = script.policy_config(argparse.Namespace(pretrained_encoder="", towers="frozen"), "so400m")
+    config.validate()
+    with torch.device("meta"):
+        encoder = ConditionEncoder(config)
+    width, mlp, patches = 1152, 4 * 1152, (224 // 14) ** 2
+    embeddings = 3 * 14 * 14 * width + width + patches * width  # patch convolution, its bias, positions
+    layer = 4 * (width * width + width) + 2 * 2 * width + (width * mlp + mlp) + (mlp * width + width)
+    assert sum(p.numel() for p in encoder.vision.parameters()) == embeddings + 27 * layer + 2 * width == 431_361_792
+    assert not any(p.requires_grad for p in encoder.vision.parameters())  # frozen, as the grid measures them
+    assert (config.dim, config.heads, config.image_size) == (1024, 16, 224)
