@@ -96,3 +96,40 @@ def test_vla_rl_dsrl_trains_through_the_shared_rollout_and_evaluates_both_arms(t
     assert [h["buffer"] for h in summary["history"]] == [4, 8] and "loss_qvalue" in summary["history"][1]
     assert summary["gamma_chunk"] == pytest.approx(0.99**4)
     assert set(summary["eval"]) == {"base", "dsrl"} and (tmp_path / "dsrl" / "dsrl" / "model.safetensors").exists()
+
+
+def test_a_stopped_dsrl_run_resumes_to_the_result_of_one_never_stopped(tmp_path, monkeypatch):
+    """4 iterations straight, against 4 iterations stopped after the second and resumed by the same command: the
+    same history and the same actor, bit for bit; a resume with another setting is refused, naming it."""
+    from safetensors.torch import load_file
+
+    import vla_rl.rl.rollout as rollout_module
+    from sim.config import EnvConfig
+    from vla_rl.dsrl import DSRLConfig, run_dsrl
+
+    save_lift_flow_policy(tmp_path / "policy", image_size=32)
+    env = EnvConfig(num_envs=2, max_episode_steps=8, image_size=32, num_threads=1, render_threads=1)
+
+    def config(out: str, **changes) -> DSRLConfig:
+        return DSRLConfig(checkpoint=str(tmp_path / "policy"), env=env, iterations=4, eval_episodes=2, checkpoint_every=1,
+                          sac=SACConfig(batch_size=2, updates=2, hidden=16), output_dir=str(tmp_path / out), **changes)  # fmt: skip
+
+    straight = run_dsrl(config("straight"))
+    real_collect, calls = rollout_module.collect, []
+
+    def stopped_at_the_third(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real_collect(*args, **kwargs)
+
+    monkeypatch.setattr(rollout_module, "collect", stopped_at_the_third)
+    with pytest.raises(KeyboardInterrupt):
+        run_dsrl(config("resumed"))
+    monkeypatch.setattr(rollout_module, "collect", real_collect)
+    with pytest.raises(ValueError, match="another seed"):
+        run_dsrl(config("resumed", seed=1))
+    resumed = run_dsrl(config("resumed"))
+    assert len(resumed["history"]) == 4 and resumed["history"] == straight["history"]
+    a, b = (load_file(str(tmp_path / out / "dsrl" / "model.safetensors")) for out in ("straight", "resumed"))
+    assert all(torch.equal(a[k], b[k]) for k in a)

@@ -4,6 +4,11 @@
 takes ``sac.updates`` gradient steps. At the end the frozen policy and the policy driven by the actor's
 deterministic noise are evaluated on the same held-out initial states (`vla-rl eval`'s stage), and
 ``dsrl/`` (the actor, config.json) and ``dsrl_summary.json`` are written atomically.
+
+Every ``checkpoint_every`` iterations, and at a stop signal, ``dsrl_state.pt`` keeps what resuming needs: the
+agent (actor, critics, their targets, the temperature), its optimizer, the replay buffer, the history and
+torch's random stream. The same command resumes from it to the result a run never stopped reaches (the
+rollouts reset from per-iteration seeds); a state written with other settings is refused.
 """
 
 from __future__ import annotations
@@ -19,8 +24,10 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from sim.config import EnvConfig
+from vla_core import interrupt
 from vla_core.runtime import ChunkingConfig, DelayConfig, DelayModel, LatencySpec
 from vla_rl.checkpoint import load_policy
+from vla_rl.eval_record import weights_sha256
 from vla_rl.rl.sac import NoiseAgent, SACConfig, chunk_discount, transitions
 from vla_rl.steering import WrappedPolicy, check_steerable
 
@@ -44,7 +51,8 @@ class DSRLConfig:
     delay: DelayConfig = field(default_factory=DelayConfig)
     device: str = "cpu"
     num_threads: int = 0  # torch CPU threads; 0 = torch's default
-    output_dir: str = "outputs/dsrl"  # dsrl/, dsrl_summary.json, eval_base/, eval_dsrl/
+    checkpoint_every: int = 5  # iterations between saves of dsrl_state.pt (a stop signal saves too)
+    output_dir: str = "outputs/dsrl"  # dsrl/, dsrl_summary.json, eval_base/, eval_dsrl/, dsrl_state.pt
 
 
 class NoisePolicy(WrappedPolicy):
@@ -78,24 +86,34 @@ def run_dsrl(cfg: DSRLConfig) -> dict[str, Any]:
     torch.manual_seed(cfg.seed)
     agent = NoiseAgent(policy, cfg.sac)
     replay = ReplayBuffer(storage=LazyTensorStorage(cfg.sac.buffer_size), batch_size=cfg.sac.batch_size)
-    history, start = [], time.time()
+    start = time.time()
+    state_file = out / STATE_FILE
+    made_with = {k: v for k, v in asdict(cfg).items() if k not in ("num_threads", "checkpoint_every")}
+    made_with["base_sha256"] = weights_sha256(policy)
     settings = [replace(cfg.env, variation=v) for v in cfg.variations] or [cfg.env]
     envs = [make_env(setting) for setting in settings]
     shells = [DelayedChunkEnv(env, LatencySpec.of(policy), cfg.chunking, DelayModel(cfg.delay, env.control_dt),
                               use="finetune", gamma=cfg.sac.gamma) for env in envs]  # fmt: skip
+    delays = [shell.delay for shell in shells]
+    history = load_state(state_file, agent, replay, delays, made_with) if state_file.exists() else []
     try:
-        for it in tqdm(range(cfg.iterations), desc="dsrl", unit="it"):
-            rollout, stats = collect(agent, shells[it % len(shells)], episodes_per_world=cfg.episodes_per_world,
-                                     seed=cfg.seed + 1_000_000 + it)  # fmt: skip
-            if agent.gamma_chunk is None:
-                agent.gamma_chunk = chunk_discount(rollout, cfg.sac.gamma)
-                agent.loss.make_value_estimator(gamma=agent.gamma_chunk)
-            replay.extend(transitions(rollout))
-            losses = agent.update(replay) if len(replay) >= cfg.sac.batch_size else {}
-            history.append({"iteration": it, "variation": settings[it % len(settings)].variation,
-                            "success_rate": round(stats.success_rate, 4), "episodes": stats.episodes,
-                            "env_steps": stats.env_steps, "buffer": len(replay),
-                            **{k: round(v, 5) for k, v in losses.items()}})  # fmt: skip
+        with interrupt.deferred():  # a stop signal ends the run after an iteration, its state saved
+            for it in tqdm(range(len(history), cfg.iterations), desc="dsrl", unit="it", initial=len(history),
+                           total=cfg.iterations):  # fmt: skip
+                rollout, stats = collect(agent, shells[it % len(shells)], episodes_per_world=cfg.episodes_per_world,
+                                         seed=cfg.seed + 1_000_000 + it)  # fmt: skip
+                if agent.gamma_chunk is None:
+                    agent.gamma_chunk = chunk_discount(rollout, cfg.sac.gamma)
+                    agent.loss.make_value_estimator(gamma=agent.gamma_chunk)
+                replay.extend(transitions(rollout))
+                losses = agent.update(replay) if len(replay) >= cfg.sac.batch_size else {}
+                history.append({"iteration": it, "variation": settings[it % len(settings)].variation,
+                                "success_rate": round(stats.success_rate, 4), "episodes": stats.episodes,
+                                "env_steps": stats.env_steps, "buffer": len(replay),
+                                **{k: round(v, 5) for k, v in losses.items()}})  # fmt: skip
+                if interrupt.received() is not None or (it + 1) % cfg.checkpoint_every == 0 or it + 1 == cfg.iterations:
+                    save_state(state_file, agent, replay, delays, history, made_with)
+                interrupt.raise_if_stopped()
     finally:
         for env in envs:
             env.close()
@@ -115,12 +133,43 @@ def run_dsrl(cfg: DSRLConfig) -> dict[str, Any]:
     return summary
 
 
+STATE_FILE = "dsrl_state.pt"
+
+
+def save_state(path: Path, agent: NoiseAgent, replay, delays: list, history: list[dict], made_with: dict) -> None:
+    """What resuming needs (module docstring; the delay models' streams too), written atomically."""
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save({"made_with": made_with, "history": history, "gamma_chunk": agent.gamma_chunk,
+                "loss": agent.loss.state_dict(), "optimizer": agent.optimizer.state_dict(),
+                "replay": replay.state_dict(), "torch_rng": torch.get_rng_state(),
+                "delays": [delay.state_dict() for delay in delays]}, tmp)  # fmt: skip
+    tmp.replace(path)
+
+
+def load_state(path: Path, agent: NoiseAgent, replay, delays: list, made_with: dict) -> list[dict]:
+    """Restore a saved run into ``agent``, ``replay``, the delay models and torch's stream; returns its history (one entry per
+    iteration done). Refused, naming the setting, when it was written with other settings."""
+    saved = torch.load(path, weights_only=False)  # our own file: it holds the replay buffer's TensorDicts
+    for name, value in made_with.items():
+        if json.loads(json.dumps(saved["made_with"].get(name))) != json.loads(json.dumps(value)):
+            raise ValueError(f"{path} was written by a run with another {name} ({saved['made_with'].get(name)!r} "
+                             f"against {value!r}): pass another --output_dir, or delete it to start again")  # fmt: skip
+    agent.gamma_chunk = saved["gamma_chunk"]
+    if agent.gamma_chunk is not None:
+        agent.loss.make_value_estimator(gamma=agent.gamma_chunk)
+    agent.loss.load_state_dict(saved["loss"])
+    agent.optimizer.load_state_dict(saved["optimizer"])
+    replay.load_state_dict(saved["replay"])
+    torch.set_rng_state(saved["torch_rng"])
+    for delay, state in zip(delays, saved["delays"], strict=True):
+        delay.load_state_dict(state)
+    return saved["history"]
+
+
 def load_noise_policy(directory: str | Path, base) -> NoisePolicy:
     """The policy a `vla-rl dsrl` run wrote in ``directory`` (its dsrl/ folder), driving ``base``, the frozen
     policy it was trained on (refused, naming it, when the weights differ)."""
     from safetensors.torch import load_file
-
-    from vla_rl.eval_record import weights_sha256
 
     directory = Path(directory)
     config = json.loads((directory / "config.json").read_text())
@@ -133,8 +182,6 @@ def load_noise_policy(directory: str | Path, base) -> NoisePolicy:
 
 def save_agent(directory: Path, agent: NoiseAgent, cfg: DSRLConfig) -> None:
     """The actor (model.safetensors) and what rebuilds it (config.json), each written atomically."""
-    from vla_rl.eval_record import weights_sha256
-
     directory.mkdir(parents=True, exist_ok=True)
     tmp = directory / "model.safetensors.tmp"
     save_file({k: v.contiguous() for k, v in agent.actor_net.state_dict().items()}, str(tmp))
