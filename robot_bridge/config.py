@@ -176,7 +176,7 @@ class ServeConfig:
     # The largest inference delay expected on this robot, in control steps: a policy trained or fine-tuned
     # for less is refused at load, and so is a whole chunk or more. 0 = not checked. The delay augmentation
     # is as wide as the larger of this and what the policy reads; a longer measured delay is announced as
-    # that width and counted (delay_clamped).
+    # that width and counted (delay_clamped). What the clamp costs: `vla-rl bench delay-beyond` (README).
     max_delay_steps: int = 0
     # Send the inference worker a mid-inference observation (the freshest joint state and images)
     # m = floor(mid_fraction * announced delay) ticks into each request, as latency-aware checkpoints

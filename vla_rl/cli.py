@@ -243,6 +243,12 @@ def _run_bench_robot_parity(cfg):
     print(format_summary(bench_robot_parity(cfg)))
 
 
+def _run_bench_delay_beyond(cfg):
+    from vla_rl.bench_delay_beyond import bench_delay_beyond, format_summary
+
+    print(format_summary(bench_delay_beyond(cfg)))
+
+
 def _run_bench_delay_calibration(cfg):
     from vla_rl.bench_delay_calibration import bench_delay_calibration, format_summary
 
@@ -375,7 +381,7 @@ COMMANDS: dict[str, Command] = {
     "bench": Command(
         "benchmarks: `bench sim` (env-steps/s), `bench bridge` (ROS 2 latency), `bench delay` (success under "
         "delay), `bench rl` (RL fine-tuning gains), `bench latency-rl` (ARLI), `bench delay-calibration` (their task and delay), `bench robot-parity` (the "
-        "latency model against a served robot), `bench ray` (asynchronous Ray rollouts), "
+        "latency model against a served robot), `bench delay-beyond` (a robot slower than the policy was trained for), `bench ray` (asynchronous Ray rollouts), "
         "`bench libero` (LIBERO against LeRobot's evaluator), `bench ar-decoding` (token decoding speed)",
         "",
         None,
@@ -419,6 +425,11 @@ COMMANDS: dict[str, Command] = {
                 "one checkpoint served to the sim robot over ROS 2 and evaluated under its latency trace, paired",
                 "vla_rl.bench_robot_parity:BenchRobotParityConfig",
                 _run_bench_robot_parity,
+            ),
+            "delay-beyond": Command(
+                "a robot 1.5x slower than its policy was trained for: what serve's delay clamp costs on the sim robot",
+                "vla_rl.bench_delay_beyond:BenchDelayBeyondConfig",
+                _run_bench_delay_beyond,
             ),
             "ray": Command(
                 "Ray on a two-node local cluster: asynchronous over synchronous rollouts, a worker killed mid-run",
