@@ -60,6 +60,9 @@ Protocol history (runs as README.md reports them):
   seed's success ratio is), every seed in the JSON; ``--pretrained-encoder`` takes the towers from `vla-rl
   pretrain-encoder`'s output. One run of it (seed 0, the default pretrained towers, frozen):
   ``time_ratio=0.349 memory_ratio=0.238 success_ratio=nan`` (both arms 7 of 50: below the floor).
+- 2026-12-05: ``--scale-grid`` added (the per-step grid at real VLA scale, its own JSON and last line; the
+  comparison's protocol unchanged). One run, on a loaded machine: ``scale_time_ratio=0.131
+  scale_memory_ratio=0.432 copies=16`` (K = 8: 0.184 and 0.469).
 """
 
 from __future__ import annotations
