@@ -479,7 +479,9 @@ def scale_grid(args) -> dict:
     tmp.write_text(json.dumps(result, indent=2))
     os.replace(tmp, out.parent / "l2_scale.json")
     top = max(rows, key=lambda r: r["copies"])
-    print(f"scale_time_ratio={top['time_ratio']:.3f} scale_memory_ratio={top['memory_ratio']:.3f} copies={top['copies']}")
+    print(
+        f"scale_time_ratio={top['time_ratio']:.3f} scale_memory_ratio={top['memory_ratio']:.3f} copies={top['copies']}"
+    )
     return result
 
 

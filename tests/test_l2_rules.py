@@ -81,3 +81,41 @@ def test_the_real_scale_grid_builds_so400m_shaped_towers_under_an_expert_of_pi0s
     assert sum(p.numel() for p in encoder.vision.parameters()) == embeddings + 27 * layer + 2 * width == 431_361_792
     assert not any(p.requires_grad for p in encoder.vision.parameters())  # frozen, as the grid measures them
     assert (config.dim, config.heads, config.image_size) == (1024, 16, 224)
+
+
+@pytest.mark.slow
+def test_quick_run_end_to_end_over_two_seeds_and_a_second_run_reads_them_back(tmp_path):
+    """`--quick --seeds 0,1`: each seed's result in its own folder, the target the mean of the conventional arm's
+    last 3 validations (read from its curve in the JSON), the final line the medians over the seeds, and a second
+    run trains nothing (both seeds read back)."""
+    import json
+    import math
+    import os
+    import statistics
+    import subprocess
+    import sys
+
+    def run() -> list[str]:
+        out = subprocess.run(
+            [sys.executable, str(ROOT / "benchmarks" / "l2_minibatching.py"), "--quick", "--seeds", "0,1",
+             "--threads", "1", "--out", str(tmp_path / "l2")],
+            capture_output=True, text=True, check=True, env=os.environ | {"MUJOCO_GL": "egl"}, cwd=ROOT,
+        )  # fmt: skip
+        return out.stdout.strip().splitlines()
+
+    first = run()
+    pooled = json.loads((tmp_path / "l2_minibatching.json").read_text())
+    assert pooled["seeds"] == [0, 1] and [r["seed"] for r in pooled["per_seed"]] == [0, 1]
+    for result in pooled["per_seed"]:
+        assert {(r["encoder"], r["copies"]) for r in result["per_step"]} == {("small", 1), ("small", 4)}
+        curve = result["time_to_quality"]["conventional"]["val_curve"]
+        assert result["time_to_quality"]["target_val_loss"] == pytest.approx(statistics.mean(c[2] for c in curve[-3:]))
+        conventional = result["success"]["conventional"]
+        assert math.isnan(result["success_ratio"]) == (conventional["success_rate"] < 0.5)
+    time_ratio = statistics.median(r["time_ratio"] for r in pooled["per_seed"])
+    assert first[-1].startswith(f"time_ratio={time_ratio:.3f} memory_ratio=")
+    second = run()
+    assert [line for line in second if "finished earlier" in line] == [
+        f"seed {s}: finished earlier, read from {tmp_path / 'l2' / f'seed{s}' / 'result.json'}" for s in (0, 1)
+    ]
+    assert second[-1] == first[-1]
