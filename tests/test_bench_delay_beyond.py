@@ -31,6 +31,9 @@ def test_the_clamp_costs_the_matched_arms_success_minus_the_trained_arms_on_pair
     assert final_line(s) == (
         "clamp_cost_points=40.0 trained_success=0.300 matched_success=0.700 clamped_fraction=0.750 episodes=10"
     )
+    # A serve summary without its counters (serve's JSON not captured) is refused, not read as no clamp.
+    with pytest.raises(RuntimeError, match="has no chunk counts"):
+        arm_result(tmp_path / "t", {**trained, "serve_summary": {"exit_code": 0}}, 6)
 
 
 def test_the_robot_delay_is_1_5x_the_trained_one_and_a_chunk_that_cannot_hold_it_is_refused():

@@ -99,37 +99,47 @@ def test_vla_rl_dsrl_trains_through_the_shared_rollout_and_evaluates_both_arms(t
 
 
 def test_a_stopped_dsrl_run_resumes_to_the_result_of_one_never_stopped(tmp_path, monkeypatch):
-    """4 iterations straight, against 4 iterations stopped after the second and resumed by the same command: the
-    same history and the same actor, bit for bit; a resume with another setting is refused, naming it."""
+    """4 iterations straight, against 4 iterations stopped by SIGTERM during the third (saved after it, though the
+    periodic save is every 5) and resumed by the same command: the same history and actor, bit for bit. Delays
+    are drawn at random and announced as measured, so the delay stream and the measured lags must resume too.
+    A resume with another training setting is refused, naming it."""
+    import os
+    import signal
+
     from safetensors.torch import load_file
 
     import vla_rl.rl.rollout as rollout_module
     from sim.config import EnvConfig
+    from vla_core.runtime import DelayConfig
     from vla_rl.dsrl import DSRLConfig, run_dsrl
 
     save_lift_flow_policy(tmp_path / "policy", image_size=32)
     env = EnvConfig(num_envs=2, max_episode_steps=8, image_size=32, num_threads=1, render_threads=1)
 
     def config(out: str, **changes) -> DSRLConfig:
-        return DSRLConfig(checkpoint=str(tmp_path / "policy"), env=env, iterations=4, eval_episodes=2, checkpoint_every=1,
-                          sac=SACConfig(batch_size=2, updates=2, hidden=16), output_dir=str(tmp_path / out), **changes)  # fmt: skip
+        return DSRLConfig(checkpoint=str(tmp_path / "policy"), env=env, iterations=4, eval_episodes=2,
+                          delay=DelayConfig(kind="uniform", high=2, seed=3, estimate="measured"),
+                          sac=SACConfig(batch_size=2, updates=2, hidden=16), output_dir=str(tmp_path / out),
+                          **changes)  # fmt: skip
 
     straight = run_dsrl(config("straight"))
     real_collect, calls = rollout_module.collect, []
 
-    def stopped_at_the_third(*args, **kwargs):
+    def stopped_during_the_third(*args, **kwargs):
         calls.append(1)
         if len(calls) == 3:
-            raise KeyboardInterrupt
+            os.kill(os.getpid(), signal.SIGTERM)  # noted; the iteration finishes, is saved, then the run stops
         return real_collect(*args, **kwargs)
 
-    monkeypatch.setattr(rollout_module, "collect", stopped_at_the_third)
+    monkeypatch.setattr(rollout_module, "collect", stopped_during_the_third)
     with pytest.raises(KeyboardInterrupt):
         run_dsrl(config("resumed"))
     monkeypatch.setattr(rollout_module, "collect", real_collect)
     with pytest.raises(ValueError, match="another seed"):
         run_dsrl(config("resumed", seed=1))
     resumed = run_dsrl(config("resumed"))
-    assert len(resumed["history"]) == 4 and resumed["history"] == straight["history"]
+    assert [h["iteration"] for h in resumed["history"]] == [0, 1, 2, 3] and resumed["history"] == straight["history"]
     a, b = (load_file(str(tmp_path / out / "dsrl" / "model.safetensors")) for out in ("straight", "resumed"))
     assert all(torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(ValueError, match="--checkpoint_every=1 or more"):
+        run_dsrl(config("zero", checkpoint_every=0))

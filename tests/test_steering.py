@@ -142,26 +142,28 @@ def test_vla_rl_steer_collects_trains_and_eval_serves_the_steered_policy(tmp_pat
     from vla_rl.steer import SteerConfig, run_steer
 
     policy = save_lift_flow_policy(tmp_path / "policy", image_size=32)
-    env = EnvConfig(num_envs=2, max_episode_steps=4, image_size=32, num_threads=1, render_threads=1, variation="colour")
+    env = EnvConfig(num_envs=2, max_episode_steps=8, image_size=32, num_threads=1, render_threads=1, variation="colour")
     summary = run_steer(SteerConfig(checkpoint=str(tmp_path / "policy"), env=env, episodes=6, samples_per_chunk=1,
                                     held_out_fraction=0.34, predictor_steps=5, field_steps=5, batch_size=8, hidden=16,
                                     output_dir=str(tmp_path / "steer")))  # fmt: skip
-    # 4 steps of 4 steps per chunk: one request an episode, 6 episodes (none succeeds in 4 steps).
-    assert summary["requests"] == summary["episodes"] == 6 and summary["held_out_episodes"] == 2
+    # 8 steps in chunks of 4 steps executed: two requests an episode (at steps 0 and 4), 3 episodes in each of the 2
+    # worlds (the worlds' further episodes are not written), none succeeds in 8 steps.
+    assert (summary["requests"], summary["episodes"], summary["held_out_episodes"]) == (12, 6, 2)
     assert summary["success_rate"] == 0.0 and summary["gate"]["threshold"] == 0.5  # one class: no threshold to fit
     # The rollouts are a LeRobotDataset: one episode per rollout, one frame per request, the steer.* features.
     from vla_core.data import open_dataset
     from vla_rl.steer import load_rollouts
 
     rollouts = open_dataset(tmp_path / "steer" / "rollouts")
-    assert rollouts.meta.total_episodes == rollouts.meta.total_frames == 6
+    assert (rollouts.meta.total_episodes, rollouts.meta.total_frames) == (6, 12)
     frame = rollouts[0]
     assert frame["observation.images.front"].shape == (3, 32, 32) and frame["steer.chunk"].shape == (8, 4)
     assert frame["steer.x_t"].shape == frame["steer.residual"].shape == (1, 8, 4) and not frame["steer.success"]
     data = load_rollouts(tmp_path / "steer" / "rollouts")
-    assert data["t"].shape == (6, 1) and data["latents"].shape == (6, 1, policy.latent_dim)
-    assert data["episode"].tolist() == list(range(6)) and data["obs_step"].tolist() == [0] * 6
-    assert ((data["t"] >= 0) & (data["t"] <= 1)).all() and data["setting"].tolist() == [0] * 6
+    assert data["t"].shape == (12, 1) and data["latents"].shape == (12, 1, policy.latent_dim)
+    assert data["episode"].tolist() == [e for e in range(6) for _ in range(2)]
+    assert data["obs_step"].tolist() == [0, 4] * 6 and data["setting"].tolist() == [0] * 12
+    assert ((data["t"] >= 0) & (data["t"] <= 1)).all() and not data["success"].any()
     with pytest.raises(ValueError, match="was collected with another seed"):  # resumed under another setting
         run_steer(SteerConfig(checkpoint=str(tmp_path / "policy"), env=env, episodes=6, seed=1,
                               output_dir=str(tmp_path / "steer")))  # fmt: skip

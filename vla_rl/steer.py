@@ -241,33 +241,34 @@ def collect(cfg: SteerConfig, policy, env, dataset, setting_index: int = 0) -> N
     per_world = -(-cfg.episodes // n)
     finished = np.zeros(n, dtype=np.int64)  # episodes each world has ended
     frames: list[list[dict]] = [[] for _ in range(n)]  # each world's requests in its current episode
-    bar = tqdm(total=per_world * n, desc="collect", unit="ep")
-    while (finished < per_world).any():
-        rows = torch.nonzero(need.cpu()).flatten()
-        actions = None
-        if len(rows):
-            sub = {k: [v[i] for i in rows.tolist()] if k == TASK else v[rows.to(v.device)]
-                   for k, v in obs.items() if k == TASK or torch.is_tensor(v)}  # fmt: skip
-            obs_step = delayed.obs_step[rows]
-            chunk, record = record_request(policy, sub, obs_step, cfg.samples_per_chunk, generator)
-            actions = chunk.new_zeros(n, *chunk.shape[1:])
-            actions[rows.to(actions.device)] = chunk
-            for j, w in enumerate(rows.tolist()):
-                if finished[w] < per_world:
-                    frames[w].append(_frame(sub, j, chunk[j], record, int(obs_step[j]), setting_index))
-        if actions is None:
-            actions = torch.zeros(n, policy.config.horizon, policy.config.action_dim)
-        obs, _, terminated, truncated, info, need = delayed.step(ActionChunk(actions, delayed.obs_step))
-        for w in torch.nonzero((terminated | truncated).cpu()).flatten().tolist():
-            if finished[w] < per_world:
-                for frame in frames[w]:
-                    dataset.add_frame(frame | {"steer.success": np.array([bool(info["success"][w])])})
-                dataset.save_episode()
-                bar.update(1)
-            frames[w] = []
-            finished[w] += 1
-        interrupt.raise_if_stopped()
-    bar.close()
+    with tqdm(total=per_world * n, desc="collect", unit="ep") as bar:
+        while (finished < per_world).any():
+            rows = torch.nonzero(need.cpu()).flatten()
+            actions = None
+            if len(rows):
+                sub = {k: [v[i] for i in rows.tolist()] if k == TASK else v[rows.to(v.device)]
+                       for k, v in obs.items() if k == TASK or torch.is_tensor(v)}  # fmt: skip
+                obs_step = delayed.obs_step[rows]
+                chunk, record = record_request(policy, sub, obs_step, cfg.samples_per_chunk, generator)
+                actions = chunk.new_zeros(n, *chunk.shape[1:])
+                actions[rows.to(actions.device)] = chunk
+                for j, w in enumerate(rows.tolist()):
+                    if finished[w] < per_world:
+                        frames[w].append(_frame(sub, j, chunk[j], record, int(obs_step[j]), setting_index))
+            if actions is None:
+                actions = torch.zeros(n, policy.config.horizon, policy.config.action_dim)
+            obs, _, terminated, truncated, info, need = delayed.step(ActionChunk(actions, delayed.obs_step))
+            for w in torch.nonzero((terminated | truncated).cpu()).flatten().tolist():
+                # An episode that ended before its first request (a mid observation asked late) has nothing to learn
+                # from: counted, not written.
+                if finished[w] < per_world and frames[w]:
+                    for frame in frames[w]:
+                        dataset.add_frame(frame | {"steer.success": np.array([bool(info["success"][w])])})
+                    dataset.save_episode()
+                bar.update(int(finished[w] < per_world))
+                frames[w] = []
+                finished[w] += 1
+            interrupt.raise_if_stopped()
 
 
 def _frame(obs: dict, j: int, chunk: torch.Tensor, record: dict, obs_step: int, setting: int) -> dict:
