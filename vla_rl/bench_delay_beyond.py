@@ -2,9 +2,10 @@
 the one its policy was trained for loses, measured on `vla-rl sim-robot` over ROS 2.
 
 Users of other stacks report about 24 steps of real delay against a policy trained for 12, and the arm
-oscillating; this benchmark measures 1.5x the trained delay. `vla-rl serve` refuses at load a robot configured beyond the trained delay (``max_delay_steps``);
+oscillating. `vla-rl serve` refuses at load a robot configured beyond the trained delay (``max_delay_steps``);
 a robot that turns out slower at run time is told the widest delay the policy reads, and serve counts it
-(``delay_clamped`` on ``/diagnostics``). This benchmark measures what that clamp costs.
+(``delay_clamped`` on ``/diagnostics``). This benchmark measures what that clamp costs, at 1.5x the trained
+delay.
 
 The protocol (its dated history is at the end of this docstring):
 

@@ -9,7 +9,7 @@ the method and its math). Three stages, into ``output_dir``:
    residual (e - x_0) - v_base(x_t, t). Each request keeps its episode's success once it ends. Each world
    counts its first ceil(episodes / N) episodes (so ``episodes`` rounds up to a multiple of the worlds),
    whatever their length. Written as a LeRobotDataset, ``rollouts/`` (`ROLLOUT_FEATURES`): one frame per
-   request (the observation the policy was asked with, the chunk it sampled, the ``steer.*`` features), one
+   request (the request's images and state, the chunk the policy sampled, the ``steer.*`` features), one
    LeRobot episode per rollout; a run resumed with another base, env or sizes is refused.
 2. train: episodes split by a seeded draw (``held_out_fraction`` held out); the failure predictor on the
    training requests, its threshold on the held-out ones (Youden's J); the field by Q-weighted flow matching
