@@ -46,7 +46,8 @@ def test_the_robot_delay_is_1_5x_the_trained_one_and_a_chunk_that_cannot_hold_it
 @pytest.mark.slow
 def test_quick_run_serves_both_policies_to_the_sim_robot_and_the_trained_one_is_clamped(tmp_path):
     """Toy sizes (D = 2, the robot at 3 steps, 4 episodes per arm): both arms ran on the robot with the added
-    latency slept, the policy trained for 2 steps was told 2 for the longer delays it met (serve's counter), and
+    latency slept (112.5 ms: most chunks 3 steps late; where the tick's phase falls, some 2), the policy trained for
+    2 steps was told 2 for every longer delay it met (serve's counter), and
     the final line reads the report."""
     from vla_rl.bench_delay_beyond import bench_delay_beyond, format_summary
 
@@ -55,6 +56,6 @@ def test_quick_run_serves_both_policies_to_the_sim_robot_and_the_trained_one_is_
     assert (t["trained_for"], m["trained_for"], report["beyond"]) == (2, 3, 3) and report["summary"]["episodes"] == 4
     longer = sum(n for lag, n in t["lag_histogram"].items() if int(lag) > 2)
     assert longer > 0 and t["delay_clamped"] == longer  # every merged chunk later than 2 steps was clamped
-    assert min(int(lag) for lag in t["lag_histogram"]) >= 3  # 112.5 ms added: no chunk within 2 steps
+    assert max(int(lag) for lag in m["lag_histogram"]) >= 3  # the matched arm met the robot's longer delays too
     assert json.loads((tmp_path / "quick" / "delay_beyond.json").read_text())["summary"] == report["summary"]
     assert format_summary(report).splitlines()[-1] == final_line(report["summary"])

@@ -18,8 +18,9 @@ The protocol (its dated history is at the end of this docstring):
    the demonstrations' seeds, so both arms meet the same held-out initial states; the sampler
    noise of request k of episode e is the same for both arms; latest merge; serve's ``max_delay_steps`` 0,
    so nothing is refused at load), with ``added_latency_s`` slept in every inference: by default
-   (M - 0.75) control periods, so a request whose own compute takes under 0.75 of a period is merged M
-   steps after its observation. ``trained`` is never told more than D (serve announces the largest recent
+   (M - 0.75) control periods, so a request whose own compute takes under 0.75 of a period is merged about
+   M steps after its observation (where the robot's tick falls moves some to M - 1: the lags measured are
+   reported per arm). ``trained`` is never told more than D (serve announces the largest recent
    measured lag, capped at D, and counts every merged chunk whose delay was beyond D); ``matched`` reads M.
    A chunk that ``matched`` receives later than M steps (compute over 0.75 of a period) is clamped too, and
    counted in its arm's record and summary.
@@ -52,8 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from vla_core.files import write_text_atomic
-
-CONTROL_HZ = 20.0  # the tabletop tasks' control rate, which serve and the sim robot run at
+from vla_rl.bench_stages import CONTROL_HZ
 
 
 @dataclass
@@ -110,8 +110,8 @@ ARMS = ("trained", "matched")
 def bench_delay_beyond(cfg: BenchDelayBeyondConfig) -> dict[str, Any]:
     """Run the protocol of the module docstring; returns (and writes as ``delay_beyond.json``) both arms and
     every pair."""
-    from vla_rl.bench_robot_parity import BenchRobotParityConfig, policy_settings, run_robot
-    from vla_rl.bench_stages import record_demos, train_imitation
+    from vla_rl.bench_robot_parity import BenchRobotParityConfig
+    from vla_rl.bench_stages import policy_settings, record_demos, run_robot, train_imitation
     from vla_rl.stages import DelayConfig
 
     cfg.apply_quick()

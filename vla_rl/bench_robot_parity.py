@@ -52,8 +52,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
-import subprocess
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -61,10 +59,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from vla_core.files import write_text_atomic
-
-CONTROL_HZ = 20.0  # the tabletop tasks' control rate (25 physics steps of 2 ms), which serve runs at
-SERVE_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "serve.yaml"  # serve's settings for the sim robot
-EPISODE_TOPIC = "/sim_robot/episode"  # where the sim robot announces its episodes (`robot_bridge.topics.EPISODE`)
+from vla_rl.bench_stages import chunking, policy_settings, run_robot
 
 
 @dataclass
@@ -145,21 +140,6 @@ def quick_checkpoint(cfg: BenchRobotParityConfig, out: Path) -> Path:
     return checkpoint
 
 
-def policy_settings(checkpoint: Path) -> dict[str, Any]:
-    """What both sides must be set up with from the checkpoint's config: latency-aware or not, its image size
-    and cameras (the robot renders what the policy reads), and its `LatencySpec` (the delays it fits)."""
-    from vla_core.runtime import LatencySpec
-    from vla_rl.stages import resolve_policy_dir
-
-    config = json.loads((resolve_policy_dir(checkpoint) / "config.json").read_text())
-    spec = LatencySpec(
-        horizon=config["horizon"], committed_rows=config.get("max_delay_steps") or 0,
-        latency_aware=bool(config.get("latency_aware")), latency_max_delay=config.get("latency_max_delay") or 0,
-    )  # fmt: skip
-    return {"latency_aware": spec.latency_aware, "image_size": int(config["image_size"]),
-            "cameras": list(config["cameras"]), "spec": spec}  # fmt: skip
-
-
 def check_trace_fits(trace: list[dict], policy: dict, folder: Path) -> None:
     """Refuse, before the evaluation, a robot trace with a delay the policy does not fit (its chunk, or what it
     was trained or fine-tuned for), which the simulation would refuse: the robot's inference was slower than
@@ -172,113 +152,6 @@ def check_trace_fits(trace: list[dict], policy: dict, folder: Path) -> None:
             f"the robot's inference took up to {steps} control steps, which this policy does not fit ({err}); lower "
             f"--added_latency_s, or remove {folder} and run where the inference is not starved"
         ) from None
-
-
-def robot_identity(cfg: BenchRobotParityConfig, checkpoint: Path) -> dict[str, Any]:
-    """What a finished robot stage must have been run with to be reused: the settings, and the weights file's
-    SHA-256 (a checkpoint trained again in the same folder is another policy)."""
-    import hashlib
-
-    from vla_rl.stages import resolve_policy_dir
-
-    keys = ("task", "episodes", "num_envs", "seed", "noise_seed", "added_latency_s", "execute_steps",
-            "max_episode_steps", "episode_gap_s")  # fmt: skip
-    digest = hashlib.sha256()
-    with open(resolve_policy_dir(checkpoint) / "model.safetensors", "rb") as weights:
-        for block in iter(lambda: weights.read(1 << 24), b""):
-            digest.update(block)
-    return {"checkpoint": str(checkpoint.resolve()), "weights_sha256": digest.hexdigest(),
-            **{k: getattr(cfg, k) for k in keys}}  # fmt: skip
-
-
-def run_robot(cfg: BenchRobotParityConfig, checkpoint: Path, policy: dict, folder: Path) -> tuple[dict, bool]:
-    """The served robot's run into ``folder`` (latencies.jsonl, episodes.jsonl, the processes' logs, robot.json);
-    a finished one with the same settings is reused. Returns (robot.json's content, whether it ran now)."""
-    from vla_rl.stages import last_json, start_command, stop_command
-
-    done = folder / "robot.json"
-    identity = robot_identity(cfg, checkpoint)
-    if done.is_file() and json.loads(done.read_text())["identity"] == identity:
-        return json.loads(done.read_text()), False
-    shutil.rmtree(folder, ignore_errors=True)
-    folder.mkdir(parents=True)
-    serve = start_command(serve_args(cfg, checkpoint, policy, folder), cfg.domain_id, folder, "serve")
-    robot = None
-    try:
-        wait_until_ready(serve, folder / "serve.err", cfg.start_timeout_s)
-        robot = start_command(robot_args(cfg, policy, folder), cfg.domain_id, folder, "robot")
-        limit = cfg.max_episode_steps or 500  # steps, for the timeout only
-        timeout = cfg.episodes * (3 * limit / CONTROL_HZ + cfg.episode_gap_s) + 300
-        try:
-            robot.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            raise RuntimeError(f"the sim robot did not finish {cfg.episodes} episodes in {timeout:.0f} s; see "
-                               f"{folder}/robot.err") from None  # fmt: skip
-        time.sleep(cfg.added_latency_s + 2.0)  # the last episode's inference is answered and logged
-        if serve.poll() is not None:
-            raise RuntimeError(f"vla-rl serve stopped during the robot's run (exit code {serve.returncode}); see "
-                               f"{folder}/serve.err")  # fmt: skip
-    finally:
-        if robot is not None:
-            robot_code, robot_out, robot_err = stop_command(robot, folder, "robot")
-        serve_code, serve_out, _ = stop_command(serve, folder, "serve")
-    if robot_code != 0:
-        last = (robot_err.strip().splitlines() or ["no output"])[-1]
-        raise RuntimeError(f"the sim robot stopped with exit code {robot_code} ({last}); see {folder}/robot.err")
-    episodes = [json.loads(line) for line in (folder / "episodes.jsonl").read_text().splitlines() if line]
-    if len(episodes) != cfg.episodes:
-        raise RuntimeError(f"the sim robot logged {len(episodes)} of {cfg.episodes} episodes; see {folder}/robot.err")
-    result = {"identity": identity, "episodes": episodes, "robot_summary": last_json(robot_out),
-              "serve_summary": last_json(serve_out) if "{\n" in serve_out else {"exit_code": serve_code}}  # fmt: skip
-    write_text_atomic(done, json.dumps(result, indent=2))
-    return result, True
-
-
-def chunking(cfg: BenchRobotParityConfig):
-    """The one chunking both sides run: latest merge (a latency-aware policy's), ``execute_steps``, the
-    measured estimate's default window."""
-    from vla_rl.stages import ChunkingConfig
-
-    return ChunkingConfig(execute_steps=cfg.execute_steps, merge="latest")
-
-
-def serve_args(cfg: BenchRobotParityConfig, checkpoint: Path, policy: dict, folder: Path) -> list[str]:
-    """`vla-rl serve` as step 2 of the protocol runs it, on the sim robot's topics (configs/serve.yaml)."""
-    return [
-        "serve", f"--config_path={SERVE_CONFIG}", f"--checkpoint={checkpoint}", f"--control_hz={CONTROL_HZ}",
-        *[f"--chunking.{k}={v}" for k, v in asdict(chunking(cfg)).items()], "--max_delay_steps=0",
-        f"--mid_inference={str(policy['latency_aware']).lower()}", f"--added_latency_s={cfg.added_latency_s}",
-        f"--latency_log={folder / 'latencies.jsonl'}", f"--topics.episode={EPISODE_TOPIC}",
-        f"--noise_seed={cfg.noise_seed}", "--safety.max_velocity=[]", "--safety.max_acceleration=[]",
-    ]  # fmt: skip
-
-
-def robot_args(cfg: BenchRobotParityConfig, policy: dict, folder: Path) -> list[str]:
-    """`vla-rl sim-robot` as step 2 of the protocol runs it: episode e from the evaluation's episode e."""
-    return [
-        "sim-robot", f"--env.task={cfg.task}", f"--env.max_episode_steps={cfg.max_episode_steps}",
-        f"--env.image_size={policy['image_size']}", f"--env.cameras=[{','.join(policy['cameras'])}]",
-        f"--seed={cfg.seed}", f"--eval_worlds={cfg.num_envs}", f"--max_episodes={cfg.episodes}",
-        f"--episode_gap_s={cfg.episode_gap_s}", "--wait_for_controller=true",
-        f"--episode_log={folder / 'episodes.jsonl'}",
-    ]  # fmt: skip
-
-
-def wait_until_ready(serve, log: Path, timeout_s: float) -> None:
-    """Until the server says its policy is loaded and fits (its log line ``policy ready``); one line naming
-    the cause when it exits, fails to load the checkpoint, or takes longer than ``timeout_s``."""
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        text = log.read_text() if log.is_file() else ""
-        if "policy ready" in text:
-            return
-        failed = [line for line in text.splitlines() if "failed to load" in line or "does not fit" in line]
-        if failed or serve.poll() is not None:
-            raise RuntimeError(f"vla-rl serve did not start: {(failed or text.strip().splitlines() or ['?'])[-1]}")
-        time.sleep(0.5)
-    raise RuntimeError(
-        f"vla-rl serve did not load its policy in {timeout_s:g} s; see {log} (or raise --start_timeout_s)"
-    )
 
 
 def run_sim(cfg: BenchRobotParityConfig, checkpoint: Path, policy: dict, trace: Path, folder: Path,
