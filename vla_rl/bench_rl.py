@@ -58,6 +58,9 @@ Protocol history (runs as README.md reports them, each by its final line):
   budget and the held-out evaluation are unchanged, and no RL arm runs before the setting is chosen.
 - 2026-12-04, an addition (no result of it known when written): ``--seeds`` (item 5), so the learning claim
   can rest on two seeds; a run without it is unchanged.
+- 2026-12-05: seed 0 of ``--policy_type=autoregressive_vla --process_reward=true --seeds=[0,1]`` on the
+  selected setting, PPO and GRPO arms: imitation 0.13, PPO 0.17, GRPO 0.15 (100 held-out episodes each); the
+  process-reward arm and seed 1 not yet run, so no final line.
 - 2026-12-04, the selection the amendment above fixed, run before any RL arm (100 greedy episodes from
   seed 6000 each, 95% Wilson intervals): FAST 4,000 steps 6/100 [2.8%, 12.5%]; uniform bins 4,000 steps
   10/100 [5.5%, 17.4%]; neither reached 20%, so stage 2: FAST 12,000 steps 8/100 [4.1%, 15.0%]; uniform
