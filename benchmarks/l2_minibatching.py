@@ -460,6 +460,10 @@ def scale_grid(args) -> dict:
     of pi0's width, at B = ``--scale-batch``; written to ``l2_scale.json`` beside the main result."""
     import torch
 
+    ignored = [flag for flag, given in (("--towers trained", args.towers != "frozen"), ("--pretrained-encoder",
+               bool(args.pretrained_encoder)), ("--seeds", bool(args.seeds))) if given]  # fmt: skip
+    if ignored:  # the grid measures random frozen So400m towers, one process per row: these would not apply
+        raise SystemExit(f"--scale-grid measures frozen random So400m-shaped towers once: drop {', '.join(ignored)}")
     run = argparse.Namespace(**{**vars(args), "batch": args.scale_batch, "grid_encoders": "so400m",
                                 "towers": "frozen", "pretrained_encoder": ""})  # fmt: skip
     bad = [k for k in run.grid_copies.split(",") if run.batch % int(k)]

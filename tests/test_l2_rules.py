@@ -81,6 +81,9 @@ def test_the_real_scale_grid_builds_so400m_shaped_towers_under_an_expert_of_pi0s
     assert sum(p.numel() for p in encoder.vision.parameters()) == embeddings + 27 * layer + 2 * width == 431_361_792
     assert not any(p.requires_grad for p in encoder.vision.parameters())  # frozen, as the grid measures them
     assert (config.dim, config.heads, config.image_size) == (1024, 16, 224)
+    # Flags the grid would not apply are refused in one line, not ignored.
+    with pytest.raises(SystemExit, match="drop --towers trained, --seeds"):
+        script.main(["--scale-grid", "--towers", "trained", "--seeds", "0,1"])
 
 
 @pytest.mark.slow
