@@ -7,6 +7,7 @@ and stage list below is worked out by hand from those counts and the protocol's 
 run in the slow end-to-end test at toy sizes.
 """
 
+import hashlib
 import json
 import re
 import shutil
@@ -169,8 +170,10 @@ def test_a_task_with_no_room_passes_to_the_next_and_no_choice_refuses_the_arms(f
     assert report["chosen"] is None
     assert "too little room" in report["tasks"]["track_reverse"]["outcome"]
     assert "no candidate delay" in report["tasks"]["push_impulse"]["outcome"]
-    # No RL stage on track_reverse; push_impulse's no-delay RL runs (plain(0) >= 0.3), but no naive run.
-    assert [c[1:4] for c in fake_stages if c[0] == "ppo"] == [("push_impulse", s, "standard_d0") for s in (0, 1)]
+    # No RL stage on either: track_reverse has too little room, and on push_impulse no delay passes the
+    # imitation rule, so its no-delay RL could not change the choice (the 2026-12-05 amendment).
+    assert [c for c in fake_stages if c[0] == "ppo"] == []
+    assert "standard_zero" not in report["tasks"]["push_impulse"]
     assert FINAL_LINE.match(format_summary(report).splitlines()[-1]).groups() == ("none",) * 4
     arm = benchmark_configs("track_reverse", 0, tmp_path / "cal", quick=False)[0]
     with pytest.raises(ValueError, match="chose no task and delay"):
@@ -179,12 +182,13 @@ def test_a_task_with_no_room_passes_to_the_next_and_no_choice_refuses_the_arms(f
 
 def test_plain_at_exactly_three_tenths_goes_on_to_the_rl_stage(fake_stages, tmp_path, monkeypatch):
     monkeypatch.setitem(COUNTS, ("track_reverse", "plain", 0), (60, 60))  # 120/400 = 0.3: room enough
-    for d in (0, 2, 4, 6, 8, 10):  # and push_impulse, next, has too little room (20/400)
-        monkeypatch.setitem(COUNTS, ("push_impulse", "plain", d), (10, 10))
+    monkeypatch.setitem(COUNTS, ("track_reverse", "plain", 2), (20, 20))  # 0.3 - 40/400 = 0.2 exactly: passes
+    monkeypatch.setitem(COUNTS, ("track_reverse", "naive", 2), (90, 90))  # 180/400 = 0.6 x 300/400: passes
     report = bench_delay_calibration(BenchDelayCalibrationConfig(output_dir=str(tmp_path / "cal")))
     decision = report["tasks"]["track_reverse"]
+    assert decision["imitation_qualifying"] == [2]  # 4..10 lose at most 0.3 - 0.225 = 0.075
     assert decision["standard_zero"] == 0.75  # the no-delay RL stage ran: 300/400
-    assert decision["imitation_qualifying"] == []  # 0.3 - plain(d) is at most 0.3 - 0.225 = 0.075
+    assert report["chosen"]["task"] == "track_reverse" and report["chosen"]["delay"] == 2
 
 
 def test_a_killed_calibration_resumes_only_what_it_had_not_finished(fake_stages, tmp_path):
@@ -269,6 +273,29 @@ def test_the_arms_run_only_as_calibrated_and_under_the_same_protocol_text(fake_s
         check_calibration(file, "delay", delay)
     with pytest.raises(ValueError, match="new --output_dir"):
         bench_delay_calibration(BenchDelayCalibrationConfig(output_dir=str(out)))
+
+
+def test_an_appended_amendment_keeps_the_cells_and_an_edit_above_it_does_not(fake_stages, tmp_path):
+    cfg = BenchDelayCalibrationConfig(output_dir=str(tmp_path / "cal"))
+    fake_stages.kill_at.append((0, "standard_d0"))
+    with pytest.raises(KeyboardInterrupt):
+        bench_delay_calibration(cfg)
+    first = json.loads((tmp_path / "cal" / "calibration.json").read_text())
+    assert len(first["cells"]) == 12 and first["protocol_history"] == [first["protocol_sha256"]]
+    original = bench_stages.PROTOCOL.read_text()
+    amended = original + "\n### 2099-01-01: an amendment\n\nAppended below every earlier word.\n"
+    bench_stages.PROTOCOL.write_text(amended)
+    fake_stages.clear()
+    report = bench_delay_calibration(cfg)  # resumes: no plain cell evaluated again
+    assert [c for c in fake_stages if c[0] == "eval" and c[3] == "plain"] == []
+    assert report["chosen"]["delay"] == 6
+    now = hashlib.sha256(amended.encode()).hexdigest()
+    assert report["protocol_history"] == [first["protocol_sha256"], now] and report["protocol_sha256"] == now
+    # The same amendment below a changed word of the text the cells were measured under: refused.
+    bench_stages.PROTOCOL.write_text(amended.replace("Episodes per cell: 200", "Episodes per cell: 100"))
+    (tmp_path / "cal" / "calibration.json").write_text(json.dumps(first))
+    with pytest.raises(ValueError, match="other than by an amendment"):
+        bench_delay_calibration(cfg)
 
 
 @pytest.mark.slow  # every real stage at toy sizes: about four minutes on 2 cores

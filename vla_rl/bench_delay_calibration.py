@@ -8,17 +8,19 @@ setting fixed there and nothing else changeable:
    evaluated with ``latest`` merging at d = 0 and at every candidate delay (``CANDIDATE_DELAYS``).
    Pooled over the seeds (successes over both seeds' episodes), a task whose plain(0) is below
    ``MIN_PLAIN`` stops here.
-2. Both seeds' `bench latency-rl` ``standard`` runs (PPO with no delay), evaluated at d = 0. A task
-   where no delay passes the imitation rule plain(0) - plain(d) >= ``IMITATION_LOSS`` stops here.
+2. A task where no delay passes the imitation rule plain(0) - plain(d) >= ``IMITATION_LOSS`` stops here
+   (the 2026-12-05 amendment: the RL stage could not change its outcome). Otherwise both seeds' `bench
+   latency-rl` ``standard`` runs (PPO with no delay), evaluated at d = 0.
 3. In increasing order over the delays that passed it, both seeds' ``naive`` runs at d; the first d
    with pooled naive(d) <= ``RL_RATIO`` x standard(0) is D, and the calibration ends.
 
 Each stage is the benchmarks' own (`vla_rl.bench_stages`) with the benchmarks' configs, in the folders
 the arms' runs then resume: ``<output_dir>/<task>/seed<s>/delay`` (`bench delay`) and
 ``.../latency_rl`` (`bench latency-rl`). A killed calibration resumes its finished stages and keeps
-its evaluated cells (``calibration.json``, written after each). The result records the protocol
-file's SHA-256; the arms take ``--calibration=<output_dir>/calibration.json`` and
-`vla_rl.bench_stages.check_calibration` refuses them if the file changed since, or if their settings
+its evaluated cells (``calibration.json``, written after each), also after an amendment has been appended
+to the protocol (any other change of its text refuses to resume). The result records the protocol file's
+SHA-256 (and in ``protocol_history`` those of the texts its cells were measured under); the arms take
+``--calibration=<output_dir>/calibration.json`` and `vla_rl.bench_stages.check_calibration` refuses them if the file changed since, or if their settings
 differ from the calibration's. The final line: ``task=<t> delay=<D> plain_loss_points=<x> naive_over_standard=<y>``
 (``none`` for what was not chosen or not measured).
 
@@ -102,23 +104,30 @@ def bench_delay_calibration(cfg: BenchDelayCalibrationConfig) -> dict[str, Any]:
     """Run the protocol of the module docstring; returns (and writes as ``calibration.json``) every cell
     and the choice. Every key of the report is a string (seeds and delays too), as in the file."""
     from vla_rl import bench_stages
-    from vla_rl.bench_stages import delay_cell, latency_rl_cell, ppo_run, protocol_sha256, record_demos, train_imitation
+    from vla_rl.bench_stages import (
+        delay_cell, latency_rl_cell, ppo_run, protocol_extends, protocol_sha256, record_demos, train_imitation,
+    )  # fmt: skip
     from vla_rl.stages import DelayConfig
 
     out = (Path(cfg.output_dir) / "quick" if cfg.quick else Path(cfg.output_dir)).resolve()
     result_file = out / "calibration.json"
     sha = protocol_sha256()
     state = json.loads(result_file.read_text()) if result_file.is_file() else {}
+    history: list[str] = state.get("protocol_history", [state["protocol_sha256"]] if state else [])
     if state and state["protocol_sha256"] != sha:
-        raise ValueError(
-            f"{bench_stages.PROTOCOL.name} changed since this calibration began in {out}; its cells were measured "
-            "under the old text. Record the change as a dated amendment there and calibrate into a new --output_dir"
-        )
+        if not protocol_extends(state["protocol_sha256"]):
+            raise ValueError(
+                f"{bench_stages.PROTOCOL.name} changed since this calibration began in {out}, other than by an "
+                "amendment appended at its end; its cells were measured under the old text. Restore the text above "
+                "the amendments, or calibrate into a new --output_dir"
+            )
+    if sha not in history:
+        history.append(sha)  # the texts the cells were measured under, in order; the last one is today's
     cells: dict[str, dict] = state.get("cells", {})
     start = time.time()
     report: dict[str, Any] = {"file": str(result_file), "protocol": bench_stages.PROTOCOL.name, "protocol_sha256": sha,
-                              "quick": cfg.quick, "finished": False, "cells": cells, "tasks": {}, "chosen": None,
-                              "configs": {}}  # fmt: skip
+                              "protocol_history": history, "quick": cfg.quick, "finished": False, "cells": cells,
+                              "tasks": {}, "chosen": None, "configs": {}}  # fmt: skip
 
     def save(finished: bool = False) -> dict[str, Any]:
         report["finished"] = finished
@@ -168,7 +177,11 @@ def bench_delay_calibration(cfg: BenchDelayCalibrationConfig) -> dict[str, Any]:
         decision["plain_loss"] = {str(d): float(plain[0] - plain[d]) for d in CANDIDATE_DELAYS}
         qualifying = [d for d in CANDIDATE_DELAYS if imitation_qualifies(plain[0], plain[d], cfg.quick)]
         decision["imitation_qualifying"] = qualifying
-        for seed, (_, latency_cfg) in configs.items():  # 2: no-delay RL (the amendment: whenever plain(0) >= 0.3)
+        if not qualifying:  # the 2026-12-05 amendment: standard(0) could not change the choice, so it is not run
+            decision["outcome"] = f"no candidate delay costs the plain policy {float(IMITATION_LOSS):.2f}"
+            save()
+            continue
+        for seed, (_, latency_cfg) in configs.items():  # 2: no-delay RL
             folder = Path(latency_cfg.output_dir)
             record_demos(latency_cfg, folder / "dataset")
             train_imitation(latency_cfg, folder / "dataset", folder / "imitation", DelayConfig())
@@ -176,10 +189,6 @@ def bench_delay_calibration(cfg: BenchDelayCalibrationConfig) -> dict[str, Any]:
         standard_zero = pooled(cells, task, "standard", 0)
         decision["standard_zero"] = float(standard_zero)
         decision["naive_over_standard"] = {}
-        if not qualifying:
-            decision["outcome"] = f"no candidate delay costs the plain policy {float(IMITATION_LOSS):.2f}"
-            save()
-            continue
         for d in qualifying:  # 3: naive RL, in increasing delay, until one fails
             for seed, (_, latency_cfg) in configs.items():
                 rl_cell(task, seed, latency_cfg, "naive", d)

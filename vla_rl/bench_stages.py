@@ -153,6 +153,22 @@ def protocol_sha256() -> str:
     return hashlib.sha256(PROTOCOL.read_bytes()).hexdigest()
 
 
+def protocol_extends(earlier_sha: str) -> bool:
+    """Whether today's protocol is the text of SHA-256 ``earlier_sha`` with dated amendments appended after it
+    (each a ``### `` heading at the end), the only change the protocol allows: cells measured under the earlier
+    text were measured under every word that is still above the amendments."""
+    text = PROTOCOL.read_bytes()
+    if hashlib.sha256(text).hexdigest() == earlier_sha:
+        return True
+    starts = [i for i in range(len(text)) if text.startswith(b"### ", i) and (i == 0 or text[i - 1 : i] == b"\n")]
+    for start in starts:
+        head = text[:start]
+        # The earlier text ended after its last line; the amendment's blank line before its heading is new.
+        if earlier_sha in {hashlib.sha256(h).hexdigest() for h in (head, head.rstrip(b"\n") + b"\n")}:
+            return True
+    return False
+
+
 def check_calibration(path: str, bench: str, bench_cfg) -> dict[str, str]:
     """Refuse an arm run (`bench delay` or `bench latency-rl`, config ``bench_cfg``) that the calibration at
     ``path`` did not choose, or whose protocol changed since; returns what its results record."""
