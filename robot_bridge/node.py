@@ -377,15 +377,20 @@ class PolicyBridge(Node):
         period by default), the next a period apart."""
         if self._arm_pub is None and self._follow is None:  # dry run
             return
-        stamp = codec.time_msg(stamp_ns)
-        arm = codec.trajectory_points_msg(list(trajectory.arm_joints), trajectory.arm, stamp, self.period, first_s)
+        # A topic takes the serialized message, built with numpy: message objects would cost the control core
+        # milliseconds of a long chunk's two-period budget (`codec.trajectory_points_cdr`). The action client
+        # sends a goal, which needs the message.
         if self._follow is not None:
-            self._follow.send(arm)
+            arm_msg = codec.trajectory_points_msg(list(trajectory.arm_joints), trajectory.arm,
+                                                  codec.time_msg(stamp_ns), self.period, first_s)  # fmt: skip
+            self._follow.send(arm_msg)
         else:
-            self._arm_pub.publish(arm)
+            self._arm_pub.publish(
+                codec.trajectory_points_cdr(list(trajectory.arm_joints), trajectory.arm, stamp_ns, self.period, first_s)
+            )
         if trajectory.gripper_joints:
-            self._gripper_pub.publish(codec.trajectory_points_msg(list(trajectory.gripper_joints), trajectory.gripper,
-                                                                  stamp, self.period, first_s))  # fmt: skip
+            self._gripper_pub.publish(codec.trajectory_points_cdr(list(trajectory.gripper_joints), trajectory.gripper,
+                                                                  stamp_ns, self.period, first_s))  # fmt: skip
 
     def _publish_command(self, command: np.ndarray) -> None:
         if self._trajectory_pub is None:

@@ -170,6 +170,34 @@ def test_whole_trajectories_carry_their_stamp_and_point_times_and_bad_ones_are_r
     assert kind(backwards) == "not_increasing"
 
 
+def test_a_serialized_trajectory_is_the_message_a_subscriber_decodes():
+    from rclpy.serialization import deserialize_message
+
+    # Worked by hand (little-endian CDR): one joint "a", one point [1.0], stamp 2 s + 3 ns, a period of 10 ms.
+    # The body's doubles align to 8 from the end of the 4-byte header, so point 0's count (body offset 32) is
+    # followed by 4 padding bytes.
+    hand = bytes.fromhex(
+        "00010000" "02000000" "03000000"  # encapsulation; stamp sec, nanosec
+        "01000000" "00000000"  # frame_id "": length 1 (the NUL), the NUL, 3 padding bytes
+        "01000000" "02000000" "61000000"  # one joint name, "a" + NUL (length 2), 2 padding bytes
+        "01000000" "01000000" "00000000"  # one point; 1 position; padding to 8
+        "000000000000f03f"  # 1.0
+        "00000000" "00000000" "00000000"  # no velocities, accelerations, effort
+        "00000000" "80969800"  # time_from_start 0 s + 10,000,000 ns
+    )
+    assert codec.trajectory_points_cdr(["a"], np.array([[1.0]]), 2_000_000_003, 0.01) == hand
+    rng = np.random.default_rng(3)
+    # One and two names put point 0's doubles after padding and without; 1, 2 and 1,240 points; both first times.
+    for names in (["a"], ["a", "b"], [f"panda_joint{i}" for i in range(1, 8)]):
+        for points in (1, 2, 1240):
+            for first_s in (None, 0.0):
+                positions = rng.normal(size=(points, len(names)))
+                sent = codec.trajectory_points_cdr(names, positions, 1_796_440_069_630_303_791, 0.01, first_s)
+                expected = codec.trajectory_points_msg(names, positions, codec.time_msg(1_796_440_069_630_303_791),
+                                                       0.01, first_s)  # fmt: skip
+                assert deserialize_message(sent, JointTrajectory) == expected
+
+
 def test_stamps():
     assert codec.stamp_ns(codec.time_msg(12_500_000_001)) == 12_500_000_001
     assert codec.stamp_seconds(STAMP) == 12.5
