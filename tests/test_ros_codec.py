@@ -177,13 +177,23 @@ def test_a_serialized_trajectory_is_the_message_a_subscriber_decodes():
     # The body's doubles align to 8 from the end of the 4-byte header, so point 0's count (body offset 32) is
     # followed by 4 padding bytes.
     hand = bytes.fromhex(
-        "00010000" "02000000" "03000000"  # encapsulation; stamp sec, nanosec
-        "01000000" "00000000"  # frame_id "": length 1 (the NUL), the NUL, 3 padding bytes
-        "01000000" "02000000" "61000000"  # one joint name, "a" + NUL (length 2), 2 padding bytes
-        "01000000" "01000000" "00000000"  # one point; 1 position; padding to 8
+        "00010000"
+        "02000000"
+        "03000000"  # encapsulation; stamp sec, nanosec
+        "01000000"
+        "00000000"  # frame_id "": length 1 (the NUL), the NUL, 3 padding bytes
+        "01000000"
+        "02000000"
+        "61000000"  # one joint name, "a" + NUL (length 2), 2 padding bytes
+        "01000000"
+        "01000000"
+        "00000000"  # one point; 1 position; padding to 8
         "000000000000f03f"  # 1.0
-        "00000000" "00000000" "00000000"  # no velocities, accelerations, effort
-        "00000000" "80969800"  # time_from_start 0 s + 10,000,000 ns
+        "00000000"
+        "00000000"
+        "00000000"  # no velocities, accelerations, effort
+        "00000000"
+        "80969800"  # time_from_start 0 s + 10,000,000 ns
     )
     assert codec.trajectory_points_cdr(["a"], np.array([[1.0]]), 2_000_000_003, 0.01) == hand
     rng = np.random.default_rng(3)

@@ -40,6 +40,10 @@ sizes in ``<output_dir>/quick``: it checks the plumbing, not the claim.
 Protocol history:
 
 - 2026-12-05: the first protocol, as above, written before any run.
+- 2026-12-05, after the first default run: the unit tests had shared the cores during part of the `trained`
+  arm's robot stage, which runs in real time. That stage was set aside (``robot_trained_first``; the run's
+  result had been printed) and run again on an idle machine; both gave the same 31 successes in the same
+  episodes, and the README says so. A robot stage shares its machine with nothing.
 """
 
 from __future__ import annotations

@@ -105,8 +105,14 @@ def bench_delay_calibration(cfg: BenchDelayCalibrationConfig) -> dict[str, Any]:
     and the choice. Every key of the report is a string (seeds and delays too), as in the file."""
     from vla_rl import bench_stages
     from vla_rl.bench_stages import (
-        delay_cell, latency_rl_cell, ppo_run, protocol_extends, protocol_sha256, record_demos, train_imitation,
-    )  # fmt: skip
+        delay_cell,
+        latency_rl_cell,
+        ppo_run,
+        protocol_extends,
+        protocol_sha256,
+        record_demos,
+        train_imitation,
+    )
     from vla_rl.stages import DelayConfig
 
     out = (Path(cfg.output_dir) / "quick" if cfg.quick else Path(cfg.output_dir)).resolve()
@@ -114,13 +120,12 @@ def bench_delay_calibration(cfg: BenchDelayCalibrationConfig) -> dict[str, Any]:
     sha = protocol_sha256()
     state = json.loads(result_file.read_text()) if result_file.is_file() else {}
     history: list[str] = state.get("protocol_history", [state["protocol_sha256"]] if state else [])
-    if state and state["protocol_sha256"] != sha:
-        if not protocol_extends(state["protocol_sha256"]):
-            raise ValueError(
-                f"{bench_stages.PROTOCOL.name} changed since this calibration began in {out}, other than by an "
-                "amendment appended at its end; its cells were measured under the old text. Restore the text above "
-                "the amendments, or calibrate into a new --output_dir"
-            )
+    if state and state["protocol_sha256"] != sha and not protocol_extends(state["protocol_sha256"]):
+        raise ValueError(
+            f"{bench_stages.PROTOCOL.name} changed since this calibration began in {out}, other than by an "
+            "amendment appended at its end; its cells were measured under the old text. Restore the text above "
+            "the amendments, or calibrate into a new --output_dir"
+        )
     if sha not in history:
         history.append(sha)  # the texts the cells were measured under, in order; the last one is today's
     cells: dict[str, dict] = state.get("cells", {})
