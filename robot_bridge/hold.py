@@ -85,7 +85,7 @@ class Hold:
         robot = self.description.problem() if self.description is not None else None
         for problem in (
             robot,
-            self.scheduler.health.worker_problem(self.scheduler.worker.alive()),
+            self.scheduler.health.worker_problem(self.scheduler.worker.alive(), self.scheduler.worker.io_error),
             self.inputs.fault(),
         ):
             if problem is not None:

@@ -1,7 +1,8 @@
 """Asynchronous inference: the policy runs in its own process (or thread) so the control loop never waits.
 
 The control loop sends one request at a time (``submit``) and collects what came back with
-``poll``, which never blocks. In ``"process"`` mode the worker is a spawned process pinned to its
+``poll``; neither blocks: a sender and a receiver thread move the messages through the pipe, and
+``poll`` takes only whole ones. In ``"process"`` mode the worker is a spawned process pinned to its
 own core with one torch thread and a higher niceness: inference saturating its core cannot delay
 the control loop through the CPU or Python's GIL. The worker loads the policy itself (through the
 ``load_policy`` callable), so a checkpoint that fails to load is a status message, retried after
@@ -18,6 +19,8 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import queue
+import socket
 import threading
 import time
 import traceback
@@ -232,7 +235,7 @@ def serve_requests(
 
 
 class InferenceWorker:
-    """The policy behind a pipe. ``submit`` and ``poll`` never block the caller."""
+    """The policy behind a pipe. ``submit``, ``send_mid`` and ``poll`` never block the caller."""
 
     def __init__(
         self,
@@ -261,38 +264,92 @@ class InferenceWorker:
         # Started from the real-time control thread, a process would import torch at its priority.
         with normal_scheduling() if mode == "process" else nullcontext():
             self._runner.start()
+        if mode == "process":
+            child.close()  # the worker has its own copy; ours open, the receiver would never read the pipe's end
+        self._child = child if mode == "thread" else None  # a worker thread's end, closed at close()
+        # Why threads move the messages rather than the caller: a message over 16 KiB (a long chunk's actions, a
+        # request with its images) leaves in two writes, its length then its bytes, and a ``recv`` after the first
+        # waits for the second. The worker is niced on a loaded core, so that wait is the competing load's time
+        # slice (tens of ms); and a message larger than the pipe's buffer waits, when sent, for the worker to read
+        # it (it does not while it loads or computes). The control loop would miss its ticks either way.
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # whole messages from the worker, for poll
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()  # messages to the worker, in order; None ends it
+        self.io_error = ""  # why a message could not be moved (the worker then counts as dead: alive() is False)
+        self._receiver = threading.Thread(target=self._receive, name="vla-rl-inference-inbox", daemon=True)
+        self._sender = threading.Thread(target=self._send, name="vla-rl-inference-outbox", daemon=True)
+        self._receiver.start()
+        self._sender.start()
+
+    def _receive(self) -> None:
+        """Receiver thread: every whole message from the worker into the inbox, until the pipe closes."""
+        while True:
+            try:
+                message = self._conn.recv()
+            except (EOFError, OSError):
+                return
+            except BaseException as err:  # noqa: BLE001 (a message that does not unpickle: say so, stop taking any)
+                self.io_error = f"unreadable message from the inference worker: {type(err).__name__}: {err}"
+                return
+            self._inbox.put(message)
+
+    def _send(self) -> None:
+        """Sender thread: the outbox to the worker, in order, until a None (sent too: it ends the worker)."""
+        while True:
+            message = self._outbox.get()
+            try:
+                self._conn.send(message)
+            except (BrokenPipeError, OSError):
+                return
+            except BaseException as err:  # noqa: BLE001 (a request that does not pickle: say so, stop sending)
+                self.io_error = f"request not sent to the inference worker: {type(err).__name__}: {err}"
+                return
+            if message is None:
+                return
 
     def submit(self, request: InferenceRequest) -> None:
         """Send one request; only one may be in flight."""
         if self.busy:
             raise RuntimeError("an inference request is already in flight; wait for its result")
         self.busy = True
-        self._conn.send(request)
+        self._outbox.put(request)
 
     def send_mid(self, mid: MidObservation) -> None:
         """The mid-inference observation of the request in flight."""
-        self._conn.send(mid)
+        self._outbox.put(mid)
 
     def poll(self) -> list[WorkerStatus | InferenceResult]:
         """Everything the worker sent since the last call, without waiting."""
         messages = []
-        while self._conn.poll(0):
-            message = self._conn.recv()
+        while True:
+            try:
+                message = self._inbox.get_nowait()
+            except queue.Empty:
+                return messages
             if isinstance(message, InferenceResult):
                 self.busy = False
             messages.append(message)
-        return messages
 
     def alive(self) -> bool:
-        return self._runner.is_alive()
+        """The worker runs and its messages move (False also after an unreadable message: see ``io_error``)."""
+        return self._runner.is_alive() and self._receiver.is_alive() and self._sender.is_alive()
 
     def close(self, timeout: float = 5.0) -> None:
-        try:
-            self._conn.send(None)
-        except (BrokenPipeError, OSError):
-            pass
+        self._outbox.put(None)
+        self._sender.join(timeout)
         self._runner.join(timeout)
         if isinstance(self._runner, multiprocessing.process.BaseProcess) and self._runner.is_alive():
             self._runner.terminate()
             self._runner.join(timeout)
-        self._conn.close()
+        if self._child is not None:
+            self._child.close()
+        # Wake a receiver still reading (a copy of the worker's end may live on in a forked process), then close the
+        # pipe only once no thread reads it: a closed descriptor's number can be reused by the next socket opened.
+        try:
+            wake = socket.socket(fileno=os.dup(self._conn.fileno()))
+            wake.shutdown(socket.SHUT_RDWR)
+            wake.close()
+        except OSError:
+            pass
+        self._receiver.join(timeout)
+        if not self._receiver.is_alive() and not self._sender.is_alive():
+            self._conn.close()

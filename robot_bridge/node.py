@@ -298,6 +298,10 @@ class PolicyBridge(Node):
         if plan.merged_plan is not None and self.planner is not None and self.planner.anchored \
                 and self.inputs.ended_episode is None:  # fmt: skip
             self._send_plan(*plan.merged_plan)
+        after_command = time.monotonic() - published
+        self.diagnostics.after_command_max_ms = max(self.diagnostics.after_command_max_ms, after_command * 1e3)
+        if after_command > self.period:
+            self.diagnostics.count("overrun_ticks")
 
     def _tick_time_ns(self) -> int:
         """This tick's time, ns: with ``clock=joint_states`` the stamp of the joint state that ticked it (the

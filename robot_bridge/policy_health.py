@@ -72,12 +72,14 @@ class PolicyHealth:
     def ready(self) -> None:
         self.worker_state, self.worker_error = "ready", None
 
-    def worker_problem(self, alive: bool) -> tuple[str, str] | None:
-        """(key, text) while the policy is loading, failed to load or its worker died (``alive`` False)."""
+    def worker_problem(self, alive: bool, why: str = "") -> tuple[str, str] | None:
+        """(key, text) while the policy is loading, failed to load or its worker died (``alive`` False; ``why``:
+        the worker's ``io_error``, when its messages stopped moving)."""
         if self.worker_state != "ready":
             return f"worker {self.worker_state}", self.worker_error or "loading the policy"
         if not alive:
-            self.worker_state, self.worker_error = "failed", "the inference worker died; restart the node"
+            died = f"the inference worker stopped ({why})" if why else "the inference worker died"
+            self.worker_state, self.worker_error = "failed", f"{died}; restart the node"
             self.logger.error(self.worker_error)
             return "worker died", self.worker_error
         return None

@@ -167,6 +167,7 @@ class RemoteInferenceWorker:
     def __init__(self, address: str, retry_s: float = 5.0):
         self.address, self.retry_s = address, retry_s
         self.busy = False  # a request is in flight
+        self.io_error = ""  # InferenceWorker's interface: a server that stops answering is retried, not an error
         self._inbox: queue.Queue = queue.Queue()
         self._outbox: queue.Queue | None = None  # the live session's, None while disconnected
         self._in_flight: tuple[int, int] | None = None  # (request_id, obs_step) of the request in flight

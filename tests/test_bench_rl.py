@@ -106,3 +106,24 @@ def test_the_autoregressive_vlas_imitation_steps_default_to_the_selected_setting
     assert parse_config("bench rl", ["--policy_type=autoregressive_vla"]).imitation_steps == 12000
     assert parse_config("bench rl", []).imitation_steps == 4000
     assert parse_config("bench rl", ["--policy_type=autoregressive_vla", "--train_steps=500"]).imitation_steps == 500
+
+
+def test_the_curves_figure_plots_each_seeds_periodic_evaluations_of_each_arm(tmp_path):
+    """Two seeds, two arms: four series, each the (env steps, success) pairs of that seed's arm, none mixed up."""
+    from vla_rl.bench_rl import plot_curves
+
+    def report(ppo, grpo):
+        return {"runs": {"ppo": {"curve": [{"env_steps": s, "success_rate": r} for s, r in ppo]},
+                         "grpo": {"curve": [{"env_steps": s, "success_rate": r} for s, r in grpo]}}}  # fmt: skip
+
+    pooled = {
+        "gains_points": {"ppo": 1.0, "grpo": 2.0},
+        "results": {"imitation": {"success_rate": 0.3, "episodes": 200}},
+        "seeds": {"0": report([(0, 0.1), (100, 0.2)], [(0, 0.1), (90, 0.4)]), "1": report([(0, 0.5)], [])},
+    }
+    series = plot_curves(pooled, tmp_path / "curves.png")
+    assert series == {
+        "ppo seed 0": ([0, 100], [0.1, 0.2]), "grpo seed 0": ([0, 90], [0.1, 0.4]),
+        "ppo seed 1": ([0], [0.5]), "grpo seed 1": ([], []),
+    }  # fmt: skip
+    assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and not list(tmp_path.glob("*.tmp*"))

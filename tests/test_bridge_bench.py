@@ -4,6 +4,7 @@ Timing is not asserted (the machine is shared); the seam metric and the calibrat
 """
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -56,11 +57,14 @@ def test_a_miss_is_a_command_more_than_deadline_ms_late_at_any_rate():
     assert deadline_misses(sent, received, deadline_ms=10.0) == ([2], 1)
 
 
-def _run(rate, realtime_problem=None, lock_problem=None, misses=0, output="ticks", ticks=0, starved=0, late=0):
+def _run(rate, realtime_problem=None, lock_problem=None, misses=0, output="ticks", ticks=0, starved=0, late=0,
+         overruns=0):  # fmt: skip
     """One run's row as `_run_one` writes it, with made-up timings."""
     q = {"p50": 1.0, "p99": 2.0, "max": 3.0}
     row = {"output": output, "rate_hz": rate, "merge": "rtc", "cycles": 100, "inference_latency_ms": q,
-           "obs_to_influenced_command_ms": q, "scheduling": scheduling_record(realtime_problem, lock_problem)}  # fmt: skip
+           "inference_latencies_ms": [1.0, 3.0], "after_command_max_ms": 1.0 + overruns * 10,
+           "node_counters": {"overrun_ticks": overruns}, "obs_to_influenced_command_ms": q,
+           "scheduling": scheduling_record(realtime_problem, lock_problem)}  # fmt: skip
     if output == "trajectory":
         return {**row, "ticks": ticks, "starved_ticks": starved, "chunks_received": 10, "late_chunks": late,
                 "chunk_margin_ms": {"min": -1.0 if late else 5.0, "p1": 5.0, "p50": 50.0, "max": 90.0}}  # fmt: skip
@@ -75,8 +79,11 @@ def test_summary_sums_each_outputs_figures_and_warns_when_scheduling_was_refused
     cfg = BenchBridgeConfig(rates_hz=[50.0, 100.0], deadline_ms=5.0)
     pings = {r: {"pings": 30, "pongs": 29, "round_trip_ms": {"p50": 0.5, "p99": 1.0, "max": 1.5}} for r in cfg.rates_hz}
     runs = [_run(50.0, misses=2), _run(100.0, misses=3), _run(50.0, output="trajectory", ticks=100, starved=1),
-            _run(100.0, output="trajectory", ticks=100, starved=4, late=2)]  # fmt: skip
+            _run(100.0, output="trajectory", ticks=100, starved=4, late=2, overruns=3)]  # fmt: skip
     granted = _summarize(cfg, 16, runs, pings)
+    # Overruns of the control loop (work after a command longer than a period) per rate, with the longest.
+    assert granted["per_rate"]["100.0"]["overrun_ticks"] == 3 and granted["per_rate"]["50.0"]["overrun_ticks"] == 0
+    assert granted["per_rate"]["100.0"]["after_command_max_ms"] == 31.0
     assert (granted["tick_mode_late"], granted["starved_ticks"], granted["late_chunks"], granted["ticks"]) == (
         5,
         5,
@@ -185,7 +192,7 @@ def test_bench_bridge_tiny_run(tmp_path):
     args = [
         sys.executable, "-m", "vla_rl.cli", "bench", "bridge", "--cycles=80", "--ping_cycles=30",
         "--rates_hz=[100]", "--merges=[rtc]", "--inference_ms=50", "--domain_id=43", f"--output_json={out}",
-        "--deadline_ms=0.001",
+        "--deadline_ms=0.001", "--sizing_chunks=3",
     ]  # fmt: skip
     proc = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -206,7 +213,15 @@ def test_bench_bridge_tiny_run(tmp_path):
     assert result["ticks"] == trajectory["ticks"] == 80 and trajectory["chunks_received"] >= 1
     assert trajectory["node_counters"]["trajectories"] >= trajectory["chunks_received"]
     assert result["inference"]["loaded"] and result["inference"]["load_steps_per_s"] > 0
-    assert result["horizon"] >= 16 and (out.parent / "bench_arm.urdf").exists()
+    assert (out.parent / "bench_arm.urdf").exists()
+    # The horizon comes from the sizing run's in-run latencies: two delays at 1.5x their p99 at 100 Hz, plus the
+    # 10 steps executed before the next request, at least 16.
+    # The warm-up's chunks (at least 2, with the worker's first passes) are not among those it is sized on.
+    sizing = result["sizing"]
+    assert len(sizing["inference_latencies_ms"]) >= 3 and len(sizing["warm_up_latencies_ms"]) >= 2
+    p99_s = float(np.percentile(sizing["inference_latencies_ms"], 99)) / 1e3
+    assert result["horizon"] == sizing["horizon"] == max(16, math.ceil(2 * 1.5 * p99_s * 100) + 10)
+    assert sizing["sizing_run_horizon"] == 2 * sizing["provisional_horizon"]
     # Scheduling as the calls return it for this user on this machine, asked in a process of its own.
     probe = (
         "import json; from robot_bridge.scheduling import use_realtime, lock_memory; "

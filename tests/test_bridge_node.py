@@ -660,6 +660,35 @@ def test_deadline_is_deadline_ms_not_a_fraction_of_the_period(ros):
         bridge.close()
 
 
+def test_work_after_a_command_longer_than_a_period_is_an_overrun_tick(ros):
+    """One tick's work after its command (merging, requesting) is made to take three periods: it is counted as an
+    overrun and its length is the longest after-command work on /diagnostics; the ticks around it are not overruns."""
+    context, executor = ros
+    bridge, robot = make_bridge(context, executor)
+    stall_s, calls = 3.0 / HZ, []
+    prepare = bridge.scheduler.prepare_next_action
+
+    def prepare_stalling_once(cause, now):
+        calls.append(now)
+        if len(calls) == 5:
+            time.sleep(stall_s)
+        prepare(cause, now)
+
+    try:
+        assert spin_until(executor, lambda: bridge.hold.state == "RUNNING"), bridge.hold.cause
+        before = bridge.diagnostics.counters["overrun_ticks"]
+        bridge.scheduler.prepare_next_action = prepare_stalling_once
+        assert spin_until(executor, lambda: len(calls) >= 40)
+        counters = bridge.diagnostics.counters
+        assert counters["overrun_ticks"] - before >= 1 and counters["overrun_ticks"] < counters["ticks"] / 2
+        assert bridge.diagnostics.after_command_max_ms >= stall_s * 1e3
+        assert spin_until(
+            executor, lambda: float(robot.diagnostics[-1].get("after_command_max_ms", 0)) >= stall_s * 1e3
+        )
+    finally:
+        bridge.close()
+
+
 @pytest.mark.slow
 def test_commands_arrive_at_the_control_rate(ros):
     context, executor = ros

@@ -18,7 +18,8 @@ The protocol, fixed before any result was seen:
    where a gain is (success after - success before) in percentage points.
 5. Several training seeds (``--seeds=[0,1]``): each seed runs 1-4 as its own resumable run in
    ``<output_dir>/seed<s>``; each seed's final line is printed, then the table and final line pooled over
-   the seeds (successes summed over every seed's held-out episodes; `` seeds=<s,...>`` appended).
+   the seeds (successes summed over every seed's held-out episodes; `` seeds=<s,...>`` appended), and every
+   seed's curves of every arm in one figure (``curves.png``).
 
 ``--quick`` runs every stage at toy sizes (about a minute): it checks the plumbing, not the claim.
 
@@ -60,7 +61,10 @@ Protocol history (runs as README.md reports them, each by its final line):
   can rest on two seeds; a run without it is unchanged.
 - 2026-12-05: seed 0 of ``--policy_type=autoregressive_vla --process_reward=true --seeds=[0,1]`` on the
   selected setting, PPO and GRPO arms: imitation 0.13, PPO 0.17, GRPO 0.15 (100 held-out episodes each); the
-  process-reward arm and seed 1 not yet run, so no final line.
+  process-reward arm and seed 1 not yet run, so no final line. Later that day the process-reward arm of seed
+  0: 0.15 (``seed 0: ppo_gain=+4.0 grpo_gain=+2.0 env_steps=151565 minutes=30.7 prm_gain=+2.0``, its
+  minutes those of the last resumed part); and a figure with every seed's curves (``curves.png``), which
+  changes nothing measured.
 - 2026-12-04, the selection the amendment above fixed, run before any RL arm (100 greedy episodes from
   seed 6000 each, 95% Wilson intervals): FAST 4,000 steps 6/100 [2.8%, 12.5%]; uniform bins 4,000 steps
   10/100 [5.5%, 17.4%]; neither reached 20%, so stage 2: FAST 12,000 steps 8/100 [4.1%, 15.0%]; uniform
@@ -146,6 +150,7 @@ def bench_rl(cfg: BenchRLConfig) -> dict[str, Any]:
 
     pooled = pool_seeds(seed_runs(cfg, lambda seed: out / f"seed{seed}", "rl.json", _bench_one_seed))
     write_text_atomic(out / "pooled.json", json.dumps(pooled, indent=2))
+    plot_curves(pooled, out / "curves.png")
     return pooled
 
 
@@ -202,6 +207,39 @@ def pool_seeds(reports: dict[int, dict[str, Any]]) -> dict[str, Any]:
         "minutes": round(sum(r["minutes"] for r in reports.values()), 2),
         "seeds": {str(seed): report for seed, report in reports.items()},
     }
+
+
+def plot_curves(pooled: dict[str, Any], path: Path) -> dict[str, tuple[list[int], list[float]]]:
+    """Every seed's periodic success curve of every arm in one figure (a colour per arm, a line style per seed),
+    beside the pooled held-out success of the imitation policy, so the arms compare at equal env steps. Returns
+    the plotted series, by label "<arm> seed <s>": (env steps, success rate)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    arms, styles = list(pooled["gains_points"]), ["-", "--", ":", "-."]
+    series = {}
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for k, (seed, report) in enumerate(pooled["seeds"].items()):
+        for colour, arm in enumerate(arms):
+            curve = report["runs"].get(arm, {}).get("curve", [])
+            x, y = [c["env_steps"] for c in curve], [c["success_rate"] for c in curve]
+            series[f"{arm} seed {seed}"] = (x, y)
+            ax.plot(x, y, styles[k % len(styles)], color=f"C{colour}", marker=".", label=f"{arm} seed {seed}")
+    imitation = pooled["results"]["imitation"]
+    ax.axhline(imitation["success_rate"], color="grey", lw=1,
+               label=f"imitation, held out ({imitation['episodes']} episodes)")  # fmt: skip
+    ax.set_xlabel("env steps")
+    ax.set_ylabel("success, periodic evaluation")
+    ax.set_ylim(0, 1)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    tmp = path.with_name(path.stem + ".tmp.png")
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    tmp.replace(path)
+    return series
 
 
 def _finetune_arm(cfg: BenchRLConfig, arm: str, imitation: Path, out: Path) -> dict[str, Any]:
