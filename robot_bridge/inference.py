@@ -28,6 +28,7 @@ from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import numpy as np
@@ -273,7 +274,9 @@ class InferenceWorker:
         # slice (tens of ms); and a message larger than the pipe's buffer waits, when sent, for the worker to read
         # it (it does not while it loads or computes). The control loop would miss its ticks either way.
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # whole messages from the worker, for poll
-        self._outbox: queue.SimpleQueue = queue.SimpleQueue()  # messages to the worker, in order; None ends it
+        # Messages to the worker, pickled by the caller (a snapshot: the arrays may change after submit), in order;
+        # the last is the pickled None that ends the worker.
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self.io_error = ""  # why a message could not be moved (the worker then counts as dead: alive() is False)
         self._receiver = threading.Thread(target=self._receive, name="vla-rl-inference-inbox", daemon=True)
         self._sender = threading.Thread(target=self._send, name="vla-rl-inference-outbox", daemon=True)
@@ -293,29 +296,30 @@ class InferenceWorker:
             self._inbox.put(message)
 
     def _send(self) -> None:
-        """Sender thread: the outbox to the worker, in order, until a None (sent too: it ends the worker)."""
+        """Sender thread: the outbox's pickled messages to the worker, in order (what ``Connection.send`` writes),
+        until the last."""
         while True:
-            message = self._outbox.get()
+            payload, last = self._outbox.get()
             try:
-                self._conn.send(message)
-            except (BrokenPipeError, OSError):
+                self._conn.send_bytes(payload)
+            except OSError:  # the worker is gone: alive() says so
                 return
-            except BaseException as err:  # noqa: BLE001 (a request that does not pickle: say so, stop sending)
-                self.io_error = f"request not sent to the inference worker: {type(err).__name__}: {err}"
+            if last:
                 return
-            if message is None:
-                return
+
+    def _put(self, message: Any, last: bool = False) -> None:
+        self._outbox.put((ForkingPickler.dumps(message), last))
 
     def submit(self, request: InferenceRequest) -> None:
         """Send one request; only one may be in flight."""
         if self.busy:
             raise RuntimeError("an inference request is already in flight; wait for its result")
+        self._put(request)
         self.busy = True
-        self._outbox.put(request)
 
     def send_mid(self, mid: MidObservation) -> None:
         """The mid-inference observation of the request in flight."""
-        self._outbox.put(mid)
+        self._put(mid)
 
     def poll(self) -> list[WorkerStatus | InferenceResult]:
         """Everything the worker sent since the last call, without waiting."""
@@ -334,7 +338,7 @@ class InferenceWorker:
         return self._runner.is_alive() and self._receiver.is_alive() and self._sender.is_alive()
 
     def close(self, timeout: float = 5.0) -> None:
-        self._outbox.put(None)
+        self._put(None, last=True)
         self._sender.join(timeout)
         self._runner.join(timeout)
         if isinstance(self._runner, multiprocessing.process.BaseProcess) and self._runner.is_alive():

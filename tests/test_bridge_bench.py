@@ -141,16 +141,18 @@ def test_the_controller_follows_trajectories_counts_starvation_and_late_chunks()
     robot.start_counting()
     s = 1_000_000_000
     chunk = codec.trajectory_points_msg(JOINTS, np.array([[0.1] * 4, [0.2] * 4, [0.3] * 4]), codec.time_msg(s), 0.01)
-    robot._on_trajectory(chunk, {"received_timestamp": s + 5_000_000})
+    robot._on_trajectory(chunk, {"received_timestamp": s + 5_000_000, "source_timestamp": s + 4_000_000})
     robot.control_tick(s + 15_000_000)
     assert robot.position == pytest.approx([0.15] * 4) and robot.starved_ticks == 0
     robot.control_tick(s + 30_000_000)
     assert robot.position == pytest.approx([0.3] * 4) and (robot.ticks, robot.starved_ticks) == (2, 1)
     hold = codec.trajectory_points_msg(JOINTS, np.array([[0.3] * 4]), codec.time_msg(s + 30_000_000), 0.01)
-    robot._on_trajectory(hold, {"received_timestamp": s + 31_000_000})  # one point: a hold, no margin
+    robot._on_trajectory(hold, {"received_timestamp": s + 31_000_000, "source_timestamp": s + 30_500_000})  # a hold
     late = codec.trajectory_points_msg(JOINTS, np.array([[0.4] * 4, [0.5] * 4]), codec.time_msg(s + 40_000_000), 0.01)
-    robot._on_trajectory(late, {"received_timestamp": s + 52_000_000})  # its first point was due at 50 ms
-    assert robot.chunk_margins_ms == pytest.approx([5.0, -2.0])
+    # Its first point was due at 50 ms; written at 41 ms, it spent 11 ms in transport.
+    robot._on_trajectory(late, {"received_timestamp": s + 52_000_000, "source_timestamp": s + 41_000_000})
+    assert robot.chunk_margins_ms == pytest.approx([5.0, -2.0])  # a hold (one point) has no margin
+    assert robot.chunk_transits_ms == pytest.approx([1.0, 11.0])
 
 
 def test_bench_policy_depth_is_calibrated_to_the_inference_time(monkeypatch):
@@ -212,6 +214,9 @@ def test_bench_bridge_tiny_run(tmp_path):
     # The controller ticked once per state sent once the first chunk was in, and chunks kept coming.
     assert result["ticks"] == trajectory["ticks"] == 80 and trajectory["chunks_received"] >= 1
     assert trajectory["node_counters"]["trajectories"] >= trajectory["chunks_received"]
+    # Each chunk's transport time (DDS source to receive timestamp, one machine's clock) is a fraction of a second.
+    assert 0 <= trajectory["chunk_transit_ms"]["p50"] <= trajectory["chunk_transit_ms"]["max"] < 1000
+    assert len(trajectory["late_chunk_details"]) == trajectory["late_chunks"]
     assert result["inference"]["loaded"] and result["inference"]["load_steps_per_s"] > 0
     assert (out.parent / "bench_arm.urdf").exists()
     # The horizon comes from the sizing run's in-run latencies: two delays at 1.5x their p99 at 100 Hz, plus the

@@ -13,11 +13,11 @@ from vla_rl.rl.sac import NoiseAgent, NoiseDecision, SACConfig, chunk_discount, 
 require("torchrl", "steer")
 
 
-def rollout(world, episode, done, discount=None, diverged=None):
+def rollout(world, episode, done, discount=None, diverged=None, truncated=None):
     m = len(world)
     return SimpleNamespace(
         world=torch.tensor(world), episode=torch.tensor(episode), done=torch.tensor(done),
-        diverged=torch.tensor(diverged or [False] * m),
+        diverged=torch.tensor(diverged or [False] * m), truncated=torch.tensor(truncated or [False] * m),
         reward=torch.arange(m, dtype=torch.float32), discount=torch.tensor(discount or [0.9] * m),
         decision=NoiseDecision(torch.arange(m, dtype=torch.float32)[:, None].repeat(1, 2),
                                10 + torch.arange(m, dtype=torch.float32)[:, None]),
@@ -42,6 +42,13 @@ def test_each_decision_goes_to_the_next_one_of_its_world_and_episode():
     blown = _Rollout(**vars(rollout([0, 0, 1, 1, 1], [0, 0, 0, 0, 1], [False, True, False, True, True],
                                     diverged=[False, False, True, True, False])))  # fmt: skip
     assert transitions(blown)["action"][:, 0].tolist() == [0, 1, 4]
+    # The time limit cut world 0's episode at decision 1 and world 1's first at 3: those two are left out (their
+    # next state is unknown), the decisions before them keep theirs, decision 4 (a success) stays terminal.
+    cut = _Rollout(**vars(rollout([0, 0, 1, 1, 1], [0, 0, 0, 0, 1], [False, True, False, True, True],
+                                  truncated=[False, True, False, True, False])))  # fmt: skip
+    td = transitions(cut)
+    assert td["action"][:, 0].tolist() == [0, 2, 4] and td["next", "observation"][:, 0].tolist() == [11, 13, 14]
+    assert td["next", "done"][:, 0].tolist() == td["next", "terminated"][:, 0].tolist() == [False, False, True]
 
 
 def test_the_chunk_discount_is_that_of_the_chunks_that_did_not_end_their_episode():
@@ -92,8 +99,10 @@ def test_vla_rl_dsrl_trains_through_the_shared_rollout_and_evaluates_both_arms(t
     env = EnvConfig(num_envs=2, max_episode_steps=8, image_size=32, num_threads=1, render_threads=1)
     summary = run_dsrl(DSRLConfig(checkpoint=str(tmp_path / "policy"), env=env, iterations=2, eval_episodes=2,
                                   sac=SACConfig(batch_size=2, updates=2, hidden=16), output_dir=str(tmp_path / "dsrl")))  # fmt: skip
-    # 8 steps in chunks of 4 steps: 2 decisions per episode, 2 worlds, 2 iterations: 8 transitions.
-    assert [h["buffer"] for h in summary["history"]] == [4, 8] and "loss_qvalue" in summary["history"][1]
+    # 8 steps in chunks of 4 steps: 2 decisions per episode, 2 worlds, 2 iterations. No lift succeeds in 8 steps, so
+    # the time limit cuts every episode and its second decision is left out: 2 transitions an iteration.
+    assert [h["buffer"] for h in summary["history"]] == [2, 4] and "loss_qvalue" in summary["history"][1]
+    assert [h["truncated_left_out"] for h in summary["history"]] == [2, 2]
     assert summary["gamma_chunk"] == pytest.approx(0.99**4)
     assert set(summary["eval"]) == {"base", "dsrl"} and (tmp_path / "dsrl" / "dsrl" / "model.safetensors").exists()
 

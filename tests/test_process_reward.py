@@ -159,7 +159,8 @@ def _rollout(world, episode, done, discount, reward) -> Rollout:
         decision=DenoisingChain(latents=torch.zeros(m, 2, 1, 1), std=torch.ones(1), known=None),
         world=torch.tensor(world), episode=torch.tensor(episode), task=torch.zeros(m, dtype=torch.long),
         reward=torch.tensor(reward), discount=torch.tensor(discount), steps=torch.ones(m, dtype=torch.long),
-        done=torch.tensor(done), success=torch.zeros(m, dtype=torch.bool), diverged=torch.zeros(m, dtype=torch.bool),
+        done=torch.tensor(done), truncated=torch.zeros(m, dtype=torch.bool), success=torch.zeros(m, dtype=torch.bool),
+        diverged=torch.zeros(m, dtype=torch.bool),
     )  # fmt: skip
 
 

@@ -33,7 +33,8 @@ def rollout_of(world, episode, reward, discount, done):
         world=torch.tensor(world), episode=torch.tensor(episode), task=torch.zeros(m, dtype=torch.long),
         reward=torch.tensor(reward),
         discount=torch.tensor(discount), steps=torch.ones(m, dtype=torch.long), done=torch.tensor(done),
-        success=torch.zeros(m, dtype=torch.bool), diverged=torch.zeros(m, dtype=torch.bool),
+        truncated=torch.zeros(m, dtype=torch.bool), success=torch.zeros(m, dtype=torch.bool),
+        diverged=torch.zeros(m, dtype=torch.bool),
     )  # fmt: skip
 
 
@@ -137,6 +138,9 @@ def test_a_grpo_step_raises_the_log_prob_of_the_chains_that_succeeded(tiny_check
     with make_env(EnvConfig(num_envs=4, max_episode_steps=8)) as env:
         denv = DelayedChunkEnv(env, LatencySpec.of(policy), ChunkingConfig(execute_steps=4), DelayModel(DelayConfig()))
         rollout, _ = collect(actor, denv, episodes_per_world=1, seed=grpo.group_seeds(4, 2, 0))
+    # No lift succeeds in 8 steps: each world's episode ends at the time limit, truncated, with its last decision.
+    assert not rollout.success.any() and not rollout.diverged.any()
+    assert rollout.truncated.equal(rollout.done) and int(rollout.truncated.sum()) == 4
     rollout.success = rollout.world % 2 == 0
     before = batched_score(actor, rollout.obs, rollout.decision, 64)
     step = GradientStep(torch.optim.SGD(policy.parameters(), lr=1e-4), max_grad_norm=0)

@@ -112,11 +112,14 @@ def run_dsrl(cfg: DSRLConfig) -> dict[str, Any]:
                 if agent.gamma_chunk is None:
                     agent.gamma_chunk = chunk_discount(rollout, cfg.sac.gamma)
                     agent.loss.make_value_estimator(gamma=agent.gamma_chunk)
-                replay.extend(transitions(rollout))
+                kept = transitions(rollout)
+                if len(kept):  # none where the time limit cut every episode after its first decision
+                    replay.extend(kept)
                 losses = agent.update(replay) if len(replay) >= cfg.sac.batch_size else {}
                 history.append({"iteration": it, "variation": settings[it % len(settings)].variation,
                                 "success_rate": round(stats.success_rate, 4), "episodes": stats.episodes,
                                 "env_steps": stats.env_steps, "buffer": len(replay),
+                                "truncated_left_out": int(rollout.truncated.sum()),
                                 **{k: round(v, 5) for k, v in losses.items()}})  # fmt: skip
                 if interrupt.received() is not None or (it + 1) % cfg.checkpoint_every == 0 or it + 1 == cfg.iterations:
                     save_state(state_file, agent, replay, shells, history, made_with)

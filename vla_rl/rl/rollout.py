@@ -65,6 +65,9 @@ class Rollout:
     discount: (M,) float, gamma^steps: the weight of the next decision's value.
     steps: (M,) long, control steps the chunk ran.
     done: (M,) bool, the episode ended with this decision (success, failure, time limit or divergence).
+    truncated: (M,) bool, the episode ended with this decision at the time limit, not in a terminal state: a
+        value could follow it, but the rollout does not record the state it would be of. PPO and GRPO end the
+        episode there all the same (CleanRL's choice); SAC leaves such transitions out (`vla_rl.rl.sac`).
     success: (M,) bool, the decision's episode ended in success (every decision of it).
     diverged: (M,) bool, the decision's episode ended because its world blew up (every decision of it).
     version: (M,) long, the policy version that sampled each decision (asynchronous rollouts,
@@ -83,6 +86,7 @@ class Rollout:
     discount: torch.Tensor
     steps: torch.Tensor
     done: torch.Tensor
+    truncated: torch.Tensor
     success: torch.Tensor
     diverged: torch.Tensor
     version: torch.Tensor | None = None
@@ -188,12 +192,13 @@ def collect(
         simulated += int(steps.sum())
         env_steps += int(steps[done_episodes < episodes_per_world].sum())
         ready = transition.ready.cpu().numpy()
+        cut = (truncated & ~terminated).cpu().numpy()
         ended = (terminated | truncated).cpu().numpy()
         for w in np.flatnonzero(ready & (open_decision >= 0)):
             rec = records[open_decision[w]]
             rec.update(
                 reward=float(transition.discounted_reward[w]), discount=float(transition.discount[w]),
-                steps=int(transition.steps[w]), done=bool(ended[w]),
+                steps=int(transition.steps[w]), done=bool(ended[w]), truncated=bool(cut[w]),
             )  # fmt: skip
             open_decision[w] = -1
         for w in np.flatnonzero(ended & (done_episodes < episodes_per_world)):
@@ -217,6 +222,7 @@ def collect(
         discount=torch.tensor([r["discount"] for r in records], dtype=torch.float32),
         steps=as_long("steps"),
         done=torch.tensor([r["done"] for r in records]),
+        truncated=torch.tensor([r["truncated"] for r in records]),
         success=torch.tensor([episode_success[k] for k in key]),
         diverged=torch.tensor([episode_diverged[k] for k in key]),
     )

@@ -7,7 +7,8 @@ w = k tanh(u), u ~ N(mu(s), sigma(s)) (k = ``max_noise``), and the chunk is the 
 ``predict_chunk(o, noise=w)``. The rollout is the one PPO and GRPO use (`vla_rl.rl.rollout.collect`: one
 decision per chunk through the latency model); its transitions (s_i, w_i, R_i, s_{i+1}, done_i), R_i the
 chunk's discounted reward and s_{i+1} the world's next decision's state in the same episode, go to a replay
-buffer, and each iteration takes ``updates`` gradient steps of
+buffer (all but an episode's last decision where the time limit cut it: `transitions`), and each iteration
+takes ``updates`` gradient steps of
 
     critic:  L_Q = sum_j (Q_j(s, w) - y)^2,   y = R + gamma_c (1 - done) (min_j Qbar_j(s', w') - alpha log pi(w'|s')),
     actor:   L_pi = alpha log pi(w|s) - min_j Q_j(s, w),       w ~ pi(.|s) (reparametrized),
@@ -174,8 +175,10 @@ def transitions(rollout):
     """The rollout's decisions as TorchRL transitions (a TensorDict): observation (M, F), action (M, D), next:
     observation (the same world's next decision's features in the episode; its own where the episode ended,
     unused then), reward (M, 1), done and terminated (M, 1). Rows are in world-then-time order; the decisions
-    of episodes whose world blew up are left out, as PPO leaves them. An episode cut by the time limit ends as
-    a terminal one (the rollout does not tell it apart): no value is bootstrapped past it."""
+    of episodes whose world blew up are left out, as PPO leaves them. So is the last decision of an episode the
+    time limit cut (``rollout.truncated``): a value follows it, but of a state the rollout does not record, and
+    taking it as terminal would teach the critics that a state the features cannot tell from others is worth
+    only its last chunk's reward."""
     from tensordict import TensorDict
 
     decision = rollout.decision
@@ -188,4 +191,4 @@ def transitions(rollout):
     nxt = TensorDict({"observation": decision.features[following], "reward": rollout.reward[:, None].float(),
                       "done": done, "terminated": done}, batch_size=[m])  # fmt: skip
     whole = TensorDict({"observation": decision.features, "action": decision.noise, "next": nxt}, batch_size=[m])
-    return whole[~rollout.diverged]
+    return whole[~rollout.diverged & ~rollout.truncated]
