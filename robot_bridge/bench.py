@@ -95,13 +95,12 @@ Protocol history (runs as README.md reports them: figures over runs, not their f
   twice the horizon the 20 passes alone on the core give, with the robot, the node and the load
   running). Inference in the runs had been slower than in the passes that sized it: 16-24% at the
   median (46% at the max) in the first, 25-36% (71%) in the second, whose starved ticks came where two
-  slow inferences met. The
-  rule (two delays at 1.5x the p99, plus ``execute_steps``) and the final line are unchanged; the JSON
-  gains ``sizing``, and per run each chunk's latency (``inference_latencies_ms``), the node's
-  ``overrun_ticks`` and ``after_command_max_ms``. A code change of the same day, not of the protocol:
-  the node's inference worker pipe is read by a thread (`robot_bridge.inference`), since a message over
-  16 KiB leaves the worker in two writes and the control loop's read waited between them for the niced
-  worker, on the loaded core, to be scheduled again. One full default run of this version (README.md,
+  slow inferences met. The rule (two delays at 1.5x the p99, plus ``execute_steps``) and the final line
+  are unchanged; the JSON gains ``sizing``, and per run each chunk's latency
+  (``inference_latencies_ms``), the node's ``overrun_ticks`` and ``after_command_max_ms``. A code change
+  of the same day, not of the protocol: two threads move the node's messages to and from its inference
+  worker (`robot_bridge.inference`), since a message over 16 KiB leaves in two writes and the control
+  loop's read waited between them for the niced worker, on the loaded core, to be scheduled again. One full default run of this version (README.md,
   run 3): ``starved_ticks=0 late_chunks=2 tick_mode_late=8 ticks=100002``; its two late chunks came
   200 ms late with no overrun of the control loop. After it, with no protocol change, each chunk's
   transport time is recorded (``chunk_transit_ms``, ``late_chunk_details``).
@@ -157,8 +156,9 @@ class BenchBridgeConfig:
     inference_nice: int = 10  # niceness of the inference worker, as serve's inference_nice
     horizon: int = 0  # chunk length; 0 = sized from the inference latency of a sizing run (see sizing_chunks)
     # Chunks of the sizing run: serve (trajectory output, merge latest) with the robot and the load running, before
-    # the measured runs; its inference latencies size the horizon (`size_horizon`). quick: 5.
-    sizing_chunks: int = 20
+    # the measured runs; its inference latencies size the horizon (`size_horizon`). 0 = 20 (--quick: 5); refused
+    # beside a given horizon, which skips the sizing run.
+    sizing_chunks: int = 0
     execute_steps: int = 10  # steps per chunk before the next request (more when inference is slower)
     chunk_noise: float = 0.001  # largest per-chunk correction of the bench policy (joint units)
     image_size: int = 64  # camera image side, pixels
@@ -170,7 +170,7 @@ class BenchBridgeConfig:
 
     def apply_quick(self) -> None:
         if self.quick:
-            self.cycles, self.ping_cycles, self.sizing_chunks = 5000, 500, 5
+            self.cycles, self.ping_cycles = 5000, 500
 
 
 # -- the bench policy ---------------------------------------------------------------------------
@@ -601,7 +601,7 @@ def deadline_misses(sent_ns: list[int], received_ns: dict[int, int], deadline_ms
 def _quantiles(values_ms, qs=(50, 99)) -> dict[str, float]:
     values = np.asarray(values_ms, dtype=np.float64)
     if values.size == 0:
-        return {f"p{q}": float("nan") for q in qs}
+        return {f"p{q}": float("nan") for q in qs} | {"max": float("nan")}
     return {f"p{q}": round(float(np.percentile(values, q)), 4) for q in qs} | {"max": round(float(values.max()), 4)}
 
 
@@ -774,9 +774,13 @@ def bench_bridge(cfg: BenchBridgeConfig) -> dict[str, Any]:
     cfg.apply_quick()
     if not 50 <= cfg.inference_ms <= 500:
         raise ValueError(f"inference_ms must be in [50, 500], got {cfg.inference_ms}")
-    if not cfg.horizon and cfg.sizing_chunks < 1:
-        raise ValueError(f"sizing_chunks must be at least 1 to size the horizon, got {cfg.sizing_chunks}; "
-                         f"or give the horizon (--horizon=N)")  # fmt: skip
+    if cfg.horizon and cfg.sizing_chunks:
+        raise ValueError(f"--horizon={cfg.horizon} skips the sizing run that --sizing_chunks={cfg.sizing_chunks} "
+                         f"sizes the horizon with: drop one")  # fmt: skip
+    if cfg.sizing_chunks < 0:
+        raise ValueError(f"sizing_chunks must be at least 1 (0 = the default), got {cfg.sizing_chunks}")
+    if not cfg.horizon:
+        cfg.sizing_chunks = cfg.sizing_chunks or (5 if cfg.quick else 20)
     unknown = sorted(set(cfg.outputs) - {"ticks", "trajectory"})
     if unknown or not cfg.outputs:
         raise ValueError(f"outputs are serve's output modes, ticks and trajectory; got {cfg.outputs}")
@@ -879,9 +883,8 @@ def _summarize(
             }  # fmt: skip
         both = rows + traj
         per_rate[str(rate)] |= {  # the control loop's own stalls, either output (`overrun_ticks`)
-            "overrun_ticks": sum(r.get("node_counters", {}).get("overrun_ticks", 0) for r in both),
-            "after_command_max_ms": max((r["after_command_max_ms"] for r in both if "after_command_max_ms" in r),
-                                        default=float("nan")),
+            "overrun_ticks": sum(r["node_counters"]["overrun_ticks"] for r in both),
+            "after_command_max_ms": max(r["after_command_max_ms"] for r in both),
         }  # fmt: skip
     problems = {r["scheduling"][k] for r in runs for k in ("realtime_problem", "memory_lock_problem")} - {None}
     rates = per_rate.values()
@@ -934,20 +937,15 @@ def format_summary(result: dict[str, Any]) -> str:
     for run in result["runs"]:
         head = f"  {run['rate_hz']:>5g} Hz {run['output']:<10} {run['merge']:<8} cycles={run['cycles']} "
         inf, o2c = run["inference_latency_ms"], run["obs_to_influenced_command_ms"]
-        tail = (f" inference p50/max={inf['p50']:.0f}/{inf.get('max', float('nan')):.0f} ms obs->command p50/p99={o2c['p50']:.1f}/"
-                f"{o2c['p99']:.1f} ms overruns={run.get('node_counters', {}).get('overrun_ticks', 0)} "
-                f"(after-command max {run.get('after_command_max_ms', float('nan')):.1f} ms)")  # fmt: skip
+        tail = (f" inference p50/max={inf['p50']:.0f}/{inf['max']:.0f} ms obs->command p50/p99={o2c['p50']:.1f}/"
+                f"{o2c['p99']:.1f} ms overruns={run['node_counters']['overrun_ticks']} "
+                f"(after-command max {run['after_command_max_ms']:.1f} ms)")  # fmt: skip
         if run["output"] == "trajectory":
-            margin = run["chunk_margin_ms"]
+            margin, transit = run["chunk_margin_ms"], run["chunk_transit_ms"]
             lines.append(
                 head + f"ticks={run['ticks']} starved={run['starved_ticks']} chunks={run['chunks_received']} "
-                f"late={run['late_chunks']} margin min/p50={margin['min']:.1f}/{margin['p50']:.1f} ms"
-                + (
-                    f" transit p50/max={run['chunk_transit_ms']['p50']:.1f}/{run['chunk_transit_ms']['max']:.1f} ms"
-                    if "chunk_transit_ms" in run
-                    else ""
-                )
-                + tail
+                f"late={run['late_chunks']} margin min/p50={margin['min']:.1f}/{margin['p50']:.1f} ms "
+                f"transit p50/max={transit['p50']:.1f}/{transit['max']:.1f} ms" + tail
             )
             continue
         s2c, seams = run["state_to_command_ms"], run["seams"]

@@ -46,7 +46,8 @@ def finished_seed0(cfg: BenchRLConfig, out: Path) -> None:
                for arm, k in counts.items()}  # fmt: skip
     seed_cfg = replace(cfg, seed=0, seeds=[], num_threads=2, output_dir=str(out / "seed0"))
     report = {"config": asdict(seed_cfg), "results": results,
-              "gains_points": {"ppo": 20.0, "grpo": 10.0}, "runs": {}, "minutes": 10.0,
+              "gains_points": {"ppo": 20.0, "grpo": 10.0}, "runs": {"ppo": {"curve": []}, "grpo": {"curve": []}},
+              "minutes": 10.0,
               "env_steps": {"ppo": 150_000, "grpo": 150_100}}  # fmt: skip
     (out / "seed0").mkdir(parents=True)
     (out / "seed0" / "rl.json").write_text(json.dumps(report))

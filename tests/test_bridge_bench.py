@@ -20,6 +20,7 @@ from robot_bridge.bench import (
     JOINTS,
     BenchBridgeConfig,
     _summarize,
+    bench_bridge,
     build_bench_policy,
     deadline_misses,
     format_summary,
@@ -67,7 +68,8 @@ def _run(rate, realtime_problem=None, lock_problem=None, misses=0, output="ticks
            "scheduling": scheduling_record(realtime_problem, lock_problem)}  # fmt: skip
     if output == "trajectory":
         return {**row, "ticks": ticks, "starved_ticks": starved, "chunks_received": 10, "late_chunks": late,
-                "chunk_margin_ms": {"min": -1.0 if late else 5.0, "p1": 5.0, "p50": 50.0, "max": 90.0}}  # fmt: skip
+                "chunk_margin_ms": {"min": -1.0 if late else 5.0, "p1": 5.0, "p50": 50.0, "max": 90.0},
+                "chunk_transit_ms": q}  # fmt: skip
     return {
         **row, "deadline_ms": 5.0, "deadline_misses": misses, "node_deadline_misses": 0, "starved_ticks": 0,
         "state_to_command_ms": q, "node_tick_latency_ms": q, "jitter_ms": q,
@@ -118,6 +120,14 @@ def test_summary_sums_each_outputs_figures_and_warns_when_scheduling_was_refused
     assert warnings[0].startswith(f"WARNING: real-time scheduling was refused ({no_rt})")
     assert warnings[1].startswith(f"WARNING: memory locking was refused ({no_lock})")
     assert FINAL_LINE.match(lines[-1]) and refused["ticks"] == 0, lines[-1]
+
+
+def test_a_given_horizon_refuses_a_sizing_run_it_would_skip(tmp_path):
+    with pytest.raises(ValueError, match=r"--horizon=100 skips the sizing run that --sizing_chunks=3 .*drop one"):
+        bench_bridge(BenchBridgeConfig(horizon=100, sizing_chunks=3, output_json=str(tmp_path / "b.json")))
+    with pytest.raises(ValueError, match="sizing_chunks must be at least 1"):
+        bench_bridge(BenchBridgeConfig(sizing_chunks=-1, output_json=str(tmp_path / "b.json")))
+    assert not list(tmp_path.iterdir())  # refused before anything ran or was written
 
 
 def test_the_horizon_covers_two_loaded_inference_delays_at_one_and_a_half_times_their_p99():

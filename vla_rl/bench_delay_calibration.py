@@ -21,8 +21,9 @@ its evaluated cells (``calibration.json``, written after each), also after an am
 to the protocol (any other change of its text refuses to resume). The result records the protocol file's
 SHA-256 (and in ``protocol_history`` those of the texts its cells were measured under); the arms take
 ``--calibration=<output_dir>/calibration.json`` and `vla_rl.bench_stages.check_calibration` refuses them
-if the file changed since, or if their settings differ from the calibration's. The final line: ``task=<t> delay=<D> plain_loss_points=<x> naive_over_standard=<y>``
-(``none`` for what was not chosen or not measured).
+if the file changed since, or if their settings differ from the calibration's. The final line:
+``task=<t> delay=<D> plain_loss_points=<x> naive_over_standard=<y>`` (``none`` for what was not chosen or
+not measured).
 
 ``--quick`` runs every stage once at toy sizes, under a rule every delay passes: it checks the
 plumbing, and says nothing about which task or delay qualifies.

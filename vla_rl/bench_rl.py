@@ -223,7 +223,7 @@ def plot_curves(pooled: dict[str, Any], path: Path) -> dict[str, tuple[list[int]
     fig, ax = plt.subplots(figsize=(7, 4))
     for k, (seed, report) in enumerate(pooled["seeds"].items()):
         for colour, arm in enumerate(arms):
-            curve = report["runs"].get(arm, {}).get("curve", [])
+            curve = report["runs"][arm]["curve"]
             x, y = [c["env_steps"] for c in curve], [c["success_rate"] for c in curve]
             series[f"{arm} seed {seed}"] = (x, y)
             ax.plot(x, y, styles[k % len(styles)], color=f"C{colour}", marker=".", label=f"{arm} seed {seed}")
