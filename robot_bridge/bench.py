@@ -17,8 +17,10 @@ Two processes talk over loopback DDS:
   autoencoder trained with AdamW, one thread: the CPU a fine-tuning job on the robot PC takes), from
   before the baseline to the end; control stays on its own core. The chunk horizon is sized from the
   inference latency of a sizing run before the measured ones (``sizing_chunks`` chunks served with
-  the robot, the node and the load running; two inference delays at 1.5x their p99, plus
-  ``execute_steps``), and reported.
+  the robot, the node and the load running; two inference delays at 1.5x their p99, plus the
+  trajectory lead and ``execute_steps``), and reported. Trajectory output puts each chunk's first point
+  ``trajectory_lead_s`` past the step after its merge (serve's ``chunking.lead_steps``): the time DDS
+  has to bring it to the controller.
 
 Per control rate and output mode, ``cycles`` control ticks split evenly over the merge modes (one
 serve process each), the first run of a rate preceded by ``ping_cycles`` raw ping-pongs (JointState
@@ -104,6 +106,13 @@ Protocol history (runs as README.md reports them: figures over runs, not their f
   run 3): ``starved_ticks=0 late_chunks=2 tick_mode_late=8 ticks=100002``; its two late chunks came
   200 ms late with no overrun of the control loop. After it, with no protocol change, each chunk's
   transport time is recorded (``chunk_transit_ms``, ``late_chunk_details``).
+- 2026-12-05, a second amendment after run 3, fixed before any run of it: trajectory output places each
+  chunk's first point ``trajectory_lead_s`` (0.5 s) past the step after its merge (serve's new
+  ``chunking.lead_steps``, rounded up to steps: 50 at 100 Hz; the steps between stay as the previous
+  trajectory has them), where it was one period past it, and the horizon adds the lead. Chosen from run 3
+  alone: its late chunks were 202 and 174 ms late against a budget of about 16 ms, and 0.5 s is over twice
+  the worst. A late chunk is still one that arrives after the time of its first point (now its first new
+  point); per-tick output is unchanged; the final line is unchanged.
 """
 
 from __future__ import annotations
@@ -160,6 +169,9 @@ class BenchBridgeConfig:
     # beside a given horizon, which skips the sizing run.
     sizing_chunks: int = 0
     execute_steps: int = 10  # steps per chunk before the next request (more when inference is slower)
+    # Trajectory output: a chunk's first point this long after it merges (serve's chunking.lead_steps, rounded up
+    # to steps at each rate): the time DDS has to bring it to the controller. Ticks output: 0.
+    trajectory_lead_s: float = 0.5
     chunk_noise: float = 0.001  # largest per-chunk correction of the bench policy (joint units)
     image_size: int = 64  # camera image side, pixels
     inference: str = "process"  # process or thread: where the serve node runs the policy
@@ -341,12 +353,20 @@ class TrainingLoad:
             self._process.join(30)
 
 
+def lead_steps(cfg: BenchBridgeConfig, rate: float, output: str) -> int:
+    """serve's ``chunking.lead_steps`` for ``output`` at ``rate``: ``trajectory_lead_s`` in steps, rounded up."""
+    return math.ceil(cfg.trajectory_lead_s * rate - 1e-9) if output == "trajectory" else 0
+
+
 def size_horizon(cfg: BenchBridgeConfig, latencies_ms: list[float]) -> int:
     """The chunk length from inference latencies (the sizing run's, under the load when on): one request is in
-    flight at a time, so a chunk must last through two inference delays, taken at 1.5x the p99, plus the steps
-    executed before the next request; at least 16."""
+    flight at a time, so a chunk must last through two inference delays, taken at 1.5x the p99, the trajectory
+    lead after the second (the next chunk's first point; counted for per-tick output too, whose runs then have
+    a longer chunk than they need: the sizing run serves trajectories), and the steps executed before the next
+    request; at least 16."""
     p99_s = float(np.percentile(latencies_ms, 99)) / 1e3
-    return max(16, math.ceil(2 * 1.5 * p99_s * max(cfg.rates_hz)) + cfg.execute_steps)
+    rate = max(cfg.rates_hz)
+    return max(16, math.ceil(2 * 1.5 * p99_s * rate) + lead_steps(cfg, rate, "trajectory") + cfg.execute_steps)
 
 
 def bench_arm_urdf() -> str:
@@ -392,7 +412,8 @@ def _serve_side(cfg: BenchBridgeConfig, rate: float, merge: MergeMode, output: s
     serve_cfg = ServeConfig(
         checkpoint="(bench policy)", cameras=[CameraTopic(CAMERA, topics.camera(CAMERA).name)],
         state_names=list(JOINTS), action_names=list(JOINTS), action_space="joint", control_hz=rate,
-        horizon=horizon, chunking=ChunkingConfig(execute_steps=cfg.execute_steps, merge=merge),
+        horizon=horizon, chunking=ChunkingConfig(execute_steps=cfg.execute_steps, merge=merge,
+                                                 lead_steps=lead_steps(cfg, rate, output)),
         inference=cfg.inference, inference_cpu=1, control_cpu=0, diagnostics_hz=2.0, inference_nice=cfg.inference_nice,
         ros_executor=cfg.ros_executor, deadline_ms=cfg.deadline_ms, latency_log="", output=output,
         robot_description=str(Path(cfg.output_json).parent / "bench_arm.urdf") if output == "trajectory" else "",
@@ -777,6 +798,8 @@ def bench_bridge(cfg: BenchBridgeConfig) -> dict[str, Any]:
     if cfg.horizon and cfg.sizing_chunks:
         raise ValueError(f"--horizon={cfg.horizon} skips the sizing run that --sizing_chunks={cfg.sizing_chunks} "
                          f"sizes the horizon with: drop one")  # fmt: skip
+    if not 0 <= cfg.trajectory_lead_s <= 5:
+        raise ValueError(f"trajectory_lead_s must be in [0, 5] seconds, got {cfg.trajectory_lead_s}")
     if cfg.sizing_chunks < 0:
         raise ValueError(f"sizing_chunks must be at least 1 (0 = the default), got {cfg.sizing_chunks}")
     if not cfg.horizon:

@@ -3,8 +3,8 @@ its clock, and the inference worker (`robot_bridge.inference`) stands in for inf
 
 After each control tick (off the latency path) the node calls :meth:`ChunkScheduler.prepare_next_action`,
 which drives the protocol in the order the simulation's shell does: merge the chunk that came back
-(a chunk takes effect from the step after the tick that found it; one planned before a hold is
-dropped), send the mid-inference observation of a latency-aware policy's request once its step has
+(a chunk takes effect ``chunking.lead_steps`` after the step after the tick that found it; one planned
+before a hold is dropped), send the mid-inference observation of a latency-aware policy's request once its step has
 come (the freshest joint state and images; the request's own if the inputs are rejected right now),
 open the next request when due (never while holding, except to retry a failed policy), and take the
 next step's action. Every measured latency goes to ``latency_log`` (JSON lines with the control
@@ -50,7 +50,8 @@ class ChunkScheduler:
         self.latency_log = LatencyLog(config.latency_log, 1.0 / config.control_hz) if config.latency_log else None
         self.policy_info: dict[str, Any] = {}
         self.in_flight: worker.InFlightRequest | None = None
-        self._request_id, self._holding, self._merged = 0, False, False
+        self._request_id, self._holding = 0, False
+        self._seam_step: int | None = None  # the step the newest merged chunk's first action runs at
         self.episode, self.episode_requests = 0, 0  # the robot's episode (topics.episode) and its requests so far
         self.seam_obs_arrival = 0.0  # arrival of the joint state the newest merged chunk was conditioned on
         # The next tick's action ((A,) or None: nothing queued), its step, whether a new chunk starts there.
@@ -104,13 +105,18 @@ class ChunkScheduler:
         self.next_step = int(p.step[0])
         action, valid = p.next_action()  # also while holding: the step counter keeps time
         if bool(valid[0]) and not self._holding:
-            self.next_target, self.next_is_seam, self._merged = action[0].numpy(), self._merged, False
+            self.next_target = action[0].numpy()
+            self.next_is_seam = self._seam_step is not None and self.next_step >= self._seam_step
+            if self.next_is_seam:
+                self._seam_step = None
 
-    def discard_plan(self) -> None:
-        """The merged plan never reached the robot (trajectory output, a waypoint out of the IK's reach): the queue
-        forgets it, so the latency protocol does not take it for the committed prefix."""
+    def discard_plan(self, first_step: int) -> None:
+        """The merged plan from ``first_step`` never reached the robot (trajectory output, a waypoint out of the IK's
+        reach): the queue forgets it from that step on, so the latency protocol does not take it for the committed
+        prefix. The steps before (the lead's) stay: the controller runs them from the trajectory before."""
         if self.protocol is not None:
-            self.protocol.executor.discard_queue(ONE)
+            from_slot = max(first_step - int(self.protocol.step[0]), 0)  # the step moved on since the merge
+            self.protocol.executor.discard_queue(ONE, from_slot=from_slot)
         self.merged_plan = None
 
     def start_episode_if_due(self) -> bool:
@@ -126,7 +132,7 @@ class ChunkScheduler:
             if self.in_flight is not None and bool(p.pending[0]):
                 self._send_mid()  # the worker waits for it; its answer will be dropped
             p.restart(ONE)
-        self.next_target, self.next_is_seam, self._merged = None, False, False
+        self.next_target, self.next_is_seam, self._seam_step = None, False, None
         return True
 
     def close(self) -> None:
@@ -169,13 +175,16 @@ class ChunkScheduler:
         if not merged:
             self.diagnostics.count("dropped_chunks")  # planned before a hold or a new episode: stale by definition
             return
-        self._merged, self.seam_obs_arrival, self.health.policy_error = True, request.obs_arrival, None
-        actions, queued = p.executor.plan()  # from the step after this tick's: the committed prefix is behind it
+        self.seam_obs_arrival, self.health.policy_error = request.obs_arrival, None
+        self._seam_step = int(p.step[0]) + p.lead_steps
+        # From lead_steps after the step past this tick's: the committed prefix (and the lead the controller
+        # holds from the previous trajectory) is behind it.
+        actions, queued = p.executor.plan()
         if int(queued[0]):  # a chunk that came a whole chunk late leaves nothing to run: the robot runs out, holds
-            self.merged_plan = (int(p.step[0]), actions[0, : int(queued[0])].numpy().astype(np.float64))
+            self.merged_plan = (int(p.step[0]) + p.lead_steps, actions[0, : int(queued[0])].numpy().astype(np.float64))
         self.diagnostics.count("chunks")
         self.diagnostics.latencies_ms.append(latency * 1e3)
-        if p.width and lag > p.width:
+        if p.width and lag + p.lead_steps > p.width:
             self.diagnostics.count("delay_clamped")  # the policy is told the widest delay it reads instead
         self.publish_chunk(request.report(result, int(p.step[0]), lag, self.config.chunking.merge, self.config.dry_run))
 

@@ -86,7 +86,7 @@ class TickRecord:
     command: np.ndarray | None  # (A,) sent (or, in dry-run, computed); None before any state arrived
     from_policy: bool  # the command is the policy's queued action (False: a hold, or the queue ran dry)
     state: str  # RUNNING, HOLDING, ...
-    seam: bool  # the first command after a chunk was merged
+    seam: bool  # the first command of a merged chunk (chunking.lead_steps after the step after its merge)
     obs_stamp: float  # stamp of the newest accepted joint state, seconds
 
 
@@ -366,7 +366,7 @@ class PolicyBridge(Node):
         if isinstance(result, IKFailure):
             # The executor forgets the plan the controller never got: the next request's committed prefix and
             # guidance must not describe it. The controller runs the previous trajectory to its end.
-            self.scheduler.discard_plan()
+            self.scheduler.discard_plan(first_step)
             line = result.line(self.config.ik_tolerance)
             self.diagnostics.count("ik_failures")
             self.diagnostics.last_error = line

@@ -2,16 +2,17 @@
 (ros2_control's joint_trajectory_controller, franka_ros2, UR, Kinova) interpolates at its own rate, so the
 robot depends on a per-chunk deadline instead of a per-tick one. No ROS import here.
 
-The seam. A chunk found at the tick of step n merges from step n + 1 (`ChunkScheduler`): the steps up to n
-are the committed prefix, which the previous trajectory is executing now. The new trajectory is the
-executor's plan from step n + 1 on (`ActionChunkExecutor.plan`: what the per-tick output would command at
-each of those steps, had no other chunk merged), read from the latency protocol, never re-derived. It is
-stamped with the tick time of step n + 1, from which the controller replaces the rest of the previous
-trajectory (joint_trajectory_controller's trajectory replacement), and its point k is reached at stamp +
-(k + 1) periods: one period after its step's tick, as the per-tick command of that step is (its one point
-has ``time_from_start`` one period). So both outputs put each action at the same instant.
+The seam. A chunk found at the tick of step n merges from step n + 1 + L (`ChunkScheduler`; L =
+``chunking.lead_steps``, the time the trajectory has to reach the controller): the steps up to n + L are the
+committed prefix, which the previous trajectory is executing. The new trajectory is the executor's plan from
+step n + 1 + L on (`ActionChunkExecutor.plan`: what the per-tick output would command at each of those steps,
+had no other chunk merged), read from the latency protocol, never re-derived. It is stamped with the tick time
+of step n + 1 + L, from which the controller replaces the rest of the previous trajectory
+(joint_trajectory_controller's trajectory replacement), and its point k is reached at stamp + (k + 1) periods:
+one period after its step's tick, as the per-tick command of that step is (its one point has
+``time_from_start`` one period). So both outputs put each action at the same instant.
 
-Each trajectory goes on from where the previous one is at the seam (step n): the safety filter, in the
+Each trajectory goes on from where the previous one is at the seam (step n + L): the safety filter, in the
 action's own terms, starts from the previous trajectory's action there and its velocity (as the per-tick
 filter would have stepped through it); an end-effector plan is solved to the arm's joints by
 `vla_core.ik.solve_ik` on the description's chain, warm-started from the previous trajectory's joints at

@@ -24,6 +24,7 @@ from robot_bridge.bench import (
     build_bench_policy,
     deadline_misses,
     format_summary,
+    lead_steps,
     scheduling_record,
     seam_jumps,
     size_horizon,
@@ -132,10 +133,24 @@ def test_a_given_horizon_refuses_a_sizing_run_it_would_skip(tmp_path):
 
 def test_the_horizon_covers_two_loaded_inference_delays_at_one_and_a_half_times_their_p99():
     """p99 of 100 latencies 10..1000 ms (step 10) is 990.1 ms: at 100 Hz 2 x 1.5 x 0.9901 s = 297.03 steps -> 298,
-    plus 10 executed steps = 308; a fast inference still gets 16."""
-    cfg = BenchBridgeConfig(rates_hz=[50.0, 100.0], execute_steps=10)
-    assert size_horizon(cfg, [10.0 * k for k in range(1, 101)]) == 308
-    assert size_horizon(cfg, [1.0] * 20) == 16
+    plus 10 executed steps = 308, plus the trajectory lead of 0.5 s = 50 steps at 100 Hz: 358, also with per-tick
+    output alone (the sizing run serves trajectories); a fast inference gets 1 + 50 + 10 = 61; with no lead, 16."""
+    latencies = [10.0 * k for k in range(1, 101)]
+    cfg = BenchBridgeConfig(rates_hz=[50.0, 100.0], execute_steps=10, trajectory_lead_s=0.5)
+    assert size_horizon(cfg, latencies) == 358
+    assert size_horizon(cfg, [1.0] * 20) == 61  # 2 x 1.5 x 0.001 x 100 = 0.3 -> 1
+    ticks_only = BenchBridgeConfig(rates_hz=[50.0, 100.0], execute_steps=10, outputs=["ticks"])
+    assert size_horizon(ticks_only, latencies) == 358
+    no_lead = BenchBridgeConfig(rates_hz=[50.0, 100.0], execute_steps=10, trajectory_lead_s=0.0)
+    assert size_horizon(no_lead, latencies) == 308 and size_horizon(no_lead, [1.0] * 20) == 16
+
+
+def test_the_trajectory_lead_is_serves_lead_steps_rounded_up_and_only_for_trajectory_output():
+    """0.5 s is 50 steps at 100 Hz and 25 at 50 Hz; 0.123 s at 100 Hz is 12.3 -> 13; tick output gets none."""
+    cfg = BenchBridgeConfig(trajectory_lead_s=0.5)
+    assert (lead_steps(cfg, 100.0, "trajectory"), lead_steps(cfg, 50.0, "trajectory")) == (50, 25)
+    assert lead_steps(BenchBridgeConfig(trajectory_lead_s=0.123), 100.0, "trajectory") == 13
+    assert lead_steps(cfg, 100.0, "ticks") == 0
 
 
 def test_the_controller_follows_trajectories_counts_starvation_and_late_chunks():
@@ -230,12 +245,15 @@ def test_bench_bridge_tiny_run(tmp_path):
     assert result["inference"]["loaded"] and result["inference"]["load_steps_per_s"] > 0
     assert (out.parent / "bench_arm.urdf").exists()
     # The horizon comes from the sizing run's in-run latencies: two delays at 1.5x their p99 at 100 Hz, plus the
-    # 10 steps executed before the next request, at least 16.
+    # trajectory lead (0.5 s: 50 steps) and the 10 steps executed before the next request.
     # The warm-up's chunks (at least 2, with the worker's first passes) are not among those it is sized on.
     sizing = result["sizing"]
     assert len(sizing["inference_latencies_ms"]) >= 3 and len(sizing["warm_up_latencies_ms"]) >= 2
     p99_s = float(np.percentile(sizing["inference_latencies_ms"], 99)) / 1e3
-    assert result["horizon"] == sizing["horizon"] == max(16, math.ceil(2 * 1.5 * p99_s * 100) + 10)
+    assert result["horizon"] == sizing["horizon"] == math.ceil(2 * 1.5 * p99_s * 100) + 50 + 10
+    # Each chunk's first point is 50 steps (0.5 s) past the step after its merge: its margin is about that much
+    # (less its transport), where without the lead it was under two periods (20 ms).
+    assert 400 < trajectory["chunk_margin_ms"]["p50"] < 520
     assert sizing["sizing_run_horizon"] == 2 * sizing["provisional_horizon"]
     # Scheduling as the calls return it for this user on this machine, asked in a process of its own.
     probe = (

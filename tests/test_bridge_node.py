@@ -762,17 +762,22 @@ def _at_home_pose(msg):
     return msg
 
 
-def test_trajectory_output_sends_each_merged_plan_from_the_step_after_its_tick_stamped_at_that_ticks_time(ros):
+@pytest.mark.parametrize("lead", [0, 2])
+def test_trajectory_output_sends_each_merged_plan_from_the_step_after_its_tick_stamped_at_that_ticks_time(ros, lead):
     """RampPolicy's chunk row j commands ee_x + STEP * (j + 1) (ee as observed) and grip 0.5. A chunk merged at the
     tick of step n - 1 (merged_at_step n, lag d) is sent as one arm and one gripper trajectory: stamped with the
-    tick time of step n (the stamp of the joint state that ticked step n - 1, plus one period), point k = chunk row
-    d + k reached (k + 1) periods later, H - d points, the arm's joints putting the end effector there (URDF forward
+    tick time of step n + L (the stamp of the joint state that ticked step n - 1, plus 1 + L periods; L =
+    chunking.lead_steps, whose steps the controller runs from the trajectory before), point k = chunk row d + L + k
+    reached (k + 1) periods later, H - d - L points, the arm's joints putting the end effector there (URDF forward
     kinematics), the fingers at 0.04 * (1 - 0.5) = 0.02. Nothing goes on the per-tick topic."""
     from vla_core.robot import SIM_PANDA
 
     context, executor = ros
     ticks = []
-    bridge, robot = make_bridge(context, executor, on_tick=ticks.append, merge="latest", horizon=8, output="trajectory")
+    # max_delay_steps + lead must stay inside the chunk of 8
+    bridge, robot = make_bridge(context, executor, on_tick=ticks.append, horizon=8, output="trajectory",
+                                chunking=ChunkingConfig(execute_steps=4, merge="latest", lead_steps=lead),
+                                max_delay_steps=7 - lead)  # fmt: skip
     robot.state_override = _at_home_pose
     chain, period_ns = SIM_PANDA.chain(), round(1e9 / HZ)
     try:
@@ -783,21 +788,24 @@ def test_trajectory_output_sends_each_merged_plan_from_the_step_after_its_tick_s
         checked = 0
         for plan, gripper in zip(plans, [g for g in robot.gripper_trajectories if len(g.points) > 1], strict=False):
             first = next(n for n, c in chunks.items() if abs(_ns(plan.header.stamp) - state_stamp.get(n - 1, 0)
-                                                            - period_ns) < 1000)  # fmt: skip
-            lag = chunks[first]["lag_steps"]
-            assert len(plan.points) == 8 - lag and list(plan.joint_names) == [f"joint{i}" for i in range(1, 8)]
-            assert [_ns(p.time_from_start) for p in plan.points] == [(k + 1) * period_ns for k in range(8 - lag)]
+                                                            - (1 + lead) * period_ns) < 1000)  # fmt: skip
+            skip = chunks[first]["lag_steps"] + lead
+            assert len(plan.points) == 8 - skip and list(plan.joint_names) == [f"joint{i}" for i in range(1, 8)]
+            assert [_ns(p.time_from_start) for p in plan.points] == [(k + 1) * period_ns for k in range(8 - skip)]
             reached = chain.forward(np.array([list(p.positions) for p in plan.points]))[0]
             ee = chain.forward(np.array(HOME_JOINTS))[0][0]
-            expected = ee + np.array([[STEP * (lag + k + 1), 0, 0] for k in range(8 - lag)])
+            expected = ee + np.array([[STEP * (skip + k + 1), 0, 0] for k in range(8 - skip)])
             assert np.abs(reached - expected).max() <= 0.001 + 1e-9  # the IK's tolerance
             assert gripper.header.stamp == plan.header.stamp and list(gripper.joint_names) == [
                 "finger_joint1",
                 "finger_joint2",
             ]
-            assert [list(p.positions) for p in gripper.points] == [[0.02, 0.02]] * (8 - lag)
+            assert [list(p.positions) for p in gripper.points] == [[0.02, 0.02]] * (8 - skip)
             checked += 1
         assert checked >= 3 and robot.commands == []
+        # The seam tick is the one whose action is a merged chunk's first: lead steps after the step after the merge.
+        seams = {t.step for t in ticks if t.seam}
+        assert seams and seams <= {n + lead for n in chunks}
         assert (
             bridge.diagnostics.counters["trajectories"] >= checked and bridge.diagnostics.counters["ik_failures"] == 0
         )
@@ -834,20 +842,23 @@ def test_trajectory_output_holds_the_setpoint_in_force_with_one_point_stamped_no
         bridge.close()
 
 
-def test_an_ik_failure_sends_nothing_and_is_counted_with_the_fix(ros):
+@pytest.mark.parametrize("lead", [0, 2])
+def test_an_ik_failure_sends_nothing_and_is_counted_with_the_fix(ros, lead):
     """With an IK tolerance no solver reaches (1 nm), every waypoint fails: no trajectory leaves (the robot's
     controller holds its last point), ik_failures counts each chunk on /diagnostics, and the log names the fix
-    once a second at most."""
+    once a second at most. With a lead the steps before the unsent plan's first stay (none was ever sent here,
+    so the queue is empty in every slot)."""
     context, executor = ros
     lines = []
-    bridge, robot = make_bridge(context, executor, output="trajectory", ik_tolerance=1e-9)
+    bridge, robot = make_bridge(context, executor, output="trajectory", ik_tolerance=1e-9, max_delay_steps=7 - lead,
+                                chunking=ChunkingConfig(execute_steps=4, merge="rtc", lead_steps=lead))  # fmt: skip
     bridge.log_limiter.sink = lambda level, line: lines.append(line)
     robot.state_override = _at_home_pose
     started = time.monotonic()
     try:
         assert spin_until(executor, lambda: bridge.diagnostics.counters["ik_failures"] >= 3)
         # Checked in the spin of the failing tick: the plan the robot never got is not the protocol's queue.
-        assert bridge.scheduler.queue_depth() == 0
+        assert bridge.scheduler.queue_depth() == 0 and bridge.scheduler.protocol.executor.queue_end().item() == 0
         assert bridge.diagnostics.counters["trajectories"] == 0 and bridge.hold.state == "RUNNING"
         assert all(len(t.points) == 1 for t in robot.arm_trajectories)  # only holds, before the policy was ready
         assert spin_until(executor, lambda: int(robot.diagnostics[-1].get("ik_failures", 0)) >= 3)

@@ -52,10 +52,10 @@ class ProbePolicy:
 
     supports_inpainting = True
 
-    def __init__(self, latency_aware: bool = False):
-        self.config = SimpleNamespace(
+    def __init__(self, latency_aware: bool = False, lead: int = 0):
+        self.config = SimpleNamespace(  # trained for the timeline's delays plus the lead
             horizon=H, n_action_steps=S, image_size=None, state_dim=len(SIM_STATE_NAMES),
-            action_dim=len(SIM_ACTION_NAMES), max_delay_steps=0 if latency_aware else D_MAX,
+            action_dim=len(SIM_ACTION_NAMES), max_delay_steps=0 if latency_aware else D_MAX + lead,
             latency_aware=latency_aware, latency_max_delay=D_MAX, mid_fraction=0.5, mid_cameras=[],
         )  # fmt: skip
         self.seen: list[tuple] = []
@@ -177,11 +177,12 @@ class TimelineWorker:
         self.worker.close()
 
 
-def run_sim(merge: str, latency_aware: bool = False) -> tuple[list, ProbePolicy]:
-    policy, env = ProbePolicy(latency_aware), RecordingEnv()
+def run_sim(merge: str, latency_aware: bool = False, lead: int = 0) -> tuple[list, ProbePolicy]:
+    policy, env = ProbePolicy(latency_aware, lead), RecordingEnv()
     mid = 0.5 if latency_aware else None
     shell = make_shell(env, H, S, TimelineDelays(), merge=merge, ensemble_coeff=0.5, window=WINDOW,
-                       committed_rows=0 if latency_aware else D_MAX, mid_fraction=mid)  # fmt: skip
+                       committed_rows=0 if latency_aware else D_MAX + lead, mid_fraction=mid,
+                       lead_steps=lead)  # fmt: skip
     obs, need = shell.reset(seed=0)
     while len(env.applied) < STEPS:
         assert need.tolist() == [True]
@@ -193,14 +194,15 @@ def run_sim(merge: str, latency_aware: bool = False) -> tuple[list, ProbePolicy]
 
 
 def run_bridge(merge: str, latency_log: str, latency_aware: bool = False, episode_ends: dict[int, int] | None = None,
-               noise_seed: int = -1) -> tuple[list, ProbePolicy, list[dict]]:  # fmt: skip
+               noise_seed: int = -1, lead: int = 0) -> tuple[list, ProbePolicy, list[dict]]:  # fmt: skip
     """The robot's shell on the test's clock. episode_ends: tick -> the robot's episode that ended just before
     it (announced on the episode topic, its final state stamped half a period before the tick)."""
-    policy = ProbePolicy(latency_aware)
+    policy = ProbePolicy(latency_aware, lead)
     config = ServeConfig(
         mid_inference=latency_aware, noise_seed=noise_seed,
         checkpoint="(probe)", inference="thread", inference_cpu=-1, control_hz=1 / DT, latency_log=latency_log,
-        chunking=ChunkingConfig(execute_steps=S, merge=merge, ensemble_coeff=0.5, estimate_window=WINDOW),
+        chunking=ChunkingConfig(execute_steps=S, merge=merge, ensemble_coeff=0.5, estimate_window=WINDOW,
+                                lead_steps=lead),
         cameras=[CameraTopic("front", "/camera/front/image_raw")],
     )  # fmt: skip
     if episode_ends is not None:
@@ -243,11 +245,11 @@ def run_bridge(merge: str, latency_log: str, latency_aware: bool = False, episod
     return emitted, policy, chunks
 
 
-@pytest.mark.parametrize("merge", ["latest", "ensemble", "rtc"])
-def test_simulation_and_robot_do_the_same_on_one_timeline(merge, tmp_path):
-    sim_emitted, sim_policy = run_sim(merge)
+@pytest.mark.parametrize("merge,lead", [("latest", 0), ("ensemble", 0), ("rtc", 0), ("latest", 2), ("rtc", 1)])
+def test_simulation_and_robot_do_the_same_on_one_timeline(merge, lead, tmp_path):
+    sim_emitted, sim_policy = run_sim(merge, lead=lead)
     log = tmp_path / "latencies.jsonl"
-    robot_emitted, robot_policy, chunks = run_bridge(merge, str(log))
+    robot_emitted, robot_policy, chunks = run_bridge(merge, str(log), lead=lead)
 
     assert len(sim_policy.seen) >= 15  # the timeline really ran
     n = min(len(sim_policy.seen), len(robot_policy.seen))
@@ -265,8 +267,9 @@ def test_simulation_and_robot_do_the_same_on_one_timeline(merge, tmp_path):
     # Worked by hand from TIMELINE, S = 3, WINDOW = 2: request 0 at step 0 arrives at step 2 (lag 2);
     # request 1 goes out at step 3 (due, and nothing in flight) announcing 2, arrives at 4 (lag 1);
     # request 2 at step 6 announces max(2, 1) = 2; arrives at 9 (lag 3); request 3 at step 9 announces 3.
-    assert [(t, d) for t, d, *_ in sim_policy.seen[:4]] == [(0, 0), (3, 2), (6, 2), (9, 3)]
-    assert sim_emitted[:2] == [None, None] and sim_emitted[2][0] == 2.0  # step 2 runs chunk 0's index 2
+    # A lead L adds L to each lag and announcement (the first announces L), and chunk 0 runs from step 2 + L.
+    assert [(t, d) for t, d, *_ in sim_policy.seen[:4]] == [(0, lead), (3, 2 + lead), (6, 2 + lead), (9, 3 + lead)]
+    assert sim_emitted[: 2 + lead] == [None] * (2 + lead) and sim_emitted[2 + lead][0] == 2.0 + lead
 
     # The robot wrote every latency it measured, with its control period: one line per answered request.
     records = [json.loads(line) for line in log.read_text().splitlines()]

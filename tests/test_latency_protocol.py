@@ -22,8 +22,8 @@ from vla_core.types import OBS_COMMITTED_ACTIONS, OBS_COMMITTED_MASK, OBS_DELAY_
 ONE = torch.ones(1, dtype=torch.bool)
 
 
-def protocol(horizon=8, steps=3, window=2, merge="latest", use="eval", max_delay=0, **spec) -> LatencyProtocol:
-    chunking = ChunkingConfig(execute_steps=steps, merge=merge, estimate_window=window)
+def protocol(horizon=8, steps=3, window=2, merge="latest", use="eval", max_delay=0, lead=0, **spec) -> LatencyProtocol:
+    chunking = ChunkingConfig(execute_steps=steps, merge=merge, estimate_window=window, lead_steps=lead)
     return LatencyProtocol(LatencySpec(horizon=horizon, **spec), chunking, use=use, num_worlds=1, action_dim=1,
                            max_delay=max_delay)  # fmt: skip
 
@@ -61,6 +61,49 @@ def test_one_request_in_flight_announcing_the_largest_recent_lag():
     assert augmentation[1][OBS_COMMITTED_MASK].tolist() == [[True, True, False, False]]
     assert augmentation[1][OBS_DELAY_STEPS].tolist() == [2]
     assert p.estimated_delay().tolist() == [3] and p.lags.tolist() == [[1, 3]]
+
+
+def test_a_lead_is_delay_announced_committed_and_measured():
+    """lead_steps 1, delays 2 then 1, execute_steps 3, window 2. Request 0 at step 0 announces the lead, 1 (no lag
+    yet); its chunk lands at 2 (lag 2) and takes over a step later: steps 0-2 run nothing, step 3 runs chunk 0's
+    row 3. Its lag counts the lead: 3. Request 1 at step 3 announces 3: committed are steps 3, 4, 5 (3, 4, 5). It
+    lands at 4 (lag 1 + 1 = 2): step 4 keeps 4, step 5 runs chunk 1's row 2 = 12. Request 2 at 6 announces
+    max(3, 2) = 3. The oracle announces the true delay plus the lead."""
+    p, delays = protocol(committed_rows=4, max_delay=3, lead=1), iter([2, 1, 5])
+    requests, arrival, emitted, augmentation = [], None, [], []
+    for step in range(8):
+        if arrival is not None and step == arrival[0]:
+            assert p.receive(chunk(len(requests) - 1, arrival[1]), ONE).tolist() == [True]
+            arrival = None
+        if p.due()[0]:
+            p.open(ONE)
+            p.take_asked()
+            requests.append((step, int(p.announced[0])))
+            augmentation.append({k: v.clone() for k, v in p.augmentation.items()})
+            arrival = (step + next(delays), step)
+        action, valid = p.next_action()
+        emitted.append(action.item() if valid else None)
+    assert requests == [(0, 1), (3, 3), (6, 3)]
+    assert emitted == [None, None, None, 3, 4, 12, 13, 14]
+    assert augmentation[1][OBS_COMMITTED_ACTIONS][0, :, 0].tolist() == [3, 4, 5, 0]
+    assert p.lags.tolist() == [[3, 2]]
+    oracle = LatencyProtocol(LatencySpec(horizon=8, n_action_steps=3, committed_rows=4),
+                             ChunkingConfig(lead_steps=1), use="eval", num_worlds=1, action_dim=1, max_delay=3,
+                             estimate="oracle")  # fmt: skip
+    oracle.open(ONE, true_delay=torch.tensor([2]))
+    assert oracle.announced.tolist() == [3]
+    # A latency-aware policy's mid point is within the inference: m = floor(0.5 x (4 - 2)) = 1 for a true delay of
+    # 2 with a lead of 2 (announced 4), so its chunk still arrives at step 2, not after a mid point at 2.
+    aware = LatencyProtocol(LatencySpec(horizon=8, n_action_steps=3, latency_aware=True, latency_max_delay=4),
+                            ChunkingConfig(lead_steps=2), use="eval", num_worlds=1, action_dim=1, max_delay=2,
+                            estimate="oracle")  # fmt: skip
+    aware.open(ONE, true_delay=torch.tensor([2]))
+    assert aware.announced.tolist() == [4] and aware.ask_step.tolist() == [1]
+    assert aware.arrival_step(torch.tensor([2])).tolist() == [2]
+    # The policy must fit the delay and the lead together.
+    with pytest.raises(ValueError, match=r"max_delay_steps=4 plus chunking.lead_steps=1 control steps but the "
+                                         r"policy was trained for delays up to 4"):  # fmt: skip
+        protocol(committed_rows=4, max_delay=4, lead=1, use="robot")
 
 
 def test_a_hold_drops_the_chunk_planned_before_it():

@@ -230,6 +230,74 @@ def test_discard_queue_keeps_step_and_held_action():
     assert ex.queue_length().tolist() == [0]
     assert drain(ex, 1) == ([1.0], [False])
     assert ex.step.tolist() == [2]
+    # From slot 1 on only: step 2 keeps 3, step 3 loses 4.
+    ex.add_chunk(chunk([1, 2, 3, 4], obs_step=0))
+    ex.discard_queue(from_slot=1)
+    assert drain(ex, 2) == ([3.0, 3.0], [True, False])
+
+
+# ---- a lead before a chunk takes over ------------------------------------------------------
+
+
+def test_latest_with_a_lead_keeps_the_steps_before_it_and_plans_from_it():
+    """lead_steps 2, horizon 6. Chunk A (obs 0) arrives at step 0: slots 0, 1 keep the empty queue, steps 2-5 run
+    A's rows 2-5 = 3, 4, 5, 6. Chunk B (obs 1, rows 10..15) arrives at step 2 (lag 1): steps 2, 3 keep 3, 4; steps
+    4, 5, 6 run B's rows 3, 4, 5 = 13, 14, 15 (A's 6 for step 5 is replaced); B has no row for step 7."""
+    ex = ActionChunkExecutor(num_envs=1, action_dim=1, horizon=6, lead_steps=2)
+    ex.add_chunk(chunk([1, 2, 3, 4, 5, 6], obs_step=0))
+    assert drain(ex, 2) == ([0, 0], [False, False])
+    ex.add_chunk(chunk([10, 11, 12, 13, 14, 15], obs_step=1))
+    actions, queued = ex.plan()  # from step 2 + 2 = 4 on
+    assert queued.tolist() == [3] and actions[0, :, 0].tolist() == [13, 14, 15, 0]
+    assert drain(ex, 6) == ([3, 4, 13, 14, 15, 15], [True] * 5 + [False])
+
+
+def test_ensemble_with_a_lead_averages_only_from_the_lead_on():
+    """lead 1, coefficient 0 (plain mean). A = 1..4 (obs 0) at step 0 queues steps 1-3 as 2, 3, 4; step 0 runs
+    nothing. B = 10, 20, 30, 40 (obs 1) at step 1 (lag 0): step 1 keeps 2; step 2 = (3 + 20) / 2 = 11.5, step 3 =
+    (4 + 30) / 2 = 17, step 4 = 40 (B alone)."""
+    ex = ActionChunkExecutor(num_envs=1, action_dim=1, horizon=4, merge="ensemble", ensemble_coeff=0.0, lead_steps=1)
+    ex.add_chunk(chunk([1, 2, 3, 4], obs_step=0))
+    assert drain(ex, 1) == ([0], [False])
+    ex.add_chunk(chunk([10, 20, 30, 40], obs_step=1))
+    assert drain(ex, 5) == ([2, 11.5, 17, 40, 40], [True] * 4 + [False])
+
+
+def test_rtc_with_a_lead_freezes_lag_plus_lead_and_eases_in_after():
+    """lead 1, horizon 6. A = 1..6 (obs 0) at step 0 queues steps 1-5 as 2..6; steps 0-2 emit nothing, 2, 3. B =
+    10..60 (obs 2) at step 3: lag 1, frozen prefix d = lag + lead = 2, the old plan (steps 3-5, 3 queued) ends at
+    chunk index lag + 3 = 4; W_i = (1 + cos(pi (i - d + 1) / (4 - d + 1))) / 2 for d <= i < 4: 0.75 at i = 2, 0.25
+    at i = 3. Step 3 keeps 4 (the lead); step 4 (i = 2) = 0.75 * 5 + 0.25 * 30 = 11.25; step 5 (i = 3) = 0.25 * 6 +
+    0.75 * 40 = 31.5; steps 6, 7 = 50, 60 (nothing old)."""
+    ex = ActionChunkExecutor(num_envs=1, action_dim=1, horizon=6, merge="rtc", lead_steps=1)
+    ex.add_chunk(chunk([1, 2, 3, 4, 5, 6], obs_step=0))
+    assert drain(ex, 3) == ([0, 2, 3], [False, True, True])
+    ex.add_chunk(chunk([10, 20, 30, 40, 50, 60], obs_step=2))
+    actions, valids = drain(ex, 6)
+    assert actions == pytest.approx([4, 11.25, 31.5, 50, 60, 60]) and valids == [True] * 5 + [False]
+
+
+def test_rtc_after_empty_lead_slots_blends_with_the_plan_queued_past_them():
+    """lead 2, horizon 6. A = 1..6 (obs 0) at step 0 leaves steps 0, 1 empty and queues steps 2-5 as 3..6; after
+    step 0 the queue holds steps 2-5 in slots 1-4 (queue_length 0: slot 0 is empty; queue_end 5). B = 10..60 (obs 1)
+    at step 1: lag 0, frozen prefix d = 0 + 2, the old plan ends at chunk index 0 + 5; W_i = (1 + cos(pi (i - 1) /
+    4)) / 2 for 2 <= i < 5: 0.853553, 0.5, 0.146447. Step 2 keeps 3; step 3 = 0.853553 * 4 + 0.146447 * 30 =
+    7.807612; step 4 = 0.5 * 5 + 0.5 * 40 = 22.5; step 5 = 0.146447 * 6 + 0.853553 * 50 = 43.556349; step 6 = 60."""
+    ex = ActionChunkExecutor(num_envs=1, action_dim=1, horizon=6, merge="rtc", lead_steps=2)
+    ex.add_chunk(chunk([1, 2, 3, 4, 5, 6], obs_step=0))
+    drain(ex, 1)
+    assert (ex.queue_length().item(), ex.queue_end().item()) == (0, 5)
+    ex.add_chunk(chunk([10, 20, 30, 40, 50, 60], obs_step=1))
+    actions, valids = drain(ex, 7)
+    assert actions == pytest.approx([0, 3, 7.807612, 22.5, 43.556349, 60, 60], abs=1e-5)
+    assert valids == [False] + [True] * 5 + [False]
+
+
+def test_a_lead_must_leave_a_chunk_something_to_run():
+    with pytest.raises(ValueError, match=r"lead_steps must be in \[0, horizon=4\), got 4"):
+        ActionChunkExecutor(num_envs=1, action_dim=1, horizon=4, lead_steps=4)
+    with pytest.raises(ValueError, match="chunking.lead_steps must be >= 0"):
+        ChunkingConfig(lead_steps=-1).validate()
 
 
 # ---- env masks and reset -------------------------------------------------------------------

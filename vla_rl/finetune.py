@@ -420,9 +420,11 @@ def _wire(
 
     # One stream of delays for every task, each process its own.
     delay = DelayModel(cfg.delay, control_dt=envs[0].control_dt, stream=processes.index)
-    LatencySpec.of(policy).check_delay(delay.max_steps)  # before a latency head is fitted to it
+    lead = cfg.chunking.lead_steps  # a chunk's actions start this much later: more delay, to the policy
+    LatencySpec.of(policy).check_delay(delay.max_steps, lead_steps=lead)  # before a latency head is fitted to it
     torch.manual_seed(cfg.seed)  # the fast head's and the critic's initial weights: the same in every process
-    policy_dir = make_latency_aware(cfg, policy, delay.max_steps, out, envs[0].control_dt, processes) or policy_dir
+    policy_dir = make_latency_aware(cfg, policy, delay.max_steps + lead, out, envs[0].control_dt, processes) \
+        or policy_dir  # fmt: skip
     spec = LatencySpec.of(policy)  # with its head, a latency-aware policy's mid observation
     shells = [DelayedChunkEnv(env, spec, cfg.chunking, delay, use="finetune", gamma=gamma) for env in envs]
     width = shells[0].protocol.width  # the augmentation the rollouts carry, which the value features read

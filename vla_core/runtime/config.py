@@ -1,6 +1,6 @@
 """How chunks execute: the one chunking config, embedded as ``chunking`` in the eval, finetune and serve
 configs (``--chunking.execute_steps``, ``--chunking.merge``, ``--chunking.ensemble_coeff``,
-``--chunking.estimate_window``)."""
+``--chunking.estimate_window``, ``--chunking.lead_steps``)."""
 
 from __future__ import annotations
 
@@ -30,6 +30,10 @@ class ChunkingConfig:
     # The measured delay estimate (the robot's, and eval's --delay.estimate=measured): a request announces
     # the largest lag of the last this-many merged chunks.
     estimate_window: int = 4
+    # Steps from a chunk's arrival to its first action: the steps before keep what was queued (committed).
+    # A robot's trajectory controller (serve --output=trajectory) needs them to receive the chunk before its
+    # first point; the delay a request announces counts them. 0: a chunk takes over at the next step.
+    lead_steps: int = 0
 
     def validate(self) -> None:
         """Raise ValueError naming the field (as ``--chunking.<name>``) for a value no run could use."""
@@ -46,6 +50,8 @@ class ChunkingConfig:
             raise ValueError(f"chunking.ensemble_coeff must be finite, got {self.ensemble_coeff}")
         if self.estimate_window < 1:
             raise ValueError(f"chunking.estimate_window must be >= 1, got {self.estimate_window}")
+        if self.lead_steps < 0:
+            raise ValueError(f"chunking.lead_steps must be >= 0 (0: a chunk takes over at once), got {self.lead_steps}")
 
     def steps_per_chunk(self, policy_steps: int | None, horizon: int) -> int:
         """``execute_steps``, or the policy's ``n_action_steps`` (``policy_steps``) when it is 0, checked against

@@ -74,11 +74,16 @@ class ActionChunkExecutor:
       makes older predictions weigh more, as in ACT.
     - ``"rtc"`` (real-time chunking): the newest chunk defines the future as in ``"latest"``, but
       where a previous action is queued the two are blended, ``W_i old + (1 - W_i) new`` with the
-      decaying weights of :func:`rtc_blend_weights`. The delay d is the lag of the chunk (steps
-      emitted since its observation; those actions are dropped, which freezes the committed
-      prefix), and the previous plan reaches chunk index ``d + queue_length = H - s``. Flow
+      decaying weights of :func:`rtc_blend_weights`. The frozen prefix d is the lag of the chunk
+      (steps emitted since its observation; those actions are dropped) plus ``lead_steps``, and the
+      previous plan reaches chunk index ``lag + queue_end = H - s``. Flow
       policies also inpaint toward the queued actions themselves, guided by :meth:`rtc_guidance`
       (RTC's own soft mask, :func:`rtc_weights`).
+
+    ``lead_steps`` L: a chunk takes over L steps after it arrives; the L steps from its arrival on keep
+    what was queued (they are committed: a robot's trajectory controller already holds them, and the
+    chunk needs that long to reach it). Every merge mode starts at slot L; for ``"rtc"`` the frozen
+    prefix is then lag + L. 0 (simulation's default): a chunk takes over at once.
 
     Attributes:
         step: (B,) long, the control step whose action ``next_action()`` emits next, per env.
@@ -92,6 +97,7 @@ class ActionChunkExecutor:
         merge: MergeMode = "latest",
         ensemble_coeff: float = 0.01,
         max_delay: int = 0,
+        lead_steps: int = 0,
         device: torch.device | str = "cpu",
     ) -> None:
         if merge not in get_args(MergeMode):
@@ -100,6 +106,8 @@ class ActionChunkExecutor:
             raise ValueError(f"num_envs, action_dim and horizon must be >= 1, got {num_envs}, {action_dim}, {horizon}")
         if max_delay < 0:
             raise ValueError(f"max_delay must be >= 0, got {max_delay}")
+        if not 0 <= lead_steps < horizon:
+            raise ValueError(f"lead_steps must be in [0, horizon={horizon}), got {lead_steps}")
         if not math.isfinite(ensemble_coeff):
             raise ValueError(f"ensemble_coeff must be finite, got {ensemble_coeff}")
         self.num_envs = num_envs
@@ -108,6 +116,7 @@ class ActionChunkExecutor:
         self.merge = merge
         self.ensemble_coeff = ensemble_coeff
         self.max_delay = max_delay
+        self.lead_steps = lead_steps
         self.device = torch.device(device)
 
         B, H, A = num_envs, horizon, action_dim
@@ -120,6 +129,12 @@ class ActionChunkExecutor:
     def queue_length(self) -> torch.Tensor:
         """(B,) long: number of consecutive queued steps starting at ``step``."""
         return (self._count > 0).long().cumprod(dim=1).sum(dim=1)
+
+    def queue_end(self) -> torch.Tensor:
+        """(B,) long: one past the last queued slot (0: nothing queued). It is ``queue_length()`` unless a lead
+        left slots empty before a chunk's first action (the first chunk after a start or a hold)."""
+        slots = torch.arange(1, self.horizon + 1, device=self.device)
+        return ((self._count > 0) * slots).amax(dim=1)
 
     def add_chunk(self, chunk: ActionChunk, env_mask: torch.Tensor | None = None, validate: bool = True) -> None:
         """Merge a chunk into the queue of the envs selected by ``env_mask`` (B,) bool (all when None).
@@ -151,9 +166,11 @@ class ActionChunkExecutor:
             # (e.g. a chunk from before a reset); its actions would land outside the window.
             raise ValueError(f"chunk obs_step {obs_step.tolist()} is ahead of executor step {self.step.tolist()}")
 
-        # Slot k is absolute step step + k, i.e. chunk index k + lag.
-        index = torch.arange(self.horizon, device=self.device) + lag[:, None]  # (B, horizon)
-        covered = (index < H) & mask[:, None]  # (B, horizon)
+        # Slot k is absolute step step + k, i.e. chunk index k + lag; the first lead_steps slots stay as queued.
+        slots = torch.arange(self.horizon, device=self.device)
+        index = slots + lag[:, None]  # (B, horizon)
+        takes = mask[:, None] & (slots >= self.lead_steps)  # (B, horizon): the slots this chunk writes
+        covered = (index < H) & takes  # (B, horizon)
         gather_index = index.clamp(max=H - 1)[..., None].expand(-1, -1, A)
         new = actions.gather(1, gather_index)  # (B, horizon, A)
 
@@ -162,7 +179,7 @@ class ActionChunkExecutor:
         if self.merge in ("latest", "rtc"):
             # With an empty queue the accumulation below stores the new actions with weight 1,
             # so latest-only is "forget the future, then accumulate".
-            self._clear_queue(mask)
+            self._clear_slots(takes)
         self._accumulate(new, covered)
 
     def next_action(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -184,20 +201,27 @@ class ActionChunkExecutor:
         return actions.clone(), valid
 
     def plan(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """What the queue will emit if no chunk merges: actions (B, horizon, A), slot k for step ``step + k``
-        (zeros in empty slots), and how many consecutive steps from ``step`` on are queued (B,) long.
+        """What the queue will emit from step ``step + lead_steps`` on if no chunk merges: actions (B, horizon -
+        lead_steps, A), row k for step ``step + lead_steps + k`` (zeros in empty slots), and how many consecutive
+        steps from there on are queued (B,) long.
 
         A robot whose controller takes whole trajectories (`vla-rl serve --output=trajectory`) sends this
-        after each merge: the committed prefix (the steps already emitted) is behind ``step``, never in it.
+        after each merge: the committed prefix (the steps already emitted, and the ``lead_steps`` after them,
+        which the controller holds from the trajectory before) is never in it.
         """
-        return self._queued_actions(), self.queue_length()
+        queued = self._count[:, self.lead_steps :] > 0
+        return self._queued_actions()[:, self.lead_steps :], queued.long().cumprod(dim=1).sum(dim=1)
 
-    def discard_queue(self, env_mask: torch.Tensor | None = None) -> None:
-        """Forget the queued actions of the masked envs (all when None), keeping step and held action.
+    def discard_queue(self, env_mask: torch.Tensor | None = None, from_slot: int = 0) -> None:
+        """Forget the queued actions of the masked envs (all when None) from slot ``from_slot`` on, keeping step and
+        held action.
 
-        A robot that stopped to hold position must not resume a plan made before it stopped.
+        A robot that stopped to hold position must not resume a plan made before it stopped; a plan its controller
+        never got (``from_slot`` = ``lead_steps``: the steps before are the previous trajectory's) must not be
+        taken for what runs.
         """
-        self._clear_queue(self._env_mask(env_mask))
+        slots = torch.arange(self.horizon, device=self.device) >= from_slot
+        self._clear_slots(self._env_mask(env_mask)[:, None] & slots)
 
     def rtc_guidance(
         self, delay_steps: torch.Tensor, execute_steps: int | torch.Tensor, validate: bool = True
@@ -259,12 +283,12 @@ class ActionChunkExecutor:
     def _rtc_blend(self, new: torch.Tensor, lag: torch.Tensor, chunk_horizon: int) -> torch.Tensor:
         """Blend new (B, horizon, A), aligned to the window, toward the queued actions with RTC weights.
 
-        lag (B,) is the delay d; slot k is chunk index k + d.
+        lag (B,) is the chunk's lag; slot k is chunk index k + lag. The frozen prefix d is lag + lead_steps.
         """
         queued = self._count > 0  # (B, horizon)
-        # The previous plan ends at chunk index d + (queued steps) = H - s.
-        end = (lag + self.queue_length()).clamp(max=chunk_horizon)
-        weights = rtc_blend_weights(chunk_horizon, lag, end)  # (B, H), by chunk index
+        # The previous plan ends at chunk index lag + (its last queued slot + 1) = H - s.
+        end = (lag + self.queue_end()).clamp(max=chunk_horizon)
+        weights = rtc_blend_weights(chunk_horizon, lag + self.lead_steps, end)  # (B, H), by chunk index
         index = (torch.arange(self.horizon, device=self.device) + lag[:, None]).clamp(max=chunk_horizon - 1)
         w = weights.gather(1, index) * queued  # (B, horizon), by slot; no old action -> take the new one
         return w[..., None] * self._queued_actions() + (1 - w[..., None]) * new
@@ -277,10 +301,14 @@ class ActionChunkExecutor:
 
     def _clear_queue(self, mask: torch.Tensor) -> None:
         """Empty the whole window of the envs selected by mask (B,) bool."""
+        self._clear_slots(mask[:, None].expand(-1, self.horizon))
+
+    def _clear_slots(self, slots: torch.Tensor) -> None:
+        """Empty the slots selected by ``slots`` (B, horizon) bool."""
         # torch.where, not masked assignment: a boolean index would read the mask on the host.
-        self._sum = torch.where(mask[:, None, None], 0.0, self._sum)
-        self._weight = torch.where(mask[:, None], 0.0, self._weight)
-        self._count = torch.where(mask[:, None], 0, self._count)
+        self._sum = torch.where(slots[..., None], 0.0, self._sum)
+        self._weight = torch.where(slots, 0.0, self._weight)
+        self._count = torch.where(slots, 0, self._count)
 
     def _env_mask(self, env_mask: torch.Tensor | None) -> torch.Tensor:
         """Validate env_mask (B,) bool; None selects every env."""

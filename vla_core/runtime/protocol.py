@@ -8,16 +8,18 @@ Each control step, per world, in this order:
 
 1. ``receive`` the chunks that came back: merged into the queue (`ActionChunkExecutor`) unless
    planned before the world's last hold or restart (its *epoch*); the lag (steps since the chunk's
-   observation) feeds the measured delay estimate;
+   observation, plus ``lead_steps``: when its first action runs) feeds the measured delay estimate;
 2. ``due``: a world requests when nothing is in flight and ``execute_steps`` steps have passed
    since its last request (one inference at a time, as on a robot);
 3. ``open`` a request: it announces a delay d (the oracle's true delay in simulation, else the
-   largest lag of the last ``estimate_window`` merged chunks), and carries the delay augmentation of
-   the queue for d and, when the policy takes it, RTC guidance;
+   largest lag of the last ``estimate_window`` merged chunks; either plus ``lead_steps``, the steps
+   from a chunk's arrival to its first action), and carries the delay augmentation of the queue for d
+   and, when the policy takes it, RTC guidance;
 4. ``take_asked``: the open requests whose policy input is complete. A latency-aware policy also
-   reads a mid-inference observation, taken m = floor(mid_fraction * d) steps after the request
-   (`mid_inference_steps`), so it is asked at t + m; its chunk is still conditioned on step t and
-   can arrive no earlier than t + m + 1 (``arrival_step``); every other policy is asked at once;
+   reads a mid-inference observation, taken m = floor(mid_fraction * (d - lead_steps)) steps after the
+   request (`mid_inference_steps`: within the inference), so it is asked at t + m; its chunk is still
+   conditioned on step t and can arrive no earlier than t + m + 1 (``arrival_step``); every other policy
+   is asked at once;
 5. ``next_action``: the queue emits the step's action (nothing queued: the shell holds).
 
 ``hold`` (the robot stopped) empties the queue and starts a new epoch; ``restart`` (a new episode)
@@ -122,13 +124,15 @@ class LatencySpec:
         """The most committed-action rows the policy reads."""
         return max(self.committed_rows, self.latency_max_delay if self.latency_aware else 0)
 
-    def check_delay(self, max_delay: int, on_robot: bool = False) -> None:
-        """Refuse, before any step, delays up to ``max_delay`` control steps that no chunk survives or the
-        policy was not trained or fine-tuned for (the delay model's largest draw; ``on_robot``, the serve
-        config's ``max_delay_steps``, whose fix is to serve faster)."""
+    def check_delay(self, max_delay: int, on_robot: bool = False, lead_steps: int = 0) -> None:
+        """Refuse, before any step, delays up to ``max_delay`` + ``lead_steps`` control steps that no chunk
+        survives or the policy was not trained or fine-tuned for (the delay model's largest draw; ``on_robot``,
+        the serve config's ``max_delay_steps``, whose fix is to serve faster; ``lead_steps``, the chunking's)."""
         fix = "serve faster" if on_robot else "lower the delay"
-        reach = (f"this robot's delays reach max_delay_steps={max_delay} control steps" if on_robot
-                 else f"the delay model reaches {max_delay} control steps")  # fmt: skip
+        lead = f" plus chunking.lead_steps={lead_steps}" if lead_steps else ""
+        reach = (f"this robot's delays reach max_delay_steps={max_delay}{lead} control steps" if on_robot
+                 else f"the delay model reaches {max_delay}{lead} control steps")  # fmt: skip
+        max_delay += lead_steps
         if max_delay >= self.horizon:
             raise ValueError(
                 f"{reach} but a chunk holds {self.horizon}: every chunk would arrive stale; {fix} or train a "
@@ -158,7 +162,10 @@ class LatencyProtocol:
                  max_delay: int = 0, estimate: DelayEstimate = "measured", device: torch.device | str = "cpu"):  # fmt: skip
         self.execute_steps = chunking.steps_per_chunk(spec.n_action_steps, spec.horizon)  # validates chunking
         check_merge(chunking.merge, use, spec.kind)
-        spec.check_delay(max_delay, on_robot=use == "robot")
+        # A chunk's actions start lead_steps after it arrives: to the policy that is more delay.
+        self.lead_steps = chunking.lead_steps
+        spec.check_delay(max_delay, on_robot=use == "robot", lead_steps=self.lead_steps)
+        max_delay += self.lead_steps
         if spec.latency_aware:
             check_mid_fraction(spec.mid_fraction, "the policy's mid_fraction")
         if estimate not in ("oracle", "measured") or (use == "robot" and estimate == "oracle"):
@@ -170,7 +177,7 @@ class LatencyProtocol:
         # are never looked at, and a delay above it is announced as the width (counted by the robot).
         self.executor = ActionChunkExecutor(
             num_worlds, action_dim, spec.horizon, merge=chunking.merge, ensemble_coeff=chunking.ensemble_coeff,
-            max_delay=max(spec.reads, max_delay), device=device,
+            max_delay=max(spec.reads, max_delay), lead_steps=self.lead_steps, device=device,
         )  # fmt: skip
         self.mid_fraction = spec.mid_fraction if spec.latency_aware else None
         self.sends_guidance = chunking.merge == "rtc" and spec.supports_inpainting
@@ -201,8 +208,9 @@ class LatencyProtocol:
         return ~self.in_flight & (self.executor.step >= self.next_request)
 
     def estimated_delay(self) -> torch.Tensor:
-        """(N,) long: the measured estimate, the largest of the last ``estimate_window`` lags."""
-        return self.lags.amax(dim=1)
+        """(N,) long: the measured estimate, the largest of the last ``estimate_window`` lags (each counts the
+        ``lead_steps`` its chunk waited after arriving), and at least the lead."""
+        return self.lags.amax(dim=1).clamp(min=self.lead_steps)
 
     def open(self, worlds: torch.Tensor, true_delay: torch.Tensor | None = None) -> None:
         """Open a request in ``worlds`` (N,) bool, conditioned on the current step. true_delay (N,) long: the
@@ -210,20 +218,22 @@ class LatencyProtocol:
         ex = self.executor
         if self.estimate == "oracle" and true_delay is None:
             raise ValueError("the oracle delay estimate needs the true delay; the robot must use measured")
-        estimate = true_delay.to(ex.device) if self.estimate == "oracle" else self.estimated_delay()
+        estimate = true_delay.to(ex.device) + self.lead_steps if self.estimate == "oracle" else self.estimated_delay()
         # A delay of a whole chunk leaves nothing to guide or blend: the chunk's last index is the cap.
         self.announced = torch.where(worlds, estimate.clamp(max=ex.horizon - 1), self.announced)
         self.in_flight, self.pending = self.in_flight | worlds, self.pending | worlds
         self.next_request = torch.where(worlds, ex.step + self.execute_steps, self.next_request)
         self.request_step = torch.where(worlds, ex.step, self.request_step)
-        mid = 0 if self.mid_fraction is None else mid_inference_steps(self.announced, self.mid_fraction)
+        # The mid point is in the inference's window, which the lead (after the chunk arrives) is not part of.
+        inference = (self.announced - self.lead_steps).clamp(min=0)
+        mid = 0 if self.mid_fraction is None else mid_inference_steps(inference, self.mid_fraction)
         self.ask_step = torch.where(worlds, ex.step + mid, self.ask_step)
         self.request_epoch = torch.where(worlds, self.epoch, self.request_epoch)
         told = ex.delay_augmentation(self.announced.clamp(max=ex.max_delay), validate=False)
         self.augmentation = merge_rows(self.augmentation, told, worlds)
         if self.sends_guidance:
-            # The previous plan reaches chunk index queue_length, i.e. s = H - queue_length steps of it ran.
-            ran = (ex.horizon - ex.queue_length()).clamp(min=1, max=ex.horizon)
+            # The previous plan reaches chunk index queue_end, i.e. s = H - queue_end steps of it ran.
+            ran = (ex.horizon - ex.queue_end()).clamp(min=1, max=ex.horizon)
             guidance = ex.rtc_guidance(self.announced, ran, validate=False)
             old = self.guidance or tuple(torch.zeros_like(g) for g in guidance)
             self.guidance = tuple(torch.where(worlds.view(-1, *[1] * (g.ndim - 1)), g, o)
@@ -255,7 +265,7 @@ class LatencyProtocol:
         world held or restarted since the request. Returns (N,) bool, the merged ones."""
         ex = self.executor
         merged = worlds & (self.request_epoch == self.epoch)
-        lag = ex.step - chunk.obs_step.to(ex.device)
+        lag = ex.step - chunk.obs_step.to(ex.device) + self.lead_steps  # its actions start lead_steps from now
         ex.add_chunk(chunk, env_mask=merged, validate=validate)
         shifted = torch.cat([self.lags[:, 1:], lag[:, None].clamp(min=0)], dim=1)
         self.lags = torch.where(merged[:, None], shifted, self.lags)
