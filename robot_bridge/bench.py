@@ -112,7 +112,9 @@ Protocol history (runs as README.md reports them: figures over runs, not their f
   trajectory has them), where it was one period past it, and the horizon adds the lead. Chosen from run 3
   alone: its late chunks were 202 and 174 ms late against a budget of about 16 ms, and 0.5 s is over twice
   the worst. A late chunk is still one that arrives after the time of its first point (now its first new
-  point); per-tick output is unchanged; the final line is unchanged.
+  point); per-tick output is unchanged; the final line is unchanged. One full default run (README.md, run
+  4): ``starved_ticks=0 late_chunks=0 tick_mode_late=7 ticks=100002``; transport at most 0.18 ms, smallest
+  margin 338 ms.
 """
 
 from __future__ import annotations
