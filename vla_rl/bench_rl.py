@@ -64,7 +64,11 @@ Protocol history (runs as README.md reports them, each by its final line):
   process-reward arm and seed 1 not yet run, so no final line. Later that day the process-reward arm of seed
   0: 0.15 (``seed 0: ppo_gain=+4.0 grpo_gain=+2.0 env_steps=151565 minutes=30.7 prm_gain=+2.0``, its
   minutes those of the last resumed part); and a figure with every seed's curves (``curves.png``), which
-  changes nothing measured.
+  changes nothing measured. Seed 1, the same day, no protocol change: imitation 0.07, PPO 0.08, GRPO 0.18,
+  PPO with the process reward 0.21 (``seed 1: ppo_gain=+1.0 grpo_gain=+11.0 env_steps=151287 minutes=122.0
+  prm_gain=+14.0``; its minutes include 52 paused minutes and a silent death of the process resumed from
+  iteration 19). Pooled over seeds 0 and 1 (200 episodes per arm): ``ppo_gain=+2.5 grpo_gain=+6.5
+  env_steps=151565 minutes=152.7 prm_gain=+8.0 seeds=0,1``.
 - 2026-12-04, the selection the amendment above fixed, run before any RL arm (100 greedy episodes from
   seed 6000 each, 95% Wilson intervals): FAST 4,000 steps 6/100 [2.8%, 12.5%]; uniform bins 4,000 steps
   10/100 [5.5%, 17.4%]; neither reached 20%, so stage 2: FAST 12,000 steps 8/100 [4.1%, 15.0%]; uniform
