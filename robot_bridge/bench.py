@@ -802,6 +802,9 @@ def bench_bridge(cfg: BenchBridgeConfig) -> dict[str, Any]:
                          f"sizes the horizon with: drop one")  # fmt: skip
     if not 0 <= cfg.trajectory_lead_s <= 5:
         raise ValueError(f"trajectory_lead_s must be in [0, 5] seconds, got {cfg.trajectory_lead_s}")
+    if cfg.horizon and "trajectory" not in cfg.outputs and cfg.trajectory_lead_s != BenchBridgeConfig.trajectory_lead_s:
+        raise ValueError(f"--trajectory_lead_s={cfg.trajectory_lead_s} does nothing with --outputs={cfg.outputs} and "
+                         f"a given --horizon (no trajectory is served); drop it or add trajectory to --outputs")  # fmt: skip
     if cfg.sizing_chunks < 0:
         raise ValueError(f"sizing_chunks must be at least 1 (0 = the default), got {cfg.sizing_chunks}")
     if not cfg.horizon:

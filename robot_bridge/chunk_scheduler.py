@@ -176,12 +176,12 @@ class ChunkScheduler:
             self.diagnostics.count("dropped_chunks")  # planned before a hold or a new episode: stale by definition
             return
         self.seam_obs_arrival, self.health.policy_error = request.obs_arrival, None
+        # The chunk's first action: lead_steps after the step past this tick's. The committed prefix (and the lead,
+        # which the controller runs from the previous trajectory) is behind it.
         self._seam_step = int(p.step[0]) + p.lead_steps
-        # From lead_steps after the step past this tick's: the committed prefix (and the lead the controller
-        # holds from the previous trajectory) is behind it.
-        actions, queued = p.executor.plan()
+        actions, queued = p.executor.plan()  # from the seam step on
         if int(queued[0]):  # a chunk that came a whole chunk late leaves nothing to run: the robot runs out, holds
-            self.merged_plan = (int(p.step[0]) + p.lead_steps, actions[0, : int(queued[0])].numpy().astype(np.float64))
+            self.merged_plan = (self._seam_step, actions[0, : int(queued[0])].numpy().astype(np.float64))
         self.diagnostics.count("chunks")
         self.diagnostics.latencies_ms.append(latency * 1e3)
         if p.width and lag + p.lead_steps > p.width:

@@ -128,6 +128,9 @@ def test_a_given_horizon_refuses_a_sizing_run_it_would_skip(tmp_path):
         bench_bridge(BenchBridgeConfig(horizon=100, sizing_chunks=3, output_json=str(tmp_path / "b.json")))
     with pytest.raises(ValueError, match="sizing_chunks must be at least 1"):
         bench_bridge(BenchBridgeConfig(sizing_chunks=-1, output_json=str(tmp_path / "b.json")))
+    with pytest.raises(ValueError, match=r"--trajectory_lead_s=0.2 does nothing with --outputs=\['ticks'\]"):
+        bench_bridge(BenchBridgeConfig(horizon=100, outputs=["ticks"], trajectory_lead_s=0.2,
+                                       output_json=str(tmp_path / "b.json")))  # fmt: skip
     assert not list(tmp_path.iterdir())  # refused before anything ran or was written
 
 

@@ -35,13 +35,13 @@ def chunk(k: int, obs_step: int, horizon: int = 8) -> ActionChunk:
     )
 
 
-def test_one_request_in_flight_announcing_the_largest_recent_lag():
-    """Delays 2, 1, 3 steps, execute_steps 3, window 2. Request 0 at step 0 announces 0 and lands at 2
-    (lag 2); request 1 is due at 3 and announces 2; it lands at 4 (lag 1); request 2 at 6 announces
-    max(2, 1) = 2 and lands at 9 (lag 3); request 3, due at 9, announces max(1, 3) = 3."""
-    p, delays = protocol(committed_rows=4, max_delay=4), iter([2, 1, 3, 4])
+def run_timeline(p: LatencyProtocol, delays: list[int], steps: int) -> tuple[list, list, list]:
+    """Drive a plain policy's protocol for ``steps`` steps, request k's chunk landing ``delays[k]`` steps after it:
+    (step, announced delay) per request, the action emitted per step (None: nothing queued), and each request's
+    delay augmentation."""
+    delays = iter(delays)
     requests, arrival, emitted, augmentation = [], None, [], []
-    for step in range(10):
+    for step in range(steps):
         if arrival is not None and step == arrival[0]:
             assert p.receive(chunk(len(requests) - 1, arrival[1]), ONE).tolist() == [True]
             arrival = None
@@ -53,6 +53,15 @@ def test_one_request_in_flight_announcing_the_largest_recent_lag():
             arrival = (step + next(delays), step)
         action, valid = p.next_action()
         emitted.append(action.item() if valid else None)
+    return requests, emitted, augmentation
+
+
+def test_one_request_in_flight_announcing_the_largest_recent_lag():
+    """Delays 2, 1, 3 steps, execute_steps 3, window 2. Request 0 at step 0 announces 0 and lands at 2
+    (lag 2); request 1 is due at 3 and announces 2; it lands at 4 (lag 1); request 2 at 6 announces
+    max(2, 1) = 2 and lands at 9 (lag 3); request 3, due at 9, announces max(1, 3) = 3."""
+    p = protocol(committed_rows=4, max_delay=4)
+    requests, emitted, augmentation = run_timeline(p, [2, 1, 3, 4], 10)
     assert requests == [(0, 0), (3, 2), (6, 2), (9, 3)]
     # chunk k conditioned on step t runs 10 k + j at step t + j, from its arrival on
     assert emitted == [None, None, 2, 3, 11, 12, 13, 14, 15, 23]
@@ -69,20 +78,8 @@ def test_a_lead_is_delay_announced_committed_and_measured():
     row 3. Its lag counts the lead: 3. Request 1 at step 3 announces 3: committed are steps 3, 4, 5 (3, 4, 5). It
     lands at 4 (lag 1 + 1 = 2): step 4 keeps 4, step 5 runs chunk 1's row 2 = 12. Request 2 at 6 announces
     max(3, 2) = 3. The oracle announces the true delay plus the lead."""
-    p, delays = protocol(committed_rows=4, max_delay=3, lead=1), iter([2, 1, 5])
-    requests, arrival, emitted, augmentation = [], None, [], []
-    for step in range(8):
-        if arrival is not None and step == arrival[0]:
-            assert p.receive(chunk(len(requests) - 1, arrival[1]), ONE).tolist() == [True]
-            arrival = None
-        if p.due()[0]:
-            p.open(ONE)
-            p.take_asked()
-            requests.append((step, int(p.announced[0])))
-            augmentation.append({k: v.clone() for k, v in p.augmentation.items()})
-            arrival = (step + next(delays), step)
-        action, valid = p.next_action()
-        emitted.append(action.item() if valid else None)
+    p = protocol(committed_rows=4, max_delay=3, lead=1)
+    requests, emitted, augmentation = run_timeline(p, [2, 1, 5], 8)
     assert requests == [(0, 1), (3, 3), (6, 3)]
     assert emitted == [None, None, None, 3, 4, 12, 13, 14]
     assert augmentation[1][OBS_COMMITTED_ACTIONS][0, :, 0].tolist() == [3, 4, 5, 0]

@@ -163,9 +163,8 @@ class LatencyProtocol:
         self.execute_steps = chunking.steps_per_chunk(spec.n_action_steps, spec.horizon)  # validates chunking
         check_merge(chunking.merge, use, spec.kind)
         # A chunk's actions start lead_steps after it arrives: to the policy that is more delay.
-        self.lead_steps = chunking.lead_steps
-        spec.check_delay(max_delay, on_robot=use == "robot", lead_steps=self.lead_steps)
-        max_delay += self.lead_steps
+        spec.check_delay(max_delay, on_robot=use == "robot", lead_steps=chunking.lead_steps)
+        max_delay += chunking.lead_steps
         if spec.latency_aware:
             check_mid_fraction(spec.mid_fraction, "the policy's mid_fraction")
         if estimate not in ("oracle", "measured") or (use == "robot" and estimate == "oracle"):
@@ -177,7 +176,7 @@ class LatencyProtocol:
         # are never looked at, and a delay above it is announced as the width (counted by the robot).
         self.executor = ActionChunkExecutor(
             num_worlds, action_dim, spec.horizon, merge=chunking.merge, ensemble_coeff=chunking.ensemble_coeff,
-            max_delay=max(spec.reads, max_delay), lead_steps=self.lead_steps, device=device,
+            max_delay=max(spec.reads, max_delay), lead_steps=chunking.lead_steps, device=device,
         )  # fmt: skip
         self.mid_fraction = spec.mid_fraction if spec.latency_aware else None
         self.sends_guidance = chunking.merge == "rtc" and spec.supports_inpainting
@@ -197,6 +196,11 @@ class LatencyProtocol:
     def step(self) -> torch.Tensor:
         """(N,) long: the step whose action is emitted next, which a request made now is conditioned on."""
         return self.executor.step
+
+    @property
+    def lead_steps(self) -> int:
+        """Steps from a chunk's arrival to its first action (``chunking.lead_steps``)."""
+        return self.executor.lead_steps
 
     @property
     def width(self) -> int:
