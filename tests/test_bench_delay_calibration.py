@@ -162,22 +162,49 @@ def test_the_baselines_choose_the_smallest_delay_that_hurts_both_and_nothing_mor
     assert again["chosen"] == report["chosen"] and [c[0] for c in fake_stages if c[0] in ("eval", "ppo")] == []
 
 
-def test_a_task_with_no_room_passes_to_the_next_and_no_choice_refuses_the_arms(fake_stages, tmp_path, monkeypatch):
+def _first_two_tasks_fail(monkeypatch) -> None:
     monkeypatch.setitem(COUNTS, ("track_reverse", "plain", 0), (60, 59))  # 119/400 < 0.3: no RL stage on it
     for d in (0, 2, 4, 6, 8, 10):  # push_impulse loses 19/400 = 0.0475 at every delay
         monkeypatch.setitem(COUNTS, ("push_impulse", "plain", d), (150, 150) if d == 0 else (140, 141))
+
+
+def test_a_task_with_no_room_passes_to_the_next_and_no_choice_refuses_the_arms(fake_stages, tmp_path, monkeypatch):
+    _first_two_tasks_fail(monkeypatch)
+    for d in (0, 2, 4, 6, 8, 10):  # track_jump: plain(0) 100/400 < 0.3, too little room too
+        monkeypatch.setitem(COUNTS, ("track_jump", "plain", d), (50, 50))
     report = bench_delay_calibration(BenchDelayCalibrationConfig(output_dir=str(tmp_path / "cal")))
     assert report["chosen"] is None
     assert "too little room" in report["tasks"]["track_reverse"]["outcome"]
     assert "no candidate delay" in report["tasks"]["push_impulse"]["outcome"]
-    # No RL stage on either: track_reverse has too little room, and on push_impulse no delay passes the
-    # imitation rule, so its no-delay RL could not change the choice (the 2026-12-05 amendment).
+    assert "too little room" in report["tasks"]["track_jump"]["outcome"]
+    # No RL stage on any: track_reverse and track_jump have too little room, and on push_impulse no delay
+    # passes the imitation rule, so its no-delay RL could not change the choice (the 2026-12-05 amendment).
     assert [c for c in fake_stages if c[0] == "ppo"] == []
     assert "standard_zero" not in report["tasks"]["push_impulse"]
     assert FINAL_LINE.match(format_summary(report).splitlines()[-1]).groups() == ("none",) * 4
     arm = benchmark_configs("track_reverse", 0, tmp_path / "cal", quick=False)[0]
     with pytest.raises(ValueError, match="chose no task and delay"):
         check_calibration(str(tmp_path / "cal" / "calibration.json"), "delay", arm)
+
+
+def test_the_third_task_is_calibrated_when_the_first_two_do_not_qualify(fake_stages, tmp_path, monkeypatch):
+    """track_jump (the second 2026-12-05 amendment): pooled plain(0) 200/400; the losses at d = 2, 4 are
+    20/400 and 80/400 = 0.2 exactly, so 4 is the first that passes; standard(0) 300/400, naive(4) 160/400
+    <= 0.45: D = 4, in track_jump's own folders."""
+    _first_two_tasks_fail(monkeypatch)
+    for d, counts in {0: (100, 100), 2: (90, 90), 4: (60, 60), 6: (50, 50), 8: (40, 40), 10: (30, 30)}.items():
+        monkeypatch.setitem(COUNTS, ("track_jump", "plain", d), counts)
+    monkeypatch.setitem(COUNTS, ("track_jump", "standard", 0), (150, 150))
+    monkeypatch.setitem(COUNTS, ("track_jump", "naive", 4), (80, 80))
+    report = bench_delay_calibration(BenchDelayCalibrationConfig(output_dir=str(tmp_path / "cal")))
+    assert report["chosen"] == {"task": "track_jump", "delay": 4, "seeds": [0, 1], "episodes": 200, "eval_seed": 9000}
+    assert report["tasks"]["track_jump"]["imitation_qualifying"] == [4, 6, 8, 10]
+    ppo = [c[1:5] for c in fake_stages if c[0] == "ppo"]
+    assert ppo == [("track_jump", 0, "standard_d0", 0), ("track_jump", 1, "standard_d0", 0),
+                   ("track_jump", 0, "naive_d4", 4), ("track_jump", 1, "naive_d4", 4)]  # fmt: skip
+    assert {place for place, _ in fake_stages.places if "naive" in place} == {
+        "track_jump/seed0/latency_rl/runs/naive_d4", "track_jump/seed1/latency_rl/runs/naive_d4"}  # fmt: skip
+    assert FINAL_LINE.match(format_summary(report).splitlines()[-1]).groups() == ("track_jump", "4", "20.0", "0.533")
 
 
 def test_plain_at_exactly_three_tenths_goes_on_to_the_rl_stage(fake_stages, tmp_path, monkeypatch):

@@ -71,13 +71,14 @@ POSE_BUILDERS = {
     "track": _track,
     "track_reverse": _track,  # the same scene and success rule
     "push_impulse": _push,  # the same scene and success rule
+    "track_jump": _track,  # the same scene and success rule
 }
 
 
-def test_suite_has_nine_tasks_with_distinct_instructions():
+def test_suite_has_ten_tasks_with_distinct_instructions():
     assert set(TASKS) == set(POSE_BUILDERS) == set(EXPERTS)
     instructions = [get_task(name).instruction for name in TASKS]
-    assert len(set(instructions)) == len(TASKS) == 9
+    assert len(set(instructions)) == len(TASKS) == 10
 
 
 @pytest.mark.parametrize("name", sorted(TASKS))
@@ -144,7 +145,8 @@ def test_finger_contact_means_not_released():
 def test_unknown_task_lists_every_valid_name():
     with pytest.raises(
         ValueError,
-        match="valid tasks: lift, open_drawer, pick_place, push, push_impulse, reach, stack, track, track_reverse",
+        match="valid tasks: lift, open_drawer, pick_place, push, push_impulse, reach, stack, track, track_jump, "
+        "track_reverse",
     ):
         get_task("fold_laundry")
 

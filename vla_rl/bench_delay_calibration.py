@@ -40,7 +40,7 @@ from typing import Any
 
 from vla_core.files import write_text_atomic
 
-TASKS = ("track_reverse", "push_impulse")
+TASKS = ("track_reverse", "push_impulse", "track_jump")  # in order; the third by the second 2026-12-05 amendment
 CANDIDATE_DELAYS = (2, 4, 6, 8, 10)  # control steps of 50 ms
 SEEDS = (0, 1)
 EPISODES = 200  # per cell and seed

@@ -13,6 +13,7 @@ from sim.tasks.push_impulse import PushImpulseTask
 from sim.tasks.reach import ReachExpert, ReachTask
 from sim.tasks.stack import StackTask
 from sim.tasks.track import TrackExpert, TrackTask
+from sim.tasks.track_jump import TrackJumpExpert, TrackJumpTask
 from sim.tasks.track_reverse import TrackReverseTask
 
 TASKS: dict[str, type[Task]] = {
@@ -25,6 +26,7 @@ TASKS: dict[str, type[Task]] = {
     "track": TrackTask,
     "track_reverse": TrackReverseTask,
     "push_impulse": PushImpulseTask,
+    "track_jump": TrackJumpTask,
 }
 EXPERTS: dict[str, type[Expert]] = {
     "lift": LiftExpert,
@@ -36,6 +38,7 @@ EXPERTS: dict[str, type[Expert]] = {
     "track": TrackExpert,
     "track_reverse": TrackExpert,  # it reads the ball's current velocity, so it follows every turn
     "push_impulse": PushExpert,  # it reads the cube's current position, and starts again when it slips away
+    "track_jump": TrackJumpExpert,  # it reads where the ball is now, so it follows every jump
 }
 
 
