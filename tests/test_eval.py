@@ -17,6 +17,12 @@ def test_wilson_interval_hand_values():
     lo, hi = wilson_interval(50, 50)  # all successes: upper bound 1, lower bound n / (n + z^2)
     assert hi == 1.0 and lo == pytest.approx(50 / (50 + 1.96**2), abs=1e-4)
     assert wilson_interval(0, 0) == (0.0, 1.0)
+    # 100 of 100: the formula's upper end rounds to 0.9999999999999999; the interval still holds p = 1
+    # (a bar plot's error below the rate would be negative, and matplotlib refuses it)
+    assert wilson_interval(100, 100)[1] == 1.0 and wilson_interval(0, 100)[0] == 0.0
+    for k, n in [(0, 100), (100, 100), (200, 200), (1, 3), (7, 9), (37, 200)]:
+        lo, hi = wilson_interval(k, n)
+        assert lo <= k / n <= hi
 
 
 def test_eval_writes_results_and_is_reproducible(tiny_checkpoint, tmp_path):

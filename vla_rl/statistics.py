@@ -6,14 +6,16 @@ import math
 
 
 def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
-    """95% Wilson score interval of a binomial proportion."""
+    """95% Wilson score interval of a binomial proportion; it always holds the observed rate."""
     if n == 0:
         return 0.0, 1.0
     p = successes / n
     denom = 1 + z * z / n
     centre = (p + z * z / (2 * n)) / denom
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
-    return max(0.0, centre - half), min(1.0, centre + half)
+    # The interval holds p exactly; rounding left its upper end a hair below 1 at p = 1 (100 of 100:
+    # 0.9999999999999999), which made an error bar negative and a plot refuse it.
+    return max(0.0, min(p, centre - half)), min(1.0, max(p, centre + half))
 
 
 def mcnemar_exact(only_first: int, only_second: int) -> float:
