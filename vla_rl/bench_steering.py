@@ -185,8 +185,9 @@ def _plot(report: dict, path: Path) -> None:
     width = 0.2
     for k, arm in enumerate(ARMS):
         rates = [report["cells"][c][arm]["success_rate"] for c in cells]
-        low = [r - report["cells"][c][arm]["success_ci95"][0] for c, r in zip(cells, rates)]
-        high = [report["cells"][c][arm]["success_ci95"][1] - r for c, r in zip(cells, rates)]
+        # at 0 at least: an interval saved before `wilson_interval` held its rate exactly can end a hair inside it
+        low = [max(0.0, r - report["cells"][c][arm]["success_ci95"][0]) for c, r in zip(cells, rates)]
+        high = [max(0.0, report["cells"][c][arm]["success_ci95"][1] - r) for c, r in zip(cells, rates)]
         ax.bar([i + (k - 1.5) * width for i in range(len(cells))], rates, width, yerr=[low, high], label=arm)
     ax.set_xticks(range(len(cells)), cells)
     ax.set_ylabel("success (95% Wilson)")
