@@ -46,6 +46,11 @@ worlds: it checks the plumbing, not the claim.
 Protocol history:
 
 - 2026-12-04: the first protocol, as above. No run yet.
+- 2026-12-05, the first full run's setting, fixed before it ran: the checkpoint is the calibrated
+  latency-aware one (`bench latency-rl` on ``track_jump`` at d = 8, seed 0's run, the first seed: chosen
+  before either seed's robot result), ``--task=track_jump``, and ``--added_latency_s=0.3625`` (7.25 control
+  periods slept, so chunks arrive about 8 steps late, the calibrated delay, as `bench delay-beyond` sizes
+  its sleep), every other setting the default.
 """
 
 from __future__ import annotations
