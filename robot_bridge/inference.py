@@ -164,7 +164,8 @@ def serve_requests(
     added_latency_s: float = 0.0,
 ) -> None:
     """Worker body: load the policy (retrying), then answer requests until a ``None`` request arrives.
-    added_latency_s: slept before each answer (an artificial inference delay)."""
+    added_latency_s: an artificial inference delay, a slow model's on a fast machine: slept before each answer,
+    or, for a request that waits for its mid-inference observation, in its slow part, before that wait."""
     # A thread started from the real-time control thread inherits its SCHED_FIFO (a process is
     # started without it); inference must never preempt control, so it goes back to normal first.
     use_normal()
@@ -190,15 +191,22 @@ def serve_requests(
         request: InferenceRequest | None = conn.recv()
         if request is None:
             return
-        prepared = None
+        prepared, slow_s = None, 0.0
         if request.needs_mid:  # the node sends it part-way through the window; older ones are of dropped requests
             # The slow part runs now, on the request's observation (`LatencyAwarePolicy.prepare_request`, the
             # contract of a latency-aware policy); only the fast part waits for the mid-inference observation.
+            slow_start = time.perf_counter()
             try:
                 with torch.no_grad():
                     prepared = policy.prepare_request(to_policy_batch(request.observation))
             except Exception:  # noqa: BLE001 (a failure here is reported below: the whole request runs again there)
                 prepared = None
+            # A slow model's time is its slow part's: it runs while the window the mid observation is taken in
+            # passes. Slept after the mid observation instead, it came on top of that window, and the delay a
+            # latency-aware policy announces grew with it to its fixed point, d = added / ((1 - mid_fraction) dt).
+            if added_latency_s > 0:
+                time.sleep(added_latency_s)
+            slow_s = time.perf_counter() - slow_start
             mid = conn.recv()
             while mid is not None and (not isinstance(mid, MidObservation) or mid.request_id != request.request_id):
                 mid = conn.recv()
@@ -221,9 +229,9 @@ def serve_requests(
                 else:
                     chunk = policy.predict_chunk(batch, obs_step, **given)
                 actions = chunk.actions.detach().to("cpu", torch.float32).numpy()
-            if added_latency_s > 0:
+            if added_latency_s > 0 and not request.needs_mid:
                 time.sleep(added_latency_s)
-            compute_s = time.perf_counter() - start
+            compute_s = slow_s + time.perf_counter() - start  # the slow and fast parts, not the wait between
             conn.send(
                 InferenceResult(request.request_id, request.obs_step, compute_s, actions, finished=time.monotonic())
             )

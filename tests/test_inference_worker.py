@@ -8,7 +8,7 @@ from multiprocessing.connection import Connection
 import numpy as np
 from bridge_policies import IMAGE_SIZE, STEP, ramp_policy
 
-from robot_bridge.inference import InferenceRequest, InferenceResult, InferenceWorker, WorkerStatus
+from robot_bridge.inference import InferenceRequest, InferenceResult, InferenceWorker, MidObservation, WorkerStatus
 from vla_core.types import TASK, image_key
 
 HORIZON = 2000  # (1, 2000, 4) float32 = 32,000 bytes: over the 16 KiB above which a message leaves in two writes
@@ -131,3 +131,48 @@ def test_an_unreadable_message_stops_the_worker_with_the_reason():
         assert [m.state for m in worker.poll()] == ["loading"]  # the message before it came through
     finally:
         worker.close()
+
+
+def _ready(worker: InferenceWorker) -> None:
+    statuses, deadline = [], time.monotonic() + 30
+    while not any(s.state == "ready" for s in statuses) and time.monotonic() < deadline:
+        statuses += worker.poll()
+        time.sleep(0.01)
+    assert any(s.state == "ready" for s in statuses)
+
+
+def test_an_added_latency_runs_in_a_mid_inference_requests_slow_part_not_after_its_mid_observation():
+    """A slow model (0.6 s added) answering a latency-aware request whose mid observation the node sends 0.3 s
+    in: the slow part's 0.6 s covers that wait, so the answer comes about 0.6 s after the request. Slept after the
+    mid observation it came at 0.9 s, and on a robot the announced delay grew to its fixed point (2.4 times the
+    added latency at mid_fraction 0.5, measured 15 steps for a 0.3625 s delay at 20 Hz). ``compute_s`` holds the
+    two parts, 0.6 s and the ramp's microseconds, not the wait between them."""
+    added, mid_at = 0.6, 0.3
+    worker = InferenceWorker(partial(ramp_policy, 8, True), mode="thread", added_latency_s=added)
+    try:
+        _ready(worker)
+        observation = {image_key("front"): np.zeros((1, IMAGE_SIZE, IMAGE_SIZE, 3), np.uint8), TASK: [""]}
+        sent = time.monotonic()
+        worker.submit(InferenceRequest(request_id=1, observation=observation, obs_step=0, needs_mid=True))
+        time.sleep(mid_at)
+        worker.send_mid(MidObservation(1, {}))
+        results, deadline = [], time.monotonic() + 30
+        while not results and time.monotonic() < deadline:
+            results = [r for r in worker.poll() if isinstance(r, InferenceResult)]
+            time.sleep(0.005)
+        answered = time.monotonic() - sent
+        # a request that needs no mid observation sleeps the same 0.6 s before its answer
+        sent = time.monotonic()
+        worker.submit(InferenceRequest(request_id=2, observation=observation, obs_step=4))
+        plain = []
+        while not plain and time.monotonic() < deadline:
+            plain = [r for r in worker.poll() if isinstance(r, InferenceResult)]
+            time.sleep(0.005)
+        answered_plain = time.monotonic() - sent
+    finally:
+        worker.close()
+    (result,) = results
+    assert result.error is None and result.request_id == 1
+    assert added <= answered < added + mid_at - 0.1, f"answered {answered:.3f} s after the request"
+    assert added <= result.compute_s < added + 0.1
+    assert plain[0].request_id == 2 and added <= answered_plain < added + 0.2

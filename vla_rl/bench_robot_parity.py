@@ -51,6 +51,13 @@ Protocol history:
   before either seed's robot result), ``--task=track_jump``, and ``--added_latency_s=0.3625`` (7.25 control
   periods slept, so chunks arrive about 8 steps late, the calibrated delay, as `bench delay-beyond` sizes
   its sleep), every other setting the default.
+- 2026-12-05, run 1 of that setting, refused before its evaluation: the robot's lags were 15 steps (161 of
+  165 requests; up to 17), which the policy's 16-step chunk does not fit, so its trace was refused as this
+  protocol says. The cause was a fault, not the machine: serve slept the added latency after a
+  latency-aware request's mid-inference observation instead of in its slow part, so the sleep came on top
+  of the window the mid observation is taken in, and the announced delay grew to its fixed point
+  d = added / ((1 - mid_fraction) dt) = 14.9 steps. Fixed (`robot_bridge.inference`, tested); run 2 is the
+  same setting, its robot stage run again from scratch.
 """
 
 from __future__ import annotations
