@@ -59,8 +59,8 @@ Protocol history:
   d = added / ((1 - mid_fraction) dt) = 14.9 steps. Fixed (`robot_bridge.inference`, tested); run 2 is the
   same setting, its robot stage run again from scratch.
 - 2026-12-05, run 2, refused before its evaluation as the protocol says: with the fault fixed the lags were
-  as sized (8 steps for most requests, 7 for some) but one request of the 100 episodes' took 9, one more than
-  the policy was fine-tuned for. Run 3 (fixed before it ran; no result of run 2's evaluation exists) sleeps
+  as sized (8 steps for 561 of its 655 requests, 7 for 89) but 5 took 9, one more than the policy was
+  fine-tuned for. Run 3 (fixed before it ran; no result of run 2's evaluation exists) sleeps
   ``--added_latency_s=0.3125`` (6.25 periods), so chunks arrive about 7 steps late with a step to spare
   below the policy's 8; every other setting as run 2.
 """
