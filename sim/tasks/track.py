@@ -30,6 +30,14 @@ BALL_JOINTS = ("target_x", "target_y", "target_z")  # slide joints; each qpos is
 DRIFT = np.array([0.0, 1.0, 0.0])  # the ball's axis of travel, world frame; its sign is drawn per episode
 
 
+def ball_velocity_dofs(model: mujoco.MjModel) -> slice:
+    """The ball's three slide joints' velocities in ``qvel``: consecutive in the scene, x, y, z. Tasks whose
+    events change the ball's velocity (`track_reverse`, `track_jump`) set this range."""
+    first = model.joint(BALL_JOINTS[0]).dofadr[0]
+    assert [model.joint(j).dofadr[0] for j in BALL_JOINTS] == [first, first + 1, first + 2]
+    return slice(int(first), int(first) + 3)
+
+
 @dataclass
 class TrackTask:
     name: str = "track"
@@ -69,8 +77,7 @@ class TrackTask:
 
     def privileged_state(self, model: mujoco.MjModel, data: mujoco.MjData) -> dict[str, np.ndarray]:
         """``target``: (3,) ball centre in the world frame; ``target_vel``: (3,) its velocity, m/s."""
-        dofs = [model.joint(joint).dofadr[0] for joint in BALL_JOINTS]
-        return {"target": data.body("target").xpos.copy(), "target_vel": data.qvel[dofs].copy()}
+        return {"target": data.body("target").xpos.copy(), "target_vel": data.qvel[ball_velocity_dofs(model)].copy()}
 
     def success(self, model: mujoco.MjModel, worlds: WorldArrays) -> Any:
         """(N,) bool: the grasp site is within ``success_distance`` of the ball's centre."""

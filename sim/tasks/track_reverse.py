@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import mujoco
 import numpy as np
 
-from sim.tasks.track import BALL_JOINTS, DRIFT, TrackTask
+from sim.tasks.track import BALL_JOINTS, DRIFT, TrackTask, ball_velocity_dofs
 
 
 @dataclass
@@ -51,10 +51,8 @@ class TrackReverseTask(TrackTask):
     max_events: int = 12
 
     def event_dofs(self, model: mujoco.MjModel) -> slice:
-        """The ball's three slide joints' velocities (consecutive in the scene)."""
-        first = model.joint(BALL_JOINTS[0]).dofadr[0]
-        assert [model.joint(j).dofadr[0] for j in BALL_JOINTS] == [first, first + 1, first + 2]
-        return slice(int(first), int(first) + 3)
+        """The ball's three slide joints' velocities."""
+        return ball_velocity_dofs(model)
 
     def sample_events(
         self, model: mujoco.MjModel, data: mujoco.MjData, rng: np.random.Generator
