@@ -63,6 +63,10 @@ Protocol history (runs as README.md reports them):
 - 2026-12-05: ``--scale-grid`` added (the per-step grid at real VLA scale, its own JSON and last line; the
   comparison's protocol unchanged). One run, on a loaded machine: ``scale_time_ratio=0.131
   scale_memory_ratio=0.432 copies=16`` (K = 8: 0.184 and 0.469).
+- 2026-12-05, before any run of it: ``--eval-episodes`` 200 by default (was 50); each arm's success counts and the
+  success ratio's 95% interval (Katz) in the JSON, and over the seeds' pooled episodes; ``--conventional-only``
+  runs the baseline arm alone, to choose the training length from it. The protocol of the pretrained-encoder
+  comparison, and how its training length is chosen, is ``l2_minibatching_2026-12-05.md`` beside this file.
 """
 
 from __future__ import annotations
@@ -130,7 +134,7 @@ def parse_args(argv=None):
     p.add_argument("--val-every", type=int, default=100, help="validation period in steps (default: 100)")
     p.add_argument("--lr", type=float, default=1e-3, help="learning rate of both arms after warmup (default: 1e-3)")
     p.add_argument("--l2-max-steps", type=int, default=0, help="step cap of the Level-2 arm; 0 = 3 x --steps")
-    p.add_argument("--eval-episodes", type=int, default=50, help="closed-loop episodes per arm (default: 50)")
+    p.add_argument("--eval-episodes", type=int, default=200, help="closed-loop episodes per arm (default: 200)")
     p.add_argument("--grid-copies", default="1,8,16", help="K values of the per-step grid (1 = conventional)")
     p.add_argument("--grid-encoders", default="small,base,large,xlarge", help="encoder sizes of the per-step grid")
     p.add_argument("--device", default="cuda" if _cuda() else "cpu", help="torch device (default: cuda if present)")
@@ -154,6 +158,13 @@ def parse_args(argv=None):
         "--reuse-conventional",
         action="store_true",
         help="keep a finished conventional arm of the same settings from an earlier run (e.g. to try another K)",
+    )
+    p.add_argument(
+        "--conventional-only",
+        action="store_true",
+        help="the baseline arm alone (demonstrations, training, its success), to choose a setting from the baseline "
+        "only; a later run with --reuse-conventional and the same settings keeps it (with --seeds 0,1 give the "
+        "pilot --seed 0 --out <out>/seed0)",
     )
     p.add_argument(
         "--scale-grid",
@@ -393,11 +404,23 @@ def success(args, arm: str) -> dict:
 
     out = Path(args.out)
     result = evaluate(EvalConfig(
-        checkpoint=str(out / arm), env=EnvConfig(task=args.task, num_envs=min(50, args.eval_episodes)),
+        checkpoint=str(out / arm), env=EnvConfig(task=args.task, num_envs=min(50, args.eval_episodes), image_size=camera_size(args)),
         num_episodes=args.eval_episodes, seed=1000, video_episodes=0, output_dir=str(out / f"eval_{arm}"),
         device=args.device, overwrite=True,
     ))  # fmt: skip
-    return {"success_rate": result["success_rate"], "ci95": result["success_ci95"]}
+    return {"success_rate": result["success_rate"], "ci95": result["success_ci95"],
+            "successes": round(result["success_rate"] * args.eval_episodes), "episodes": args.eval_episodes}  # fmt: skip
+
+
+def camera_size(args) -> int:
+    """The side of the rendered images: a pretrained encoder's own input size (rendering smaller and letting the
+    encoder upsample would hide the detail it was pretrained to see), else the sim's default."""
+    from sim.config import EnvConfig
+
+    if not args.pretrained_encoder:
+        return EnvConfig.image_size
+    config = json.loads((Path(args.pretrained_encoder) / "config.json").read_text())
+    return int(config["vision_config"]["image_size"])
 
 
 def record_dataset(args) -> None:
@@ -405,9 +428,11 @@ def record_dataset(args) -> None:
 
     root = Path(args.out) / "dataset"
     info = root / "meta" / "vla_rl_record.json"
-    if info.exists() and json.loads(info.read_text())["episodes"] == args.episodes:
-        return
-    record(RecordConfig(env=EnvConfig(task=args.task, num_envs=16), num_episodes=args.episodes,
+    if info.exists():
+        recorded = json.loads(info.read_text())
+        if (recorded["episodes"], recorded["config"]["env"]["image_size"]) == (args.episodes, camera_size(args)):
+            return
+    record(RecordConfig(env=EnvConfig(task=args.task, num_envs=16, image_size=camera_size(args)), num_episodes=args.episodes,
                         output_dir=str(root), repo_id=f"local/{args.task}", overwrite=True))  # fmt: skip
 
 
@@ -418,6 +443,9 @@ def main(argv=None) -> None:
         return
     if args.scale_grid:
         scale_grid(args)
+        return
+    if args.conventional_only:
+        conventional_pilot(args)
         return
     if not args.seeds:
         result = run_one(args)
@@ -447,6 +475,12 @@ def main(argv=None) -> None:
         print(f"seed {seed}: time_ratio={result['time_ratio']:.3f} memory_ratio={result['memory_ratio']:.3f} "
               f"success_ratio={result['success_ratio']:.3f}", flush=True)  # fmt: skip
     pooled = pool_seeds(results)
+    if "success_pooled" in pooled:
+        both = pooled["success_pooled"]
+        print("success over the seeds' episodes: " + ", ".join(
+            f"{arm} {both[arm]['successes']}/{both[arm]['episodes']} [{both[arm]['success_ci95'][0]:.3f}, "
+            f"{both[arm]['success_ci95'][1]:.3f}]" for arm in ("conventional", "level2"))
+            + f"; ratio {both['ratio']:.3f} [{both['ratio_ci95'][0]:.3f}, {both['ratio_ci95'][1]:.3f}]", flush=True)  # fmt: skip
     out = Path(args.out)
     tmp = out / ".l2_minibatching.json.tmp"
     tmp.write_text(json.dumps(pooled, indent=2))
@@ -489,6 +523,34 @@ def scale_grid(args) -> dict:
     return result
 
 
+def conventional_pilot(args) -> dict:
+    """The conventional arm alone (``--conventional-only``): trained (or kept, with ``--reuse-conventional``) and
+    evaluated; written to ``<out>/conventional_pilot.json``. A setting chosen from this looks at no Level-2 result."""
+    from vla_rl.stages import train
+
+    out = Path(args.out)
+    print(f"[1/3] demonstrations: {args.episodes} episodes of {args.task}", flush=True)
+    record_dataset(args)
+    print(f"[2/3] the conventional arm: encoder={args.encoder}, B={args.batch}, {args.steps} steps", flush=True)
+    if not args.reuse_conventional and (out / "conventional").exists():
+        import shutil
+
+        shutil.rmtree(out / "conventional")
+    trained = _reuse(args, out / "conventional") or train(train_config(args, args.encoder, 1, out / "conventional"))
+    print("[3/3] its closed-loop success", flush=True)
+    rate = success(args, "conventional")
+    result = {"task": args.task, "steps": args.steps, "seed": args.seed, "eval_episodes": args.eval_episodes,
+              "target_val_loss": target_loss(trained["val_curve"]), "val_curve": trained["val_curve"],
+              "success": rate, "args": {k: v for k, v in vars(args).items() if k != "measure_step"}}  # fmt: skip
+    tmp = out / ".conventional_pilot.json.tmp"
+    tmp.write_text(json.dumps(result, indent=2))
+    os.replace(tmp, out / "conventional_pilot.json")
+    low, high = rate["ci95"]
+    print(f"conventional_success={rate['success_rate']:.3f} ci95=[{low:.3f},{high:.3f}] "
+          f"target_val_loss={result['target_val_loss']:.4f} steps={args.steps}")  # fmt: skip
+    return result
+
+
 def pool_seeds(results: list[dict]) -> dict:
     """The medians over seeds of each ratio (nan when any seed's is nan: a seed below the success floor), and
     every seed's result."""
@@ -500,12 +562,25 @@ def pool_seeds(results: list[dict]) -> dict:
         return float("nan") if any(math.isnan(v) for v in values) else statistics.median(values)
 
     keys = ("time_ratio", "memory_ratio", "total_memory_ratio", "success_ratio", "per_step_time_ratio")
-    return {**{key: median(key) for key in keys}, "seeds": [r["seed"] for r in results], "per_seed": results}
+    pooled = {**{key: median(key) for key in keys}, "seeds": [r["seed"] for r in results], "per_seed": results}
+    if all("successes" in r.get("success", {}).get("level2", {}) for r in results):  # results from 2026-12-05 on
+        from vla_rl.statistics import pooled_rate, rate_ratio_interval
+
+        arms = {arm: pooled_rate([{"successes": r["success"][arm]["successes"],
+                                   "episodes": r["success"][arm]["episodes"]} for r in results])
+                for arm in ("conventional", "level2")}  # fmt: skip
+        conv, l2 = arms["conventional"], arms["level2"]
+        ratio = l2["success_rate"] / conv["success_rate"] if conv["success_rate"] else float("nan")
+        interval = rate_ratio_interval(l2["successes"], l2["episodes"], conv["successes"], conv["episodes"])
+        pooled["success_pooled"] = {**arms, "ratio": ratio, "ratio_ci95": list(interval)}
+    return pooled
 
 
 def run_one(args) -> dict:
     """Every stage for one training seed in ``args.out``: the result (written by the caller)."""
     import torch
+
+    from vla_rl.statistics import rate_ratio_interval
 
     out = Path(args.out)
     for arm in ("level2",) if args.reuse_conventional else ("conventional", "level2"):  # a rerun starts afresh
@@ -532,6 +607,8 @@ def run_one(args) -> dict:
     conv_rate = success_conv["success_rate"]
     # Below the floor the ratio says nothing about parity (both arms fail): printed as nan, both rates in the JSON.
     success_ratio = success_l2["success_rate"] / conv_rate if conv_rate >= SUCCESS_FLOOR else float("nan")
+    ratio_ci95 = rate_ratio_interval(success_l2["successes"], success_l2["episodes"], success_conv["successes"],
+                                     success_conv["episodes"])  # fmt: skip
     result = {
         "task": args.task, "device": args.device, "batch_denoising_samples": args.batch, "copies": args.copies,
         "encoder": {"name": args.encoder, "towers": args.towers,
@@ -540,6 +617,7 @@ def run_one(args) -> dict:
         "per_step": grid, "time_to_quality": quality,
         "success": {"conventional": success_conv, "level2": success_l2, "eval_episodes": args.eval_episodes, "seed": 1000},
         "time_ratio": time_ratio, "memory_ratio": main_row["memory_ratio"], "success_ratio": success_ratio,
+        "success_ratio_ci95": list(ratio_ci95) if conv_rate >= SUCCESS_FLOOR else [float("nan")] * 2,
         "total_memory_ratio": main_row["total_memory_ratio"],
         "per_step_time_ratio": main_row["time_ratio"], "minutes": round((time.time() - started) / 60, 1),
         "args": {k: v for k, v in vars(args).items() if k != "measure_step"}, "seed": args.seed,
@@ -547,7 +625,8 @@ def run_one(args) -> dict:
     print(f"target validation loss {quality['target_val_loss']:.4f}: conventional "
           f"{quality['conventional']['seconds_to_target']:.0f} s, level-2 "
           f"{'not reached' if l2_seconds is None else f'{l2_seconds:.0f} s'}; success "
-          f"{conv_rate:.0%} vs {success_l2['success_rate']:.0%}")  # fmt: skip
+          f"{conv_rate:.0%} vs {success_l2['success_rate']:.0%}, success ratio 95% interval "
+          f"[{result['success_ratio_ci95'][0]:.3f}, {result['success_ratio_ci95'][1]:.3f}]")  # fmt: skip
     return result
 
 

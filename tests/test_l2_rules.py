@@ -122,3 +122,14 @@ def test_quick_run_end_to_end_over_two_seeds_and_a_second_run_reads_them_back(tm
         f"seed {s}: finished earlier, read from {tmp_path / 'l2' / f'seed{s}' / 'result.json'}" for s in (0, 1)
     ]
     assert second[-1] == first[-1]
+
+
+def test_the_sim_renders_at_a_pretrained_encoders_own_input_size(tmp_path):
+    # A 128 px encoder fed 64 px renders would see them upsampled: the detail it was pretrained on would be gone.
+    import argparse
+    import json
+
+    script = l2_script()
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "siglip", "vision_config": {"image_size": 128}}))
+    assert script.camera_size(argparse.Namespace(pretrained_encoder=str(tmp_path))) == 128
+    assert script.camera_size(argparse.Namespace(pretrained_encoder="")) == 64
