@@ -67,6 +67,9 @@ Protocol history (runs as README.md reports them):
   success ratio's 95% interval (Katz) in the JSON, and over the seeds' pooled episodes; ``--conventional-only``
   runs the baseline arm alone, to choose the training length from it. The protocol of the pretrained-encoder
   comparison, and how its training length is chosen, is ``l2_minibatching_2026-12-05.md`` beside this file.
+  Pilots on the 64 px encoder (seed 0): 25.5%, 23.5%, 22.5% conventional success at 800, 2,000, 4,000 steps.
+- 2026-12-05, its amendment: with ``--pretrained-encoder`` the sim renders (and the policy expects) the encoder's own
+  input size, not 64 px.
 """
 
 from __future__ import annotations
@@ -197,7 +200,10 @@ def policy_config(args, encoder: str):
 
     if args.pretrained_encoder:  # its towers' sizes are its own (the grid's encoder sizes do not apply)
         return DiffusionVLAConfig(
-            **DIT, pretrained_encoder=args.pretrained_encoder, freeze_towers=args.towers == "frozen"
+            **DIT,
+            pretrained_encoder=args.pretrained_encoder,
+            freeze_towers=args.towers == "frozen",
+            image_size=camera_size(args),
         )
     dit = SCALE_DIT if encoder == "so400m" else DIT
     return DiffusionVLAConfig(**dit, **ENCODERS[encoder], freeze_towers=args.towers == "frozen")
@@ -564,7 +570,7 @@ def pool_seeds(results: list[dict]) -> dict:
     keys = ("time_ratio", "memory_ratio", "total_memory_ratio", "success_ratio", "per_step_time_ratio")
     pooled = {**{key: median(key) for key in keys}, "seeds": [r["seed"] for r in results], "per_seed": results}
     if all("successes" in r.get("success", {}).get("level2", {}) for r in results):  # results from 2026-12-05 on
-        from vla_rl.statistics import pooled_rate, rate_ratio_interval
+        from vla_rl.stages import pooled_rate, rate_ratio_interval
 
         arms = {arm: pooled_rate([{"successes": r["success"][arm]["successes"],
                                    "episodes": r["success"][arm]["episodes"]} for r in results])
@@ -580,7 +586,7 @@ def run_one(args) -> dict:
     """Every stage for one training seed in ``args.out``: the result (written by the caller)."""
     import torch
 
-    from vla_rl.statistics import rate_ratio_interval
+    from vla_rl.stages import rate_ratio_interval
 
     out = Path(args.out)
     for arm in ("level2",) if args.reuse_conventional else ("conventional", "level2"):  # a rerun starts afresh

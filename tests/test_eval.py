@@ -1,4 +1,5 @@
 import json
+import math
 
 import imageio.v2 as imageio
 import pytest
@@ -415,3 +416,16 @@ def test_eval_records_each_episodes_variation_as_the_env_drew_it(tiny_checkpoint
         env.reset(seed=21)
         drawn = {i: env.variation_record(i) for i in range(2)}
     assert sorted((e["world"], e["variation"]["rgb"]) for e in lines) == [(i, drawn[i]["rgb"]) for i in range(2)]
+
+
+def test_the_rate_ratio_interval_is_katzs_log_interval_worked_by_hand():
+    """60/100 against 50/100: ratio 1.2, log standard error sqrt(0.4/60 + 0.5/50) = 0.129099, so
+    exp(0.182322 -+ 0.253035) = (0.93173, 1.54551). With no success on one side the bounds stay finite
+    (0.5 added): 0/100 against 50/100 -> ratio (0.5/101)/(50.5/101) = 0.0099."""
+    from vla_rl.statistics import rate_ratio_interval
+
+    low, high = rate_ratio_interval(60, 100, 50, 100)
+    assert low == pytest.approx(0.93173, abs=1e-5) and high == pytest.approx(1.54551, abs=1e-5)
+    low, high = rate_ratio_interval(0, 100, 50, 100)
+    assert 0 < low < 0.5 / 50.5 < high < 1 and math.isfinite(high)
+    assert all(math.isnan(v) for v in rate_ratio_interval(3, 0, 5, 10))

@@ -266,6 +266,41 @@ def save_tiny_siglip(directory):
     return words
 
 
+def test_a_pretrained_encoder_folder_missing_a_part_is_refused_in_one_line_naming_it(tmp_path):
+    """Each broken copy of a good SigLIP folder (no weights, no tokenizer, another model, no folder) is refused
+    before any loading, with one line naming what is missing; the good folder builds a policy."""
+    import shutil
+
+    from transformers import CLIPConfig, CLIPModel
+
+    good = tmp_path / "siglip"
+    save_tiny_siglip(good)
+
+    def broken(name, drop):
+        folder = tmp_path / name
+        shutil.copytree(good, folder)
+        for file in drop:
+            (folder / file).unlink()
+        return folder
+
+    clip = tmp_path / "clip"
+    CLIPModel(CLIPConfig(text_config={"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+                                      "num_attention_heads": 2},
+                         vision_config={"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+                                        "num_attention_heads": 2, "image_size": 32, "patch_size": 16})).save_pretrained(clip)  # fmt: skip
+    cases = {
+        broken("no_weights", ["model.safetensors"]): "has no weights: none of model.safetensors",
+        broken("no_tokenizer", ["tokenizer.json"]): "has no tokenizer",
+        clip: "holds a 'clip' model, not SigLIP",
+        tmp_path / "absent": "is not a directory",
+    }
+    for folder, message in cases.items():
+        with pytest.raises(ValueError, match=message) as refused:
+            make_policy(pretrained_encoder=str(folder), max_text_tokens=8)
+        assert "\n" not in str(refused.value) and str(folder) in str(refused.value)
+    assert make_policy(pretrained_encoder=str(good), max_text_tokens=8).encoder.image_size == 48
+
+
 def test_pretrained_encoder_loads_weights_sizes_and_tokenizer_from_a_local_directory(tmp_path):
     from transformers import SiglipModel
 

@@ -36,7 +36,11 @@ def test_pretrained_towers_load_as_a_siglip_folder_into_a_policy_and_are_reused(
                                 num_envs=8, num_threads=1, output_dir=str(tmp_path / "enc"))  # fmt: skip
     summary = pretrain_encoder(cfg)
     assert summary["frames"] == 48 and summary["held_out"] == 4
-    assert summary["probe_error_cm"]["pretrained"] > 0 and summary["probe_error_cm"]["random_towers"] > 0
+    probe = summary["probe_error_cm"]
+    assert probe["pretrained"] > 0 and probe["random_towers"] > 0
+    assert set(probe["pretrained_per_task"]) <= {"lift", "reach"} and all(
+        e > 0 for e in probe["pretrained_per_task"].values()
+    )
     directory = tmp_path / "enc"
     vision, text = SiglipVisionModel.from_pretrained(directory), SiglipTextModel.from_pretrained(directory)
     tokenizer = AutoTokenizer.from_pretrained(directory)

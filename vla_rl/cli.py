@@ -175,7 +175,9 @@ def _run_pretrain_encoder(cfg):
     print(
         f"pretrained towers in {cfg.output_dir} ({summary['frames']} frames, {summary['seconds']} s); probe of the "
         f"task object's position on {summary['held_out']} held-out frames: {probe['pretrained']} cm (random towers "
-        f"{probe['random_towers']} cm); use --policy.pretrained_encoder={cfg.output_dir}"
+        f"{probe['random_towers']} cm; per task "
+        + ", ".join(f"{task} {cm}" for task, cm in probe.get("pretrained_per_task", {}).items())
+        + f"); use --policy.pretrained_encoder={cfg.output_dir}"
     )
 
 

@@ -56,7 +56,7 @@ if TYPE_CHECKING:
     from vla_rl.rl.process_reward import RewardConfig
     from vla_rl.rl.ray_runtime import WORKER_NAME_PREFIX, RayConfig
     from vla_rl.rl.sac import SACConfig
-    from vla_rl.statistics import mcnemar_exact, pooled_rate, wilson_interval
+    from vla_rl.statistics import mcnemar_exact, pooled_rate, rate_ratio_interval, wilson_interval
     from vla_rl.steer import SteerConfig
     from vla_rl.steering import SteeredPolicy, Steering
     from vla_rl.train import DatasetConfig, TrainConfig, build_policy, reached_target
@@ -156,6 +156,8 @@ _EXPORTS = {
     "wilson_interval": "vla_rl.statistics",
     # Success counts pooled over runs (training seeds) with their interval.
     "pooled_rate": "vla_rl.statistics",
+    # The interval of a ratio of two success rates (a comparison's success_ratio).
+    "rate_ratio_interval": "vla_rl.statistics",
     # McNemar's exact test of paired outcomes, for a composition that pairs episodes (`bench robot-parity`).
     "mcnemar_exact": "vla_rl.statistics",
     # A checkpoint's policy directory, loading a policy and writing one as a checkpoint, for a composition
@@ -206,6 +208,7 @@ __all__ = [
     "load_policy",
     "mcnemar_exact",
     "pooled_rate",
+    "rate_ratio_interval",
     "reached_target",
     "record",
     "resolve_policy_dir",

@@ -39,3 +39,17 @@ def pooled_rate(results: list[dict]) -> dict:
         "episodes": episodes, "successes": successes, "success_rate": successes / episodes if episodes else 0.0,
         "success_ci95": list(wilson_interval(successes, episodes)),
     }  # fmt: skip
+
+
+def rate_ratio_interval(successes: int, n: int, base_successes: int, base_n: int, z: float = 1.96):
+    """95% Katz log interval of the ratio of two success rates, (successes / n) / (base_successes / base_n),
+    treating them as independent binomials (so wider than a paired interval where the episodes share initial
+    states). With no success on a side, 0.5 is added to each side's successes and failures so that the bounds
+    stay finite. Returns (low, high); (nan, nan) when either n is 0."""
+    if n == 0 or base_n == 0:
+        return float("nan"), float("nan")
+    if successes == 0 or base_successes == 0:
+        successes, n, base_successes, base_n = successes + 0.5, n + 1, base_successes + 0.5, base_n + 1
+    ratio = (successes / n) / (base_successes / base_n)
+    spread = z * math.sqrt(1 / successes - 1 / n + 1 / base_successes - 1 / base_n)
+    return ratio * math.exp(-spread), ratio * math.exp(spread)

@@ -43,6 +43,7 @@ class ConditionEncoder(nn.Module):
             self.text = SiglipTextModel(SiglipTextConfig.from_pretrained(saved / "text"))
             self.hf_tokenizer = AutoTokenizer.from_pretrained(saved / "tokenizer")
         elif cfg.pretrained_encoder:
+            check_siglip_folder(Path(cfg.pretrained_encoder))
             self.vision = SiglipVisionModel.from_pretrained(cfg.pretrained_encoder)
             self.text = SiglipTextModel.from_pretrained(cfg.pretrained_encoder)
             self.hf_tokenizer = AutoTokenizer.from_pretrained(cfg.pretrained_encoder)
@@ -109,6 +110,42 @@ class ConditionEncoder(nn.Module):
         if image.shape[-1] == self.image_size and image.shape[-2] == self.image_size:
             return image
         return F.interpolate(image, size=(self.image_size, self.image_size), mode="bilinear", antialias=True)
+
+
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+TOKENIZER_FILES = ("tokenizer.json", "spiece.model")  # a fast tokenizer, or SigLIP's SentencePiece model
+
+
+def check_siglip_folder(directory: Path) -> None:
+    """Raise ValueError, one line naming what is missing, unless ``directory`` holds a SigLIP model (both towers:
+    ``model_type`` "siglip"), its weights and its tokenizer, as `save_pretrained` of a `SiglipModel` and of its
+    tokenizer write them (and as ``google/siglip-*`` ships)."""
+    import json
+
+    where = f"policy.pretrained_encoder={directory}"
+    if not directory.is_dir():
+        raise ValueError(
+            f"{where} is not a directory: pass a local SigLIP folder (`vla-rl pretrain-encoder` writes one)"
+        )
+    config = directory / "config.json"
+    if not config.is_file():
+        raise ValueError(f"{where} has no config.json: not a transformers model folder")
+    model_type = json.loads(config.read_text()).get("model_type")
+    if model_type != "siglip":
+        raise ValueError(
+            f"{where} holds a {model_type!r} model, not SigLIP (config.json model_type 'siglip', both towers)"
+        )
+    if not any((directory / name).is_file() for name in WEIGHT_FILES):
+        raise ValueError(f"{where} has no weights: none of {', '.join(WEIGHT_FILES)}")
+    if not any((directory / name).is_file() for name in TOKENIZER_FILES):
+        raise ValueError(
+            f"{where} has no tokenizer: none of {', '.join(TOKENIZER_FILES)} (write it with tokenizer.save_pretrained)"
+        )
 
 
 def _hf_tokenize(tokenizer, instructions: list[str], max_tokens: int, device):
