@@ -415,16 +415,17 @@ def success(args, arm: str) -> dict:
         device=args.device, overwrite=True,
     ))  # fmt: skip
     return {"success_rate": result["success_rate"], "ci95": result["success_ci95"],
-            "successes": round(result["success_rate"] * args.eval_episodes), "episodes": args.eval_episodes}  # fmt: skip
+            "successes": result["successes"], "episodes": result["episodes"]}  # fmt: skip
 
 
 def camera_size(args) -> int:
     """The side of the rendered images: a pretrained encoder's own input size (rendering smaller and letting the
     encoder upsample would hide the detail it was pretrained to see), else the sim's default."""
-    from sim.config import EnvConfig
+    from vla_rl.stages import EnvConfig, check_siglip_folder
 
     if not args.pretrained_encoder:
         return EnvConfig.image_size
+    check_siglip_folder(Path(args.pretrained_encoder))  # a bad folder: one line naming what is missing
     config = json.loads((Path(args.pretrained_encoder) / "config.json").read_text())
     return int(config["vision_config"]["image_size"])
 
@@ -450,7 +451,14 @@ def main(argv=None) -> None:
     if args.scale_grid:
         scale_grid(args)
         return
+    if args.pretrained_encoder:
+        try:
+            camera_size(args)
+        except ValueError as error:
+            raise SystemExit(f"error: {error}") from None
     if args.conventional_only:
+        if args.seeds:  # one arm of one seed: a pilot chooses a setting from seed 0 alone
+            raise SystemExit("--conventional-only trains one seed: drop --seeds, give --seed and --out <out>/seed<N>")
         conventional_pilot(args)
         return
     if not args.seeds:
@@ -537,7 +545,8 @@ def conventional_pilot(args) -> dict:
     out = Path(args.out)
     print(f"[1/3] demonstrations: {args.episodes} episodes of {args.task}", flush=True)
     record_dataset(args)
-    print(f"[2/3] the conventional arm: encoder={args.encoder}, B={args.batch}, {args.steps} steps", flush=True)
+    encoder = args.pretrained_encoder or args.encoder
+    print(f"[2/3] the conventional arm: encoder={encoder}, B={args.batch}, {args.steps} steps", flush=True)
     if not args.reuse_conventional and (out / "conventional").exists():
         import shutil
 
@@ -576,8 +585,10 @@ def pool_seeds(results: list[dict]) -> dict:
                                    "episodes": r["success"][arm]["episodes"]} for r in results])
                 for arm in ("conventional", "level2")}  # fmt: skip
         conv, l2 = arms["conventional"], arms["level2"]
-        ratio = l2["success_rate"] / conv["success_rate"] if conv["success_rate"] else float("nan")
-        interval = rate_ratio_interval(l2["successes"], l2["episodes"], conv["successes"], conv["episodes"])
+        above_floor = conv["success_rate"] >= SUCCESS_FLOOR  # below it the ratio says nothing, as per seed
+        ratio = l2["success_rate"] / conv["success_rate"] if above_floor else float("nan")
+        interval = (rate_ratio_interval(l2["successes"], l2["episodes"], conv["successes"], conv["episodes"])
+                    if above_floor else (float("nan"), float("nan")))  # fmt: skip
         pooled["success_pooled"] = {**arms, "ratio": ratio, "ratio_ci95": list(interval)}
     return pooled
 

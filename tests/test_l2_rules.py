@@ -131,5 +131,36 @@ def test_the_sim_renders_at_a_pretrained_encoders_own_input_size(tmp_path):
 
     script = l2_script()
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "siglip", "vision_config": {"image_size": 128}}))
+    (tmp_path / "model.safetensors").write_bytes(b"")  # the folder check looks for the files, reads neither
+    (tmp_path / "tokenizer.json").write_text("{}")
     assert script.camera_size(argparse.Namespace(pretrained_encoder=str(tmp_path))) == 128
     assert script.camera_size(argparse.Namespace(pretrained_encoder="")) == 64
+
+
+def test_pooled_success_counts_every_seeds_episodes_and_keeps_the_floor():
+    # Conventional 120/200 + 110/200 = 230/400 (57.5%), Level-2 115/200 + 107/200 = 222/400: ratio 222/230 = 0.96522.
+    # Katz: sqrt(1/222 - 1/400 + 1/230 - 1/400) = 0.062067 -> 0.96522 * exp(-+1.96 * 0.062067) = (0.85466, 1.09008).
+    import math
+
+    def seed(s, conv, l2):
+        arms = {"conventional": {"successes": conv, "episodes": 200}, "level2": {"successes": l2, "episodes": 200}}
+        return {"seed": s, "time_ratio": 0.2, "memory_ratio": 0.2, "total_memory_ratio": 0.9, "success_ratio": 1.0,
+                "per_step_time_ratio": 0.1, "success": arms}  # fmt: skip
+
+    pooled = l2_script().pool_seeds([seed(0, 120, 115), seed(1, 110, 107)])["success_pooled"]
+    assert (pooled["conventional"]["successes"], pooled["level2"]["successes"]) == (230, 222)
+    assert pooled["ratio"] == pytest.approx(0.96522, abs=1e-5)
+    assert pooled["ratio_ci95"] == pytest.approx([0.85466, 1.09008], abs=1e-5)
+    below = l2_script().pool_seeds([seed(0, 90, 80), seed(1, 100, 95)])["success_pooled"]  # 190/400 < 50%
+    assert math.isnan(below["ratio"]) and all(math.isnan(v) for v in below["ratio_ci95"])
+
+
+def test_a_bad_encoder_folder_or_a_pilot_over_seeds_is_refused_in_one_line_before_any_work(tmp_path):
+    script = l2_script()
+    (tmp_path / "config.json").write_text('{"model_type": "clip", "vision_config": {"image_size": 64}}')
+    with pytest.raises(SystemExit, match="holds a 'clip' model, not SigLIP") as refused:
+        script.main(["--pretrained-encoder", str(tmp_path), "--out", str(tmp_path / "out")])
+    assert "\n" not in str(refused.value) and not (tmp_path / "out").exists()
+    with pytest.raises(SystemExit, match="--conventional-only trains one seed: drop --seeds"):
+        script.main(["--conventional-only", "--seeds", "0,1", "--out", str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()

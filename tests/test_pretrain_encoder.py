@@ -38,9 +38,10 @@ def test_pretrained_towers_load_as_a_siglip_folder_into_a_policy_and_are_reused(
     assert summary["frames"] == 48 and summary["held_out"] == 4
     probe = summary["probe_error_cm"]
     assert probe["pretrained"] > 0 and probe["random_towers"] > 0
-    assert set(probe["pretrained_per_task"]) <= {"lift", "reach"} and all(
-        e > 0 for e in probe["pretrained_per_task"].values()
-    )
+    per_task = probe["pretrained_per_task"]
+    assert per_task and set(per_task) <= {"lift", "reach"} and all(e > 0 for e in per_task.values())
+    # The overall error is the frame-weighted mean of the tasks' means, so it lies between them (2-digit rounding).
+    assert min(per_task.values()) - 0.01 <= probe["pretrained"] <= max(per_task.values()) + 0.01
     directory = tmp_path / "enc"
     vision, text = SiglipVisionModel.from_pretrained(directory), SiglipTextModel.from_pretrained(directory)
     tokenizer = AutoTokenizer.from_pretrained(directory)

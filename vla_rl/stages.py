@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from policies.autoregressive_vla import AutoregressiveVLAConfig
     from policies.diffusion import DiffusionConfig
     from policies.diffusion_vla import DiffusionVLAConfig
+    from policies.diffusion_vla.condition_encoder import check_siglip_folder
     from sim.config import EnvConfig
     from vla_core.runtime import ChunkingConfig, DelayConfig
     from vla_rl.checkpoint import load_policy, resolve_policy_dir, write_policy
@@ -144,6 +145,8 @@ _EXPORTS = {
     "DiffusionConfig": "policies.diffusion",
     "DiffusionVLAConfig": "policies.diffusion_vla",
     "AutoregressiveVLAConfig": "policies.autoregressive_vla",
+    # The one-line check of a pretrained SigLIP folder, for a composition that reads it before training.
+    "check_siglip_folder": "policies.diffusion_vla.condition_encoder",
     # The JSON form of a TrainConfig that `train` saves as train_config.json: a composition reusing a
     # finished run compares it with the config it would run.
     "config_dict": "vla_rl.config_json",
@@ -199,6 +202,7 @@ __all__ = [
     "TrainConfig",
     "TrainPRMConfig",
     "build_policy",
+    "check_siglip_folder",
     "config_dict",
     "dsrl",
     "evaluate",
