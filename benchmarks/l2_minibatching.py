@@ -437,8 +437,9 @@ def record_dataset(args) -> None:
     info = root / "meta" / "vla_rl_record.json"
     if info.exists():
         recorded = json.loads(info.read_text())
-        if (recorded["episodes"], recorded["config"]["env"]["image_size"]) == (args.episodes, camera_size(args)):
-            return
+        env = recorded["config"]["env"]
+        if (recorded["episodes"], env["task"], env["image_size"]) == (args.episodes, args.task, camera_size(args)):
+            return  # the same demonstrations: another task or image size is recorded again
     record(RecordConfig(env=EnvConfig(task=args.task, num_envs=16, image_size=camera_size(args)), num_episodes=args.episodes,
                         output_dir=str(root), repo_id=f"local/{args.task}", overwrite=True))  # fmt: skip
 

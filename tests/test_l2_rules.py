@@ -164,3 +164,30 @@ def test_a_bad_encoder_folder_or_a_pilot_over_seeds_is_refused_in_one_line_befor
     with pytest.raises(SystemExit, match="--conventional-only trains one seed: drop --seeds"):
         script.main(["--conventional-only", "--seeds", "0,1", "--out", str(tmp_path / "out")])
     assert not (tmp_path / "out").exists()
+
+
+def test_demonstrations_of_another_task_or_size_are_recorded_again_and_the_same_ones_reused(tmp_path, monkeypatch):
+    # The dataset is cached in --out: a lift run pointed at a folder holding reach's demonstrations must not
+    # train on them. `record` itself is replaced: only the rule deciding whether to call it is under test.
+    import argparse
+    import json
+
+    import vla_rl.stages
+
+    script = l2_script()
+    calls = []
+    monkeypatch.setattr(vla_rl.stages, "record", lambda cfg: calls.append((cfg.env.task, cfg.env.image_size)))
+    meta = tmp_path / "dataset" / "meta"
+    meta.mkdir(parents=True)
+    (meta / "vla_rl_record.json").write_text(
+        json.dumps({"episodes": 150, "config": {"env": {"task": "reach", "image_size": 64}}})
+    )
+
+    def args(task, episodes=150):
+        return argparse.Namespace(out=str(tmp_path), task=task, episodes=episodes, pretrained_encoder="")
+
+    script.record_dataset(args("reach"))
+    assert calls == []
+    script.record_dataset(args("lift"))
+    script.record_dataset(args("reach", episodes=200))
+    assert calls == [("lift", 64), ("reach", 64)]
