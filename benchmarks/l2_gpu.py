@@ -1,6 +1,7 @@
 """Level-2 minibatching on a CUDA device: the default comparison and the real-scale per-step grid, one JSON.
 
     python benchmarks/l2_gpu.py [--pretrained-encoder DIR] [--out outputs/bench/l2_gpu] [--scale-batch 64]
+                                [any l2_minibatching.py option for the comparison, e.g. --task lift --steps 2000]
 
 Runs ``benchmarks/l2_minibatching.py`` twice with ``--device cuda`` (training goes to the GPU through
 accelerate): the default comparison (time to the conventional arm's validation loss, per-step grid, closed-loop
@@ -28,7 +29,7 @@ def main(argv=None) -> int:
     p.add_argument("--pretrained-encoder", default="", help="frozen towers from `vla-rl pretrain-encoder` (a folder)")
     p.add_argument("--out", default="outputs/bench/l2_gpu", help="work and result directory")
     p.add_argument("--scale-batch", type=int, default=64, help="B of the real-scale grid (default: 64)")
-    args = p.parse_args(argv)
+    args, comparison_options = p.parse_known_args(argv)  # the rest goes to the comparison (its setting)
     import torch
 
     if not torch.cuda.is_available():
@@ -37,7 +38,7 @@ def main(argv=None) -> int:
     out = Path(args.out)
     encoder = ["--pretrained-encoder", args.pretrained_encoder] if args.pretrained_encoder else []
     runs = {
-        "comparison": [*encoder, "--out", str(out / "comparison" / "run")],
+        "comparison": [*encoder, *comparison_options, "--out", str(out / "comparison" / "run")],
         "scale": ["--scale-grid", "--scale-batch", str(args.scale_batch), "--out", str(out / "scale" / "run")],
     }
     for name, extra in runs.items():
