@@ -69,7 +69,13 @@ Protocol history (runs as README.md reports them):
   comparison, and how its training length is chosen, is ``l2_minibatching_2026-12-05.md`` beside this file.
   Pilots on the 64 px encoder (seed 0): 25.5%, 23.5%, 22.5% conventional success at 800, 2,000, 4,000 steps.
 - 2026-12-05, its amendment: with ``--pretrained-encoder`` the sim renders (and the policy expects) the encoder's own
-  input size, not 64 px.
+  input size, not 64 px. Pilots on the 128 px encoder: 30.0%, 31.0%, 25.0% at 800, 2,000, 4,000 steps.
+- 2026-12-06, its second amendment (before its results): the task moves to lift on the 64 px encoder. Pilot: 62.5%
+  at 800 steps, the setting. Three seeds: ``time_ratio=0.472 memory_ratio=0.253 success_ratio=1.034`` (pooled
+  success ratio 1.030 [0.944, 1.123]). The JSON adds ``trained_time_ratio``, the training time of the two
+  checkpoints whose success is compared (0.633 here: Level-2 is credited at its first validation below the target,
+  step 1,600, and trains on to the second, here the step cap of 2,400). Post hoc, ``--val-every 25``: ``time_ratio=0.355 memory_ratio=0.216
+  success_ratio=0.816``.
 """
 
 from __future__ import annotations
@@ -362,7 +368,8 @@ def time_to_quality(args) -> dict:
     l2_seconds = _seconds_to(l2["val_curve"], target)
     return {
         "target_val_loss": target,
-        "conventional": {"seconds_to_target": conv_seconds, "steps": conventional["steps"], "val_curve": conventional["val_curve"]},
+        "conventional": {"seconds_to_target": conv_seconds, "steps": conventional["steps"],
+                         "seconds_trained": conventional["train_seconds"], "val_curve": conventional["val_curve"]},
         "level2": {
             "seconds_to_target": l2_seconds, "reached": l2_seconds is not None, "steps": l2["steps"],
             "seconds_trained": l2["train_seconds"], "val_curve": l2["val_curve"],
@@ -578,7 +585,8 @@ def pool_seeds(results: list[dict]) -> dict:
         return float("nan") if any(math.isnan(v) for v in values) else statistics.median(values)
 
     keys = ("time_ratio", "memory_ratio", "total_memory_ratio", "success_ratio", "per_step_time_ratio")
-    pooled = {**{key: median(key) for key in keys}, "seeds": [r["seed"] for r in results], "per_seed": results}
+    pooled = {**{key: median(key) for key in keys}, "trained_time_ratio": statistics.median(map(trained_time_ratio, results)),
+              "seeds": [r["seed"] for r in results], "per_seed": results}  # fmt: skip
     if all("successes" in r.get("success", {}).get("level2", {}) for r in results):  # results from 2026-12-05 on
         from vla_rl.stages import pooled_rate, rate_ratio_interval
 
@@ -592,6 +600,17 @@ def pool_seeds(results: list[dict]) -> dict:
                     if above_floor else (float("nan"), float("nan")))  # fmt: skip
         pooled["success_pooled"] = {**arms, "ratio": ratio, "ratio_ci95": list(interval)}
     return pooled
+
+
+def trained_time_ratio(result: dict) -> float:
+    """Level-2's training seconds over the conventional arm's, each to the checkpoint whose success is measured (its
+    last step). ``time_ratio`` credits an arm at the first of two validations at or below the target, but training
+    stops at the second (or at the step cap), so the checkpoints compared for success trained this much longer."""
+    quality = result["time_to_quality"]
+    conventional = quality["conventional"]
+    # Results written before 2026-12-06 lack the conventional arm's seconds_trained: its run ends on a validation.
+    seconds = conventional["seconds_trained"] if "seconds_trained" in conventional else conventional["val_curve"][-1][1]
+    return quality["level2"]["seconds_trained"] / seconds
 
 
 def run_one(args) -> dict:
@@ -638,13 +657,16 @@ def run_one(args) -> dict:
         "success_ratio_ci95": list(ratio_ci95) if conv_rate >= SUCCESS_FLOOR else [float("nan")] * 2,
         "total_memory_ratio": main_row["total_memory_ratio"],
         "per_step_time_ratio": main_row["time_ratio"], "minutes": round((time.time() - started) / 60, 1),
+        "trained_time_ratio": quality["level2"]["seconds_trained"] / quality["conventional"]["seconds_trained"],
         "args": {k: v for k, v in vars(args).items() if k != "measure_step"}, "seed": args.seed,
     }  # fmt: skip
     print(f"target validation loss {quality['target_val_loss']:.4f}: conventional "
           f"{quality['conventional']['seconds_to_target']:.0f} s, level-2 "
           f"{'not reached' if l2_seconds is None else f'{l2_seconds:.0f} s'}; success "
           f"{conv_rate:.0%} vs {success_l2['success_rate']:.0%}, success ratio 95% interval "
-          f"[{result['success_ratio_ci95'][0]:.3f}, {result['success_ratio_ci95'][1]:.3f}]")  # fmt: skip
+          f"[{result['success_ratio_ci95'][0]:.3f}, {result['success_ratio_ci95'][1]:.3f}]; the evaluated "
+          f"checkpoints trained {quality['conventional']['seconds_trained']:.0f} s and "
+          f"{quality['level2']['seconds_trained']:.0f} s")  # fmt: skip
     return result
 
 

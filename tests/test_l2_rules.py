@@ -55,8 +55,14 @@ def test_seeds_pool_to_the_median_of_each_ratio_and_a_seed_below_the_floor_makes
     pool = l2_script().pool_seeds
     seeds = [{"seed": s, "time_ratio": t, "memory_ratio": 0.2, "total_memory_ratio": 0.9, "success_ratio": r,
               "per_step_time_ratio": 0.1} for s, t, r in ((0, 0.18, 0.9), (1, 0.25, 1.0), (2, 0.16, 0.95))]  # fmt: skip
+    # Training seconds of the checkpoints evaluated: 60/150, 90/100 and, in a result written before the conventional
+    # arm's seconds_trained existed, 30 over its last validation's 120 s.
+    for seed, (level2, conventional) in zip(seeds, ((60.0, {"seconds_trained": 150.0}), (90.0, {"seconds_trained": 100.0}),
+                                                    (30.0, {"val_curve": [[400, 61.0, 0.3], [800, 120.0, 0.1]]}))):  # fmt: skip
+        seed["time_to_quality"] = {"level2": {"seconds_trained": level2}, "conventional": conventional}
     pooled = pool(seeds)
     assert (pooled["time_ratio"], pooled["success_ratio"], pooled["seeds"]) == (0.18, 0.95, [0, 1, 2])
+    assert pooled["trained_time_ratio"] == pytest.approx(0.4)  # the median of 0.4, 0.9 and 0.25
     seeds[1]["success_ratio"] = float("nan")
     assert math.isnan(pool(seeds)["success_ratio"]) and pool(seeds)["time_ratio"] == 0.18
 
@@ -145,7 +151,8 @@ def test_pooled_success_counts_every_seeds_episodes_and_keeps_the_floor():
     def seed(s, conv, l2):
         arms = {"conventional": {"successes": conv, "episodes": 200}, "level2": {"successes": l2, "episodes": 200}}
         return {"seed": s, "time_ratio": 0.2, "memory_ratio": 0.2, "total_memory_ratio": 0.9, "success_ratio": 1.0,
-                "per_step_time_ratio": 0.1, "success": arms}  # fmt: skip
+                "per_step_time_ratio": 0.1, "success": arms,
+                "time_to_quality": {"level2": {"seconds_trained": 1.0}, "conventional": {"seconds_trained": 2.0}}}  # fmt: skip
 
     pooled = l2_script().pool_seeds([seed(0, 120, 115), seed(1, 110, 107)])["success_pooled"]
     assert (pooled["conventional"]["successes"], pooled["level2"]["successes"]) == (230, 222)
