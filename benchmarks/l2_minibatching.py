@@ -74,8 +74,9 @@ Protocol history (runs as README.md reports them):
   at 800 steps, the setting. Three seeds: ``time_ratio=0.472 memory_ratio=0.253 success_ratio=1.034`` (pooled
   success ratio 1.030 [0.944, 1.123]). The JSON adds ``trained_time_ratio``, the training time of the two
   checkpoints whose success is compared (0.633 here: Level-2 is credited at its first validation below the target,
-  step 1,600, and trains on to the second, here the step cap of 2,400). Post hoc, ``--val-every 25``: ``time_ratio=0.355 memory_ratio=0.216
-  success_ratio=0.816``.
+  step 1,600, and trains on to the second, here the step cap of 2,400). Post hoc, ``--val-every 25``:
+  ``time_ratio=0.355 memory_ratio=0.216 success_ratio=0.816``. Reach's Level-2 arm at S = 4,000 (64 px):
+  ``time_ratio=0.505 memory_ratio=0.275 success_ratio=nan`` (14.0% against 22.5%).
 """
 
 from __future__ import annotations

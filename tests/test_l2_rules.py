@@ -173,7 +173,7 @@ def test_a_bad_encoder_folder_or_a_pilot_over_seeds_is_refused_in_one_line_befor
     assert not (tmp_path / "out").exists()
 
 
-def test_demonstrations_of_another_task_or_size_are_recorded_again_and_the_same_ones_reused(tmp_path, monkeypatch):
+def test_demonstrations_of_another_task_or_count_are_recorded_again_and_the_same_ones_reused(tmp_path, monkeypatch):
     # The dataset is cached in --out: a lift run pointed at a folder holding reach's demonstrations must not
     # train on them. `record` itself is replaced: only the rule deciding whether to call it is under test.
     import argparse
