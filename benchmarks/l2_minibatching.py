@@ -658,9 +658,9 @@ def run_one(args) -> dict:
         "success_ratio_ci95": list(ratio_ci95) if conv_rate >= SUCCESS_FLOOR else [float("nan")] * 2,
         "total_memory_ratio": main_row["total_memory_ratio"],
         "per_step_time_ratio": main_row["time_ratio"], "minutes": round((time.time() - started) / 60, 1),
-        "trained_time_ratio": quality["level2"]["seconds_trained"] / quality["conventional"]["seconds_trained"],
         "args": {k: v for k, v in vars(args).items() if k != "measure_step"}, "seed": args.seed,
     }  # fmt: skip
+    result["trained_time_ratio"] = trained_time_ratio(result)
     print(f"target validation loss {quality['target_val_loss']:.4f}: conventional "
           f"{quality['conventional']['seconds_to_target']:.0f} s, level-2 "
           f"{'not reached' if l2_seconds is None else f'{l2_seconds:.0f} s'}; success "
