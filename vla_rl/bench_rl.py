@@ -76,6 +76,17 @@ Protocol history (runs as README.md reports them, each by its final line):
   defaults for ``--policy_type=autoregressive_vla`` from now on: ``action_tokenizer=uniform_bins``,
   ``train_steps`` 0 = 12,000 for it, 4,000 for diffusion as before). The four intervals overlap: the
   selection picks the best point estimate, as fixed, not a setting shown better.
+- 2026-12-06, an amendment fixed before any of its runs (RL under delay: score and credit only what runs).
+  Every run under it evaluates ``--eval_episodes=200`` held-out episodes (seed 5000) and uses training seeds
+  2 and 3, which no published run used. (a) Before and after: seed 2 of the default diffusion protocol on
+  the code of the commit that adds this entry (each decision scored over all 16 chunk rows, credited from its
+  request to the next request), then seed 2 again on the code that scores only the rows that ran and credits
+  each decision with the steps its own rows ran; the second run reuses the first run's demonstrations and
+  imitation checkpoint (copied; that stage's code is unchanged), PPO and GRPO arms, every other setting the
+  default. (b) The target (PPO and GRPO each >= 0.93 on each of seeds 2 and 3) is judged on the code and
+  defaults in force when those runs start; a change of a default (the critic, its warm-up, the learning rate,
+  groups from saved states) is fixed in a dated entry here before the run it governs, and is chosen from
+  these PPO and GRPO arms only (the latency benchmarks' arms play no part in it).
 """
 
 from __future__ import annotations
