@@ -105,7 +105,8 @@ def check_policy_on_gpu(device) -> dict:
         assert gaps[kind] < 1e-3, (kind, gaps[kind])
         actor = policy.rl_actor(ExplorationNoise(eta=0.0, min_std=0.1))
         chunk, chain = actor.act(on(obs), torch.zeros(4, dtype=torch.long, device=device))
-        scored = actor.score(on(obs), chain)
+        executed = torch.arange(policy.config.horizon, device=device).expand(4, -1) < 4  # the rows that ran
+        scored = actor.score(on(obs), chain, executed)
         assert chunk.actions.device.type == device.type and torch.isfinite(scored.values).all()
         policy.add_latency_head(2, 0.5, ["front"])
         mid = {"observation.committed_actions": torch.zeros(4, 2, 2), "observation.committed_mask": torch.zeros(4, 2, dtype=torch.bool),
@@ -138,7 +139,7 @@ def check_shell_on_gpu(device) -> dict:
         while ended < 64:
             chunk = ActionChunk(hold[:, None].expand(-1, 8, -1).contiguous(), shell.obs_step)
             _, _, terminated, truncated, info, need = shell.step(chunk)
-            assert need.device.type == device.type and info["transition"].reward.device.type == device.type
+            assert need.device.type == device.type and info["trace"].source.device.type == device.type
             ended += int((terminated | truncated).sum())
     return {"episodes": ended, "seconds": round(time.perf_counter() - start, 2)}
 
@@ -263,7 +264,7 @@ def check_autoregressive_vla_on_gpu(device) -> dict:
         assert torch.equal(decoded.ids.cpu(), cpu_tokens.ids) and torch.equal(decoded.mask.cpu(), cpu_tokens.mask)
     actor = policy.rl_actor(ExplorationNoise(eta=0.0, min_std=0.1))
     chunk, decision = actor.act(on_gpu, torch.zeros(8, dtype=torch.long, device=device))
-    scored = actor.score(on_gpu, decision)
+    scored = actor.score(on_gpu, decision, torch.arange(policy.config.horizon, device=device).expand(8, -1) < 4)
     scored.values[scored.mask].sum().backward()
     grads = [p.grad for p in policy.parameters() if p.grad is not None]
     assert chunk.actions.device.type == device.type and torch.isfinite(scored.values).all()

@@ -56,6 +56,12 @@ class DenoisingChain:
     eta is an addition for the epsilon objective: DDIM's step mean depends on it (the std alone does
     not tell it once the ``min_std`` floor applies), so the chain records the eta it was sampled with.
     None: not recorded (the flow objective does not need it; the epsilon objective refuses the chain).
+
+    executed: which rows of the chunk ran, set by the learner from the rollout (`with_executed`): the final
+    step's samples of the other rows change no executed action, so its density leaves them out (every
+    earlier step keeps every row: they feed the later steps through the network). None: every row.
+    executed_dims: the action dimensions the robot runs, the first ones (a LeRobot VLA's sampler pads its
+    actions to max_action_dim; the final step's padding runs nowhere either); None: every dimension.
     """
 
     # (B, K+1, H, A): latents[:, 0] the initial noise, latents[:, k+1] the sample of step k; latents[:, K]
@@ -66,6 +72,8 @@ class DenoisingChain:
     # log-prob; None when none
     known: torch.Tensor | None = None
     eta: float | None = None  # the DDIM eta of the epsilon objective's step means (see above)
+    executed: torch.Tensor | None = None  # (B, H) bool, the rows that ran (see above); None: all
+    executed_dims: int | None = None  # the first A' dimensions run (see above); None: all
 
     def __len__(self) -> int:
         return self.latents.shape[0]
@@ -74,7 +82,28 @@ class DenoisingChain:
         """The chains of ``rows``: a long index or a bool mask over B."""
         rows = rows.to(self.latents.device)
         known = None if self.known is None else self.known[rows]
-        return DenoisingChain(self.latents[rows], self.std, known, self.eta)
+        executed = None if self.executed is None else self.executed[rows]
+        return DenoisingChain(self.latents[rows], self.std, known, self.eta, executed, self.executed_dims)
+
+    def with_executed(self, executed: torch.Tensor | None, dims: int | None = None) -> DenoisingChain:
+        """The chain with what of its final step ran: rows (B, H') bool, H' <= H rows of the chunk from its
+        first (rows past H' never run: a LeRobot VLA's sampler integrates more rows than its horizon), and the
+        first ``dims`` action dimensions; None: every row, every dimension."""
+        a = self.latents.shape[3]
+        if dims is not None and not 1 <= dims <= a:
+            raise ValueError(f"executed dims must be in [1, {a}] for this chain, got {dims}")
+        dims = None if dims == a else dims
+        if executed is None:
+            return DenoisingChain(self.latents, self.std, self.known, self.eta, None, dims)
+        b, h = self.latents.shape[0], self.latents.shape[2]
+        if executed.ndim != 2 or executed.shape[0] != b or executed.shape[1] > h or executed.dtype != torch.bool:
+            raise ValueError(
+                f"executed rows must be (B, <= H) = ({b}, <= {h}) bool for this chain, got {executed.dtype} "
+                f"{tuple(executed.shape)}"
+            )
+        padded = torch.zeros(b, h, dtype=torch.bool, device=self.latents.device)
+        padded[:, : executed.shape[1]] = executed.to(padded.device)
+        return DenoisingChain(self.latents, self.std, self.known, self.eta, padded, dims)
 
     @staticmethod
     def cat(chains: list[DenoisingChain]) -> DenoisingChain:
@@ -88,6 +117,8 @@ class DenoisingChain:
             if c.eta != first.eta:
                 raise ValueError(f"chains sampled with different eta ({first.eta}, {c.eta}) cannot be concatenated")
         device = first.latents.device
+        if any(c.executed is not None or c.executed_dims is not None for c in chains):
+            raise ValueError("chains with executed rows are scored, not concatenated; concatenate them before")
         latents = torch.cat([c.latents.to(device) for c in chains])
         known = None
         if any(c.known is not None for c in chains):
@@ -100,7 +131,9 @@ class DenoisingChain:
 
     def to(self, device) -> DenoisingChain:
         known = None if self.known is None else self.known.to(device)
-        return DenoisingChain(self.latents.to(device), self.std.to(device), known, self.eta)
+        executed = None if self.executed is None else self.executed.to(device)
+        return DenoisingChain(self.latents.to(device), self.std.to(device), known, self.eta, executed,
+                              self.executed_dims)  # fmt: skip
 
     def check_density(self) -> None:
         """Raise ValueError unless every step's std is > 0 (a step with std 0 is a point mass: no density)."""
@@ -121,11 +154,21 @@ class DenoisingChain:
 
     def step_log_prob(self, means: torch.Tensor) -> torch.Tensor:
         """(B, K) log-density of each step's sample latents[:, k+1] under N(means[:, k], std[k]^2),
-        summed over the chunk elements that are not known. means: (B, K, H, A)."""
-        b, k = means.shape[:2]
+        summed over the chunk elements that are not known and, in the final step, over the executed rows
+        and dimensions only. means: (B, K, H, A)."""
+        b, k, h, a = means.shape[:4]
         mask = None
-        if self.known is not None:
-            mask = (~self.known)[:, None, :, None].expand_as(means).flatten(0, 1)
+        if self.known is not None or self.executed is not None or self.executed_dims is not None:
+            dev = means.device
+            mask = torch.ones(b, k, h, a, dtype=torch.bool, device=dev)  # the elements each step's density covers
+            if self.known is not None:
+                mask = mask & ~self.known.to(dev)[:, None, :, None]
+            last = torch.arange(k, device=dev)[None, :, None, None] == k - 1
+            if self.executed is not None:
+                mask = mask & (~last | self.executed.to(dev)[:, None, :, None])
+            if self.executed_dims is not None:
+                mask = mask & (~last | (torch.arange(a, device=dev) < self.executed_dims))
+            mask = mask.flatten(0, 1)
         std = self.std.to(means).repeat(b).view(b * k, *(1,) * (means.ndim - 2))  # row b * K + k: std[k]
         x = self.latents[:, 1:].to(means).flatten(0, 1)
         return gaussian_log_prob(x, means.flatten(0, 1), std, mask).view(b, k)
@@ -320,7 +363,10 @@ class DenoisingActor:
         chunk, chain, _ = self.policy.sample_with_log_prob(obs, obs_step, noise=self.noise)
         return chunk, chain
 
-    def score(self, obs: dict, chain: DenoisingChain) -> FactorLogProb:
+    def score(self, obs: dict, chain: DenoisingChain, executed: torch.Tensor | None = None) -> FactorLogProb:
+        """(B, K) per denoising step; the final step over the ``executed`` rows and the policy's action dimensions
+        only (`DenoisingChain.executed`)."""
+        chain = chain.with_executed(executed, self.policy.config.action_dim)
         return FactorLogProb(self.policy.log_prob(obs, chain, per_step=True))
 
     def value_features(self, obs: dict) -> torch.Tensor:

@@ -11,6 +11,11 @@ tokens have moved, so a summed log-probability would clip (and stop training) al
 per-token ratio is what token-level PPO and GRPO for VLAs use (SimpleVLA-RL, RLinf). Each token's
 advantage is its chunk's.
 
+Scored tokens: a token written after the last row that ran changes no executed action (the tokens a row is
+written in come before the next row's), so when the policy's tokens are written row by row (uniform bins: row
+j's A values are tokens jA .. jA + A - 1, `TokenRL.token_rows`) those tokens leave the score; every earlier
+token stays, as later tokens read it. FAST's tokens are DCT coefficients of the whole chunk: every one stays.
+
 Sampling and scoring use the same distribution: the logits over the allowed tokens divided by tau.
 Exploration is the temperature (``--noise.temperature``, default 1: the model's own distribution);
 evaluation and serving decode greedily (``policy.temperature`` 0), the mode of the distribution RL trains.
@@ -96,10 +101,21 @@ class TokenActor:
         ids = pad_columns(decoded.ids, self.num_factors)
         return chunk, TokenDecision(ids, pad_columns(decoded.mask, self.num_factors, False))
 
-    def score(self, obs: dict, decision: TokenDecision) -> FactorLogProb:
+    def score(self, obs: dict, decision: TokenDecision, executed: torch.Tensor | None = None) -> FactorLogProb:
+        """(B, F) per token; the mask leaves out the tokens after the last executed row (module docstring)."""
         ids, mask = decision.trimmed()
         values = self.policy.token_log_prob(obs, ids, mask, self.temperature)
-        return FactorLogProb(pad_columns(values, self.num_factors), decision.mask.to(values.device))
+        return FactorLogProb(pad_columns(values, self.num_factors), self.scored_tokens(decision, executed))
+
+    def scored_tokens(self, decision: TokenDecision, executed: torch.Tensor | None) -> torch.Tensor:
+        """(B, F) bool: the tokens written that an executed row depends on. executed: (B, H) bool, the rows that
+        ran (None: all, every written token)."""
+        mask = decision.mask.to(self.device)
+        rows = self.policy.token_rows(self.num_factors)
+        if executed is None or rows is None:
+            return mask
+        last = torch.where(executed, torch.arange(executed.shape[1], device=executed.device), -1).amax(1)  # (B,)
+        return mask & (rows.to(mask.device)[None, :] <= last.to(mask.device)[:, None])
 
     def entropy(self, obs: dict, decision: TokenDecision) -> torch.Tensor:
         """(B, F) the entropy of each token's sampling distribution (0 where no token was written)."""
@@ -121,7 +137,9 @@ class TokenRL:
     - ``sample_tokens(obs, obs_step, temperature)`` -> (ActionChunk, `token_decoding.Decoded`), no autograd;
     - ``token_log_prob(obs, ids, mask, temperature, entropy=False)`` -> (B, T), with autograd;
     - ``prefix_features(obs)`` (B, ``feature_dim``) for a value head; ``token_budget``, the most tokens a
-      sequence has.
+      sequence has;
+    - ``token_rows(width)`` -> (width,) long, the chunk row each token position writes, or None when tokens
+      do not map to rows (FAST).
     """
 
     def rl_actor(self, noise, augmentation_width: int = 0) -> TokenActor:

@@ -199,7 +199,7 @@ def test_a_grpo_step_raises_the_log_prob_of_rewarded_sequences_and_lowers_penali
         denv = DelayedChunkEnv(env, LatencySpec.of(policy), ChunkingConfig(execute_steps=4), DelayModel(DelayConfig()))
         rollout, _ = collect(actor, denv, episodes_per_world=1, seed=grpo.group_seeds(4, 2, 0))
     rollout.success = rollout.world % 2 == 0
-    before = batched_score(actor, rollout.obs, rollout.decision, 64)
+    before = batched_score(actor, rollout, 64)
     step = GradientStep(torch.optim.SGD(policy.parameters(), lr=1e-3), max_grad_norm=0)
     settings = UpdateSettings(
         epochs=1, minibatch_size=len(rollout), clip_low=0.2, clip_high=0.28, factors=slice(None), pcgrad=False,
@@ -208,7 +208,7 @@ def test_a_grpo_step_raises_the_log_prob_of_rewarded_sequences_and_lowers_penali
     stats = grpo.update(actor, rollout, Anchors(before), cfg=GRPOConfig(group_size=2), actor_step=step,
                         settings=settings)  # fmt: skip
     assert stats["groups_dropped"] == 0
-    change = (batched_score(actor, rollout.obs, rollout.decision, 64).values - before.values).sum(1)  # (M,)
+    change = (batched_score(actor, rollout, 64).values - before.values).sum(1)  # (M,)
     assert change[rollout.success].mean() > 0 > change[~rollout.success].mean()
 
 

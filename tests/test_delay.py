@@ -10,54 +10,10 @@ import json
 import numpy as np
 import pytest
 import torch
-from shells import make_shell
+from shells import CountingEnv, make_shell
 
 from vla_core.runtime import DelayConfig, DelayModel, LatencySpec, latencies_to_steps
-from vla_core.runtime.transition import ChunkTransition
 from vla_core.types import OBS_COMMITTED_ACTIONS, OBS_COMMITTED_MASK, OBS_DELAY_STEPS, ActionChunk
-
-
-class CountingEnv:
-    """A minimal env with 1-D actions that records what is applied, with the reset/step part of the
-    BatchedEnv contract the delay shell uses; episodes last `length` steps (one length, or one per world)."""
-
-    def __init__(self, num_envs=1, length=1000):
-        self.num_envs, self.action_dim, self.device = num_envs, 1, torch.device("cpu")
-        self.length = np.asarray(length)
-        self.applied: list[list[float]] = [[] for _ in range(num_envs)]
-        self.t = np.zeros(num_envs, dtype=np.int64)
-
-    def _obs(self):
-        return {
-            "observation.state": torch.from_numpy(self.t[:, None].astype(np.float32)),
-            "task": ["count"] * self.num_envs,
-        }
-
-    def reset(self, seed=None, *, worlds=None):
-        self.t[slice(None) if worlds is None else worlds] = 0
-        return self._obs()
-
-    def get_state(self, worlds=None):
-        return [{"t": int(self.t[w]), "episode_step": int(self.t[w])} for w in range(self.num_envs)
-                if worlds is None or w in worlds]  # fmt: skip
-
-    def set_state(self, states, worlds=None):
-        for w, state in zip(range(self.num_envs) if worlds is None else worlds, states, strict=True):
-            self.t[w] = state["t"]
-        return self._obs()
-
-    def step(self, actions):
-        for i in range(self.num_envs):
-            self.applied[i].append(float(actions[i, 0]))
-        reward = torch.from_numpy(self.t.astype(np.float32))  # the index of the step just taken
-        self.t += 1
-        trunc = torch.from_numpy(self.t >= self.length)
-        self.t[trunc.numpy()] = 0
-        zeros = torch.zeros(self.num_envs, dtype=torch.bool)
-        return self._obs(), reward, zeros, trunc, {"success": zeros.clone()}
-
-    def hold_actions(self):
-        return torch.full((self.num_envs, 1), -1.0)
 
 
 def run(d, s, horizon, steps, merge="latest", coeff=0.0, length=1000):
@@ -266,87 +222,98 @@ def test_per_world_schedules_across_episode_ends():
         assert sum(a != -1 for a in env.applied[i]) > len(env.applied[i]) // 3
 
 
-def transition_rows(t: ChunkTransition) -> list[tuple]:
-    """Per world: (ready, start_step, steps, reward, truncated)."""
-    return list(zip(t.ready.tolist(), t.start_step.tolist(), t.steps.tolist(), t.reward.tolist(), t.truncated.tolist()))
+def trace_rows(trace) -> list[list[tuple]]:
+    """Per world, per step of a call: (source, row, reward, truncated)."""
+    return [list(zip(*(getattr(trace, f)[w].tolist() for f in ("source", "row", "reward", "truncated"))))
+            for w in range(trace.reward.shape[0])]  # fmt: skip
 
 
-def test_chunk_transitions_sum_each_worlds_reward_since_its_own_request():
+def test_the_step_trace_names_the_chunk_and_row_each_step_ran():
     """d=1, s=2: a world requests at steps 0, 2, 4, ...; world 1's episodes last 3 steps, world 0's 100.
 
-    Rewards are the in-episode step index. World 1's second chunk (asked at step 2) ends with its
-    episode after one step (reward 2, truncated); it asks again at its step 0 while world 0 is at
-    step 3, so from then on the two worlds' requests fall in different calls.
+    Each step's source is the step its chunk was conditioned on, and its row the index in that chunk; a
+    step before the episode's first chunk holds (-1, -1). World 1's episode ends at its step 2 (truncated);
+    its new episode holds at its step 0 while world 0 runs chunk 1's row 1 (requested at 2, arrived at 3).
+    The ledger then closes world 1's first decision with its episode (steps 1, 2: rows 1, 2) and world 0's
+    when chunk 1's first row runs: steps 1, 2, not the steps from its request (0, 1).
     """
+    from vla_core.runtime.transition import ExecutionCredit
+
     env = CountingEnv(num_envs=2, length=[100, 3])
     wrapper = make_shell(env, 4, 2, DelayModel(DelayConfig(kind="fixed", steps=1)))
     wrapper.reset()
+    credit = ExecutionCredit(2, gamma=0.5)
     chunk = lambda: ActionChunk(torch.zeros(2, 4, 1), wrapper.obs_step)  # the actions do not matter
 
     _, reward, _, trunc, info, need = wrapper.step(chunk())  # steps 0 and 1 for both
     assert need.tolist() == [True, True] and reward.tolist() == [1.0, 1.0]
-    assert transition_rows(info["transition"]) == [(True, 0, 2, 1.0, False), (True, 0, 2, 1.0, False)]
+    assert trace_rows(info["trace"]) == [[(-1, -1, 0.0, False), (0, 1, 1.0, False)]] * 2
+    assert credit.add(info["trace"]) == []
 
     _, reward, _, trunc, info, need = wrapper.step(chunk())  # step 2: world 1's episode ends
     assert need.tolist() == [False, True] and trunc.tolist() == [False, True] and reward.tolist() == [2.0, 2.0]
-    assert transition_rows(info["transition"]) == [(False, 2, 1, 2.0, False), (True, 2, 1, 2.0, True)]
+    assert trace_rows(info["trace"]) == [[(0, 2, 2.0, False)], [(0, 2, 2.0, True)]]
+    (ended,) = credit.add(info["trace"])
+    assert (ended.world, ended.source, ended.first_row, ended.last_row, ended.steps) == (1, 0, 1, 2, 2)
+    assert (ended.reward, ended.discount, ended.truncated, ended.terminated) == (1 + 0.5 * 2, 0.25, True, False)
 
     _, reward, _, trunc, info, need = wrapper.step(chunk())  # world 0 at step 3, world 1 at its step 0
     assert need.tolist() == [True, False] and reward.tolist() == [3.0, 0.0]  # per call: this step only
-    assert transition_rows(info["transition"]) == [(True, 2, 2, 5.0, False), (False, 0, 1, 0.0, False)]
+    assert trace_rows(info["trace"]) == [[(2, 1, 3.0, False)], [(-1, -1, 0.0, False)]]
+    (switched,) = credit.add(info["trace"])
+    assert (switched.world, switched.source, switched.first_row, switched.last_row) == (0, 0, 1, 2)
+    assert (switched.reward, switched.discount, switched.truncated) == (1 + 0.5 * 2, 0.25, False)
 
     _, reward, _, trunc, info, need = wrapper.step(chunk())  # world 0 at step 4, world 1 at step 1
     assert need.tolist() == [False, True] and reward.tolist() == [4.0, 1.0]
-    assert transition_rows(info["transition"]) == [(False, 4, 1, 4.0, False), (True, 0, 2, 1.0, False)]
-    assert not info["transition"].terminated.any()
+    assert trace_rows(info["trace"]) == [[(2, 2, 4.0, False)], [(0, 1, 1.0, False)]]
+    assert not info["trace"].terminated.any() and credit.add(info["trace"]) == []
 
 
-def test_chunk_transitions_discount_each_step_from_their_own_request():
-    """The same timeline with gamma = 0.5: world 0's transition from step 2 holds rewards 2 and 3,
-    so 2 + 0.5 * 3 = 3.5 and discount 0.25; world 1's last-step-of-episode transition holds 2 alone."""
-    env = CountingEnv(num_envs=2, length=[100, 3])
-    wrapper = make_shell(env, 4, 2, DelayModel(DelayConfig(kind="fixed", steps=1)), gamma=0.5)
+def test_a_step_that_held_after_its_chunk_ran_out_stays_its_decisions():
+    """d=3 > s=2, H=4: chunk k (asked at 3k) arrives at 3k + 3 with only row 3 left, then the queue runs dry
+    and the last action is held for two steps: those steps are still the chunk's (row -1, source kept)."""
+    env = CountingEnv()
+    wrapper = make_shell(env, 4, 2, DelayModel(DelayConfig(kind="fixed", steps=3)))
     wrapper.reset()
-    chunk = lambda: ActionChunk(torch.zeros(2, 4, 1), wrapper.obs_step)
-    _, _, _, _, info, _ = wrapper.step(chunk())  # steps 0, 1: rewards 0 and 1
-    t = info["transition"]
-    assert t.discounted_reward.tolist() == [0.5, 0.5] and t.discount.tolist() == [0.25, 0.25]
-    _, _, _, _, info, _ = wrapper.step(chunk())  # world 1 ends at step 2
-    t = info["transition"]
-    assert t.discounted_reward.tolist() == [2.0, 2.0] and t.discount.tolist() == [0.5, 0.5]
-    _, _, _, _, info, _ = wrapper.step(chunk())  # world 0 completes steps 2 and 3
-    t = info["transition"]
-    assert t.ready.tolist() == [True, False]
-    assert t.discounted_reward.tolist() == [3.5, 0.0] and t.discount.tolist() == [0.25, 0.5]
-    with pytest.raises(ValueError, match="gamma must be in"):
-        make_shell(env, 4, 2, DelayModel(DelayConfig(kind="fixed", steps=1)), gamma=0.0)
+    sources, rows = [], []
+    for _ in range(3):
+        info = wrapper.step(ActionChunk(torch.zeros(1, 4, 1), wrapper.obs_step))[4]
+        sources += info["trace"].source[0].tolist()
+        rows += info["trace"].row[0].tolist()
+    assert sources == [-1, -1, -1, 0, 0, 0, 3, 3, 3]
+    assert rows == [-1, -1, -1, 3, -1, -1, 3, -1, -1]
 
 
-def test_chunk_transitions_do_not_change_the_per_call_results():
-    """The transitions ride along: applied actions and per-call sums are what they were without them."""
+def test_the_trace_rides_along_and_every_reward_after_the_first_chunk_lands_in_one_window():
+    """Applied actions and per-call sums are what they were without the trace; the per-step rewards add up to
+    the per-call sums, and the ledger pays each reward of a step some chunk's row ran exactly once."""
+    from vla_core.runtime.transition import ExecutionCredit
+
     env = CountingEnv(num_envs=3, length=[7, 5, 9])
     wrapper = make_shell(env, 6, 2, DelayModel(DelayConfig(kind="uniform", low=0, high=4, seed=3)))
     wrapper.reset()
-    call_rewards, transition_rewards = np.zeros(3), np.zeros(3)
+    credit = ExecutionCredit(3)
+    call_rewards, paid, credited = np.zeros(3), np.zeros(3), np.zeros(3)
     for _ in range(40):
         steps = wrapper.obs_step
         chunk = ActionChunk(torch.arange(6, dtype=torch.float32).repeat(3, 1)[..., None] + steps[:, None, None], steps)
-        _obs, reward, _, _, info, need = wrapper.step(chunk)
+        _obs, reward, _, _, info, _need = wrapper.step(chunk)
         call_rewards += reward.numpy()
-        t = info["transition"]
-        assert torch.equal(t.ready, need)
-        transition_rewards += np.where(t.ready.numpy(), t.reward.numpy(), 0.0)
-    # Every reward lands in exactly one completed transition, save those of the transitions still running.
-    running = np.where(t.ready.numpy(), 0.0, t.reward.numpy())
-    np.testing.assert_array_equal(transition_rewards + running, call_rewards)
-    # The rewards are step indices: each world's total is the sum over its episodes' steps so far.
+        trace = info["trace"]
+        np.testing.assert_array_equal(trace.reward.sum(1).numpy(), reward.numpy())
+        paid += np.where(trace.source.numpy() >= 0, trace.reward.numpy(), 0.0).sum(1)
+        for window in credit.add(trace):
+            credited[window.world] += window.reward
+    running = np.array([0.0 if w is None else w["reward"] for w in credit._open])
+    np.testing.assert_array_equal(credited + running, paid)
     for i, length in enumerate([7, 5, 9]):
         in_episode = [s % length for s in range(len(env.applied[i]))]
         assert call_rewards[i] == sum(in_episode)
 
 
 @pytest.mark.parametrize("how", ["reset", "set_state"])
-def test_a_world_restarted_alone_forgets_its_chunks_and_opens_a_new_transition(how):
+def test_a_world_restarted_alone_forgets_its_chunks(how):
     """d = 1, two steps per chunk, chunk k = [10k + j]. Both worlds run chunk 0 ([-1 held, 1]) and request
     at step 2; then world 1 alone restarts (a reset to t = 0, or world 0's state loaded: t = 2). World 0
     goes on from its queue (2, then chunk 1's 11); world 1's queue and step count are gone, so it holds
@@ -366,9 +333,10 @@ def test_a_world_restarted_alone_forgets_its_chunks_and_opens_a_new_transition(h
     assert need.tolist() == [True, True] and wrapper.obs_step.tolist() == [2, 0] and env.t.tolist() == [2, t1]
     info = wrapper.step(chunk(1))[4]
     assert env.applied == [[-1, 1, 2, 11], [-1, 1, -1, 11]]
-    transition = info["transition"]
-    assert transition.start_step.tolist() == [2, 0] and transition.steps.tolist() == [2, 2]
-    assert transition.reward.tolist() == [2 + 3, t1 + t1 + 1] and transition.ready.tolist() == [True, True]
+    # World 0 ran chunk 0's row 2, then chunk 1's (conditioned on step 2) row 1; world 1 held, then ran the row 1
+    # of the chunk conditioned on its new step 0.
+    assert trace_rows(info["trace"]) == [[(0, 2, 2.0, False), (2, 1, 3.0, False)],
+                                         [(-1, -1, t1, False), (0, 1, t1 + 1, False)]]  # fmt: skip
 
 
 def test_mid_inference_observation_waits_m_steps_into_the_window_and_the_chunk_still_starts_at_the_request():
@@ -398,7 +366,8 @@ def test_mid_inference_observation_waits_m_steps_into_the_window_and_the_chunk_s
     assert shell.obs_step.tolist() == [8]
     assert obs[OBS_COMMITTED_MASK].tolist() == [[True] * 4]
     assert obs[OBS_COMMITTED_ACTIONS].flatten().tolist() == [8, 9, 10, 11]
-    assert info["transition"].start_step.tolist() == [0] and info["transition"].steps.tolist() == [8]
+    assert info["trace"].source.tolist() == [[-1, -1] + [0] * 6]  # steps 2, 3 hold; 4 .. 9 run chunk 0
+    assert info["trace"].row.tolist() == [[-1, -1, 4, 5, 6, 7, 8, 9]]
 
     chunk1 = (10 + torch.arange(12, dtype=torch.float32)).reshape(1, 12, 1)
     shell.step(ActionChunk(chunk1, shell.obs_step))
@@ -407,7 +376,7 @@ def test_mid_inference_observation_waits_m_steps_into_the_window_and_the_chunk_s
 
 def test_an_episode_that_ends_before_the_mid_observation_drops_its_request():
     """Episodes of 9 steps: the request at step 8 (to be answered at 10) dies with its episode at 9.
-    That call returns at the episode's end, its transition complete, no policy asked; the next call
+    That call returns at the episode's end (chunk 0's rows 4 .. 8 ran), no policy asked; the next call
     runs the new episode's first 2 (held) steps and asks about its request at its step 0."""
     from vla_core.types import OBS_MID_STATE
 
@@ -418,9 +387,8 @@ def test_an_episode_that_ends_before_the_mid_observation_drops_its_request():
     chunk0 = torch.arange(12, dtype=torch.float32).reshape(1, 12, 1)
     _, _, _, trunc, info, need = shell.step(ActionChunk(chunk0, shell.obs_step))
     assert need.tolist() == [False] and trunc.tolist() == [True]
-    transition = info["transition"]
-    assert transition.ready.tolist() == [True] and transition.steps.tolist() == [7]  # steps 2..8, its own episode's
-    assert transition.reward.tolist() == [sum(range(2, 9))]  # the counting env's reward is the step index
+    assert trace_rows(info["trace"]) == [[(-1, -1, 2.0, False), (-1, -1, 3.0, False)]
+                                         + [(0, t, float(t), t == 8) for t in range(4, 9)]]  # fmt: skip
     assert env.applied[0] == [-1, -1, -1, -1, 4, 5, 6, 7, 8]
     obs, _, _, trunc, _, need = shell.step(ActionChunk(torch.zeros(1, 12, 1), shell.obs_step))
     assert need.tolist() == [True] and trunc.tolist() == [False]
@@ -429,24 +397,23 @@ def test_an_episode_that_ends_before_the_mid_observation_drops_its_request():
     assert shell.obs_step.tolist() == [0] and obs[OBS_COMMITTED_MASK].tolist() == [[False] * 4]
 
 
-def test_with_mid_observations_each_worlds_transition_ends_with_its_own_episode():
+def test_with_mid_observations_each_world_ends_its_own_episode():
     """Two worlds, episodes of 9 and 20 steps, d = 4, m = 2, both answered at step 2 with chunk 0. The
-    next call returns at step 9, where world 0's episode ended: its transition (steps 2..8) is
-    complete and no policy is asked. The one after returns at step 10, where world 1 is asked about
-    its request of step 8: its transition ran steps 2..9, world 0's new episode held meanwhile."""
+    next call returns at step 9, where world 0's episode ended (steps 2..8 ran: two holds, then chunk 0's
+    rows 4 .. 8) and no policy is asked. The one after returns at step 10, where world 1 is asked about
+    its request of step 8: it ran chunk 0's row 9, world 0's new episode held meanwhile."""
     env = CountingEnv(num_envs=2, length=[9, 20])
     shell = make_shell(env, 12, 8, DelayModel(DelayConfig(kind="fixed", steps=4)), mid_fraction=0.5)
     shell.reset(seed=0)
     shell.step(ActionChunk(torch.zeros(2, 12, 1), shell.obs_step))  # both answered at step 2
     chunk0 = torch.arange(12, dtype=torch.float32).reshape(1, 12, 1).expand(2, 12, 1)
     _, _, _, truncated, info, need = shell.step(ActionChunk(chunk0, shell.obs_step))
-    t = info["transition"]
     assert truncated.tolist() == [True, False] and need.tolist() == [False, False]
-    assert t.ready.tolist() == [True, False] and t.steps[0] == 7 and t.reward[0] == sum(range(2, 9))
+    ran = [(-1, -1, 2.0, False), (-1, -1, 3.0, False)] + [(0, t, float(t), False) for t in range(4, 9)]
+    assert trace_rows(info["trace"]) == [ran[:-1] + [(0, 8, 8.0, True)], ran]
     _, _, _, truncated, info, need = shell.step(ActionChunk(torch.zeros(2, 12, 1), shell.obs_step))
-    t = info["transition"]
     assert need.tolist() == [False, True] and truncated.tolist() == [False, False]
-    assert t.ready[1] and t.steps[1] == 8 and t.reward[1] == sum(range(2, 10))
+    assert trace_rows(info["trace"]) == [[(-1, -1, 0.0, False)], [(0, 9, 9.0, False)]]
     assert env.applied[1] == [-1, -1, -1, -1, 4, 5, 6, 7, 8, 9]
     assert env.applied[0] == [-1, -1, -1, -1, 4, 5, 6, 7, 8, -1]  # the new episode holds, its policy not asked yet
 

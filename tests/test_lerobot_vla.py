@@ -9,6 +9,7 @@ import json
 import math
 import re
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -116,8 +117,17 @@ def test_acting_and_scoring_agree_and_the_trainable_weights_get_gradients(tiny_v
         assert actor.value_features(_obs()).shape == (B, 8 * 4 + 11)
         chunk, chain, behaviour = policy.sample_with_log_prob(_obs(), noise=ExplorationNoise(min_std=0.1))
         assert chunk.actions.shape == (B, 8, 4) and chain.latents.shape == (B, 4, 8, 32)
+        every_dim = policy.log_prob(_obs(), chain, per_step=True)
+        torch.testing.assert_close(every_dim.sum(1), behaviour, rtol=1e-6, atol=1e-2)  # sums of ~2000
+        # The actor's score leaves out the final step's padded dimensions (4 run of 32): moving them changes
+        # the chain's density, not the score.
         scored = actor.score(_obs(), chain)
-        torch.testing.assert_close(scored.values.sum(1), behaviour, rtol=1e-6, atol=1e-2)  # sums of ~2000
+        torch.testing.assert_close(scored.values[:, :-1], every_dim[:, :-1].detach())
+        moved = replace(chain, latents=chain.latents.clone())
+        moved.latents[:, -1, :, 4:] += 1.0
+        with torch.no_grad():
+            torch.testing.assert_close(actor.score(_obs(), moved).values, scored.values.detach())
+            assert (policy.log_prob(_obs(), moved, per_step=True)[:, -1] < every_dim[:, -1] - 1).all()
         scored.values.sum().backward()
         grads = {n for n, p in policy.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
         backbone = {n for n in grads if ".paligemma." in n}
@@ -561,8 +571,9 @@ def test_smolvla_needs_its_vlms_config_and_its_zero_noise_chain_is_lerobots_samp
         ours = policy._chunk_out(predict(policy._model_batch(obs), noise=start), obs, None).actions
     torch.testing.assert_close(ours, lerobots, rtol=0, atol=0)
     _, chain, behaviour = policy.sample_with_log_prob(obs, noise=ExplorationNoise(min_std=0.1))
-    scored = policy.rl_actor(ExplorationNoise(min_std=0.1)).score(obs, chain)
-    torch.testing.assert_close(scored.values.sum(1), behaviour, rtol=1e-6, atol=1e-2)
+    torch.testing.assert_close(policy.log_prob(obs, chain).detach(), behaviour, rtol=1e-6, atol=1e-2)
+    scored = policy.rl_actor(ExplorationNoise(min_std=0.1)).score(obs, chain)  # the final step's 4 run dims
+    torch.testing.assert_close(scored.values[:, :-1], policy.log_prob(obs, chain, per_step=True)[:, :-1].detach())
     scored.values.sum().backward()
     assert any(p.grad is not None for p in policy.model.model.vlm_with_expert.lm_expert.parameters())
     # The steering hooks: LeRobot's loop is the Euler integral of the velocity hook; a repeated noise is finite.

@@ -157,7 +157,7 @@ def _rollout(world, episode, done, discount, reward) -> Rollout:
     return Rollout(
         obs={"observation.state": torch.zeros(m, 1), "task": ["t"] * m}, obs_step=torch.zeros(m, dtype=torch.long),
         decision=DenoisingChain(latents=torch.zeros(m, 2, 1, 1), std=torch.ones(1), known=None),
-        world=torch.tensor(world), episode=torch.tensor(episode), task=torch.zeros(m, dtype=torch.long),
+        executed=torch.ones(m, 1, dtype=torch.bool), world=torch.tensor(world), episode=torch.tensor(episode), task=torch.zeros(m, dtype=torch.long),
         reward=torch.tensor(reward), discount=torch.tensor(discount), steps=torch.ones(m, dtype=torch.long),
         done=torch.tensor(done), truncated=torch.zeros(m, dtype=torch.bool), success=torch.zeros(m, dtype=torch.bool),
         diverged=torch.zeros(m, dtype=torch.bool),

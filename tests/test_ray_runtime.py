@@ -125,7 +125,7 @@ def test_the_behaviour_log_probs_are_the_sampling_weights_and_the_correction_rea
         actor = policy.rl_actor(cfg.noise, augmentation_width=0)
         batch, _, info = workers.next_batch()
         assert (info["data_version_min"], info["data_version_max"]) == (0, 0)
-        version0 = batched_score(actor, batch.obs, batch.decision, 64)
+        version0 = batched_score(actor, batch, 64)
         torch.testing.assert_close(batch.behaviour_log_prob.values, version0.values, rtol=0, atol=1e-4)
         torch.manual_seed(0)
         with torch.no_grad():
@@ -133,7 +133,7 @@ def test_the_behaviour_log_probs_are_the_sampling_weights_and_the_correction_rea
                 p.add_(0.01 * torch.randn_like(p))
         workers.publish(policy)
         batch, _, _ = workers.next_batch()  # the rollouts in flight were launched with version 0
-        new = batched_score(actor, batch.obs, batch.decision, 64).values
+        new = batched_score(actor, batch, 64).values
         settings = UpdateSettings(epochs=1, minibatch_size=16, clip_low=0.2, clip_high=0.2, factors=slice(None),
                                   pcgrad=False, max_grad_norm=1.0, lr=1e-4, head_lr=1e-4,
                                   generator=torch.Generator(), seed=0, rho_bar=1.0)  # fmt: skip

@@ -30,6 +30,7 @@ def rollout_of(world, episode, reward, discount, done):
     return Rollout(
         obs={}, obs_step=torch.zeros(m, dtype=torch.long),
         decision=DenoisingChain(latents=torch.zeros(m, 2, 1, 1), std=torch.ones(1), known=None),
+        executed=torch.ones(m, 1, dtype=torch.bool),
         world=torch.tensor(world), episode=torch.tensor(episode), task=torch.zeros(m, dtype=torch.long),
         reward=torch.tensor(reward),
         discount=torch.tensor(discount), steps=torch.ones(m, dtype=torch.long), done=torch.tensor(done),
@@ -142,12 +143,12 @@ def test_a_grpo_step_raises_the_log_prob_of_the_chains_that_succeeded(tiny_check
     assert not rollout.success.any() and not rollout.diverged.any()
     assert rollout.truncated.equal(rollout.done) and int(rollout.truncated.sum()) == 4
     rollout.success = rollout.world % 2 == 0
-    before = batched_score(actor, rollout.obs, rollout.decision, 64)
+    before = batched_score(actor, rollout, 64)
     step = GradientStep(torch.optim.SGD(policy.parameters(), lr=1e-4), max_grad_norm=0)
     stats = grpo.update(actor, rollout, Anchors(before), cfg=GRPOConfig(group_size=2), actor_step=step,
                         settings=_settings(len(rollout)))  # fmt: skip
     assert stats["groups_dropped"] == 0 and stats["decisions"] == len(rollout)
-    change = (batched_score(actor, rollout.obs, rollout.decision, 64).values - before.values).sum(1)  # (M,)
+    change = (batched_score(actor, rollout, 64).values - before.values).sum(1)  # (M,)
     advantage = torch.where(rollout.success, 1.0, -1.0)  # each group: one success, one failure
     assert (advantage * change).sum() > 0
     assert change[rollout.success].mean() > change[~rollout.success].mean()
@@ -157,7 +158,8 @@ def test_training_only_the_last_denoising_steps_follows_only_their_gradient(tiny
     """GRPO with the loss on the last 2 of K denoising steps, one SGD step on one minibatch (ratio 1,
     nothing clipped): the loss is -mean_{i, k >= K-2} A_i r_ik, so the weights move by
     lr / (M * 2) * sum_i A_i * grad(log pi_{i,K-2} + log pi_{i,K-1}), worked out here from the
-    policy's per-step log-probabilities. All K steps would move them elsewhere."""
+    policy's per-step log-probabilities (the final step's over the rows that ran). All K steps would move
+    them elsewhere."""
     from sim.factory import make_env
     from vla_core.runtime import ChunkingConfig, DelayConfig, DelayModel, LatencySpec
     from vla_core.runtime.delayed_env import DelayedChunkEnv
@@ -178,7 +180,8 @@ def test_training_only_the_last_denoising_steps_follows_only_their_gradient(tiny
     params = [p for p in policy.parameters() if p.requires_grad]
 
     def gradient_of(steps: slice) -> list[torch.Tensor]:
-        per_step = policy.log_prob(rollout.obs, rollout.decision, per_step=True)[:, steps]
+        chain = rollout.decision.with_executed(rollout.executed)
+        per_step = policy.log_prob(rollout.obs, chain, per_step=True)[:, steps]
         objective = (advantage[:, None] * per_step).sum() / per_step.numel()
         return torch.autograd.grad(objective, params, allow_unused=True)
 
@@ -186,7 +189,7 @@ def test_training_only_the_last_denoising_steps_follows_only_their_gradient(tiny
     before = [p.detach().clone() for p in params]
     lr = 1e-3
     step = GradientStep(torch.optim.SGD(params, lr=lr), max_grad_norm=0)
-    old = batched_score(actor, rollout.obs, rollout.decision, 64).columns(last)
+    old = batched_score(actor, rollout, 64).columns(last)
     grpo.update(actor, rollout, Anchors(old), cfg=GRPOConfig(group_size=2), actor_step=step,
                 settings=_settings(len(rollout), factors=last))  # fmt: skip
     moved = torch.cat([(p.detach() - b).flatten() for p, b in zip(params, before, strict=True)])
@@ -303,6 +306,25 @@ def test_a_resumed_run_reaches_the_same_weights_as_an_uninterrupted_one(
     assert any(not torch.equal(a[k], initial[k]) for k in a)  # the run did learn something
     if algo == "grpo":  # from informative groups, found by refilling
         assert all(h["groups"] > h["groups_dropped"] and h["refills"] > 0 for h in straight["history"])
+
+
+def test_a_run_saved_before_the_executed_rows_credit_is_refused_in_one_line(tiny_checkpoint, tmp_path):
+    """A run whose state carries no credit marker scored every row and credited from request to request; its
+    resumed updates would mix the two estimators, so it is refused with the fix. Marked, it resumes."""
+    from vla_rl.rl.checkpointing import CREDIT, STATE_FILE
+
+    extra = {"ppo": PPOConfig(critic_warmup_iterations=0, episodes_per_world=1)}
+    finetune(small_run(tiny_checkpoint[0], tmp_path / "old", iterations=1, **extra))
+    state_file = next((tmp_path / "old" / "checkpoints").glob(f"step-*/training_state/{STATE_FILE}"))
+    saved = torch.load(state_file, weights_only=False)
+    assert saved["credit"] == CREDIT == "executed_rows"
+    del saved["credit"]
+    torch.save(saved, state_file)
+    with pytest.raises(ValueError, match=r"before RL scored only the chunk rows that ran.*start it anew") as err:
+        finetune(small_run(tiny_checkpoint[0], tmp_path / "old", resume=True, **extra))
+    assert "\n" not in str(err.value)
+    torch.save({**saved, "credit": CREDIT}, state_file)
+    assert finetune(small_run(tiny_checkpoint[0], tmp_path / "old", resume=True, **extra))["iterations"] == 2
 
 
 @pytest.mark.parametrize("latency_aware", [False, True], ids=["plain", "latency-aware"])
@@ -683,7 +705,7 @@ class _LinearActor:
         self.policy, self.num_factors, self.value_dim, self.device = self.module, 1, 1, torch.device("cpu")
         self._factor = FactorLogProb
 
-    def score(self, obs, decision):
+    def score(self, obs, decision, executed=None):
         return self._factor((self.module.theta * decision.x)[:, None])
 
     def value_features(self, obs):
@@ -891,7 +913,7 @@ def test_grpo_refills_until_the_batch_holds_informative_groups(monkeypatch):
     outcomes = iter([[1, 1, 0, 0], [1, 0, 0, 0], [1, 1, 1, 0], [0, 0, 0, 0]])
     seeds = []
 
-    def fake_collect(actor, shell, *, episodes_per_world, seed, task):
+    def fake_collect(actor, shell, *, episodes_per_world, seed, task, gamma):
         seeds.append(seed)
         success = torch.tensor(next(outcomes), dtype=torch.bool)
         r = rollout_of([0, 1, 2, 3], [0, 0, 0, 0], success.float().tolist(), [1.0] * 4, [True] * 4)
@@ -901,7 +923,7 @@ def test_grpo_refills_until_the_batch_holds_informative_groups(monkeypatch):
 
     monkeypatch.setattr(sources, "collect", fake_collect)
     cfg = FinetuneConfig(algo="grpo", env=EnvConfig(num_envs=4), grpo=GRPOConfig(group_size=2, max_refills=2))
-    local = sources.LocalRollouts(None, [None], cfg, TaskCurriculum(["lift"]), Processes())
+    local = sources.LocalRollouts(None, [None], cfg, 1.0, TaskCurriculum(["lift"]), Processes())
     batch = local.next(0)
     r = batch.rollout
     assert r.world.tolist() == [0, 1, 2, 3] and r.success.tolist() == [True, False, True, False]

@@ -8,7 +8,14 @@ wrapper around it (`PreTrainedPolicy.rl_actor`) that
 - ``score``s decisions under the current weights, with autograd, as log-probabilities per factor with
   a mask (`FactorLogProb`): one factor per denoising step of a chain, per token of a sequence, one
   for a single Gaussian draw. Per-factor ratios (DPPO's per-step ratio) and ``--train_last_steps``
-  work on any kind;
+  work on any kind. It scores only what could change an executed action: told which rows of each chunk
+  ran (``executed``), it leaves out the parts of the decision no executed row depends on, which add
+  only noise to every ratio, KL and entropy: a denoising chain's final-step samples of the rows that
+  did not run (earlier steps' rows feed later steps through the network, so they stay), a token
+  sequence's tokens after the last executed row when its tokens are written row by row (FAST's are
+  not: each token spans the chunk, and all stay). The score function of what is left out has mean
+  zero given the rest, so the policy gradient stays unbiased (`tests/test_executed_score.py` checks it
+  by brute force on toys);
 - gives the ``value_features`` a value head reads.
 
 The rollout (`vla_rl.rl.rollout`) stores decisions and the learners (`vla_rl.rl.ppo`, `vla_rl.rl.grpo`)
@@ -108,9 +115,10 @@ class RLPolicy(Protocol):
         """Sample a chunk per observation, with exploration, no autograd: (ActionChunk (B, H, A), B decisions)."""
         ...
 
-    def score(self, obs: Observation, decision: Decision) -> FactorLogProb:
+    def score(self, obs: Observation, decision: Decision, executed: torch.Tensor | None = None) -> FactorLogProb:
         """Log-probabilities (B, F) of ``decision`` (sampled from ``obs``, delay augmentation included) under
-        the current weights, with autograd."""
+        the current weights, with autograd, of the parts an executed row depends on. executed: (B, H) bool, the
+        rows of each chunk that ran (the rollout's ``executed``); None: every row."""
         ...
 
     def value_features(self, obs: Observation) -> torch.Tensor:

@@ -102,13 +102,13 @@ def run_dsrl(cfg: DSRLConfig) -> dict[str, Any]:
     envs = [make_env(setting) for setting in settings]
     try:
         shells = [DelayedChunkEnv(env, LatencySpec.of(policy), cfg.chunking, DelayModel(cfg.delay, env.control_dt),
-                                  use="finetune", gamma=cfg.sac.gamma) for env in envs]  # fmt: skip
+                                  use="finetune") for env in envs]  # fmt: skip
         history = load_state(state_file, agent, replay, shells, made_with) if state_file.exists() else []
         with interrupt.deferred():  # a stop signal ends the run after an iteration, its state saved
             for it in tqdm(range(len(history), cfg.iterations), desc="dsrl", unit="it", initial=len(history),
                            total=cfg.iterations):  # fmt: skip
                 rollout, stats = collect(agent, shells[it % len(shells)], episodes_per_world=cfg.episodes_per_world,
-                                         seed=cfg.seed + 1_000_000 + it)  # fmt: skip
+                                         seed=cfg.seed + 1_000_000 + it, gamma=cfg.sac.gamma)  # fmt: skip
                 if agent.gamma_chunk is None:
                     agent.gamma_chunk = chunk_discount(rollout, cfg.sac.gamma)
                     agent.loss.make_value_estimator(gamma=agent.gamma_chunk)

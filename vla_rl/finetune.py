@@ -339,9 +339,8 @@ def finetune(cfg: FinetuneConfig) -> dict:
         for env, env_cfg in zip(envs, env_cfgs, strict=True):
             check_policy_fits(policy, env, env_cfg)
         process_reward = load_process_reward(cfg.reward, envs, env_cfgs, policy.device)  # checked against every env
-        gamma = cfg.ppo.gamma if cfg.algo == "ppo" else 1.0  # the transitions' discount per control step
-        run, policy_dir = _wire(cfg, tasks, env_cfgs, envs, out, accelerator, processes, policy, factors, policy_dir,
-                                gamma)  # fmt: skip
+        gamma = cfg.ppo.gamma if cfg.algo == "ppo" else 1.0  # the credit windows' discount per control step
+        run, policy_dir = _wire(cfg, tasks, env_cfgs, envs, out, accelerator, processes, policy, factors, policy_dir)
         actor, run.process_reward = run.actor, process_reward
         if run.logging:
             accelerator.init_trackers("finetune", config={"algo": cfg.algo, "lr": cfg.lr, "tasks": ",".join(tasks)})
@@ -355,7 +354,7 @@ def finetune(cfg: FinetuneConfig) -> dict:
             if not cfg.resume and cfg.eval_every:
                 run.evaluation(actor.policy, policy_dir, run.state)
         rollouts = (RayRollouts(actor, cfg, gamma, run.state["iteration"], run.curriculum, processes)
-                    if cfg.runtime == "ray" else LocalRollouts(actor, run.shells, cfg, run.curriculum, processes))  # fmt: skip
+                    if cfg.runtime == "ray" else LocalRollouts(actor, run.shells, cfg, gamma, run.curriculum, processes))  # fmt: skip
         closing.callback(rollouts.close)
         start = time.time()
         _train(run, rollouts)
@@ -409,9 +408,7 @@ def trained_factors(train_last_steps: int, actor) -> slice:
     return slice(num_factors - train_last_steps, num_factors) if train_last_steps else slice(None)
 
 
-def _wire(
-    cfg, tasks, env_cfgs, envs, out, accelerator, processes, policy, factors, policy_dir, gamma
-) -> tuple[_Run, Path]:
+def _wire(cfg, tasks, env_cfgs, envs, out, accelerator, processes, policy, factors, policy_dir) -> tuple[_Run, Path]:
     """The run's delay streams, latency head, shells, learner and random streams, resumed or freshly seeded;
     returns it and the checkpoint it starts from (a warmed-up latency head's, when there is one)."""
     from vla_rl.rl import grpo, ppo
@@ -426,7 +423,7 @@ def _wire(
     policy_dir = make_latency_aware(cfg, policy, delay.max_steps + lead, out, envs[0].control_dt, processes) \
         or policy_dir  # fmt: skip
     spec = LatencySpec.of(policy)  # with its head, a latency-aware policy's mid observation
-    shells = [DelayedChunkEnv(env, spec, cfg.chunking, delay, use="finetune", gamma=gamma) for env in envs]
+    shells = [DelayedChunkEnv(env, spec, cfg.chunking, delay, use="finetune") for env in envs]
     width = shells[0].protocol.width  # the augmentation the rollouts carry, which the value features read
     actor = policy.rl_actor(cfg.noise, augmentation_width=width)
     # Eval mode throughout (no dropout): sampling and the update then score decisions with the same network.

@@ -252,6 +252,13 @@ class AutoregressiveVLAPolicy(TokenRL, PreTrainedPolicy):
 
     # -- RL (policies.token_actor.TokenRL) ------------------------------------------------------
 
+    def token_rows(self, width: int) -> torch.Tensor | None:
+        """(width,) long: the chunk row each token position writes (uniform bins: step-major, A tokens a row);
+        None for FAST, whose tokens each span the whole chunk (`policies.token_actor`)."""
+        if self.config.action_tokenizer != "uniform_bins":
+            return None
+        return torch.arange(width, device=self.device) // self.config.action_dim
+
     def token_log_prob(self, obs: dict, ids: torch.Tensor, mask: torch.Tensor, temperature: float,
                        entropy: bool = False) -> torch.Tensor:  # fmt: skip
         """(B, T) log-probabilities of decoded ``ids`` (B, T) with ``mask`` (B, T), teacher-forced, with autograd,

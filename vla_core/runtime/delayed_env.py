@@ -8,11 +8,11 @@ episodes it starts (``episode``, an evaluation plan's): a trace delay and a per-
 
 Host reads per control step: whether any world requests now (which ends the call); with a
 mid-inference observation also whether a policy is asked and whether an episode ended (which ends
-the call too: the ended world's transition is complete, and its new request is asked only m steps
+the call too: the ended world's episode is over, and its new request is asked only m steps
 on). A call reads once more, to refuse a submitted chunk with NaN or inf (and, replaying a trace, once per
-request opened, to look its delay up). For RL, each world's chunk
-is one transition (`ChunkTransition`, ``info["transition"]``), from its request to its next request
-or to the end of its episode; a call may complete some worlds' transitions and only advance others'.
+request opened, to look its delay up). For RL, each call also returns what every control step did
+(`StepTrace`, ``info["trace"]``: the reward and which chunk's row ran), from which RL credits each decision
+with the steps its own rows ran (`vla_core.runtime.transition.ExecutionCredit`); it costs no host read.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch
 from vla_core.runtime.config import ChunkingConfig
 from vla_core.runtime.delay import DelayModel
 from vla_core.runtime.protocol import LatencyProtocol, LatencySpec, Use, merge_rows
-from vla_core.runtime.transition import ChunkTransition
+from vla_core.runtime.transition import StepTrace
 from vla_core.types import ActionChunk, BatchedEnv, Worlds, WorldState, world_indices
 
 
@@ -34,11 +34,11 @@ class DelayedChunkEnv:
     """``reset`` / ``step`` return an observation batch and ``need`` (N,) bool, the worlds whose policy is
     asked now: their rows hold the request's observation, its augmentation and (latency-aware)
     ``observation.mid.*``. ``step`` takes their chunks and steps until some world is asked again; a
-    step with nothing queued sends the env's ``hold_actions()``. gamma: the transitions' discount per step.
+    step with nothing queued sends the env's ``hold_actions()``.
     """
 
     def __init__(self, env: BatchedEnv, spec: LatencySpec, chunking: ChunkingConfig, delay: DelayModel, *,
-                 use: Use = "eval", gamma: float = 1.0):  # fmt: skip
+                 use: Use = "eval"):  # fmt: skip
         self.env, self.delay, self.num_envs = env, delay, env.num_envs
         self.device = dev = torch.device(env.device)
         self.protocol = LatencyProtocol(
@@ -52,7 +52,6 @@ class DelayedChunkEnv:
         self._true_delay = torch.zeros(env.num_envs, dtype=torch.long, device=dev)  # of each open request
         self._flight: ActionChunk | None = None  # (N, H, A) the chunks in flight
         self._arrival = torch.zeros(env.num_envs, dtype=torch.long, device=dev)  # when each in-flight one lands
-        self._transition = ChunkTransition.zeros(env.num_envs, dev, gamma)  # each world's, since its request
         # Each world's episode number (-1: none; None until a reset numbers episodes) and its latest request's
         # index within the episode (-1: none yet).
         self._episode: torch.Tensor | None = None
@@ -89,7 +88,7 @@ class DelayedChunkEnv:
         self, seed: int | Sequence[int] | None = None, *, worlds: Worlds = None, episodes: Sequence[int] | None = None
     ) -> tuple[dict, torch.Tensor]:
         """New episodes in ``worlds`` (all when None; ``seed`` as in `BatchedEnv.reset`), which request at
-        once; the others keep their queues, in-flight chunks and transitions. episodes: one number per
+        once; the others keep their queues and in-flight chunks. episodes: one number per
         reset world (-1: none), which a trace delay and per-request noise look up (``episode``); None:
         unnumbered. Returns (obs, need)."""
         return self._restart(self.env.reset(seed=seed, worlds=worlds), worlds, episodes)
@@ -120,7 +119,6 @@ class DelayedChunkEnv:
         self._request_index = torch.where(mask, -1, self._request_index)
         self.protocol.restart(mask)
         self._need = self._need & ~mask
-        self._transition.start(mask, torch.zeros_like(self._arrival))
         self._obs = obs
         self._open(mask)
         self._need = self._need | self.protocol.take_asked()
@@ -147,7 +145,7 @@ class DelayedChunkEnv:
         """Submit the asked worlds' chunks (N, H, A) and step until some world is asked: obs, reward (N,) summed,
         terminated, truncated, info, need. ``info``: ``steps`` (N,), ``success`` (N,) an episode ended in
         success, ``delay_steps`` (N,) each submitted chunk's delay (-1: none), ``requests`` (N,) the requests
-        opened in the episode that ended (0 where none did) and ``transition``."""
+        opened in the episode that ended (0 where none did) and ``trace``, the call's `StepTrace`."""
         p, dev, submitted = self.protocol, self.device, self._need
         actions = chunk.actions.to(device=dev, dtype=torch.float32)
         if not (torch.isfinite(actions) | ~submitted[:, None, None]).all():
@@ -157,13 +155,13 @@ class DelayedChunkEnv:
                                    torch.where(submitted, chunk.obs_step.to(dev), old.obs_step))  # fmt: skip
         self._arrival = torch.where(submitted, p.arrival_step(self._true_delay), self._arrival)
         delays = torch.where(submitted, self._true_delay, -1)
-        self._transition.start(submitted, p.request_step)
         n = self.num_envs
         reward, steps = torch.zeros(n, device=dev), torch.zeros(n, dtype=torch.long, device=dev)
         terminated = torch.zeros(n, dtype=torch.bool, device=dev)
         truncated, success, info = terminated.clone(), terminated.clone(), {}
         requests = torch.zeros_like(steps)
         hold = getattr(self.env, "hold_actions", None)
+        trace: list[dict[str, torch.Tensor]] = []
         while True:
             p.receive(self._flight, p.in_flight & (p.step >= self._arrival), validate=False)
             due = p.due()
@@ -183,12 +181,15 @@ class DelayedChunkEnv:
             # loop on most steps; on an accelerator the hold is computed every step rather than read back.
             if hold is not None and (dev.type != "cpu" or not valid.all()):
                 actions = torch.where(valid[:, None], actions, hold().to(device=dev, dtype=actions.dtype))
+            source, row = p.executor.emitted_source, p.executor.emitted_row  # the chunk and row just emitted
             self._obs, r, term, trunc, info = self.env.step(actions)
             r, term, trunc = r.to(dev, torch.float32), term.to(dev), trunc.to(dev)
             reward, steps = reward + r, steps + 1
             terminated, truncated = terminated | term, truncated | trunc
             diverged = info.get("diverged")
-            self._transition.add_step(r, term, trunc, None if diverged is None else diverged.to(dev))
+            diverged = torch.zeros_like(term) if diverged is None else diverged.to(dev)
+            trace.append({"reward": r, "source": source, "row": row, "terminated": term, "truncated": trunc,
+                          "diverged": diverged})  # fmt: skip
             success |= info["success"].to(dev)
             ended = term | trunc  # a new episode forgets the old one's queue, chunk in flight and open request
             p.restart(ended)
@@ -197,9 +198,8 @@ class DelayedChunkEnv:
             if self._episode is not None:  # an autoreset's episode is not one a reset numbered
                 self._episode = torch.where(ended, -1, self._episode)
             if p.mid_fraction is not None and ended.any():
-                need = torch.zeros_like(ended)  # the steps until its new request is asked belong to no transition
+                need = torch.zeros_like(ended)  # its new episode's policy is asked only m steps on
                 break
-        self._transition.ready = need | terminated | truncated
         self._need = need.clone()
         info = {
             **info,
@@ -207,6 +207,6 @@ class DelayedChunkEnv:
             "success": success,
             "delay_steps": delays,
             "requests": requests,
-            "transition": self._transition.clone(),
+            "trace": StepTrace.stack(trace, self.num_envs, dev),
         }
         return self._asked_obs(), reward, terminated, truncated, info, need.clone()

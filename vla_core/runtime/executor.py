@@ -11,6 +11,8 @@ into the same three running buffers, and the emitted action for a slot is ``sum 
 - ``_sum``    (B, horizon, A): weighted sum of the predictions received for the slot
 - ``_weight`` (B, horizon):    sum of their weights
 - ``_count``  (B, horizon):    how many predictions were received (0 means nothing queued)
+- ``_source`` (B, horizon):    the ``obs_step`` of the newest chunk written to the slot (-1: none), so RL can
+  credit each step to the decision whose row runs (`vla_core.runtime.transition`)
 """
 
 from __future__ import annotations
@@ -87,6 +89,11 @@ class ActionChunkExecutor:
 
     Attributes:
         step: (B,) long, the control step whose action ``next_action()`` emits next, per env.
+        emitted_source: (B,) long, the ``obs_step`` of the chunk whose row the last ``next_action()`` emitted; a
+            step that held (nothing queued) keeps the chunk it holds the last action of; -1 since a reset
+            until a chunk's row runs. Under ``latest`` this is the decision the step's action belongs to.
+        emitted_row: (B,) long, that chunk's row (step - obs_step) the last ``next_action()`` emitted; -1 where
+            it held.
     """
 
     def __init__(
@@ -124,6 +131,9 @@ class ActionChunkExecutor:
         self._sum = torch.zeros(B, H, A, device=self.device)
         self._weight = torch.zeros(B, H, device=self.device)
         self._count = torch.zeros(B, H, dtype=torch.long, device=self.device)
+        self._source = torch.full((B, H), -1, dtype=torch.long, device=self.device)
+        self.emitted_source = torch.full((B,), -1, dtype=torch.long, device=self.device)
+        self.emitted_row = torch.full((B,), -1, dtype=torch.long, device=self.device)
         self._last_action = torch.zeros(B, A, device=self.device)  # (B, A), held when the queue runs dry
 
     def queue_length(self) -> torch.Tensor:
@@ -181,6 +191,7 @@ class ActionChunkExecutor:
             # so latest-only is "forget the future, then accumulate".
             self._clear_slots(takes)
         self._accumulate(new, covered)
+        self._source = torch.where(covered, obs_step[:, None], self._source)
 
     def next_action(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Emit the action for ``step`` and advance every env by one step.
@@ -192,10 +203,13 @@ class ActionChunkExecutor:
         valid = self._count[:, 0] > 0
         actions = torch.where(valid[:, None], self._queued_actions()[:, 0], self._last_action)
         self._last_action = actions
+        self.emitted_source = torch.where(valid, self._source[:, 0], self.emitted_source)
+        self.emitted_row = torch.where(valid, self.step - self._source[:, 0], -1)
         # Shift the window: slot k + 1 becomes slot k, and the new last slot is empty.
         self._sum = torch.cat([self._sum[:, 1:], torch.zeros_like(self._sum[:, :1])], dim=1)
         self._weight = torch.cat([self._weight[:, 1:], torch.zeros_like(self._weight[:, :1])], dim=1)
         self._count = torch.cat([self._count[:, 1:], torch.zeros_like(self._count[:, :1])], dim=1)
+        self._source = torch.cat([self._source[:, 1:], torch.full_like(self._source[:, :1], -1)], dim=1)
         self.step = self.step + 1
         # A copy, so a caller that edits its actions in place cannot change the held action.
         return actions.clone(), valid
@@ -255,6 +269,8 @@ class ActionChunkExecutor:
         self.step = torch.where(mask, 0, self.step)
         # A new episode must not hold the previous episode's last action.
         self._last_action = torch.where(mask[:, None], 0.0, self._last_action)
+        self.emitted_source = torch.where(mask, -1, self.emitted_source)
+        self.emitted_row = torch.where(mask, -1, self.emitted_row)
 
     def delay_augmentation(self, delay_steps: torch.Tensor, validate: bool = True) -> dict[str, torch.Tensor]:
         """The committed actions that run before a chunk requested now can start.
@@ -309,6 +325,7 @@ class ActionChunkExecutor:
         self._sum = torch.where(slots[..., None], 0.0, self._sum)
         self._weight = torch.where(slots, 0.0, self._weight)
         self._count = torch.where(slots, 0, self._count)
+        self._source = torch.where(slots, -1, self._source)
 
     def _env_mask(self, env_mask: torch.Tensor | None) -> torch.Tensor:
         """Validate env_mask (B,) bool; None selects every env."""

@@ -1,75 +1,125 @@
-"""Chunk-level transitions for RL: what each world's chunk earned from its request to its next request or
-the end of its episode (`vla_core.runtime.delayed_env.DelayedChunkEnv` keeps one per world)."""
+"""RL's credit under delay: each chunk decision is credited with the control steps its own rows ran.
+
+The simulation's shell (`vla_core.runtime.delayed_env.DelayedChunkEnv`) returns with every call what each
+world's control steps did (`StepTrace`): the env's reward, and which chunk's row ran, named by the step its
+request was conditioned on (``obs_step``, unique within an episode) and the row. `ExecutionCredit` turns a
+rollout's traces into one `Window` per decision that ran:
+
+- a decision's window opens at the first step one of its rows runs and closes where the next decision's
+  first row runs, or with its episode; steps in between where the queue ran dry and its last action was
+  held are its own (it chose that action);
+- its reward is the env's rewards over the window, discounted per control step from the window's first
+  step, sum_j gamma^j r_j; the next decision's value is worth gamma^steps of it; the episode's final reward
+  goes to the decision whose window the episode ends;
+- the steps before an episode's first row runs (the shell holds the arm while the first chunk is computed)
+  are no decision's: nothing chose their actions;
+- a decision none of whose rows ran (its chunk still in flight when the episode ended) gets no window.
+
+Why not from request to request: under a delay of d control steps, the steps after decision i's request
+run decision i - 1's rows (all of them when d is at least the steps per chunk), so that credit would pay
+decision i for what decision i - 1 did. With merge ``latest`` (the only one fine-tuning allows) every step
+runs one decision's row and the windows tile the episode after its first chunk arrives.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
 @dataclass
-class ChunkTransition:
-    """Each world's chunk-level transition, from its latest chunk request up to now. All (N,), on the env's device.
+class StepTrace:
+    """What each world's control steps of one shell call did: all (N, T), T the steps of the call, on the
+    shell's device.
 
-    start_step: long, the control step of the request (the step the chunk was conditioned on).
-    steps: long, env steps taken since the request.
-    reward: float32, the env's reward summed over those steps.
-    discounted_reward: float32, the same rewards discounted per control step from the request:
-        sum_i gamma^i r_i (RL's chunk-level reward).
-    discount: float32, gamma^steps: what the value of the next request is worth from this one.
-    terminated, truncated: bool, the episode ended on the last of them (a transition never spans
-        two episodes; the episode's last observation is then ``info["final_obs"]``).
-    diverged: bool, the episode ended because its world blew up (``info["diverged"]``).
-    ready: bool, the transition is complete: the world requests a new chunk now, or its episode
-        ended. Other rows are still running and hold their values so far.
+    reward: float32, the env's reward of the step.
+    source: long, the ``obs_step`` of the chunk whose row ran (or whose last row was held) at the step; -1
+        where no chunk's row has run yet in the episode (the shell's hold action).
+    row: long, that chunk's row that ran; -1 where nothing was queued (a hold).
+    terminated, truncated, diverged: bool, the episode ended at the step (and why).
     """
 
-    start_step: torch.Tensor
-    steps: torch.Tensor
     reward: torch.Tensor
-    discounted_reward: torch.Tensor
-    discount: torch.Tensor
+    source: torch.Tensor
+    row: torch.Tensor
     terminated: torch.Tensor
     truncated: torch.Tensor
     diverged: torch.Tensor
-    ready: torch.Tensor
-    gamma: float = 1.0  # the discount per control step, in (0, 1]
 
-    @classmethod
-    def zeros(cls, n: int, device: torch.device | str = "cpu", gamma: float = 1.0) -> ChunkTransition:
+    @staticmethod
+    def stack(steps: list[dict[str, torch.Tensor]], num_worlds: int, device: torch.device) -> StepTrace:
+        """The trace of a call from its steps' (N,) values, one dict per step with every field's name."""
+        names = ("reward", "source", "row", "terminated", "truncated", "diverged")
+        if not steps:
+            empty = {"reward": torch.float32, "source": torch.long, "row": torch.long}
+            return StepTrace(*(torch.zeros(num_worlds, 0, dtype=empty.get(n, torch.bool), device=device)
+                               for n in names))  # fmt: skip
+        return StepTrace(*(torch.stack([s[n] for s in steps], 1) for n in names))
+
+    def numpy(self) -> dict[str, np.ndarray]:
+        """The fields as (N, T) numpy arrays (one read of the device per field)."""
+        return {name: value.cpu().numpy() for name, value in vars(self).items()}
+
+
+@dataclass
+class Window:
+    """One decision's credit (see the module docstring). world: its world; source: its request's step in the
+    episode; first_row, last_row: the rows of its chunk that ran (every row between them ran); steps: the
+    window's length; reward: sum_j gamma^j r_j over it; discount: gamma^steps; terminated, truncated: the
+    episode ended with the window; diverged: its world blew up in it."""
+
+    world: int
+    source: int
+    first_row: int
+    last_row: int
+    steps: int
+    reward: float
+    discount: float
+    terminated: bool
+    truncated: bool
+    diverged: bool
+
+
+class ExecutionCredit:
+    """Windows of N worlds from their traces (`add`), for one rollout that starts with every world's episode
+    (a ledger per rollout: a world restarted outside the traces would carry its window on)."""
+
+    def __init__(self, num_worlds: int, gamma: float = 1.0):
         if not 0.0 < gamma <= 1.0:
             raise ValueError(f"gamma must be in (0, 1], got {gamma}")
-        long, flag = torch.zeros(n, dtype=torch.long, device=device), torch.zeros(n, dtype=torch.bool, device=device)
-        real = torch.zeros(n, device=device)
-        return cls(
-            long, long.clone(), real, real.clone(), real + 1, flag, flag.clone(), flag.clone(), flag.clone(), gamma
-        )
+        self.gamma = gamma
+        self._open: list[dict | None] = [None] * num_worlds  # each world's running window
 
-    def clone(self) -> ChunkTransition:
-        return ChunkTransition(*(t.clone() if torch.is_tensor(t) else t for t in vars(self).values()))
+    def add(self, trace: StepTrace) -> list[Window]:
+        """Feed one call's trace; returns the windows it closed, in step order within each world."""
+        t = trace.numpy()
+        closed: list[Window] = []
+        for w in range(t["reward"].shape[0]):
+            for k in range(t["reward"].shape[1]):
+                source, window = int(t["source"][w, k]), self._open[w]
+                if source >= 0 and (window is None or window["source"] != source):
+                    if window is not None:
+                        closed.append(self._close(w, False, False))
+                    window = self._open[w] = {"source": source, "first_row": -1, "last_row": -1, "steps": 0,
+                                              "reward": 0.0, "discount": 1.0, "diverged": False}  # fmt: skip
+                ended = bool(t["terminated"][w, k] or t["truncated"][w, k])
+                if window is not None:
+                    window["reward"] += window["discount"] * float(t["reward"][w, k])
+                    window["discount"] *= self.gamma
+                    window["steps"] += 1
+                    window["diverged"] |= bool(t["diverged"][w, k])
+                    row = int(t["row"][w, k])
+                    if row >= 0:
+                        window["last_row"] = row
+                        window["first_row"] = row if window["first_row"] < 0 else window["first_row"]
+                    if ended:
+                        closed.append(self._close(w, bool(t["terminated"][w, k]), bool(t["truncated"][w, k])))
+                if ended:
+                    self._open[w] = None
+        return closed
 
-    def start(self, worlds: torch.Tensor, step: torch.Tensor) -> None:
-        """Open a new transition in ``worlds`` ((N,) bool), requested at control step ``step`` (N,)."""
-        self.start_step = torch.where(worlds, step, self.start_step)
-        for name in ("steps", "reward", "discounted_reward", "terminated", "truncated", "diverged", "ready"):
-            running = getattr(self, name)
-            setattr(self, name, torch.where(worlds, torch.zeros_like(running), running))
-        self.discount = torch.where(worlds, torch.ones_like(self.discount), self.discount)
-
-    def add_step(
-        self,
-        reward: torch.Tensor,
-        terminated: torch.Tensor,
-        truncated: torch.Tensor,
-        diverged: torch.Tensor | None = None,
-    ) -> None:
-        """Every world took one env step: (N,) each, float32 and bool."""
-        self.steps = self.steps + 1
-        self.reward = self.reward + reward
-        self.discounted_reward = self.discounted_reward + self.discount * reward
-        self.discount = self.discount * self.gamma
-        self.terminated = self.terminated | terminated
-        self.truncated = self.truncated | truncated
-        if diverged is not None:
-            self.diverged = self.diverged | diverged
+    def _close(self, world: int, terminated: bool, truncated: bool) -> Window:
+        window, self._open[world] = self._open[world], None
+        return Window(world=world, terminated=terminated, truncated=truncated, **window)

@@ -17,6 +17,10 @@ import torch
 from vla_rl.checkpoint import TRAINING_STATE_DIR, begin_checkpoint, commit_checkpoint, write_policy
 
 STATE_FILE = "finetune_state.pt"
+# The estimator a run's updates used, saved with its state: since 2026-12-06 each decision is scored on the rows
+# of its chunk that ran and credited with the steps they ran (`vla_rl.rl.rollout`). A run saved before carries
+# none, and resuming it would mix two estimators in one learning curve.
+CREDIT = "executed_rows"
 
 
 def initial_checkpoint(out: Path) -> str:
@@ -52,7 +56,8 @@ def save(ckpt_dir: Path, policy, learner, streams, protocols, delay, curriculum,
     write_policy(tmp, policy, {"step": iteration, "finetune": {"algo": algo, "env_steps": state["env_steps"]}})
     training = tmp / TRAINING_STATE_DIR
     training.mkdir()
-    saved = {"state": state, **learner.state_dict(), "curriculum": curriculum.state_dict(), "processes": random_states}
+    saved = {"state": state, **learner.state_dict(), "curriculum": curriculum.state_dict(), "processes": random_states,
+             "credit": CREDIT}  # fmt: skip
     torch.save(saved, training / STATE_FILE)
     commit_checkpoint(ckpt_dir, tmp, iteration)
     if processes.accelerator is not None:
@@ -63,6 +68,12 @@ def load(directory: Path, learner, streams, protocols, delay, curriculum, proces
     """Restore the run saved in ``directory`` (a ``training_state/``) into the learner, the streams, the
     protocols, the delay model and the curriculum; returns the run's progress (``state``)."""
     saved = torch.load(directory / STATE_FILE, weights_only=False)
+    if saved.get("credit") != CREDIT:
+        raise ValueError(
+            f"{directory} was fine-tuned before RL scored only the chunk rows that ran and credited each decision "
+            f"with the steps they ran (it scored every row, credited from request to request); resuming would mix "
+            f"the two in one run: start it anew in a new --output_dir (its checkpoints still load in eval and serve)"
+        )
     state = saved["state"]
     try:
         learner.load_state_dict(

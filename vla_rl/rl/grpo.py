@@ -191,7 +191,8 @@ def update(
                 continue
             share = len(rows) / minibatch_rows
             obs = to_device(select_rows(rollout.obs, rows), dev)
-            new = actor.score(obs, rollout.decision.select(rows).to(dev)).columns(s.factors)
+            decision, executed = rollout.decision.select(rows).to(dev), rollout.executed[rows].to(dev)
+            new = actor.score(obs, decision, executed).columns(s.factors)
             old, adv = old_log_prob.values[rows].to(dev), decision_advantage[rows].to(dev)
             stale = None if weight is None else weight[rows].to(dev)
             terms = (new.values, old, adv, s.clip_low, s.clip_high, None, 0.0, new.mask, stale)

@@ -249,7 +249,8 @@ def update(
             critic_step(value_loss * share)
             stats = {"value_loss": value_loss.item()}
             if train_actor:
-                new = actor.score(obs, rollout.decision.select(rows).to(dev)).columns(s.factors)
+                decision, executed = rollout.decision.select(rows).to(dev), rollout.executed[rows].to(dev)
+                new = actor.score(obs, decision, executed).columns(s.factors)
                 old, adv = old_log_prob.values[rows].to(dev), normalized[rows].to(dev)
                 reference = None if reference_log_prob is None else reference_log_prob.values[rows].to(dev)
                 stale = None if weight is None else weight[rows].to(dev)

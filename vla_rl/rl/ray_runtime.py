@@ -209,7 +209,8 @@ class RolloutWorker:
         self.env = make_env(replace(env_config, render_threads=env_config.render_threads or self.threads))
         delay = DelayModel(delay_config, control_dt=self.env.control_dt, stream=delay_stream)
         spec = LatencySpec.of(policy)
-        self.shell = DelayedChunkEnv(self.env, spec, chunking, delay, use="finetune", gamma=gamma)
+        self.shell = DelayedChunkEnv(self.env, spec, chunking, delay, use="finetune")
+        self.gamma = gamma  # the credit windows' discount per control step
         self.actor = policy.rl_actor(noise, augmentation_width=self.shell.protocol.width)
         self.version = version  # of the weights it holds: the ones it was built with, until new ones come
         self.collected = 0  # rollouts this process finished
@@ -231,9 +232,10 @@ class RolloutWorker:
             self.policy.load_state_dict(weights)
             self.version = version
         torch.manual_seed(sampling_seed)
-        rollout, stats = collect(self.actor, self.shell, episodes_per_world=episodes_per_world, seed=seed)
+        rollout, stats = collect(self.actor, self.shell, episodes_per_world=episodes_per_world, seed=seed,
+                                 gamma=self.gamma)  # fmt: skip
         rollout.version = torch.full((len(rollout),), self.version, dtype=torch.long)
-        rollout.behaviour_log_prob = batched_score(self.actor, rollout.obs, rollout.decision, 64)
+        rollout.behaviour_log_prob = batched_score(self.actor, rollout, 64)
         timing = {"node": self.node, "pid": os.getpid(), "started": started, "ended": time.time(),
                   "cpu_seconds": time.process_time() - cpu}  # fmt: skip
         self.collected += 1

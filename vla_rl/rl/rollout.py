@@ -3,11 +3,14 @@
 The decision is a chunk. Each world asks for a chunk when `vla_core.runtime.delayed_env.DelayedChunkEnv` says it
 does (the latency protocol of `vla_core.runtime`, exactly as in ``vla-rl eval`` and on the robot);
 the actor (`vla_core.rl.RLPolicy`) samples it with ``act``, which also returns the decision behind
-it (a denoising chain, a token sequence, ...; the rollout never looks inside), and the chunk's
-transition runs until the world's next request or the end of its episode. Its reward is the env's reward
-summed over the control steps the chunk ran, discounted per control step
-(``ChunkTransition.discounted_reward``), and the next decision's value is worth ``discount``
-= gamma^steps of it.
+it (a denoising chain, a token sequence, ...; the rollout never looks inside). The decision is credited with
+the control steps its own rows ran (`vla_core.runtime.transition.ExecutionCredit`): from the step its chunk's
+first row runs to the step the next decision's first row runs, or the end of its episode. Its reward is the
+env's reward over those steps, discounted per control step from the first, and the next decision's value is
+worth ``discount`` = gamma^steps of it. Under a delay of d steps that window starts about d steps after the
+request: the steps right after a request run the previous decision's rows, and are the previous decision's.
+``executed`` records which rows of each chunk ran, the only ones the learner scores (`vla_core.rl`). A
+decision none of whose rows ran (in flight when its episode ended) changed nothing and is left out.
 
 Every world runs ``episodes_per_world`` whole episodes per rollout, from seeded resets; a world
 that has finished its episodes holds its pose until the others finish, and nothing it does is
@@ -26,6 +29,7 @@ import numpy as np
 import torch
 
 from vla_core.rl import Decision, FactorLogProb, RLPolicy, cat_decisions
+from vla_core.runtime.transition import ExecutionCredit
 from vla_core.types import TASK, ActionChunk
 
 
@@ -58,12 +62,14 @@ class Rollout:
     obs: observation batch of M rows (with the delay augmentation each request carried), on the CPU.
     obs_step: (M,) long, the control step each chunk was conditioned on.
     decision: the M decisions behind the chunks (`vla_core.rl.Decision`: what the learner scores), on the CPU.
+    executed: (M, H) bool, the rows of each chunk that ran (contiguous: from the row that ran first to the row
+        that ran last); the learner scores only these rows (`vla_core.rl.RLPolicy.score`).
     world, episode: (M,) long, the world and that world's episode (0 .. episodes_per_world - 1);
         in a multi-task rollout (`cat`) each task's worlds are numbered after the previous task's.
     task: (M,) long, the index of the decision's task in the run's task list.
-    reward: (M,) float, sum_i gamma^i r_i over the control steps the chunk ran.
+    reward: (M,) float, sum_i gamma^i r_i over the decision's window (the control steps its rows ran).
     discount: (M,) float, gamma^steps: the weight of the next decision's value.
-    steps: (M,) long, control steps the chunk ran.
+    steps: (M,) long, control steps of the decision's window.
     done: (M,) bool, the episode ended with this decision (success, failure, time limit or divergence).
     truncated: (M,) bool, the episode ended with this decision at the time limit, not in a terminal state: a
         value could follow it, but the rollout does not record the state it would be of. PPO and GRPO end the
@@ -79,6 +85,7 @@ class Rollout:
     obs: dict[str, Any]
     obs_step: torch.Tensor
     decision: Decision
+    executed: torch.Tensor
     world: torch.Tensor
     episode: torch.Tensor
     task: torch.Tensor
@@ -146,19 +153,21 @@ def collect(
     episodes_per_world: int,
     seed: int | Sequence[int],
     task: int = 0,
+    gamma: float = 1.0,
 ) -> tuple[Rollout, RolloutStats]:
     """Roll ``actor`` out in ``env`` (a `DelayedChunkEnv`) for ``episodes_per_world`` episodes per world.
 
     seed: the reset's seed (`BatchedEnv.reset`: an int, or one per world; equal seeds give equal
     initial states, which is how GRPO makes its groups). task: the task's index in the run, stored with
-    every decision.
+    every decision. gamma: the discount per control step of each decision's window.
     """
     start = time.perf_counter()
     n = env.num_envs
     obs, need = env.reset(seed=seed)
+    credit = ExecutionCredit(n, gamma)
     done_episodes = np.zeros(n, dtype=np.int64)  # episodes each world has finished
-    open_decision = np.full(n, -1)  # index into `records` of each world's running decision
-    records: list[dict[str, Any]] = []  # one per decision, filled when its transition completes
+    asked: list[dict[int, int]] = [{} for _ in range(n)]  # per world, its episode's decisions: obs_step -> record
+    records: list[dict[str, Any]] = []  # one per decision, filled when its window closes
     decisions: list[Decision] = []
     observations: list[dict[str, Any]] = []
     episode_success = {}  # (world, episode) -> success
@@ -184,51 +193,24 @@ def collect(
             observations.append({k: v.cpu() if torch.is_tensor(v) else v for k, v in sub.items()})
             decisions.append(decision.to("cpu"))
             for w in rows.tolist():
-                open_decision[w] = len(records)
+                asked[w][int(obs_step[w])] = len(records)
                 records.append({"world": w, "episode": int(done_episodes[w]), "obs_step": int(obs_step[w])})
         obs, _, terminated, truncated, info, need = env.step(ActionChunk(actions.to(env.device), obs_step))
-        transition = info["transition"]
         steps = info["steps"].cpu().numpy()
         simulated += int(steps.sum())
         env_steps += int(steps[done_episodes < episodes_per_world].sum())
-        ready = transition.ready.cpu().numpy()
-        cut = (truncated & ~terminated).cpu().numpy()
+        for window in credit.add(info["trace"]):
+            index = asked[window.world].get(window.source)  # None: a finished world's hold, no decision
+            if index is not None and done_episodes[window.world] < episodes_per_world:
+                records[index].update(window=window)
         ended = (terminated | truncated).cpu().numpy()
-        for w in np.flatnonzero(ready & (open_decision >= 0)):
-            rec = records[open_decision[w]]
-            rec.update(
-                reward=float(transition.discounted_reward[w]), discount=float(transition.discount[w]),
-                steps=int(transition.steps[w]), done=bool(ended[w]), truncated=bool(cut[w]),
-            )  # fmt: skip
-            open_decision[w] = -1
         for w in np.flatnonzero(ended & (done_episodes < episodes_per_world)):
             key = (int(w), int(done_episodes[w]))
             episode_success[key] = bool(info["success"][w])
-            episode_diverged[key] = bool(transition.diverged[w])
+            episode_diverged[key] = bool(info["trace"].diverged[w].any())
             done_episodes[w] += 1
-    m = len(records)
-    if m == 0:
-        raise RuntimeError("the rollout recorded no decision")
-    as_long = lambda name: torch.tensor([r[name] for r in records], dtype=torch.long)
-    key = [(r["world"], r["episode"]) for r in records]
-    rollout = Rollout(
-        obs=cat_obs(observations),
-        obs_step=as_long("obs_step"),
-        decision=cat_decisions(decisions),
-        world=as_long("world"),
-        episode=as_long("episode"),
-        task=torch.full((m,), task, dtype=torch.long),
-        reward=torch.tensor([r["reward"] for r in records], dtype=torch.float32),
-        discount=torch.tensor([r["discount"] for r in records], dtype=torch.float32),
-        steps=as_long("steps"),
-        done=torch.tensor([r["done"] for r in records]),
-        truncated=torch.tensor([r["truncated"] for r in records]),
-        success=torch.tensor([episode_success[k] for k in key]),
-        diverged=torch.tensor([episode_diverged[k] for k in key]),
-    )
-    # Decisions were recorded in time order across worlds; the algorithms read each world's in order.
-    order = torch.from_numpy(np.lexsort((np.arange(m), rollout.episode.numpy(), rollout.world.numpy())))
-    stats = RolloutStats(
+            asked[w] = {}
+    return _rollout(records, observations, decisions, episode_success, episode_diverged, task, horizon), RolloutStats(
         episodes=len(episode_success),
         successes=sum(episode_success.values()),
         diverged=sum(episode_diverged.values()),
@@ -236,4 +218,37 @@ def collect(
         simulated_steps=simulated,
         seconds=time.perf_counter() - start,
     )
-    return rollout.select(order), stats
+
+
+def _rollout(records, observations, decisions, episode_success, episode_diverged, task, horizon) -> Rollout:
+    """The decisions that ran (those with a window), grouped by world and episode in time order."""
+    ran = [i for i, r in enumerate(records) if "window" in r]
+    if not ran:
+        raise RuntimeError("the rollout recorded no decision whose chunk ran")
+    records = [records[i] for i in ran]
+    m = len(records)
+    windows = [r["window"] for r in records]
+    as_long = lambda values: torch.tensor(values, dtype=torch.long)
+    key = [(r["world"], r["episode"]) for r in records]
+    executed = torch.zeros(m, horizon, dtype=torch.bool)
+    for i, w in enumerate(windows):
+        executed[i, w.first_row : w.last_row + 1] = True
+    rollout = Rollout(
+        obs=select_rows(cat_obs(observations), as_long(ran)),
+        obs_step=as_long([r["obs_step"] for r in records]),
+        decision=cat_decisions(decisions).select(as_long(ran)),
+        executed=executed,
+        world=as_long([r["world"] for r in records]),
+        episode=as_long([r["episode"] for r in records]),
+        task=torch.full((m,), task, dtype=torch.long),
+        reward=torch.tensor([w.reward for w in windows], dtype=torch.float32),
+        discount=torch.tensor([w.discount for w in windows], dtype=torch.float32),
+        steps=as_long([w.steps for w in windows]),
+        done=torch.tensor([w.terminated or w.truncated for w in windows]),
+        truncated=torch.tensor([w.truncated and not w.terminated for w in windows]),
+        success=torch.tensor([episode_success[k] for k in key]),
+        diverged=torch.tensor([episode_diverged[k] for k in key]),
+    )
+    # Decisions were recorded in time order across worlds; the algorithms read each world's in order.
+    order = torch.from_numpy(np.lexsort((np.arange(m), rollout.episode.numpy(), rollout.world.numpy())))
+    return rollout.select(order)

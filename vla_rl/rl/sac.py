@@ -143,7 +143,7 @@ class NoiseAgent:
             noise = self.actor(TensorDict({"observation": features}, batch_size=[len(features)]))["action"]
         return noise.view(len(noise), *self.policy.noise_shape)
 
-    def score(self, obs, decision):
+    def score(self, obs, decision, executed=None):
         raise NotImplementedError("SAC learns from its critics, not from scored log-probabilities")
 
     def value_features(self, obs: dict) -> torch.Tensor:

@@ -69,8 +69,10 @@ class LocalRollouts:
     ``accelerate launch`` every process rolls out its own worlds (its own seeds, delays and sampling
     noise) and updates on them; only their statistics are gathered."""
 
-    def __init__(self, actor: RLPolicy, shells: list, cfg, curriculum: TaskCurriculum, processes: Processes):
+    def __init__(self, actor: RLPolicy, shells: list, cfg, gamma: float, curriculum: TaskCurriculum,
+                 processes: Processes):  # fmt: skip
         self.actor, self.shells, self.cfg, self.curriculum, self.processes = actor, shells, cfg, curriculum, processes
+        self.gamma = gamma  # the credit windows' discount per control step
 
     def next(self, iteration: int) -> RolloutBatch:
         cfg, processes, tasks = self.cfg, self.processes, len(self.shells)
@@ -80,7 +82,8 @@ class LocalRollouts:
             # Distinct seeds for every (iteration, process, task).
             run = (iteration * processes.count + processes.index) * tasks + t
             seed, episodes = reset_seeds(cfg, run)
-            part, part_stats = collect(self.actor, self.shells[t], episodes_per_world=episodes, seed=seed, task=t)
+            part, part_stats = collect(self.actor, self.shells[t], episodes_per_world=episodes, seed=seed, task=t,
+                                       gamma=self.gamma)  # fmt: skip
             if cfg.algo == "grpo" and cfg.grpo.dynamic_sampling and cfg.grpo.max_refills:
                 part, part_stats, extra = self._refill(part, part_stats, run, t)
                 refills += extra
@@ -109,7 +112,8 @@ class LocalRollouts:
             if int(found.sum()) >= target:
                 break
             seeds = refill_seeds(cfg, run, len(all_stats))
-            extra, extra_stats = collect(self.actor, self.shells[task], episodes_per_world=1, seed=seeds, task=task)
+            extra, extra_stats = collect(self.actor, self.shells[task], episodes_per_world=1, seed=seeds, task=task,
+                                         gamma=self.gamma)  # fmt: skip
             parts.append(extra)
             all_stats.append(extra_stats)
         batch = Rollout.cat(parts, cfg.env.num_envs)

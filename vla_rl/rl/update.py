@@ -100,7 +100,7 @@ class UpdateSettings:
 def scored(actor: RLPolicy, rollout, settings: UpdateSettings) -> FactorLogProb:
     """(M, F') the log-probabilities of the rollout's decisions under ``actor``'s weights now, on
     ``settings.factors`` (e.g. the frozen imitation policy of the KL term)."""
-    return batched_score(actor, rollout.obs, rollout.decision, settings.minibatch_size).columns(settings.factors)
+    return batched_score(actor, rollout, settings.minibatch_size).columns(settings.factors)
 
 
 @dataclass
@@ -129,7 +129,7 @@ class Anchors:
 def anchors(actor: RLPolicy, rollout, settings: UpdateSettings, rho_bar: float = 1.0) -> Anchors:
     """The `Anchors` of an update on ``rollout``: the actor scores it now (the proximal policy); a rollout
     that recorded its behaviour log-probabilities (asynchronous workers) adds the truncated weights."""
-    now = batched_score(actor, rollout.obs, rollout.decision, settings.minibatch_size)
+    now = batched_score(actor, rollout, settings.minibatch_size)
     proximal = now.columns(settings.factors)
     if rollout.behaviour_log_prob is None:
         return Anchors(proximal)
@@ -153,15 +153,17 @@ def minibatches(count: int, size: int, generator: torch.Generator) -> Iterator[t
 
 
 @torch.no_grad()
-def batched_score(actor: RLPolicy, obs: dict, decision, batch_size: int) -> FactorLogProb:
-    """Per-factor log-probabilities of M decisions under ``actor``'s weights now, in batches, on the CPU."""
+def batched_score(actor: RLPolicy, rollout, batch_size: int) -> FactorLogProb:
+    """Per-factor log-probabilities of a rollout's M decisions (of the rows that ran) under ``actor``'s weights
+    now, in batches, on the CPU."""
     from vla_rl.rl.rollout import select_rows, to_device
 
     out = []
-    for start in range(0, len(decision), batch_size):
-        rows = torch.arange(start, min(start + batch_size, len(decision)))
-        sub = to_device(select_rows(obs, rows), actor.device)
-        out.append(actor.score(sub, decision.select(rows).to(actor.device)).to("cpu"))
+    for start in range(0, len(rollout), batch_size):
+        rows = torch.arange(start, min(start + batch_size, len(rollout)))
+        sub = to_device(select_rows(rollout.obs, rows), actor.device)
+        decision, executed = rollout.decision.select(rows).to(actor.device), rollout.executed[rows].to(actor.device)
+        out.append(actor.score(sub, decision, executed).to("cpu"))
     return FactorLogProb.cat(out)
 
 
