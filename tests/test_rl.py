@@ -8,6 +8,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -937,3 +938,61 @@ def test_grpo_refills_until_the_batch_holds_informative_groups(monkeypatch):
     outcomes = iter([[1, 0, 0, 1]])
     batch = local.next(1)
     assert batch.info == {"refills": 0} and batch.rollout.success.tolist() == [True, False, False, True]
+
+
+# -- the asymmetric critic ------------------------------------------------------------------------------
+
+
+def test_explained_variance_by_hand():
+    """values (1, 2, 3), returns (1, 2, 4): Var(G) = 14/9, Var(G - V) = 2/9, so 1 - 1/7."""
+    from vla_rl.rl.ppo import explained_variance
+
+    assert explained_variance(torch.tensor([1.0, 2.0, 3.0]), torch.tensor([1.0, 2.0, 4.0])) == pytest.approx(6 / 7)
+    assert math.isnan(explained_variance(torch.zeros(3), torch.ones(3)))
+
+
+def test_a_rollout_records_the_privileged_state_at_each_decision_for_the_critic_only(tiny_checkpoint):
+    """The track task's privileged state is the ball's centre and velocity (names in order: target, target_vel),
+    then the end effector: 9 numbers a world. A rollout's first decision of each world is made at the reset, so
+    it records exactly what the env reports after a reset with the same seed; the actor never reads the key."""
+    from sim.factory import make_env
+    from vla_core.runtime import ChunkingConfig, DelayConfig, DelayModel, LatencySpec
+    from vla_core.runtime.delayed_env import DelayedChunkEnv
+    from vla_core.types import OBS_PRIVILEGED
+    from vla_rl.checkpoint import load_policy
+    from vla_rl.rl.ppo import ValueHead
+    from vla_rl.rl.rollout import collect, privileged_features
+
+    policy, _ = load_policy(tiny_checkpoint[0])
+    actor = policy.rl_actor(FinetuneConfig().noise)
+    with make_env(EnvConfig(task="track", num_envs=3, max_episode_steps=8, cameras=list(policy.config.cameras),
+                            image_size=policy.config.image_size)) as env:  # fmt: skip
+        env.reset(seed=11)
+        state, ee = env.privileged_state(), env.ee_positions()
+        expected = torch.from_numpy(np.concatenate([state["target"], state["target_vel"], ee], 1)).float()
+        torch.testing.assert_close(privileged_features(env), expected)
+        shell = DelayedChunkEnv(env, LatencySpec.of(policy), ChunkingConfig(execute_steps=4), DelayModel(DelayConfig()))
+        rollout, _ = collect(actor, shell, episodes_per_world=1, seed=11, privileged=True)
+    first = rollout.obs_step == 0
+    torch.testing.assert_close(rollout.obs[OBS_PRIVILEGED][first], expected[rollout.world[first]])
+    critic = ValueHead(actor.value_dim, 16, privileged_dim=9)
+    features, progress = torch.zeros(2, actor.value_dim), torch.zeros(2)
+    moved = {OBS_PRIVILEGED: expected[:2] + torch.tensor([0.1] + [0.0] * 8)}
+    assert not torch.allclose(
+        critic(features, progress, {OBS_PRIVILEGED: expected[:2]}), critic(features, progress, moved)
+    )
+    with pytest.raises(ValueError, match="reads observation.privileged"):
+        critic(features, progress, {})
+
+
+def test_a_privileged_critic_run_records_its_explained_variance_and_resumes_only_with_the_flag(
+    tiny_checkpoint, tmp_path
+):
+    extra = {"ppo": PPOConfig(critic_warmup_iterations=0, episodes_per_world=1, privileged_critic=True),
+             "env": EnvConfig(num_envs=4, max_episode_steps=12)}  # fmt: skip
+    summary = finetune(small_run(tiny_checkpoint[0], tmp_path / "run", iterations=1, **extra))
+    assert math.isfinite(summary["history"][0]["explained_variance"])  # its value: test_explained_variance_by_hand
+    plain = {**extra, "ppo": PPOConfig(critic_warmup_iterations=0, episodes_per_world=1)}
+    with pytest.raises(ValueError, match=r"was fine-tuned with --ppo.privileged_critic=true; resume it with"):
+        finetune(small_run(tiny_checkpoint[0], tmp_path / "run", resume=True, **plain))
+    assert finetune(small_run(tiny_checkpoint[0], tmp_path / "run", resume=True, **extra))["iterations"] == 2

@@ -32,6 +32,9 @@ OBS_DELAY_STEPS = "observation.delay_steps"
 OBS_MID = "observation.mid"
 OBS_MID_STATE = f"{OBS_MID}.state"
 OBS_MID_STEPS = f"{OBS_MID}.steps"  # (B,) long, m: steps from the request to the mid observation
+# The simulator's privileged state at a decision (B, P) float, recorded by RL rollouts for an asymmetric critic
+# (`vla_rl.rl.ppo`): no policy reads it, and a robot never has it.
+OBS_PRIVILEGED = "observation.privileged"
 TASK = "task"
 ACTION = "action"
 # True in a training batch with the delay augmentation whose frames are also trained at zero delay

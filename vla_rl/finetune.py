@@ -390,6 +390,22 @@ def _load_trained_policy(cfg: FinetuneConfig, source: str | Path, device, out: P
     return policy, policy_dir
 
 
+def privileged_width(cfg: FinetuneConfig, tasks: list[str], envs: list) -> int:
+    """P of the asymmetric critic's ``observation.privileged`` (0 without ``--ppo.privileged_critic``): one
+    width for every task of the run, or the run is refused (one critic reads them all)."""
+    if not (cfg.algo == "ppo" and cfg.ppo.privileged_critic):
+        return 0
+    from vla_rl.rl.rollout import privileged_features
+
+    widths = {task: privileged_features(env).shape[1] for task, env in zip(tasks, envs, strict=True)}
+    if len(set(widths.values())) > 1:
+        raise ValueError(
+            f"--ppo.privileged_critic reads one privileged state for every task, but these differ in width "
+            f"({', '.join(f'{t}: {w}' for t, w in widths.items())}); fine-tune them apart, or drop the flag"
+        )
+    return next(iter(widths.values()))
+
+
 def trained_factors(train_last_steps: int, actor) -> slice:
     """The factors of each decision the actor loss covers: the last ``train_last_steps`` (0: all) of ``actor``'s.
     Refused for an actor whose factors are not ordered steps of one chain (a token sequence is padded to its
@@ -447,7 +463,7 @@ def _wire(cfg, tasks, env_cfgs, envs, out, accelerator, processes, policy, facto
             reference = copy.deepcopy(initial).eval().requires_grad_(False).rl_actor(cfg.noise, width)
         # The value head reads the episode's progress: step / the env's time limit (every backend has one).
         limit = max(int(getattr(env, "max_episode_steps", 0) or cfg.env.max_episode_steps or 1) for env in envs)
-        learner = ppo.PPO(actor, cfg.ppo, settings, processes, reference, limit)
+        learner = ppo.PPO(actor, cfg.ppo, settings, processes, reference, limit, privileged_width(cfg, tasks, envs))
     else:
         learner = grpo.GRPO(actor, cfg.grpo, settings, processes)
     curriculum = TaskCurriculum(tasks, seed=cfg.seed)

@@ -20,7 +20,12 @@ policy's condition, and under delay the committed actions) plus the episode's pr
 separate critic on ``observation.state``: the state is the arm's own joints, and what decides
 success (where the ball or the object is) is only in the images, which the policy's encoder
 already reads. Detached, so the value loss never moves the actor's
-encoder. It warms up for ``critic_warmup_iterations`` before the actor's first update.
+encoder. It warms up for ``critic_warmup_iterations`` before the actor's first update. With
+``privileged_critic`` it also reads the simulator's privileged state at each decision
+(``observation.privileged``: where the ball or the object is, and how it moves, and the end effector;
+`vla_rl.rl.rollout.privileged_features`): an asymmetric critic, which only training has; the actor, the
+checkpoint and the robot never see it. ``explained_variance`` in the history, 1 - Var(G - V) / Var(G) over
+the rollout (before the update), says how much of the returns the critic predicts.
 
 Loss per minibatch (see `vla_rl.rl.update` for why the ratio is per factor):
 
@@ -41,6 +46,7 @@ import torch
 from torch import nn
 
 from vla_core.rl import FactorLogProb, RLPolicy
+from vla_core.types import OBS_PRIVILEGED
 from vla_rl.rl.rollout import Rollout, select_rows, to_device
 from vla_rl.rl.update import (
     Anchors,
@@ -66,6 +72,8 @@ class PPOConfig:
     critic_warmup_iterations: int = 2  # iterations that train only the critic, before the actor's first update
     value_clip: float = 0.2  # clip of the value change per update (0 = off)
     kl_coef: float = 0.0  # weight of the KL to the imitation policy (0 = off)
+    # The critic also reads the simulator's privileged state (asymmetric; training only, never the actor)
+    privileged_critic: bool = False
 
     def validate(self) -> None:
         if not 0 < self.gamma <= 1 or not 0 <= self.gae_lambda <= 1:
@@ -81,17 +89,26 @@ class PPOConfig:
 
 
 class ValueHead(nn.Module):
-    """V(s): (B, F) condition features and (B,) episode progress in [0, 1] -> (B,) value."""
+    """V(s): (B, F) condition features, (B,) episode progress in [0, 1] and, for an asymmetric critic, (B, P)
+    privileged state -> (B,) value."""
 
-    def __init__(self, feature_dim: int, hidden: int):
+    def __init__(self, feature_dim: int, hidden: int, privileged_dim: int = 0):
         super().__init__()
+        self.privileged_dim = privileged_dim
+        width = feature_dim + 1 + privileged_dim
         self.net = nn.Sequential(
-            nn.LayerNorm(feature_dim + 1), nn.Linear(feature_dim + 1, hidden), nn.Mish(),
-            nn.Linear(hidden, hidden), nn.Mish(), nn.Linear(hidden, 1),
+            nn.LayerNorm(width), nn.Linear(width, hidden), nn.Mish(), nn.Linear(hidden, hidden), nn.Mish(),
+            nn.Linear(hidden, 1),
         )  # fmt: skip
 
-    def forward(self, features: torch.Tensor, progress: torch.Tensor) -> torch.Tensor:
-        return self.net(torch.cat([features, progress[:, None].to(features)], -1)).squeeze(-1)
+    def forward(self, features: torch.Tensor, progress: torch.Tensor, obs: dict | None = None) -> torch.Tensor:
+        """obs: the decisions' observations, read for ``observation.privileged`` when the head has it."""
+        parts = [features, progress[:, None].to(features)]
+        if self.privileged_dim:
+            if obs is None or OBS_PRIVILEGED not in obs:
+                raise ValueError("this privileged critic reads observation.privileged; collect with privileged=True")
+            parts.append(obs[OBS_PRIVILEGED].to(features))
+        return self.net(torch.cat(parts, -1)).squeeze(-1)
 
 
 def gae(
@@ -132,8 +149,15 @@ def values_of(
         rows = torch.arange(start, min(start + batch_size, len(rollout)))
         obs = to_device(select_rows(rollout.obs, rows), actor.device)
         progress = rollout.obs_step[rows].float() / max_episode_steps
-        out.append(critic(actor.value_features(obs), progress.to(actor.device)).cpu())
+        out.append(critic(actor.value_features(obs), progress.to(actor.device), obs).cpu())
     return torch.cat(out)
+
+
+def explained_variance(values: torch.Tensor, returns: torch.Tensor) -> float:
+    """1 - Var(returns - values) / Var(returns) (1: the critic predicts the returns; 0: no better than their
+    mean; below 0: worse); nan when the returns do not vary."""
+    spread = returns.var(unbiased=False)
+    return float("nan") if spread == 0 else float(1 - (returns - values).var(unbiased=False) / spread)
 
 
 class PPO:
@@ -143,14 +167,15 @@ class PPO:
 
     The critic is built here, from the global torch generator (the run seeds it once for the weights it
     adds: the latency head first, then this). max_episode_steps: the env's time limit, the progress scale.
+    privileged_dim: P of ``observation.privileged`` (``cfg.privileged_critic``; 0 otherwise).
     """
 
     def __init__(self, actor: RLPolicy, cfg: PPOConfig, settings: UpdateSettings, processes: Processes,
-                 reference: RLPolicy | None, max_episode_steps: int):  # fmt: skip
+                 reference: RLPolicy | None, max_episode_steps: int, privileged_dim: int = 0):  # fmt: skip
         self.actor, self.cfg, self.settings, self.processes = actor, cfg, settings, processes
         self.reference, self.max_episode_steps = reference, max_episode_steps
         self.actor_step = settings.actor_step(actor, processes)
-        self.critic = ValueHead(actor.value_dim, cfg.critic_hidden).to(actor.device)
+        self.critic = ValueHead(actor.value_dim, cfg.critic_hidden, privileged_dim).to(actor.device)
         self.critic_optimizer = torch.optim.Adam(self.critic.parameters(), lr=cfg.critic_lr)
         self.critic_step = GradientStep(self.critic_optimizer, settings.max_grad_norm, processes=processes)
 
@@ -178,6 +203,11 @@ class PPO:
         if state.get("critic") is None:
             raise ValueError("is a GRPO run (no critic); resume it with --algo=grpo")
         self.actor_step.optimizer.load_state_dict(state["actor_optimizer"])
+        saved_width, width = state["critic"]["net.0.weight"].shape[0], self.critic.net[0].normalized_shape[0]
+        plain = width - self.critic.privileged_dim  # the width without the privileged state
+        if saved_width != width and (saved_width == plain or not self.critic.privileged_dim and saved_width > plain):
+            flag = "true" if saved_width > plain else "false"
+            raise ValueError(f"was fine-tuned with --ppo.privileged_critic={flag}; resume it with that setting")
         try:
             self.critic.load_state_dict(state["critic"])
         except RuntimeError as err:  # another shape: written when the value head read other features
@@ -239,7 +269,7 @@ def update(
             progress = (rollout.obs_step[rows].float() / max_episode_steps).to(dev)
             with torch.no_grad():
                 features = actor.value_features(obs)
-            value = critic(features, progress)
+            value = critic(features, progress, obs)
             target, before = returns[rows].to(dev), old_values[rows].to(dev)
             value_loss = (value - target) ** 2
             if cfg.value_clip > 0:
@@ -267,5 +297,6 @@ def update(
     out = {k: v / max(1, count) for k, v in sums.items()}
     out.update(decisions=decisions)
     if len(rollout):  # this process's
-        out.update(advantage_mean=float(advantages.mean()), value_mean=float(old_values.mean()))
+        out.update(advantage_mean=float(advantages.mean()), value_mean=float(old_values.mean()),
+                   explained_variance=explained_variance(old_values, returns))  # fmt: skip
     return out

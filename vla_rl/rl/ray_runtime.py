@@ -191,8 +191,9 @@ class RolloutWorker:
     sized by the resources Ray assigned it."""
 
     def __init__(
-        self, policy, env_config, chunking, delay_config, delay_stream: int, gamma: float, noise, version: int
-    ):
+        self, policy, env_config, chunking, delay_config, delay_stream: int, gamma: float, noise, version: int,
+        privileged: bool = False,
+    ):  # fmt: skip
         import ray
 
         from sim.factory import make_env
@@ -211,6 +212,7 @@ class RolloutWorker:
         spec = LatencySpec.of(policy)
         self.shell = DelayedChunkEnv(self.env, spec, chunking, delay, use="finetune")
         self.gamma = gamma  # the credit windows' discount per control step
+        self.privileged = privileged  # record the simulator's privileged state for an asymmetric critic
         self.actor = policy.rl_actor(noise, augmentation_width=self.shell.protocol.width)
         self.version = version  # of the weights it holds: the ones it was built with, until new ones come
         self.collected = 0  # rollouts this process finished
@@ -233,7 +235,7 @@ class RolloutWorker:
             self.version = version
         torch.manual_seed(sampling_seed)
         rollout, stats = collect(self.actor, self.shell, episodes_per_world=episodes_per_world, seed=seed,
-                                 gamma=self.gamma)  # fmt: skip
+                                 gamma=self.gamma, privileged=self.privileged)  # fmt: skip
         rollout.version = torch.full((len(rollout),), self.version, dtype=torch.long)
         rollout.behaviour_log_prob = batched_score(self.actor, rollout, 64)
         timing = {"node": self.node, "pid": os.getpid(), "started": started, "ended": time.time(),
@@ -275,7 +277,15 @@ class AsyncRollouts:
             run = uuid.uuid4().hex[:8]
             self.workers = [
                 worker.options(name=f"{WORKER_NAME_PREFIX}{run}-{i}").remote(
-                    copy_on_cpu, cfg.env, cfg.chunking, cfg.delay, stream, gamma, cfg.noise, version
+                    copy_on_cpu,
+                    cfg.env,
+                    cfg.chunking,
+                    cfg.delay,
+                    stream,
+                    gamma,
+                    cfg.noise,
+                    version,
+                    cfg.algo == "ppo" and cfg.ppo.privileged_critic,
                 )
                 for i, stream in enumerate(streams)
             ]

@@ -30,7 +30,7 @@ import torch
 
 from vla_core.rl import Decision, FactorLogProb, RLPolicy, cat_decisions
 from vla_core.runtime.transition import ExecutionCredit
-from vla_core.types import TASK, ActionChunk
+from vla_core.types import OBS_PRIVILEGED, TASK, ActionChunk
 
 
 def select_rows(obs: dict[str, Any], rows: torch.Tensor) -> dict[str, Any]:
@@ -41,6 +41,20 @@ def select_rows(obs: dict[str, Any], rows: torch.Tensor) -> dict[str, Any]:
         for k, v in obs.items()
         if k == TASK or torch.is_tensor(v)
     }
+
+
+def privileged_features(env) -> torch.Tensor:
+    """(N, P) float32: each world's privileged state (`BatchedEnv.privileged_state`, the facts a scripted expert
+    reads: the task's arrays in name order, flattened) and its end effector's position, for an asymmetric
+    critic. ``env``: a simulator with both (the MuJoCo and MuJoCo Warp backends)."""
+    if not (hasattr(env, "privileged_state") and hasattr(env, "ee_positions")):
+        raise ValueError(
+            f"--ppo.privileged_critic reads the simulator's privileged state, which {type(env).__name__} does not "
+            f"give (the cpu and warp backends of vla-rl's own tasks do); drop --ppo.privileged_critic"
+        )
+    state = env.privileged_state()
+    parts = [np.asarray(state[name], dtype=np.float32).reshape(env.num_envs, -1) for name in sorted(state)]
+    return torch.from_numpy(np.concatenate([*parts, np.asarray(env.ee_positions(), dtype=np.float32)], axis=1))
 
 
 def to_device(obs: dict[str, Any], device) -> dict[str, Any]:
@@ -154,12 +168,15 @@ def collect(
     seed: int | Sequence[int],
     task: int = 0,
     gamma: float = 1.0,
+    privileged: bool = False,
 ) -> tuple[Rollout, RolloutStats]:
     """Roll ``actor`` out in ``env`` (a `DelayedChunkEnv`) for ``episodes_per_world`` episodes per world.
 
     seed: the reset's seed (`BatchedEnv.reset`: an int, or one per world; equal seeds give equal
     initial states, which is how GRPO makes its groups). task: the task's index in the run, stored with
-    every decision. gamma: the discount per control step of each decision's window.
+    every decision. gamma: the discount per control step of each decision's window. privileged: record the
+    simulator's privileged state at each decision (``observation.privileged``, `privileged_features`), which an
+    asymmetric critic reads and the actor never sees.
     """
     start = time.perf_counter()
     n = env.num_envs
@@ -190,7 +207,10 @@ def collect(
                 to_device(sub, actor.device), obs_step[rows.to(obs_step.device)].to(actor.device)
             )
             actions[rows] = chunk.actions.to(actions)
-            observations.append({k: v.cpu() if torch.is_tensor(v) else v for k, v in sub.items()})
+            recorded = {k: v.cpu() if torch.is_tensor(v) else v for k, v in sub.items()}
+            if privileged:  # after the actor acted: it never sees the critic's inputs
+                recorded[OBS_PRIVILEGED] = privileged_features(env.env)[rows]
+            observations.append(recorded)
             decisions.append(decision.to("cpu"))
             for w in rows.tolist():
                 asked[w][int(obs_step[w])] = len(records)

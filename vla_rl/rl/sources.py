@@ -73,6 +73,7 @@ class LocalRollouts:
                  processes: Processes):  # fmt: skip
         self.actor, self.shells, self.cfg, self.curriculum, self.processes = actor, shells, cfg, curriculum, processes
         self.gamma = gamma  # the credit windows' discount per control step
+        self.privileged = cfg.algo == "ppo" and cfg.ppo.privileged_critic  # what an asymmetric critic reads
 
     def next(self, iteration: int) -> RolloutBatch:
         cfg, processes, tasks = self.cfg, self.processes, len(self.shells)
@@ -83,7 +84,7 @@ class LocalRollouts:
             run = (iteration * processes.count + processes.index) * tasks + t
             seed, episodes = reset_seeds(cfg, run)
             part, part_stats = collect(self.actor, self.shells[t], episodes_per_world=episodes, seed=seed, task=t,
-                                       gamma=self.gamma)  # fmt: skip
+                                       gamma=self.gamma, privileged=self.privileged)  # fmt: skip
             if cfg.algo == "grpo" and cfg.grpo.dynamic_sampling and cfg.grpo.max_refills:
                 part, part_stats, extra = self._refill(part, part_stats, run, t)
                 refills += extra
