@@ -38,6 +38,7 @@ from torch import nn
 from policies.denoising_chain import ExplorationNoise
 from policies.flow_guidance import DEFAULT_MAX_GUIDANCE
 from policies.flow_matching import Objective, check_objective
+from policies.low_latency import LowLatencyInputs, LowLatencyPolicy
 from policies.normalization import NormalizationMixin
 from policies.tokenizer import word_vocabulary
 from vla_core.runtime.protocol import DEFAULT_MID_FRACTION, check_mid_fraction
@@ -67,6 +68,12 @@ class PolicyConfig(draccus.ChoiceRegistry):
     latency_max_delay: int = 0  # D: the most committed steps the fast head reads (its fine-tuning's largest delay)
     mid_fraction: float = DEFAULT_MID_FRACTION  # the mid-inference observation is taken this far into the window
     mid_cameras: list[str] = field(default_factory=list)  # the cameras in the mid-inference observation
+    # A low-latency part (ARLI's fast policy, `policies.low_latency`) that acts every control step on the freshest
+    # observation, correcting the plan. `vla-rl finetune --low_latency=true` adds it and sets these.
+    low_latency: bool = False
+    low_latency_rows: int = 0  # R: the plan rows it reads
+    low_latency_max_age: int = 0  # the scale of its ages: the largest delay it is made for plus a chunk's steps
+    low_latency_cameras: list[str] = field(default_factory=list)  # the cameras it reads, freshest frame
     # Filled from the dataset when training starts (see fit_to_dataset); stored in every checkpoint.
     state_dim: int = 0  # observation.state size
     action_dim: int = 0  # action size
@@ -102,6 +109,15 @@ class PolicyConfig(draccus.ChoiceRegistry):
         check_mid_fraction(self.mid_fraction, "policy.mid_fraction")
         if self.cameras and set(self.mid_cameras) - set(self.cameras):
             raise ValueError(f"policy.mid_cameras={self.mid_cameras} must be among the policy's cameras {self.cameras}")
+        if self.low_latency and (self.low_latency_rows < 1 or self.low_latency_max_age < 1):
+            raise ValueError(
+                f"policy.low_latency_rows={self.low_latency_rows} and policy.low_latency_max_age="
+                f"{self.low_latency_max_age} must be >= 1 for a policy with a low-latency part"
+            )
+        if self.cameras and set(self.low_latency_cameras) - set(self.cameras):
+            raise ValueError(
+                f"policy.low_latency_cameras={self.low_latency_cameras} must be among the policy's cameras {self.cameras}"
+            )
 
     def require_dataset_fields(self) -> None:
         """Raise unless the dataset-derived fields are set (a policy cannot be built without them)."""
@@ -264,6 +280,8 @@ class PreTrainedPolicy(NormalizationMixin, nn.Module):
         self.config = config
         # The fast head of a latency-aware policy (a subclass builds it: build_latency_head()); None: plain.
         self.latency_head: nn.Module | None = None
+        # The low-latency part (a subclass builds it: build_low_latency()); None: the chunks run as they are.
+        self.low_latency: nn.Module | None = None
 
     @property
     def device(self) -> torch.device:
@@ -454,6 +472,63 @@ class PreTrainedPolicy(NormalizationMixin, nn.Module):
         if self.latency_head is None:
             return None
         return self.latency_head(obs, slow["state"], slow["keypoints"], self.normalize_state, self.normalize_action)
+
+    # -- the low-latency part (ARLI's fast policy, `policies.low_latency`) ---------------------------------
+
+    def build_low_latency(self) -> nn.Module:
+        """The low-latency part of this policy's config, its encoders copies of the fast head's sources (the slow
+        policy's own keypoint encoders, where it has them; `latency_head_inputs`): zero at its output."""
+        encoders, keypoint_dim, _ = self.latency_head_inputs()
+        cfg = self.config
+        return LowLatencyPolicy(
+            state_dim=cfg.state_dim, action_dim=cfg.action_dim, cameras=cfg.low_latency_cameras,
+            image_encoders=encoders, keypoint_dim=keypoint_dim, rows=cfg.low_latency_rows,
+            max_age=cfg.low_latency_max_age,
+        )  # fmt: skip
+
+    def add_low_latency(self, rows: int, max_age: int, cameras: list[str]) -> None:
+        """Give this policy a low-latency part reading ``rows`` plan rows and ``cameras``' freshest frames, its
+        ages scaled by ``max_age``. Until it is trained the policy acts exactly as before. Sets the config fields,
+        so checkpoints rebuild it."""
+        if self.low_latency is not None:
+            raise ValueError("this policy has a low-latency part already; fine-tune it as it is")
+        if type(self).latency_head_inputs is PreTrainedPolicy.latency_head_inputs:
+            self.latency_head_inputs()  # says, before anything changes, that this policy has no encoders to copy
+        fields = {"low_latency": True, "low_latency_rows": rows, "low_latency_max_age": max_age,
+                  "low_latency_cameras": list(cameras)}  # fmt: skip
+        dataclasses.replace(self.config, **fields).validate()  # a bad value changes nothing
+        for name, value in fields.items():
+            setattr(self.config, name, value)
+        self.low_latency = self.build_low_latency().to(self.device)
+
+    def low_latency_inputs(self, obs: dict, base: torch.Tensor, context) -> LowLatencyInputs:
+        """The low-latency part's inputs at a control step: ``obs`` the freshest observation (B worlds), ``base``
+        (B, A) the action the queue emits (or the hold action), ``context`` the protocol's `StepContext`."""
+        cfg, dev = self.config, self.device
+        scale = float(cfg.low_latency_max_age)
+        plan = self.normalize_action(context.plan.to(dev, torch.float32))
+        plan = torch.cat([self.normalize_action(base.to(dev, torch.float32))[:, None], plan[:, 1:]], 1)
+        queued = torch.cat([torch.ones_like(context.queued[:, :1]), context.queued[:, 1:]], 1).to(dev)
+        return LowLatencyInputs(
+            state=self.normalize_state(obs[OBS_STATE].to(dev, torch.float32)),
+            images={cam: obs[image_key(cam)].to(dev, torch.float32) for cam in cfg.low_latency_cameras},
+            plan=plan, plan_mask=queued, plan_age=context.plan_age.to(dev, torch.float32) / scale,
+            since_request=context.since_request.to(dev, torch.float32) / scale,
+        )  # fmt: skip
+
+    def corrected_action(self, base: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """(B, A) in dataset units: ``base`` (B, A) moved by the low-latency correction ``delta`` (B, A), in
+        normalized units."""
+        return self.unnormalize_action(self.normalize_action(base.to(delta)) + delta)
+
+    @torch.no_grad()
+    def low_latency_step(self, obs: dict, base: torch.Tensor, context) -> torch.Tensor:
+        """(B, A) the action to run at this control step (evaluation and serving: the mean correction), the shells'
+        step policy (`vla_core.runtime.delayed_env.DelayedChunkEnv`, `robot_bridge.chunk_scheduler`)."""
+        if self.low_latency is None:
+            raise ValueError("this policy has no low-latency part; run it without a step policy")
+        mean, _ = self.low_latency(self.low_latency_inputs(obs, base, context))
+        return self.corrected_action(base, mean)
 
     def committed_actions(self, obs: dict) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The delay augmentation as this policy reads it (training-time RTC), or None when it reads none.

@@ -73,4 +73,5 @@ def test_a_0_2_finetune_run_resumes(runs):
         ppo=PPOConfig(**saved["ppo"]), resume=True,
     ))  # fmt: skip
     assert summary["iterations"] == 2 and [h["iteration"] for h in summary["history"]] == [1, 2]
+    assert summary["executed_rows_credit_from"] == 1  # 0.2 scored every row and credited request to request
     assert (runs / "finetune" / "checkpoints" / "step-00000002" / "training_state" / "finetune_state.pt").is_file()

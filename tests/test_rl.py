@@ -309,9 +309,10 @@ def test_a_resumed_run_reaches_the_same_weights_as_an_uninterrupted_one(
         assert all(h["groups"] > h["groups_dropped"] and h["refills"] > 0 for h in straight["history"])
 
 
-def test_a_run_saved_before_the_executed_rows_credit_is_refused_in_one_line(tiny_checkpoint, tmp_path):
-    """A run whose state carries no credit marker scored every row and credited from request to request; its
-    resumed updates would mix the two estimators, so it is refused with the fix. Marked, it resumes."""
+def test_a_run_saved_before_the_executed_rows_credit_resumes_and_says_from_when(tiny_checkpoint, tmp_path, capsys):
+    """A run whose state carries no credit marker scored every row and credited from request to request; it
+    resumes with one line saying that its updates from that iteration on use today's estimator, and its state
+    records the iteration. A marked run resumes silently."""
     from vla_rl.rl.checkpointing import CREDIT, STATE_FILE
 
     extra = {"ppo": PPOConfig(critic_warmup_iterations=0, episodes_per_world=1)}
@@ -321,11 +322,13 @@ def test_a_run_saved_before_the_executed_rows_credit_is_refused_in_one_line(tiny
     assert saved["credit"] == CREDIT == "executed_rows"
     del saved["credit"]
     torch.save(saved, state_file)
-    with pytest.raises(ValueError, match=r"before RL scored only the chunk rows that ran.*start it anew") as err:
-        finetune(small_run(tiny_checkpoint[0], tmp_path / "old", resume=True, **extra))
-    assert "\n" not in str(err.value)
-    torch.save({**saved, "credit": CREDIT}, state_file)
-    assert finetune(small_run(tiny_checkpoint[0], tmp_path / "old", resume=True, **extra))["iterations"] == 2
+    capsys.readouterr()
+    summary = finetune(small_run(tiny_checkpoint[0], tmp_path / "old", iterations=2, resume=True, **extra))
+    notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note:")]
+    assert len(notes) == 1 and "from iteration 1 on it scores only the rows that ran" in notes[0]
+    assert summary["iterations"] == 2 and summary["executed_rows_credit_from"] == 1
+    finetune(small_run(tiny_checkpoint[0], tmp_path / "old", iterations=3, resume=True, **extra))
+    assert not [line for line in capsys.readouterr().err.splitlines() if line.startswith("note:")]
 
 
 @pytest.mark.parametrize("latency_aware", [False, True], ids=["plain", "latency-aware"])

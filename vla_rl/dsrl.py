@@ -75,7 +75,7 @@ def run_dsrl(cfg: DSRLConfig) -> dict[str, Any]:
     from torchrl.data import LazyTensorStorage, ReplayBuffer
 
     from sim.factory import make_env
-    from vla_core.runtime.delayed_env import DelayedChunkEnv
+    from vla_core.runtime.delayed_env import DelayedChunkEnv, step_policy_of
     from vla_rl.rl.rollout import collect
     from vla_rl.stages import EvalConfig, evaluate
 
@@ -102,7 +102,7 @@ def run_dsrl(cfg: DSRLConfig) -> dict[str, Any]:
     envs = [make_env(setting) for setting in settings]
     try:
         shells = [DelayedChunkEnv(env, LatencySpec.of(policy), cfg.chunking, DelayModel(cfg.delay, env.control_dt),
-                                  use="finetune") for env in envs]  # fmt: skip
+                                  use="finetune", step_policy=step_policy_of(policy)) for env in envs]  # fmt: skip
         history = load_state(state_file, agent, replay, shells, made_with) if state_file.exists() else []
         with interrupt.deferred():  # a stop signal ends the run after an iteration, its state saved
             for it in tqdm(range(len(history), cfg.iterations), desc="dsrl", unit="it", initial=len(history),

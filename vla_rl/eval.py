@@ -143,7 +143,7 @@ def evaluate(cfg: EvalConfig, policy=None, expected_weights: str | None = None) 
     if cfg.tasks:
         return evaluate_tasks(cfg, policy, expected_weights)
     from sim.factory import make_env
-    from vla_core.runtime.delayed_env import DelayedChunkEnv
+    from vla_core.runtime.delayed_env import DelayedChunkEnv, step_policy_of
 
     libero = cfg.libero_protocol()
     env_cfg = cfg.env
@@ -191,7 +191,8 @@ def evaluate(cfg: EvalConfig, policy=None, expected_weights: str | None = None) 
         # Chunks run through the same latency model as RL and the robot bridge; with the default
         # zero delay this is plain chunked execution. A delay the policy cannot take is refused here,
         # before any rollout and before any output.
-        delayed = DelayedChunkEnv(recorder, LatencySpec.of(policy), cfg.chunking, delay)
+        delayed = DelayedChunkEnv(recorder, LatencySpec.of(policy), cfg.chunking, delay,
+                                  step_policy=step_policy_of(policy))  # fmt: skip
         execute_steps, guided = delayed.execute_steps, delayed.protocol.sends_guidance
         record = EvalRecord(out, identity(cfg, origin["weights_sha256"]), cfg.resume, cfg.overwrite)
         record.check_rounds(plan)

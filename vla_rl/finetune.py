@@ -76,7 +76,7 @@ from vla_core.runtime import (
     check_merge,
     check_mid_fraction,
 )
-from vla_core.runtime.delayed_env import DelayedChunkEnv
+from vla_core.runtime.delayed_env import DelayedChunkEnv, step_policy_of
 from vla_core.types import TASK
 from vla_rl.checkpoint import (
     TRAINING_STATE_DIR,
@@ -145,6 +145,11 @@ class FinetuneConfig:
     # Before RL, fit the fast head on demonstrations under the run's delays (`vla_rl.latency_warmup`);
     # steps=0 (default): RL starts it from zero.
     latency_warmup: LatencyWarmupConfig = field(default_factory=LatencyWarmupConfig)
+    # ARLI's low-latency policy (`policies.low_latency`): the policy gains a small fast part that acts every
+    # control step on the freshest observation, correcting the plan; RL trains it alone at the control-step
+    # level (`vla_rl.rl.low_latency`), the slow policy frozen. Checkpoints then run it in eval and serve.
+    low_latency: bool = False
+    low_latency_rows: int = 0  # plan rows the fast part reads (0 = the policy's horizon)
     # Where rollouts run: local = this process, between updates (reproducible bit for bit); ray =
     # asynchronous Ray actors that collect while the learner updates (`vla_rl.rl.ray_runtime`).
     runtime: Literal["local", "ray"] = "local"
@@ -230,6 +235,29 @@ class FinetuneConfig:
                 )
         if self.train_last_steps < 0:
             raise ValueError(f"--train_last_steps={self.train_last_steps} must be >= 0 (0 = every denoising step)")
+        self._validate_low_latency()
+
+    def _validate_low_latency(self) -> None:
+        """What a low-latency run (its fast part trained alone, per control step) cannot be combined with."""
+        if self.low_latency_rows < 0:
+            raise ValueError(f"--low_latency_rows={self.low_latency_rows} must be >= 0 (0 = the policy's horizon)")
+        if not self.low_latency:
+            if self.low_latency_rows:
+                raise ValueError(
+                    "--low_latency_rows shapes the fast part of --low_latency=true; add it or drop the flag"
+                )
+            return
+        conflicts = {
+            "--algo=grpo": self.algo == "grpo", "--runtime=ray": self.runtime == "ray",
+            "--latency_aware=true": self.latency_aware, "--train_last_steps": self.train_last_steps > 0,
+            "--reward.process_model": bool(self.reward.process_model), "--ppo.kl_coef": self.ppo.kl_coef > 0,
+        }  # fmt: skip
+        found = [flag for flag, on in conflicts.items() if on]
+        if found:
+            raise ValueError(
+                f"--low_latency=true trains the fast part alone, with PPO per control step, locally, the slow policy "
+                f"frozen; drop {found[0]}"
+            )
 
 
 def check_policy_fits(policy, env, env_cfg: EnvConfig) -> None:
@@ -354,7 +382,8 @@ def finetune(cfg: FinetuneConfig) -> dict:
             if not cfg.resume and cfg.eval_every:
                 run.evaluation(actor.policy, policy_dir, run.state)
         rollouts = (RayRollouts(actor, cfg, gamma, run.state["iteration"], run.curriculum, processes)
-                    if cfg.runtime == "ray" else LocalRollouts(actor, run.shells, cfg, gamma, run.curriculum, processes))  # fmt: skip
+                    if cfg.runtime == "ray" else LocalRollouts(actor, run.shells, cfg, gamma, run.curriculum, processes,
+                                                      collector(cfg)))  # fmt: skip
         closing.callback(rollouts.close)
         start = time.time()
         _train(run, rollouts)
@@ -365,6 +394,18 @@ def finetune(cfg: FinetuneConfig) -> dict:
         write_text_atomic(out / "finetune_summary.json", json.dumps(summary, indent=2))
         report.plot_success(run.state, out / "success.png", cfg.algo)
     return summary
+
+
+def collector(cfg: FinetuneConfig):
+    """How the run's rollouts are collected: per chunk decision (`vla_rl.rl.rollout.collect`), or per control step
+    of the low-latency part (`vla_rl.rl.low_latency.collect_steps`)."""
+    if cfg.low_latency:
+        from vla_rl.rl.low_latency import collect_steps
+
+        return collect_steps
+    from vla_rl.rl.rollout import collect
+
+    return collect
 
 
 def _load_trained_policy(cfg: FinetuneConfig, source: str | Path, device, out: Path):
@@ -388,6 +429,29 @@ def _load_trained_policy(cfg: FinetuneConfig, source: str | Path, device, out: P
     if cfg.vla.trainable == "lora" and cfg.resume:
         policy.adapted.load_adapter(policy.model, policy_dir)
     return policy, policy_dir
+
+
+def make_low_latency(cfg: FinetuneConfig, policy, max_age: int):
+    """With ``--low_latency``: give ``policy`` its low-latency part (unless it has one: a resumed run's) for plan
+    ages up to ``max_age`` (the largest delay plus a chunk's steps), freeze everything else, and return the
+    part's RL actor; None without the flag."""
+    if not cfg.low_latency:
+        return None
+    from vla_rl.rl.low_latency import LowLatencyActor
+
+    rows = cfg.low_latency_rows or policy.config.horizon
+    if policy.low_latency is None:
+        policy.add_low_latency(rows, max_age, list(policy.config.cameras))
+    elif (policy.config.low_latency_rows, policy.config.low_latency_max_age) != (rows, max_age):
+        raise ValueError(
+            f"the checkpoint's low-latency part reads {policy.config.low_latency_rows} rows for ages up to "
+            f"{policy.config.low_latency_max_age} steps; fine-tune it with --low_latency_rows="
+            f"{policy.config.low_latency_rows} under the delays it was made for ({policy.config.low_latency_max_age} "
+            f"steps of age)"
+        )
+    policy.requires_grad_(False)  # the slow policy stays as it is
+    policy.low_latency.requires_grad_(True)
+    return LowLatencyActor(policy)
 
 
 def privileged_width(cfg: FinetuneConfig, tasks: list[str], envs: list) -> int:
@@ -438,10 +502,13 @@ def _wire(cfg, tasks, env_cfgs, envs, out, accelerator, processes, policy, facto
     torch.manual_seed(cfg.seed)  # the fast head's and the critic's initial weights: the same in every process
     policy_dir = make_latency_aware(cfg, policy, delay.max_steps + lead, out, envs[0].control_dt, processes) \
         or policy_dir  # fmt: skip
+    steps_per_chunk = cfg.chunking.steps_per_chunk(policy.config.n_action_steps, policy.config.horizon)
+    fast = make_low_latency(cfg, policy, delay.max_steps + lead + steps_per_chunk)  # its actor, or None
     spec = LatencySpec.of(policy)  # with its head, a latency-aware policy's mid observation
-    shells = [DelayedChunkEnv(env, spec, cfg.chunking, delay, use="finetune") for env in envs]
+    step_policy = fast.step_policy if fast is not None else step_policy_of(policy)
+    shells = [DelayedChunkEnv(env, spec, cfg.chunking, delay, use="finetune", step_policy=step_policy) for env in envs]
     width = shells[0].protocol.width  # the augmentation the rollouts carry, which the value features read
-    actor = policy.rl_actor(cfg.noise, augmentation_width=width)
+    actor = fast or policy.rl_actor(cfg.noise, augmentation_width=width)
     # Eval mode throughout (no dropout): sampling and the update then score decisions with the same network.
     policy.eval()
     settings = UpdateSettings(

@@ -229,12 +229,13 @@ def load_rollouts(root: Path) -> dict[str, torch.Tensor]:
 def collect(cfg: SteerConfig, policy, env, dataset, setting_index: int = 0) -> None:
     """The rollouts of stage 1 under ``cfg.env`` (``env`` made from it) into ``dataset``: one frame per request
     with its regression samples (`record_request`), one LeRobot episode per counted rollout."""
-    from vla_core.runtime.delayed_env import DelayedChunkEnv
+    from vla_core.runtime.delayed_env import DelayedChunkEnv, step_policy_of
 
     generator = torch.Generator().manual_seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     n = env.num_envs
-    delayed = DelayedChunkEnv(env, LatencySpec.of(policy), cfg.chunking, DelayModel(cfg.delay, env.control_dt))
+    delayed = DelayedChunkEnv(env, LatencySpec.of(policy), cfg.chunking, DelayModel(cfg.delay, env.control_dt),
+                              step_policy=step_policy_of(policy))  # fmt: skip
     obs, need = delayed.reset(seed=cfg.seed)
     # Each world counts its first ceil(episodes / N) episodes, whatever their length: keeping the first
     # episodes to end would favour the short ones, and success ends an episode early.

@@ -123,6 +123,7 @@ class DiffusionPolicy(FlowHooks, DenoisingRL, PreTrainedPolicy):
 
         self.register_normalization(cfg.state_dim, cfg.action_dim)
         self.latency_head = self.build_latency_head() if cfg.latency_aware else None
+        self.low_latency = self.build_low_latency() if cfg.low_latency else None
 
         sched = {
             "num_train_timesteps": cfg.num_train_timesteps,

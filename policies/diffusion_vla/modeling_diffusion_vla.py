@@ -83,6 +83,7 @@ class DiffusionVLAPolicy(FlowHooks, DenoisingRL, PreTrainedPolicy):
         )  # fmt: skip
         self.register_normalization(cfg.state_dim, cfg.action_dim)
         self.latency_head = self.build_latency_head() if cfg.latency_aware else None
+        self.low_latency = self.build_low_latency() if cfg.low_latency else None
         sched = {
             "num_train_timesteps": cfg.num_train_timesteps,
             "beta_schedule": cfg.beta_schedule,
@@ -134,7 +135,10 @@ class DiffusionVLAPolicy(FlowHooks, DenoisingRL, PreTrainedPolicy):
         """See ``PreTrainedPolicy.latency_head_inputs``. The SigLIP tower is the slow part, too slow to run on
         the mid observation: the fast head encodes the request's and the mid images with a small keypoint
         CNN of its own (`policies.keypoints`), so their difference is the world's motion in its features."""
-        encoders = {cam: ImageEncoder(LATENCY_IMAGE_CHANNELS, LATENCY_KEYPOINTS) for cam in self.config.mid_cameras}
+        cameras = dict.fromkeys(
+            [*self.config.mid_cameras, *self.config.low_latency_cameras]
+        )  # a low-latency part's too
+        encoders = {cam: ImageEncoder(LATENCY_IMAGE_CHANNELS, LATENCY_KEYPOINTS) for cam in cameras}
         return encoders, 2 * LATENCY_KEYPOINTS, self.config.dim
 
     # -- training -----------------------------------------------------------------------------

@@ -17,7 +17,7 @@ with the steps its own rows ran (`vla_core.runtime.transition.ExecutionCredit`);
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -25,20 +25,37 @@ import torch
 
 from vla_core.runtime.config import ChunkingConfig
 from vla_core.runtime.delay import DelayModel
-from vla_core.runtime.protocol import LatencyProtocol, LatencySpec, Use, merge_rows
+from vla_core.runtime.protocol import LatencyProtocol, LatencySpec, StepContext, Use, merge_rows
 from vla_core.runtime.transition import StepTrace
 from vla_core.types import ActionChunk, BatchedEnv, Worlds, WorldState, world_indices
+
+# A low-latency part's step policy: (the freshest observation of N worlds, the queue's actions (N, A) for this step,
+# the protocol's context) -> the actions (N, A) to run (`policies.pretrained.PreTrainedPolicy.low_latency_step`).
+StepPolicy = Callable[[dict[str, Any], torch.Tensor, StepContext], torch.Tensor]
+
+
+def step_policy_of(policy) -> StepPolicy | None:
+    """A policy's step policy (its low-latency part's mean correction), or None when it has no low-latency part."""
+    return policy.low_latency_step if getattr(policy, "low_latency", None) is not None else None
 
 
 class DelayedChunkEnv:
     """``reset`` / ``step`` return an observation batch and ``need`` (N,) bool, the worlds whose policy is
     asked now: their rows hold the request's observation, its augmentation and (latency-aware)
     ``observation.mid.*``. ``step`` takes their chunks and steps until some world is asked again; a
-    step with nothing queued sends the env's ``hold_actions()``.
+    step with nothing queued sends the env's ``hold_actions()``. step_policy: a policy with a low-latency part
+    (``spec.low_latency_rows``) corrects every control step's action with it, from the freshest observation.
     """
 
     def __init__(self, env: BatchedEnv, spec: LatencySpec, chunking: ChunkingConfig, delay: DelayModel, *,
-                 use: Use = "eval"):  # fmt: skip
+                 use: Use = "eval", step_policy: StepPolicy | None = None):  # fmt: skip
+        if bool(spec.low_latency_rows) != (step_policy is not None):
+            raise ValueError(
+                "a policy with a low-latency part acts every control step: give the shell its step policy "
+                "(policy.low_latency_step)" if spec.low_latency_rows else
+                "a step policy corrects a low-latency policy's actions; this policy has no low-latency part"
+            )  # fmt: skip
+        self.step_policy, self.step_rows = step_policy, spec.low_latency_rows
         self.env, self.delay, self.num_envs = env, delay, env.num_envs
         self.device = dev = torch.device(env.device)
         self.protocol = LatencyProtocol(
@@ -176,11 +193,14 @@ class DelayedChunkEnv:
                 need = p.take_asked()
                 if need.any():
                     break
+            context = None if self.step_policy is None else p.step_context(self.step_rows)
             actions, valid = p.next_action()
             # On the CPU, asking which worlds have no action is free and spares the hold pose's per-world
             # loop on most steps; on an accelerator the hold is computed every step rather than read back.
             if hold is not None and (dev.type != "cpu" or not valid.all()):
                 actions = torch.where(valid[:, None], actions, hold().to(device=dev, dtype=actions.dtype))
+            if context is not None:  # the low-latency part, on the freshest observation
+                actions = self.step_policy(self._obs, actions, context).to(device=dev, dtype=actions.dtype)
             source, row = p.executor.emitted_source, p.executor.emitted_row  # the chunk and row just emitted
             self._obs, r, term, trunc, info = self.env.step(actions)
             r, term, trunc = r.to(dev, torch.float32), term.to(dev), trunc.to(dev)

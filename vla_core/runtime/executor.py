@@ -226,6 +226,20 @@ class ActionChunkExecutor:
         queued = self._count[:, self.lead_steps :] > 0
         return self._queued_actions()[:, self.lead_steps :], queued.long().cumprod(dim=1).sum(dim=1)
 
+    def upcoming(self, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What the queue holds for the next ``rows`` steps from ``step`` on (row 0: the action ``next_action()``
+        emits next): actions (B, rows, A) (zeros where nothing is queued), queued (B, rows) bool, and the
+        ``obs_step`` of the chunk each row comes from (B, rows) long (-1 where nothing is queued). Rows past the
+        window are empty. What a low-latency policy reads every step (`policies.low_latency`)."""
+        take = min(rows, self.horizon)
+        actions, queued, source = self._queued_actions()[:, :take], self._count[:, :take] > 0, self._source[:, :take]
+        if take < rows:
+            pad = rows - take
+            actions = torch.cat([actions, actions.new_zeros(self.num_envs, pad, self.action_dim)], 1)
+            queued = torch.cat([queued, queued.new_zeros(self.num_envs, pad)], 1)
+            source = torch.cat([source, source.new_full((self.num_envs, pad), -1)], 1)
+        return actions, queued, source
+
     def discard_queue(self, env_mask: torch.Tensor | None = None, from_slot: int = 0) -> None:
         """Forget the queued actions of the masked envs (all when None) from slot ``from_slot`` on, keeping step and
         held action.

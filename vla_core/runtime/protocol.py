@@ -20,7 +20,10 @@ Each control step, per world, in this order:
    request (`mid_inference_steps`: within the inference), so it is asked at t + m; its chunk is still
    conditioned on step t and can arrive no earlier than t + m + 1 (``arrival_step``); every other policy
    is asked at once;
-5. ``next_action``: the queue emits the step's action (nothing queued: the shell holds).
+5. ``next_action``: the queue emits the step's action (nothing queued: the shell holds). A policy with a
+   low-latency part (ARLI's fast policy, `policies.low_latency`) then corrects it from the freshest
+   observation and ``step_context``: the plan the queue holds, its information's age and the steps since
+   the request; each shell calls it every control step, with the observation it has.
 
 ``hold`` (the robot stopped) empties the queue and starts a new epoch; ``restart`` (a new episode)
 also resets the step counter and drops what is in flight; ``abandon`` ends a request without a chunk.
@@ -45,21 +48,23 @@ from vla_core.types import ActionChunk
 
 DEFAULT_MID_FRACTION = 0.5  # the mid-inference observation is taken half-way through the inference window
 
-PolicyKind = Literal["plain", "latency_aware"]
+PolicyKind = Literal["plain", "latency_aware", "low_latency"]
 Use = Literal["eval", "finetune", "robot"]
 
 # Which merge each kind of policy runs with, per use; the reason a refused merge is refused.
 _ANY: tuple[MergeMode, ...] = ("latest", "ensemble", "rtc")
 MERGES: dict[Use, dict[PolicyKind, tuple[MergeMode, ...]]] = {
-    "eval": {"plain": _ANY, "latency_aware": ("latest",)},
-    "robot": {"plain": _ANY, "latency_aware": ("latest",)},
-    "finetune": {"plain": ("latest",), "latency_aware": ("latest",)},
+    "eval": {"plain": _ANY, "latency_aware": ("latest",), "low_latency": ("latest",)},
+    "robot": {"plain": _ANY, "latency_aware": ("latest",), "low_latency": ("latest",)},
+    "finetune": {"plain": ("latest",), "latency_aware": ("latest",), "low_latency": ("latest",)},
 }
 _WHY = {
     "finetune": "executes actions other than the sampled chunk, which its log-probability does not describe; "
     "fine-tune with --chunking.merge=latest and evaluate other merges with `vla-rl eval`",
     "latency_aware": "is not how a latency-aware policy acts: it was fine-tuned with latest-only merging, and its "
     "chunks start where its mid-inference observation left the world; set chunking.merge to latest",
+    "low_latency": "is not how a policy with a low-latency part acts: its fast policy corrects the newest chunk's rows, "
+    "as it was fine-tuned (latest-only merging); set chunking.merge to latest",
 }
 
 
@@ -98,6 +103,7 @@ class LatencySpec:
     mid_fraction: float = DEFAULT_MID_FRACTION
     mid_cameras: tuple[str, ...] = ()
     supports_inpainting: bool = False
+    low_latency_rows: int = 0  # a low-latency part (`policies.low_latency`) reads this many plan rows; 0: none
 
     @classmethod
     def of(cls, policy) -> LatencySpec:
@@ -109,6 +115,7 @@ class LatencySpec:
             latency_max_delay=getattr(c, "latency_max_delay", 0) or 0,
             mid_fraction=getattr(c, "mid_fraction", DEFAULT_MID_FRACTION), mid_cameras=tuple(getattr(c, "mid_cameras", ())),
             supports_inpainting=bool(getattr(policy, "supports_inpainting", False)),
+            low_latency_rows=getattr(c, "low_latency_rows", 0) if getattr(c, "low_latency", False) else 0,
         )  # fmt: skip
 
     def as_dict(self) -> dict[str, Any]:
@@ -117,7 +124,7 @@ class LatencySpec:
 
     @property
     def kind(self) -> PolicyKind:
-        return "latency_aware" if self.latency_aware else "plain"
+        return "latency_aware" if self.latency_aware else "low_latency" if self.low_latency_rows else "plain"
 
     @property
     def reads(self) -> int:
@@ -257,6 +264,13 @@ class LatencyProtocol:
             steps = steps[worlds].numpy()
         return mid_observation(observation, self.spec.mid_cameras, steps)
 
+    def step_context(self, rows: int) -> StepContext:
+        """What a low-latency policy reads of the protocol now, before the step's action is emitted."""
+        ex = self.executor
+        plan, queued, source = ex.upcoming(rows)
+        running = torch.where(queued[:, 0], source[:, 0], ex.emitted_source)  # the chunk whose row runs (or last ran)
+        return StepContext(plan, queued, torch.where(running >= 0, ex.step - running, -1), ex.step - self.request_step)
+
     def arrival_step(self, true_delay: torch.Tensor) -> torch.Tensor:
         """(N,) long: when the latest requests' chunks arrive, ``true_delay`` steps after their request, but a
         step after their mid observation at the earliest (the fast part runs once it is in)."""
@@ -297,6 +311,19 @@ class LatencyProtocol:
     def next_action(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The queue's actions (N, A) and valid (N,) for this step; advances every world one step."""
         return self.executor.next_action()
+
+
+@dataclass
+class StepContext:
+    """What a low-latency policy reads of the protocol at a control step, for N worlds: ``plan`` (N, R, A) the
+    queue's next R actions from this step on (zeros where empty) and ``queued`` (N, R) bool; ``plan_age`` (N,)
+    long, steps since the observation the chunk running now was conditioned on (-1: no chunk has run yet this
+    episode); ``since_request`` (N,) long, steps since the latest request."""
+
+    plan: torch.Tensor
+    queued: torch.Tensor
+    plan_age: torch.Tensor
+    since_request: torch.Tensor
 
 
 def merge_rows(old: dict[str, Any], new: dict[str, Any], rows: torch.Tensor) -> dict[str, Any]:

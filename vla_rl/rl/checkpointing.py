@@ -9,6 +9,7 @@ Written atomically by the main process; every process takes part.
 from __future__ import annotations
 
 import random
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,9 +18,10 @@ import torch
 from vla_rl.checkpoint import TRAINING_STATE_DIR, begin_checkpoint, commit_checkpoint, write_policy
 
 STATE_FILE = "finetune_state.pt"
-# The estimator a run's updates used, saved with its state: since 2026-12-06 each decision is scored on the rows
-# of its chunk that ran and credited with the steps they ran (`vla_rl.rl.rollout`). A run saved before carries
-# none, and resuming it would mix two estimators in one learning curve.
+# The estimator a run's updates use, saved with its state: since 2026-12-06 each decision is scored on the rows of
+# its chunk that ran and credited with the steps they ran (`vla_rl.rl.rollout`). A run saved before carries none:
+# it resumes, its later updates use this estimator, and its state says from which iteration
+# (``state["executed_rows_credit_from"]``, in the summary's ``state``).
 CREDIT = "executed_rows"
 
 
@@ -68,13 +70,13 @@ def load(directory: Path, learner, streams, protocols, delay, curriculum, proces
     """Restore the run saved in ``directory`` (a ``training_state/``) into the learner, the streams, the
     protocols, the delay model and the curriculum; returns the run's progress (``state``)."""
     saved = torch.load(directory / STATE_FILE, weights_only=False)
-    if saved.get("credit") != CREDIT:
-        raise ValueError(
-            f"{directory} was fine-tuned before RL scored only the chunk rows that ran and credited each decision "
-            f"with the steps they ran (it scored every row, credited from request to request); resuming would mix "
-            f"the two in one run: start it anew in a new --output_dir (its checkpoints still load in eval and serve)"
-        )
     state = saved["state"]
+    if saved.get("credit") != CREDIT and "executed_rows_credit_from" not in state:
+        state["executed_rows_credit_from"] = state["iteration"]
+        if processes.index == 0:
+            print(f"note: {directory} was fine-tuned scoring every chunk row and crediting each decision from request "
+                  f"to request; from iteration {state['iteration']} on it scores only the rows that ran and credits the "
+                  f"steps they ran (vla_rl.rl.rollout)", file=sys.stderr)  # fmt: skip
     try:
         learner.load_state_dict(
             saved, {"actor": state["skipped_actor_updates"], "critic": state["skipped_critic_updates"]}

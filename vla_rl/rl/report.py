@@ -80,6 +80,8 @@ def summary(cfg, tasks: list[str], state: dict, seconds: float, device: torch.de
         mean = sum(m * n for m, n in pairs) / max(1, sum(n for _, n in pairs))
         shaped["process_reward"] = {"model": cfg.reward.process_model, "weight": cfg.reward.process_weight,
                                     "mean_per_decision": round(mean, 6)}  # fmt: skip
+    # A run begun before RL scored and credited only what runs: the first iteration of today's estimator.
+    credit = {k: state[k] for k in ("executed_rows_credit_from",) if k in state}
     return {
         "algo": cfg.algo,
         "tasks": tasks,
@@ -99,6 +101,7 @@ def summary(cfg, tasks: list[str], state: dict, seconds: float, device: torch.de
             1,
         ),
         "seconds_since_start_or_resume": round(seconds, 1),
+        **credit,
         **shaped,
         "peak_memory": peak_memory(device),
         "history": history,

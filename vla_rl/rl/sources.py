@@ -70,8 +70,9 @@ class LocalRollouts:
     noise) and updates on them; only their statistics are gathered."""
 
     def __init__(self, actor: RLPolicy, shells: list, cfg, gamma: float, curriculum: TaskCurriculum,
-                 processes: Processes):  # fmt: skip
+                 processes: Processes, collector=None):  # fmt: skip
         self.actor, self.shells, self.cfg, self.curriculum, self.processes = actor, shells, cfg, curriculum, processes
+        self.collect = collector or collect  # per chunk decision, or per control step of a low-latency part
         self.gamma = gamma  # the credit windows' discount per control step
         self.privileged = cfg.algo == "ppo" and cfg.ppo.privileged_critic  # what an asymmetric critic reads
 
@@ -83,8 +84,8 @@ class LocalRollouts:
             # Distinct seeds for every (iteration, process, task).
             run = (iteration * processes.count + processes.index) * tasks + t
             seed, episodes = reset_seeds(cfg, run)
-            part, part_stats = collect(self.actor, self.shells[t], episodes_per_world=episodes, seed=seed, task=t,
-                                       gamma=self.gamma, privileged=self.privileged)  # fmt: skip
+            part, part_stats = self.collect(self.actor, self.shells[t], episodes_per_world=episodes, seed=seed, task=t,
+                                            gamma=self.gamma, privileged=self.privileged)  # fmt: skip
             if cfg.algo == "grpo" and cfg.grpo.dynamic_sampling and cfg.grpo.max_refills:
                 part, part_stats, extra = self._refill(part, part_stats, run, t)
                 refills += extra
