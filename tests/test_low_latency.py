@@ -122,3 +122,46 @@ def test_bad_low_latency_flags_get_one_line(overrides, message):
         FinetuneConfig(low_latency=True, **overrides).validate()
     with pytest.raises(ValueError, match="shapes the fast part of --low_latency=true"):
         FinetuneConfig(low_latency_rows=4).validate()
+
+
+@pytest.mark.parametrize(("d", "s"), [(3, 4), (8, 4), (2, 4)])
+def test_the_warm_ups_window_layout_is_the_shells(d, s):
+    """The warm-up lays a demonstration out as the shell runs an episode: for every step, the plan's age and the
+    steps since the request equal what the protocol tells the step policy (a counting env, chunks of 16)."""
+    from vla_rl.low_latency_warmup import window_layout
+
+    env, recorder = CountingEnv(length=40), _Recorder()
+    shell = make_shell(env, 16, s, DelayModel(DelayConfig(kind="fixed", steps=d)), low_latency_rows=2,
+                       step_policy=recorder)  # fmt: skip
+    shell.reset(seed=0)
+    while len(env.applied[0]) < 40:
+        shell.step(ActionChunk(torch.zeros(1, 16, 1), shell.obs_step))
+    _, _, age, since, _ = zip(*recorder.seen[:40], strict=True)
+    request, layout_age, layout_since = window_layout(torch.arange(40), d, s)
+    assert layout_age.tolist() == list(age) and layout_since.tolist() == list(since)
+    assert request.tolist()[: d + 1] == [-1] * d + [0]
+
+
+def test_the_warm_up_moves_the_plan_toward_what_the_demonstrator_did(tiny_checkpoint, tiny_dataset):
+    """After the warm-up, on the demonstrations' frames the corrected action is nearer the demonstrated one than
+    the slow policy's plan row it corrects (the squared error in normalized units falls by a third or more)."""
+    from vla_core.data import ChunkedDemos, open_dataset
+    from vla_rl.checkpoint import load_policy
+    from vla_rl.latency_warmup import LatencyWarmupConfig
+    from vla_rl.low_latency_warmup import _episode_start, slow_chunks, warm_up_low_latency, warmup_batch, window_layout
+
+    policy, _ = load_policy(tiny_checkpoint[0])
+    policy.add_low_latency(rows=4, max_age=12, cameras=list(policy.config.cameras))
+    demos = ChunkedDemos(open_dataset(str(tiny_dataset[0])), list(policy.config.cameras))
+    torch.manual_seed(0)
+    losses = warm_up_low_latency(policy, demos, 3, 4, LatencyWarmupConfig(steps=150, batch_size=32, lr=3e-3), seed=0)
+    assert len(losses) == 150
+    frames = torch.arange(1, len(demos))
+    starts = _episode_start(demos, frames)
+    request, _, _ = window_layout(frames - starts, 3, 4)
+    windows = torch.unique((starts + request)[request >= 0])
+    chunks = dict(zip(windows.tolist(), slow_chunks(policy, demos, windows), strict=True))
+    inputs, target = warmup_batch(policy, demos, chunks, frames, 3, 4)
+    with torch.no_grad():
+        after = (policy.low_latency(inputs)[0] - target).square().sum(-1).mean()
+    assert after < 0.67 * target.square().sum(-1).mean()

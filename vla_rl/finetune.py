@@ -88,7 +88,7 @@ from vla_rl.latency_warmup import LatencyWarmupConfig
 from vla_rl.rl import checkpointing, report
 from vla_rl.rl.evaluation import PeriodicEvaluation
 from vla_rl.rl.grpo import GRPOConfig
-from vla_rl.rl.latency_aware import make_latency_aware
+from vla_rl.rl.latency_aware import make_latency_aware, warm_up_fast_part
 from vla_rl.rl.ppo import PPOConfig
 from vla_rl.rl.process_reward import RewardConfig, check_resumed_reward, load_process_reward
 from vla_rl.rl.ray_runtime import RayConfig
@@ -211,9 +211,10 @@ class FinetuneConfig:
             if self.latency_head_lr <= 0:
                 raise ValueError(f"--latency_head_lr={self.latency_head_lr} must be > 0")
         self.latency_warmup.validate()
-        if self.latency_warmup.steps and not self.latency_aware:
+        if self.latency_warmup.steps and not (self.latency_aware or self.low_latency):
             raise ValueError(
-                "--latency_warmup.steps fits the fast head of a latency-aware run; add --latency_aware=true"
+                "--latency_warmup.steps fits the fast head of a latency-aware run or the low-latency part of a "
+                "--low_latency run; add --latency_aware=true or --low_latency=true"
             )
         if self.runtime not in ("local", "ray"):
             raise ValueError(f"--runtime={self.runtime!r} is unknown; choose --runtime=local or --runtime=ray")
@@ -431,17 +432,25 @@ def _load_trained_policy(cfg: FinetuneConfig, source: str | Path, device, out: P
     return policy, policy_dir
 
 
-def make_low_latency(cfg: FinetuneConfig, policy, max_age: int):
+def make_low_latency(cfg: FinetuneConfig, policy, max_delay: int, lead: int, steps_per_chunk: int, out: Path,
+                     control_dt: float, processes):  # fmt: skip
     """With ``--low_latency``: give ``policy`` its low-latency part (unless it has one: a resumed run's) for plan
-    ages up to ``max_age`` (the largest delay plus a chunk's steps), freeze everything else, and return the
-    part's RL actor; None without the flag."""
+    ages up to the largest delay (``max_delay`` + ``lead``) plus a chunk's steps, fitted on demonstrations first
+    with ``--latency_warmup.steps`` (`vla_rl.low_latency_warmup`), freeze everything else. Returns (the part's RL
+    actor, the warmed-up checkpoint the run starts from or None); (None, None) without the flag."""
     if not cfg.low_latency:
-        return None
+        return None, None
+    from vla_rl.low_latency_warmup import warm_up_low_latency
     from vla_rl.rl.low_latency import LowLatencyActor
 
-    rows = cfg.low_latency_rows or policy.config.horizon
+    rows, max_age = cfg.low_latency_rows or policy.config.horizon, max_delay + lead + steps_per_chunk
+    warmed = None
     if policy.low_latency is None:
         policy.add_low_latency(rows, max_age, list(policy.config.cameras))
+        if cfg.latency_warmup.steps:
+            warmed = warm_up_fast_part(cfg, policy, out, control_dt, processes,
+                                       lambda demos: warm_up_low_latency(policy, demos, max_delay + lead, steps_per_chunk,
+                                                                         cfg.latency_warmup, cfg.seed))  # fmt: skip
     elif (policy.config.low_latency_rows, policy.config.low_latency_max_age) != (rows, max_age):
         raise ValueError(
             f"the checkpoint's low-latency part reads {policy.config.low_latency_rows} rows for ages up to "
@@ -451,7 +460,7 @@ def make_low_latency(cfg: FinetuneConfig, policy, max_age: int):
         )
     policy.requires_grad_(False)  # the slow policy stays as it is
     policy.low_latency.requires_grad_(True)
-    return LowLatencyActor(policy)
+    return LowLatencyActor(policy), warmed
 
 
 def privileged_width(cfg: FinetuneConfig, tasks: list[str], envs: list) -> int:
@@ -503,7 +512,9 @@ def _wire(cfg, tasks, env_cfgs, envs, out, accelerator, processes, policy, facto
     policy_dir = make_latency_aware(cfg, policy, delay.max_steps + lead, out, envs[0].control_dt, processes) \
         or policy_dir  # fmt: skip
     steps_per_chunk = cfg.chunking.steps_per_chunk(policy.config.n_action_steps, policy.config.horizon)
-    fast = make_low_latency(cfg, policy, delay.max_steps + lead + steps_per_chunk)  # its actor, or None
+    fast, warmed = make_low_latency(cfg, policy, delay.max_steps, lead, steps_per_chunk, out, envs[0].control_dt,
+                                    processes)  # fmt: skip
+    policy_dir = warmed or policy_dir
     spec = LatencySpec.of(policy)  # with its head, a latency-aware policy's mid observation
     step_policy = fast.step_policy if fast is not None else step_policy_of(policy)
     shells = [DelayedChunkEnv(env, spec, cfg.chunking, delay, use="finetune", step_policy=step_policy) for env in envs]

@@ -1,6 +1,6 @@
 """Making a fine-tuning run's policy latency-aware (ARLI, `policies.latency_head`): the fast head added for
 the run's delays and, with ``--latency_warmup.steps``, fitted on demonstrations before RL
-(`vla_rl.latency_warmup`)."""
+(`vla_rl.latency_warmup`). `warm_up_fast_part` also fits a low-latency part (`vla_rl.low_latency_warmup`)."""
 
 from __future__ import annotations
 
@@ -30,17 +30,21 @@ def make_latency_aware(cfg, policy, max_delay: int, out: Path, control_dt: float
     if not cfg.latency_aware or pcfg.latency_aware:  # a resumed run's checkpoint has its head already
         return None
     policy.add_latency_head(max_delay, cfg.mid_fraction, list(cfg.env.cameras))
-    return warm_up_head(cfg, policy, out, control_dt, processes) if cfg.latency_warmup.steps else None
+    if not cfg.latency_warmup.steps:
+        return None
+    from vla_rl.latency_warmup import warm_up_latency_head
+
+    fit = lambda demos: warm_up_latency_head(policy, demos, cfg.delay, control_dt, cfg.latency_warmup, cfg.seed)
+    return warm_up_fast_part(cfg, policy, out, control_dt, processes, fit)
 
 
-def warm_up_head(cfg, policy, out: Path, control_dt: float, processes) -> Path:
-    """Fit the fresh fast head on ``cfg.latency_warmup.dataset`` (`vla_rl.latency_warmup`) in the main
-    process, saved as ``out/latency_warmup`` (an evaluable checkpoint, the run's starting point and its
-    KL reference); the other processes then load it, so every process starts from the same weights
-    whatever its device does. Returns that checkpoint's directory."""
+def warm_up_fast_part(cfg, policy, out: Path, control_dt: float, processes, fit) -> Path:
+    """Fit the fresh fast part (a latency head, or a low-latency part) on ``cfg.latency_warmup.dataset`` with
+    ``fit(demos) -> losses`` in the main process, saved as ``out/latency_warmup`` (an evaluable checkpoint, the
+    run's starting point and its KL reference); the other processes then load it, so every process starts from
+    the same weights whatever its device does. Returns that checkpoint's directory."""
     from vla_core.data import ChunkedDemos, open_dataset
     from vla_rl.checkpoint import save_checkpoint
-    from vla_rl.latency_warmup import warm_up_latency_head
 
     warm, saved = cfg.latency_warmup, (out / "latency_warmup").resolve()
     dataset = open_dataset(warm.dataset)  # every process checks, so none waits on a refused run
@@ -51,14 +55,14 @@ def warm_up_head(cfg, policy, out: Path, control_dt: float, processes) -> Path:
         )
     if processes.index == 0:
         demos = ChunkedDemos(dataset, list(policy.config.cameras))
-        losses = warm_up_latency_head(policy, demos, cfg.delay, control_dt, warm, cfg.seed)
+        losses = fit(demos)
         window = max(1, len(losses) // 10)
         first, last = sum(losses[:window]) / window, sum(losses[-window:]) / window
         meta = {"latency_warmup": {**asdict(warm), "first_loss": round(first, 6), "last_loss": round(last, 6),
                                    "from": cfg.checkpoint}}  # fmt: skip
         save_checkpoint(saved, warm.steps, policy, meta, keep_last=1)
-        print(f"fast head fitted on {warm.dataset}: denoising loss {first:.4f} -> {last:.4f} over {warm.steps} "
-              f"steps (first and last tenth)", file=sys.stderr)  # fmt: skip
+        print(f"fast part fitted on {warm.dataset}: loss {first:.4f} -> {last:.4f} over {warm.steps} steps (first and "
+              f"last tenth)", file=sys.stderr)  # fmt: skip
     if processes.count > 1:
         processes.accelerator.wait_for_everyone()
         if processes.index != 0:
