@@ -20,13 +20,14 @@ def _cell(arm, delay, rate):
 
 def test_the_ratios_compare_the_largest_delay_with_naive_and_with_no_delay_rl():
     cells = [
-        _cell("standard", 0, 0.80), _cell("naive", 0, 0.80), _cell("latency_aware", 0, 0.80),
+        _cell("imitation", 0, 0.65), _cell("standard", 0, 0.80), _cell("naive", 0, 0.80), _cell("latency_aware", 0, 0.80),
         _cell("naive", 3, 0.60), _cell("latency_aware", 3, 0.70),
         _cell("naive", 6, 0.40), _cell("latency_aware", 6, 0.60), _cell("training_rtc", 6, 0.50),
     ]  # fmt: skip
     s = summarize(cells, 6)
     assert s["latency_aware_over_naive"] == pytest.approx(0.60 / 0.40)
     assert s["latency_aware_over_nodelay"] == pytest.approx(0.60 / 0.80)
+    assert s["nodelay_gain"] == 15.0  # what RL without delay gained over its imitation start, in points
     never = summarize([*cells[:-3], _cell("naive", 6, 0.0), _cell("latency_aware", 6, 0.3)], 6)
     assert math.isinf(never["latency_aware_over_naive"])  # over zero: printed as inf, it means nothing
 
@@ -40,22 +41,57 @@ def test_quick_benchmark_runs_every_arm_and_prints_the_final_line(tmp_path):
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     last = proc.stdout.strip().splitlines()[-1]
-    assert re.match(r"^latency_aware_over_naive=(\d+\.\d{3}|inf) latency_aware_over_nodelay=(\d+\.\d{3}|inf)$", last)
+    assert re.match(r"^latency_aware_over_naive=(\d+\.\d{3}|inf) latency_aware_over_nodelay=(\d+\.\d{3}|inf) "
+                    r"nodelay_gain=[+-]\d+\.\d$", last)  # fmt: skip
     report = json.loads((out / "quick" / "latency_rl.json").read_text())
     cells = {(c["arm"], c["delay"]) for c in report["cells"]}
-    arms = ("imitation", "naive", "latency_aware", "training_rtc")
-    assert cells == {(a, d) for a in arms for d in (0, 3)} | {("standard", 0), ("warmup_only", 3)}
+    arms = ("imitation", "naive", "latency_aware", "mid_head", "training_rtc")
+    assert cells == {(a, d) for a in arms for d in (0, 3)} | {
+        ("standard", 0), ("warmup_only", 3), ("low_latency_warmup", 3)}  # fmt: skip
     assert all(c["episodes"] == 4 for c in report["cells"])
     runs = report["runs"]
-    assert set(runs) == {"standard_d0", "naive_d3", "latency_aware_d3"}
-    assert runs["latency_aware_d3"]["latency_aware"] and not runs["naive_d3"]["latency_aware"]
+    assert set(runs) == {"standard_d0", "naive_d3", "latency_aware_d3", "mid_head_d3"}
+    assert runs["latency_aware_d3"]["low_latency"] and runs["mid_head_d3"]["latency_aware"]
+    assert not runs["naive_d3"]["latency_aware"] and not runs["naive_d3"]["low_latency"]
     assert all(run["env_steps"] >= 150 for run in runs.values())  # the budget was spent, then the run stopped
-    aware = json.loads((out / "quick" / "runs" / "latency_aware_d3" / "checkpoints" / "last" / "pretrained_model"
-                        / "config.json").read_text())  # fmt: skip
-    assert (aware["latency_aware"], aware["latency_max_delay"], aware["mid_cameras"]) == (True, 3, ["front"])
-    # the warm-up only arm is the aware run's starting point: its head fitted on the demonstrations, no RL
+    folder = out / "quick" / "runs"
+    aware = json.loads((folder / "latency_aware_d3/checkpoints/last/pretrained_model/config.json").read_text())
+    assert (aware["low_latency"], aware["low_latency_max_age"], aware["low_latency_cameras"]) == (
+        True,
+        3 + 4,
+        ["front"],
+    )
+    head = json.loads((folder / "mid_head_d3/checkpoints/last/pretrained_model/config.json").read_text())
+    assert (head["latency_aware"], head["latency_max_delay"], head["mid_cameras"]) == (True, 3, ["front"])
+    assert set(report["ceiling"]) == {"no_delay", "naive", "low_latency"}
+    assert all(probe["episodes"] == 4 for probe in report["ceiling"].values())
+    # the warm-up only arms are the fast runs' starting points: fitted on the demonstrations, no RL
+    low = next(c for c in report["cells"] if c["arm"] == "low_latency_warmup")
+    assert Path(low["checkpoint"]) == (folder / "latency_aware_d3" / "latency_warmup").resolve()
     warm = next(c for c in report["cells"] if c["arm"] == "warmup_only")
-    assert Path(warm["checkpoint"]) == (out / "quick" / "runs" / "latency_aware_d3" / "latency_warmup").resolve()
+    assert Path(warm["checkpoint"]) == (folder / "mid_head_d3" / "latency_warmup").resolve()
     warm_meta = json.loads((Path(warm["checkpoint"]) / "last" / "metadata.json").read_text())["latency_warmup"]
     assert warm_meta["steps"] == 10 and warm_meta["dataset"] == str(out / "quick" / "dataset")
     assert (out / "quick" / "latency_rl.png").stat().st_size > 0
+
+
+def test_each_timelines_information_is_as_old_as_its_shell_leaves_it():
+    """d = 8, 4 steps a chunk: without delay a chunk's rows 0-3 run; naive, nothing runs before step 8 and then the
+    chunk of the request at iP (P = 8) runs its rows 8-15; the low-latency part reads the step before's world."""
+    import torch
+
+    from vla_rl.bench_latency_rl import information_age
+
+    steps = torch.arange(20)
+    assert information_age("no_delay", steps, 8, 4).tolist() == [0, 1, 2, 3] * 5
+    assert information_age("naive", steps, 8, 4).tolist() == [-1] * 8 + list(range(8, 16)) + [8, 9, 10, 11]
+    assert information_age("low_latency", steps, 8, 4).tolist() == [0] + [1] * 19
+
+
+def test_the_expert_is_worse_the_older_its_information():
+    """On the jumping ball at d = 8 (60 episodes): fresh information every step beats 8-15 steps old by far."""
+    from vla_rl.bench_latency_rl import BenchLatencyRLConfig, _expert_episodes
+
+    cfg = BenchLatencyRLConfig(task="track_jump", delays=[0, 8], eval_episodes=60, eval_seed=9000)
+    fresh, stale = _expert_episodes(cfg, "low_latency", 8), _expert_episodes(cfg, "naive", 8)
+    assert len(fresh) == len(stale) == 60 and sum(fresh) >= sum(stale) + 15

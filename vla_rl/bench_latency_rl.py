@@ -82,10 +82,24 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from vla_core.files import write_text_atomic
 from vla_core.runtime.protocol import DEFAULT_MID_FRACTION
 
-ARMS = ("imitation", "naive", "latency_aware", "warmup_only", "standard", "training_rtc")
+ARMS = (
+    "imitation",
+    "naive",
+    "latency_aware",
+    "low_latency_warmup",
+    "mid_head",
+    "warmup_only",
+    "standard",
+    "training_rtc",
+)
+# The scripted expert acting on the world as old as each timeline leaves it (`expert_ceiling`): the probe of what
+# each arm could reach with perfect perception.
+TIMELINES = ("no_delay", "naive", "low_latency")
 
 
 @dataclass
@@ -144,6 +158,7 @@ def bench_latency_rl(cfg: BenchLatencyRLConfig) -> dict[str, Any]:
     reports = seed_runs(cfg, folder, "latency_rl.json", _bench_one_seed)
     cells = pool_cells([r["cells"] for r in reports.values()], ("arm", "delay", "delay_ms"))
     pooled = {"config": asdict(cfg), "cells": cells, "summary": summarize(cells, max(cfg.delays)), "runs": {},
+              "ceiling": next(iter(reports.values())).get("ceiling"),  # the same expert and episodes for every seed
               "seeds": {str(seed): report for seed, report in reports.items()}}  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
     write_text_atomic(out / "pooled.json", json.dumps(pooled, indent=2))
@@ -173,24 +188,28 @@ def _bench_one_seed(cfg: BenchLatencyRLConfig, out: Path) -> dict[str, Any]:
 
     runs: dict[str, Any] = {}
 
-    def ppo(name: str, d: int, latency_aware: bool) -> Path:
-        run_dir, runs[name] = ppo_run(cfg, out, name, d, latency_aware)  # bench_stages
+    def ppo(name: str, d: int, latency_aware: bool = False, low_latency: bool = False) -> Path:
+        run_dir, runs[name] = ppo_run(cfg, out, name, d, latency_aware, low_latency)  # bench_stages
         return run_dir
+
+    def warmed(name: str) -> Path:  # a run's starting point: its fast part fitted on the demonstrations, no RL
+        return Path((out / "runs" / name / "initial_checkpoint.txt").read_text().strip())
 
     checkpoints: dict[tuple[str, int], Path] = {}
     for d in cfg.delays:
         checkpoints["imitation", d] = out / "imitation"
         checkpoints["training_rtc", d] = out / "training_rtc"
         if d == 0:
-            shared = ppo("standard_d0", 0, latency_aware=False)
-            for arm in ("standard", "naive", "latency_aware"):
+            shared = ppo("standard_d0", 0)
+            for arm in ("standard", "naive", "latency_aware", "mid_head"):
                 checkpoints[arm, 0] = shared
         else:
-            checkpoints["naive", d] = ppo(f"naive_d{d}", d, latency_aware=False)
-            checkpoints["latency_aware", d] = ppo(f"latency_aware_d{d}", d, latency_aware=True)
-            if cfg.latency_warmup_steps:  # the aware run's starting point: its warmed-up policy
-                start_from = out / "runs" / f"latency_aware_d{d}" / "initial_checkpoint.txt"
-                checkpoints["warmup_only", d] = Path(start_from.read_text().strip())
+            checkpoints["naive", d] = ppo(f"naive_d{d}", d)
+            checkpoints["latency_aware", d] = ppo(f"latency_aware_d{d}", d, low_latency=True)
+            checkpoints["mid_head", d] = ppo(f"mid_head_d{d}", d, latency_aware=True)
+            if cfg.latency_warmup_steps:
+                checkpoints["low_latency_warmup", d] = warmed(f"latency_aware_d{d}")
+                checkpoints["warmup_only", d] = warmed(f"mid_head_d{d}")
 
     cells: list[dict[str, Any]] = []
     t0 = time.time()
@@ -198,10 +217,13 @@ def _bench_one_seed(cfg: BenchLatencyRLConfig, out: Path) -> dict[str, Any]:
         result = latency_rl_cell(cfg, out, arm, d, checkpoint)
         cells.append({"arm": arm, "delay": d, "delay_ms": 50 * d, "checkpoint": str(checkpoint), **result})
     stage_minutes["evaluation"] = round((time.time() - t0) / 60, 2)
+    t0 = time.time()
+    ceiling = expert_ceiling(cfg, out / "ceiling.json")
+    stage_minutes["ceiling"] = round((time.time() - t0) / 60, 2)
     summary = summarize(cells, largest)
     report = {
         "config": asdict(cfg), "cells": cells, "summary": summary, "runs": runs, "stage_minutes": stage_minutes,
-        "calibration": calibration,
+        "calibration": calibration, "ceiling": ceiling,
         "minutes": round((time.time() - start) / 60, 2),
     }  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
@@ -216,15 +238,76 @@ def success(cells: list[dict], arm: str, delay: int) -> float:
 
 
 def summarize(cells: list[dict], largest: int) -> dict[str, float]:
-    """The two ratios of the final line (inf where the denominator is 0: the ratio means nothing then)."""
+    """The final line: the two ratios (inf where the denominator is 0: the ratio means nothing then) and what RL
+    without delay gained over its imitation start, in points (the ratios mean little if it gained nothing)."""
     aware, naive, ideal = (success(cells, "latency_aware", largest), success(cells, "naive", largest),
                            success(cells, "standard", 0))  # fmt: skip
     return {
         "latency_aware_over_naive": aware / naive if naive > 0 else math.inf,
         "latency_aware_over_nodelay": aware / ideal if ideal > 0 else math.inf,
+        "nodelay_gain": round(100 * (ideal - success(cells, "imitation", 0)), 1),
         "latency_aware_at_largest": aware, "naive_at_largest": naive, "standard_at_zero": ideal,
         "largest_delay": largest,
     }  # fmt: skip
+
+
+def information_age(timeline: str, steps: torch.Tensor, delay: int, steps_per_chunk: int) -> torch.Tensor:
+    """(T,) how old the world's state is that each in-episode step's action is made from (-1: no action is made,
+    the arm holds), per timeline: ``no_delay`` (a chunk every s steps, made at once: its rows 0 .. s-1), ``naive``
+    (under ``delay`` d, one inference at a time: the running chunk's row k, `low_latency_warmup.window_layout`),
+    ``low_latency`` (every step, from the first, on the observation of the step before: what the low-latency part
+    reads, with one step for its own inference)."""
+    from vla_rl.low_latency_warmup import window_layout
+
+    if timeline == "no_delay":
+        return steps % steps_per_chunk
+    if timeline == "naive":
+        return window_layout(steps, delay, steps_per_chunk)[1]
+    return steps.clamp(max=1)
+
+
+def expert_ceiling(cfg: BenchLatencyRLConfig, path: Path) -> dict[str, Any]:
+    """The scripted expert of ``cfg.task`` acting on the task's true state as old as each timeline leaves it
+    (`information_age`; its own arm's position current), ``cfg.eval_episodes`` episodes from ``cfg.eval_seed`` at the
+    largest delay: what each arm could reach if it perceived perfectly. Written to ``path``; read back if there."""
+    if path.is_file():
+        return json.loads(path.read_text())
+    from vla_rl.stages import wilson_interval
+
+    results = {}
+    for timeline in TIMELINES:
+        wins = _expert_episodes(cfg, timeline, max(cfg.delays))
+        rate, interval = sum(wins) / len(wins), wilson_interval(sum(wins), len(wins))
+        results[timeline] = {"success_rate": rate, "success_ci95": list(interval), "episodes": len(wins)}
+    write_text_atomic(path, json.dumps(results, indent=2))
+    return results
+
+
+def _expert_episodes(cfg: BenchLatencyRLConfig, timeline: str, delay: int) -> list[bool]:
+    """One bool per episode: the expert succeeded acting on the state `information_age` old (no cameras)."""
+    import numpy as np
+
+    from sim.config import EnvConfig
+    from sim.factory import make_env
+    from sim.tasks import EXPERTS
+
+    worlds, wins = min(50, cfg.eval_episodes), []
+    with make_env(EnvConfig(task=cfg.task, num_envs=worlds, cameras=[])) as env:
+        for batch in range(-(-cfg.eval_episodes // worlds)):
+            env.reset(seed=cfg.eval_seed + 1000 * batch)
+            expert, history = EXPERTS[cfg.task](worlds), [env.privileged_state()]
+            ended, won = np.zeros(worlds, dtype=bool), np.zeros(worlds, dtype=bool)
+            for t in range(env.max_episode_steps):
+                age = int(information_age(timeline, torch.tensor([t]), delay, cfg.n_action_steps)[0])
+                action = env.hold_actions().numpy() if age < 0 else expert.act(env.ee_positions(), history[t - age])
+                _, _, terminated, truncated, info = env.step(torch.as_tensor(action, dtype=torch.float32))
+                won |= info["success"].numpy() & ~ended
+                ended |= (terminated | truncated).numpy()
+                history.append(env.privileged_state())
+                if ended.all():
+                    break
+            wins += won[: cfg.eval_episodes - len(wins)].tolist()
+    return wins
 
 
 def plot(cells: list[dict], path: Path, task: str) -> None:
@@ -263,6 +346,10 @@ def format_summary(report: dict[str, Any]) -> str:
         )
     for name, run in report["runs"].items():
         lines.append(f"run {name}: {run['env_steps']} env steps, {run['iterations']} iterations, {run['minutes']} min")
+    for timeline, probe in (report.get("ceiling") or {}).items():
+        lo, hi = probe["success_ci95"]
+        lines.append(f"ceiling {timeline}: the scripted expert on the state as old as this timeline leaves it, "
+                     f"{probe['success_rate']:.3f} [{lo:.2f}, {hi:.2f}] of {probe['episodes']}")  # fmt: skip
     if report["config"]["quick"]:
         lines.append("quick run: toy sizes, the numbers below say nothing about latency-aware RL")
     seeds = report["config"]["seeds"]
@@ -273,5 +360,5 @@ def format_summary(report: dict[str, Any]) -> str:
 def _final_line(s: dict[str, Any]) -> str:
     return (
         f"latency_aware_over_naive={s['latency_aware_over_naive']:.3f} "
-        f"latency_aware_over_nodelay={s['latency_aware_over_nodelay']:.3f}"
+        f"latency_aware_over_nodelay={s['latency_aware_over_nodelay']:.3f} nodelay_gain={s['nodelay_gain']:+.1f}"
     )

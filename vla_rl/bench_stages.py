@@ -121,26 +121,31 @@ def latency_rl_cell(cfg, out: Path, arm: str, d: int, checkpoint: Path) -> dict:
                     num_envs=min(50, cfg.eval_episodes), delay_steps=d)  # fmt: skip
 
 
-def ppo_run(cfg, out: Path, name: str, d: int, latency_aware: bool) -> tuple[Path, dict]:
+def ppo_run(cfg, out: Path, name: str, d: int, latency_aware: bool, low_latency: bool = False) -> tuple[Path, dict]:
     """`bench latency-rl`'s PPO arm (``cfg`` its config) into ``out / "runs" / name`` (resumed when it has
-    checkpoints) from ``out / "imitation"``, under a fixed delay ``d``; returns its folder and what the
-    report keeps of it. `bench delay-calibration` runs the baseline arms through it too."""
+    checkpoints) from ``out / "imitation"``, under a fixed delay ``d``: plain, latency-aware (the fast head and
+    the mid-inference observation) or with a low-latency part (``low_latency``: trained alone per control step),
+    either fast part fitted on the demonstrations first for ``cfg.latency_warmup_steps``. Returns its folder and
+    what the report keeps of it. `bench delay-calibration` runs the baseline arms through it too."""
     import time
 
     from vla_rl.stages import DelayConfig, EnvConfig, FinetuneConfig, LatencyWarmupConfig, finetune
 
     run_dir = out / "runs" / name
     t0 = time.time()
-    warmup = LatencyWarmupConfig(steps=cfg.latency_warmup_steps if latency_aware else 0, dataset=str(out / "dataset"),
+    fast = latency_aware or low_latency
+    warmup = LatencyWarmupConfig(steps=cfg.latency_warmup_steps if fast else 0, dataset=str(out / "dataset"),
                                  batch_size=cfg.batch_size)  # fmt: skip
     summary = finetune(FinetuneConfig(
         checkpoint=str(out / "imitation"), algo="ppo", env=EnvConfig(task=cfg.task, num_envs=cfg.num_envs),
         iterations=10**6, max_env_steps=cfg.env_steps, seed=cfg.seed, output_dir=str(run_dir), eval_every=0,
         delay=DelayConfig(kind="fixed", steps=d), latency_aware=latency_aware, mid_fraction=cfg.mid_fraction,
-        latency_warmup=warmup, num_threads=cfg.num_threads, log_with="none", resume=(run_dir / "checkpoints" / "last").exists(),
+        low_latency=low_latency, latency_warmup=warmup, num_threads=cfg.num_threads, log_with="none",
+        resume=(run_dir / "checkpoints" / "last").exists(),
     ))  # fmt: skip
     return run_dir, {
-        "delay": d, "latency_aware": latency_aware, "minutes": round((time.time() - t0) / 60, 2),
+        "delay": d, "latency_aware": latency_aware, "low_latency": low_latency,
+        "minutes": round((time.time() - t0) / 60, 2),
         "env_steps": summary["env_steps"], "iterations": summary["iterations"],
         "rollout_env_steps_per_s": summary["rollout_env_steps_per_s"], "skipped_updates": summary["skipped_updates"],
         "rollout_success": [h["rollout_success"] for h in summary["history"]],
