@@ -11,18 +11,24 @@ The protocol (its dated history is at the end of this docstring):
    - ``imitation``: the checkpoint of 2, no RL (the reference line);
    - ``naive``: PPO under delay d; the policy sees the observation its request was made from, and
      its chunk starts d steps later;
-   - ``latency_aware``: PPO under delay d with the fast head (`policies.latency_head`): the
-     committed actions and the mid-inference observation (state and camera image, taken at
-     ``mid_fraction`` = 0.5 of the window). Before RL the head is fitted for ``latency_warmup_steps``
-     on the same demonstrations under delay d (`vla_rl.latency_warmup`: the slow part and the
-     denoiser stay the checkpoint's, and no env step is spent); 0 starts it from zero;
-   - ``warmup_only``: that warmed-up policy with no RL (is it RL or the warm-up that helps?);
+   - ``latency_aware`` (since 2026-12-06): ARLI's low-latency policy: the checkpoint with a
+     low-latency part (`policies.low_latency`) acting every control step on the freshest
+     observation (state and camera image) and the plan, from step 0; the part alone is fitted for
+     ``latency_warmup_steps`` on the same demonstrations under delay d (`vla_rl.low_latency_warmup`),
+     then trained by PPO per control step (``--low_latency``), the slow policy frozen;
+   - ``low_latency_warmup``: that warmed-up policy with no RL;
+   - ``mid_head`` (the ``latency_aware`` arm before 2026-12-06): PPO under delay d with the fast head
+     (`policies.latency_head`): the committed actions and the mid-inference observation (state and
+     camera image, taken at ``mid_fraction`` = 0.5 of the window). Before RL the head is fitted for
+     ``latency_warmup_steps`` on the same demonstrations under delay d (`vla_rl.latency_warmup`: the
+     slow part and the denoiser stay the checkpoint's, and no env step is spent); 0 starts it from zero;
+   - ``warmup_only``: that warmed-up head with no RL (is it RL or the warm-up that helps?);
    - ``standard``: PPO with no delay, evaluated with none (the ideal: it exists at d = 0 only);
    - ``training_rtc``: the strongest non-RL answer known today (Black et al. 2025): the same data
      and training steps as 2 with the delay augmentation (delays uniform in [0, max(delays)]),
      no RL, evaluated under each delay.
-   At d = 0 there is no delay to be aware of: ``naive`` and ``latency_aware`` are the ``standard``
-   run (one run, shared; the fast head would read a mid observation equal to the request's).
+   At d = 0 there is no delay to be aware of: ``naive``, ``latency_aware`` and ``mid_head`` are the
+   ``standard`` run (one run, shared).
 4. Every PPO run: ``vla-rl finetune --algo=ppo`` with every setting its default, the same seed
    and the same ``env_steps`` budget of rollout control steps; the last weights are evaluated.
    No run is chosen by its score and no arm gets its own hyperparameters (the fast head's
@@ -30,9 +36,13 @@ The protocol (its dated history is at the end of this docstring):
 5. Every cell: ``eval_episodes`` held-out episodes from ``eval_seed`` (fine-tuning resets from
    seeds above 1,000,000), 95% Wilson intervals; a plot (success vs delay per arm) and JSON.
    The final line, at the largest delay D:
-   ``latency_aware_over_naive=<x> latency_aware_over_nodelay=<y>`` where x = latency_aware(D) /
-   naive(D) and y = latency_aware(D) / standard(0). A ratio over zero prints as inf (it means
-   nothing then).
+   ``latency_aware_over_naive=<x> latency_aware_over_nodelay=<y> nodelay_gain=<p>`` where x =
+   latency_aware(D) / naive(D), y = latency_aware(D) / standard(0) and p = standard(0) - imitation(0)
+   in points (the ratios mean little when RL without delay gained nothing). A ratio over zero prints
+   as inf (it means nothing then).
+6. The ceiling probe (``ceiling``, since 2026-12-06): the task's scripted expert acting on its true
+   state as old as each timeline leaves it at D (no delay, naive, low-latency), the arm its current
+   position, on the same held-out episodes: what each arm could reach if it perceived perfectly.
 
 ``--quick`` runs every stage at toy sizes (about a minute): it checks the plumbing, not the claim.
 
@@ -71,6 +81,20 @@ Protocol history (runs numbered as README.md numbers them, each by its final lin
   ``--seeds=[0,1]`` runs each seed as its own resumable run (with ``--calibration``, in the folder the
   calibration fixed for that seed) and pools the cells over the seeds (successes summed), the headline
   recomputed from the pooled cells, with `` seeds=<s,...>`` appended to the final line (``pooled.json``).
+- 2026-12-06, an amendment fixed before any run of it (RL under delay: score and credit what runs, and ARLI's
+  low-latency policy). The RL every arm runs changed: each chunk decision is scored on the rows that ran and
+  credited with the steps they ran (`vla_rl.rl.rollout`), so no PPO arm is comparable with earlier runs'.
+  The ``latency_aware`` arm is now the low-latency policy (item 3: 16 plan rows, the ``front`` camera, its
+  warm-up the same ``latency_warmup_steps`` = 1,000 on the benchmark's demonstrations under d, then PPO per
+  control step on the same ``env_steps`` budget, every other setting finetune's default); the earlier arm
+  stays as ``mid_head`` (its runs under ``runs/mid_head_d<d>``), with ``warmup_only``; new cell
+  ``low_latency_warmup``; the ceiling probe (item 6) and ``nodelay_gain`` on the final line. The run it
+  governs, the calibrated setting (task ``track_jump``, delays 0 and 8, 200 held-out episodes from seed
+  9000, training seeds 0 and 1; the calibration's own file is not in this checkout, so its check is not
+  run): ``vla-rl bench latency-rl --task=track_jump --delays=[0,8] --eval_episodes=200 --eval_seed=9000
+  --seeds=[0,1] --num_threads=1 --output_dir=outputs/bench/latency_rl_arli``. Targets (the issue's), on
+  each seed: ``latency_aware_over_nodelay`` >= 0.95 and ``latency_aware_over_naive`` >= 1.5, and
+  ``nodelay_gain`` >= 10 points, else the targets are not met.
 """
 
 from __future__ import annotations
