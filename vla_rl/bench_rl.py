@@ -87,6 +87,15 @@ Protocol history (runs as README.md reports them, each by its final line):
   defaults in force when those runs start; a change of a default (the critic, its warm-up, the learning rate,
   groups from saved states) is fixed in a dated entry here before the run it governs, and is chosen from
   these PPO and GRPO arms only (the latency benchmarks' arms play no part in it).
+- 2026-12-06, results of (a) and the pilot protocol for (b), fixed before any pilot runs. (a) seed 2, imitation
+  110/200 = 0.550: before PPO 165/200 = 0.825 [0.77, 0.87]; after PPO 164/200 = 0.820 [0.76, 0.87] (at d = 0
+  the credit windows are the request-to-request ones, and only the score's unexecuted rows changed). Pilots:
+  each is `vla-rl finetune` exactly as the benchmark's arm runs it (seed 2's imitation checkpoint, 16 worlds,
+  the 150,000-step budget, periodic evaluations of 32 episodes from seed 3000 every 10 iterations), one
+  setting changed: PPO with ``--ppo.privileged_critic=true``; PPO with it and ``--ppo.critic_warmup_iterations
+  =5``. A pilot is judged by the mean of its last three periodic evaluations (96 episodes from seed 3000, never
+  the held-out seed 5000), against the same figure of (a)'s after-run arm of its algorithm; the best pilot
+  that beats it by 5 points or more becomes that algorithm's default for (b), else the default stays.
 """
 
 from __future__ import annotations
