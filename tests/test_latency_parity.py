@@ -402,3 +402,25 @@ def test_a_new_episode_holds_where_the_robot_now_is_not_at_the_last_episodes_com
     assert hold.command(None).tolist() == [0.5, -0.1, 0.3, 1.0]
     hold.start_episode()
     assert hold.command(None).tolist() == [0.6, 0.0, 0.25, 0.0]
+
+
+def test_serve_refuses_a_checkpoint_with_a_low_latency_part_it_would_not_run(tiny_checkpoint):
+    """The robot's shell does not run a low-latency part yet: serving such a checkpoint would run the slow chunks
+    alone, another policy than the one evaluated, so its load is refused with the fix."""
+    from robot_bridge.inference import policy_info
+    from vla_rl.checkpoint import load_policy
+
+    policy, _ = load_policy(tiny_checkpoint[0])
+    plain = policy_info(policy)
+    assert plain["low_latency_rows"] == 0
+    policy.add_low_latency(rows=4, max_age=8, cameras=list(policy.config.cameras))
+    info = policy_info(policy)
+    assert info["low_latency_rows"] == 4
+    config = ServeConfig(
+        state_names=SIM_STATE_NAMES, action_names=SIM_ACTION_NAMES, chunking=ChunkingConfig(merge="latest")
+    )
+    assert fit_protocol(config, plain).spec.low_latency_rows == 0
+    with pytest.raises(
+        ValueError, match=r"has a low-latency part .* which vla-rl serve does not run yet.*initial_checkpoint"
+    ):
+        fit_protocol(config, info)
