@@ -35,7 +35,7 @@ def _observation(policy, generator: np.random.Generator) -> dict[str, np.ndarray
 
 
 def _load(checkpoint: str):
-    from vla_rl.checkpoint import load_policy
+    from vla_rl.stages import load_policy
 
     policy, _ = load_policy(checkpoint)
     if policy.low_latency is None:

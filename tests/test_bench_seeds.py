@@ -72,15 +72,17 @@ def test_pooled_latency_rl_cells_give_the_headline_of_the_summed_counts():
     def arm(name, delay, k):
         return {"arm": name, "delay": delay, "delay_ms": 50 * delay, "episodes": 100, "successes": k}
 
-    seed0 = [arm("standard", 0, 80), arm("naive", 6, 20), arm("latency_aware", 6, 40)]
-    seed1 = [arm("standard", 0, 70), arm("naive", 6, 30), arm("latency_aware", 6, 60)]
+    seed0 = [arm("imitation", 0, 60), arm("standard", 0, 80), arm("naive", 6, 20), arm("latency_aware", 6, 40)]
+    seed1 = [arm("imitation", 0, 50), arm("standard", 0, 70), arm("naive", 6, 30), arm("latency_aware", 6, 60)]
     cells = pool_cells([seed0, seed1], ("arm", "delay", "delay_ms"))
     s = latency_rl_summary(cells, 6)
-    # aware (40 + 60) / 200 = 0.5 over naive (20 + 30) / 200 = 0.25 and over standard (80 + 70) / 200 = 0.75.
+    # aware (40 + 60) / 200 = 0.5 over naive (20 + 30) / 200 = 0.25 and over standard (80 + 70) / 200 = 0.75;
+    # standard's 0.75 over imitation's (60 + 50) / 200 = 0.55: 20 points.
     assert s["latency_aware_over_naive"] == pytest.approx(2.0)
     assert s["latency_aware_over_nodelay"] == pytest.approx(0.5 / 0.75)
+    assert s["nodelay_gain"] == pytest.approx(20.0)
     with pytest.raises(ValueError, match="do not share the cells"):
-        pool_cells([seed0, seed1[:2]], ("arm", "delay", "delay_ms"))
+        pool_cells([seed0, seed1[:3]], ("arm", "delay", "delay_ms"))
 
 
 def test_calibrated_seeds_run_in_the_folders_the_calibration_fixed(tmp_path):

@@ -128,7 +128,7 @@ def test_bad_low_latency_flags_get_one_line(overrides, message):
 def test_the_warm_ups_window_layout_is_the_shells(d, s):
     """The warm-up lays a demonstration out as the shell runs an episode: for every step, the plan's age and the
     steps since the request equal what the protocol tells the step policy (a counting env, chunks of 16)."""
-    from vla_rl.low_latency_warmup import window_layout
+    from vla_core.runtime.delayed_env import window_layout
 
     env, recorder = CountingEnv(length=40), _Recorder()
     shell = make_shell(env, 16, s, DelayModel(DelayConfig(kind="fixed", steps=d)), low_latency_rows=2,
@@ -146,9 +146,10 @@ def test_the_warm_up_moves_the_plan_toward_what_the_demonstrator_did(tiny_checkp
     """After the warm-up, on the demonstrations' frames the corrected action is nearer the demonstrated one than
     the slow policy's plan row it corrects (the squared error in normalized units falls by a third or more)."""
     from vla_core.data import ChunkedDemos, open_dataset
+    from vla_core.runtime.delayed_env import window_layout
     from vla_rl.checkpoint import load_policy
     from vla_rl.latency_warmup import LatencyWarmupConfig
-    from vla_rl.low_latency_warmup import _episode_start, slow_chunks, warm_up_low_latency, warmup_batch, window_layout
+    from vla_rl.low_latency_warmup import _episode_start, slow_chunks, warm_up_low_latency, warmup_batch
 
     policy, _ = load_policy(tiny_checkpoint[0])
     policy.add_low_latency(rows=4, max_age=12, cameras=list(policy.config.cameras))

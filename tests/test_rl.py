@@ -723,7 +723,7 @@ class _ConstantValue(torch.nn.Module):
         super().__init__()
         self.b = torch.nn.Parameter(torch.tensor(0.0))
 
-    def forward(self, features, progress):
+    def forward(self, features, progress, obs=None):
         return self.b.expand(len(features))
 
 
@@ -917,7 +917,8 @@ def test_grpo_refills_until_the_batch_holds_informative_groups(monkeypatch):
     outcomes = iter([[1, 1, 0, 0], [1, 0, 0, 0], [1, 1, 1, 0], [0, 0, 0, 0]])
     seeds = []
 
-    def fake_collect(actor, shell, *, episodes_per_world, seed, task, gamma):
+    def fake_collect(actor, shell, *, episodes_per_world, seed, task, gamma, privileged):
+        assert not privileged  # GRPO has no critic to read the privileged state
         seeds.append(seed)
         success = torch.tensor(next(outcomes), dtype=torch.bool)
         r = rollout_of([0, 1, 2, 3], [0, 0, 0, 0], success.float().tolist(), [1.0] * 4, [True] * 4)

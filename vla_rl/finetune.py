@@ -398,15 +398,13 @@ def finetune(cfg: FinetuneConfig) -> dict:
 
 
 def collector(cfg: FinetuneConfig):
-    """How the run's rollouts are collected: per chunk decision (`vla_rl.rl.rollout.collect`), or per control step
-    of the low-latency part (`vla_rl.rl.low_latency.collect_steps`)."""
+    """How the run's rollouts are collected: per control step of the low-latency part
+    (`vla_rl.rl.low_latency.collect_steps`), or None: per chunk decision (`vla_rl.rl.rollout.collect`)."""
     if cfg.low_latency:
         from vla_rl.rl.low_latency import collect_steps
 
         return collect_steps
-    from vla_rl.rl.rollout import collect
-
-    return collect
+    return None
 
 
 def _load_trained_policy(cfg: FinetuneConfig, source: str | Path, device, out: Path):

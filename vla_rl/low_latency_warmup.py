@@ -25,19 +25,8 @@ import math
 import torch
 from tqdm import tqdm
 
+from vla_core.runtime.delayed_env import window_layout
 from vla_core.runtime.protocol import StepContext
-
-
-def window_layout(
-    tau: torch.Tensor, delay: int, steps_per_chunk: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """For in-episode steps ``tau`` (B,) long under a fixed ``delay`` d and ``steps_per_chunk`` s (module docstring):
-    (the step of the request whose chunk runs at tau (B,) long, -1 before step d; the plan's age k (B,), -1 before
-    step d; the steps since the latest request (B,))."""
-    period = max(steps_per_chunk, delay)
-    planned = tau >= delay
-    request = torch.where(planned, torch.div(tau - delay, period, rounding_mode="floor") * period, -1)
-    return request, torch.where(planned, tau - request, -1), tau % period
 
 
 @torch.no_grad()

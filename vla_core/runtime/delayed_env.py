@@ -34,6 +34,20 @@ from vla_core.types import ActionChunk, BatchedEnv, Worlds, WorldState, world_in
 StepPolicy = Callable[[dict[str, Any], torch.Tensor, StepContext], torch.Tensor]
 
 
+def window_layout(
+    tau: torch.Tensor, delay: int, steps_per_chunk: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """This shell's timeline under a fixed ``delay`` d with ``steps_per_chunk`` s, from an episode's first step: a
+    request every P = max(s, d) steps (one inference at a time), the chunk of the request at step iP runs steps
+    iP + d .. iP + d + P - 1 (its rows d .. d + P - 1), and before step d the arm holds. For in-episode steps ``tau``
+    (B,) long: (the step of the request whose chunk runs at tau (B,) long, -1 before step d; the plan's age k = tau
+    minus that step (B,), -1 before step d; the steps since the latest request, tau mod P (B,))."""
+    period = max(steps_per_chunk, delay)
+    planned = tau >= delay
+    request = torch.where(planned, torch.div(tau - delay, period, rounding_mode="floor") * period, -1)
+    return request, torch.where(planned, tau - request, -1), tau % period
+
+
 def step_policy_of(policy) -> StepPolicy | None:
     """A policy's step policy (its low-latency part's mean correction), or None when it has no low-latency part."""
     return policy.low_latency_step if getattr(policy, "low_latency", None) is not None else None

@@ -72,9 +72,13 @@ class LocalRollouts:
     def __init__(self, actor: RLPolicy, shells: list, cfg, gamma: float, curriculum: TaskCurriculum,
                  processes: Processes, collector=None):  # fmt: skip
         self.actor, self.shells, self.cfg, self.curriculum, self.processes = actor, shells, cfg, curriculum, processes
-        self.collect = collector or collect  # per chunk decision, or per control step of a low-latency part
+        self.collector = collector  # per control step of a low-latency part; None: per chunk decision
         self.gamma = gamma  # the credit windows' discount per control step
         self.privileged = cfg.algo == "ppo" and cfg.ppo.privileged_critic  # what an asymmetric critic reads
+
+    def _collect(self, *args, **kwargs) -> tuple[Rollout, RolloutStats]:
+        # `collect` is looked up when called, so one definition serves the module and whoever replaces it.
+        return (self.collector or collect)(*args, **kwargs)
 
     def next(self, iteration: int) -> RolloutBatch:
         cfg, processes, tasks = self.cfg, self.processes, len(self.shells)
@@ -84,8 +88,8 @@ class LocalRollouts:
             # Distinct seeds for every (iteration, process, task).
             run = (iteration * processes.count + processes.index) * tasks + t
             seed, episodes = reset_seeds(cfg, run)
-            part, part_stats = self.collect(self.actor, self.shells[t], episodes_per_world=episodes, seed=seed, task=t,
-                                            gamma=self.gamma, privileged=self.privileged)  # fmt: skip
+            part, part_stats = self._collect(self.actor, self.shells[t], episodes_per_world=episodes, seed=seed,
+                                             task=t, gamma=self.gamma, privileged=self.privileged)  # fmt: skip
             if cfg.algo == "grpo" and cfg.grpo.dynamic_sampling and cfg.grpo.max_refills:
                 part, part_stats, extra = self._refill(part, part_stats, run, t)
                 refills += extra
@@ -114,8 +118,8 @@ class LocalRollouts:
             if int(found.sum()) >= target:
                 break
             seeds = refill_seeds(cfg, run, len(all_stats))
-            extra, extra_stats = collect(self.actor, self.shells[task], episodes_per_world=1, seed=seeds, task=task,
-                                         gamma=self.gamma)  # fmt: skip
+            extra, extra_stats = self._collect(self.actor, self.shells[task], episodes_per_world=1, seed=seeds,
+                                               task=task, gamma=self.gamma, privileged=self.privileged)  # fmt: skip
             parts.append(extra)
             all_stats.append(extra_stats)
         batch = Rollout.cat(parts, cfg.env.num_envs)
