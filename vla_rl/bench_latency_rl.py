@@ -95,6 +95,16 @@ Protocol history (runs numbered as README.md numbers them, each by its final lin
   --seeds=[0,1] --num_threads=1 --output_dir=outputs/bench/latency_rl_arli``. Targets (the issue's), on
   each seed: ``latency_aware_over_nodelay`` >= 0.95 and ``latency_aware_over_naive`` >= 1.5, and
   ``nodelay_gain`` >= 10 points, else the targets are not met.
+- 2026-12-07, an amendment fixed before any run of it. The ceiling probe's ``low_latency`` timeline read the
+  world one step old, while the low-latency part reads its own step's observation as the shell hands it (its
+  inference taken to fit inside the control period; `benchmarks/low_latency_step.py` times it): the probe now
+  reads the same, age 0 from step 0 (`information_age`). No other stage changed. The launch of 2026-12-06 left
+  no finished seed, so the run above is made again, from scratch, in ``outputs/bench/latency_rl_arli``, its two
+  seeds as two processes side by side (one thread each): ``vla-rl bench latency-rl --task=track_jump
+  --delays=[0,8] --eval_episodes=200 --eval_seed=9000 --num_threads=1 --seed=<s>
+  --output_dir=outputs/bench/latency_rl_arli/seed<s>`` for s = 0 and 1, each exactly the run ``--seeds=[0,1]``
+  makes for that seed, then the command above with ``--seeds=[0,1]`` reads both back and pools them. The
+  targets are unchanged.
 """
 
 from __future__ import annotations
@@ -278,16 +288,17 @@ def summarize(cells: list[dict], largest: int) -> dict[str, float]:
 def information_age(timeline: str, steps: torch.Tensor, delay: int, steps_per_chunk: int) -> torch.Tensor:
     """(T,) how old the world's state is that each in-episode step's action is made from (-1: no action is made,
     the arm holds), per timeline: ``no_delay`` (a chunk every s steps, made at once: its rows 0 .. s-1), ``naive``
-    (under ``delay`` d, one inference at a time: the running chunk's row k, `low_latency_warmup.window_layout`),
-    ``low_latency`` (every step, from the first, on the observation of the step before: what the low-latency part
-    reads, with one step for its own inference)."""
-    from vla_rl.low_latency_warmup import window_layout
+    (under ``delay`` d, one inference at a time: the running chunk's row k, `vla_core.runtime.delayed_env.window_layout`),
+    ``low_latency`` (every step, from the first, on that step's observation: what the low-latency part reads in
+    the simulation, its own inference taken to fit inside the control period, as `benchmarks/low_latency_step.py`
+    checks)."""
+    from vla_core.runtime.delayed_env import window_layout
 
     if timeline == "no_delay":
         return steps % steps_per_chunk
     if timeline == "naive":
         return window_layout(steps, delay, steps_per_chunk)[1]
-    return steps.clamp(max=1)
+    return torch.zeros_like(steps)
 
 
 def expert_ceiling(cfg: BenchLatencyRLConfig, path: Path) -> dict[str, Any]:
