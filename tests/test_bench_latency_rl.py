@@ -96,3 +96,36 @@ def test_the_expert_is_worse_the_older_its_information():
     cfg = BenchLatencyRLConfig(task="track_jump", delays=[0, 8], eval_episodes=60, eval_seed=9000)
     fresh, stale = _expert_episodes(cfg, "low_latency", 8), _expert_episodes(cfg, "naive", 8)
     assert len(fresh) == len(stale) == 60 and sum(fresh) >= sum(stale) + 15
+
+
+def test_skipped_arms_are_neither_trained_nor_evaluated(tmp_path, monkeypatch):
+    """``--skip_arms=[mid_head,training_rtc]``: no training-time RTC policy, no mid-head PPO run, no cell of theirs
+    (nor warmup_only, the mid head's starting point); every arm the final line reads is still run. An arm the final
+    line reads cannot be skipped."""
+    from vla_rl import bench_latency_rl, bench_stages
+
+    trained, ppo_runs, evaluated = [], [], []
+    monkeypatch.setattr(bench_stages, "record_demos", lambda cfg, dataset: None)
+    monkeypatch.setattr(bench_stages, "train_imitation", lambda cfg, dataset, out, delay=None: trained.append(out.name))
+
+    def fake_ppo(cfg, out, name, d, latency_aware, low_latency=False):
+        ppo_runs.append(name)
+        (out / "runs" / name).mkdir(parents=True)
+        (out / "runs" / name / "initial_checkpoint.txt").write_text(str(out / "runs" / name / "latency_warmup"))
+        return out / "runs" / name, {}
+
+    rates = {"imitation": 0.5, "standard": 0.8, "naive": 0.4, "latency_aware": 0.6, "low_latency_warmup": 0.5}
+    monkeypatch.setattr(bench_stages, "ppo_run", fake_ppo)
+    monkeypatch.setattr(bench_stages, "latency_rl_cell", lambda cfg, out, arm, d, checkpoint: evaluated.append(
+        (arm, d)) or {"success_rate": rates[arm], "success_ci95": [0, 1], "episodes": 1})  # fmt: skip
+    monkeypatch.setattr(bench_latency_rl, "expert_ceiling", lambda cfg, path: {})
+    monkeypatch.setattr(bench_latency_rl, "plot", lambda cells, path, task: None)
+    cfg = bench_latency_rl.BenchLatencyRLConfig(delays=[0, 8], output_dir=str(tmp_path),
+                                                skip_arms=["mid_head", "training_rtc"])  # fmt: skip
+    report = bench_latency_rl.bench_latency_rl(cfg)
+    assert trained == ["imitation"] and ppo_runs == ["standard_d0", "naive_d8", "latency_aware_d8"]
+    assert set(evaluated) == {("imitation", 0), ("imitation", 8), ("standard", 0), ("naive", 0), ("naive", 8),
+                              ("latency_aware", 0), ("latency_aware", 8), ("low_latency_warmup", 8)}  # fmt: skip
+    assert report["summary"]["latency_aware_over_naive"] == pytest.approx(0.6 / 0.4)
+    with pytest.raises(ValueError, match=r"--skip_arms=\['naive'\]: only .* may be left out"):
+        bench_latency_rl.bench_latency_rl(bench_latency_rl.BenchLatencyRLConfig(skip_arms=["naive"]))
