@@ -11,6 +11,11 @@ next step's action. Every measured latency goes to ``latency_log`` (JSON lines w
 period, and the request's episode and index in it), which ``--delay.kind=histogram`` draws from and
 ``--delay.kind=trace`` replays, request by request, in simulation. No ROS import here.
 
+A checkpoint with a low-latency part (`robot_bridge.low_latency`): :meth:`prepare_next_action` also keeps the
+protocol's `StepContext` of the next step (read before its action is taken, as simulation's shell reads it), and
+the node asks :meth:`low_latency_target` at the tick for the action the part makes of the queue's action (or the
+hold) on the freshest observation. The node holds until the part is loaded too.
+
 With the robot's episode status (``topics.episode``), the node calls :meth:`start_episode_if_due`
 before each tick's command: from the first joint state stamped after an episode's end, the protocol
 restarts as simulation's does at an episode's end (empty queue, step 0, a new epoch: the request
@@ -31,6 +36,7 @@ from robot_bridge.config import ServeConfig
 from robot_bridge.diagnostics import BridgeDiagnostics
 from robot_bridge.inputs import JOINT_STATES, BridgeInputs
 from robot_bridge.log_limit import LogLimiter
+from robot_bridge.low_latency import LowLatencyRunner
 from robot_bridge.policy_health import PolicyHealth, fit_protocol
 from vla_core.runtime import LatencyLog, LatencyProtocol, mid_observation, request_noise
 from vla_core.types import ActionChunk, Policy
@@ -44,7 +50,7 @@ class ChunkScheduler:
     def __init__(self, config: ServeConfig, load_policy: Callable[[], Policy], inputs: BridgeInputs,
                  diagnostics: BridgeDiagnostics, log_limiter: LogLimiter, logger, publish_chunk) -> None:  # fmt: skip
         self.config, self.inputs, self.diagnostics = config, inputs, diagnostics
-        self.logger, self.publish_chunk = logger, publish_chunk
+        self.logger, self.publish_chunk, self.log_limiter = logger, publish_chunk, log_limiter
         self.health = PolicyHealth(config, diagnostics, log_limiter, logger)
         self.protocol: LatencyProtocol | None = None  # built once the policy is loaded and fits
         self.latency_log = LatencyLog(config.latency_log, 1.0 / config.control_hz) if config.latency_log else None
@@ -59,6 +65,10 @@ class ChunkScheduler:
         # After a call of prepare_next_action that merged a chunk the protocol keeps: (its first step, the
         # executor's plan from there (P, A)), the trajectory `output=trajectory` sends; else None.
         self.merged_plan: tuple[int, np.ndarray] | None = None
+        self._load_policy = load_policy
+        self.low_latency = None  # the checkpoint's low-latency part (`LowLatencyRunner`), when it has one
+        self._fitted: LatencyProtocol | None = None  # the protocol, until the low-latency part is loaded too
+        self.next_context = None  # the next step's StepContext, for the low-latency part
         c = config
         if c.inference == "remote":  # the policy on a `vla-rl policy-server`, same interface
             from robot_bridge.policy_server import RemoteInferenceWorker
@@ -86,8 +96,10 @@ class ChunkScheduler:
             elif self.in_flight is not None and message.request_id == self.in_flight.request_id:
                 request, self.in_flight = self.in_flight, None
                 self._on_result(message, request, now)
+        if self._fitted is not None:
+            self._finish_loading()
         p = self.protocol
-        self.next_target, self.next_step, self.next_is_seam = None, -1, False
+        self.next_target, self.next_step, self.next_is_seam, self.next_context = None, -1, False, None
         if p is None:
             return
         if cause is not None and not self._holding:
@@ -103,12 +115,44 @@ class ChunkScheduler:
                 and not between:  # fmt: skip
             self._request(now)
         self.next_step = int(p.step[0])
+        if self.low_latency is not None:  # before the step's action is taken, as simulation's shell reads it
+            self.next_context = p.step_context(p.spec.low_latency_rows)
         action, valid = p.next_action()  # also while holding: the step counter keeps time
         if bool(valid[0]) and not self._holding:
             self.next_target = action[0].numpy()
             self.next_is_seam = self._seam_step is not None and self.next_step >= self._seam_step
             if self.next_is_seam:
                 self._seam_step = None
+
+    def low_latency_target(self, target: np.ndarray | None, hold: np.ndarray) -> np.ndarray | None:
+        """The tick's action with the low-latency part: its correction of ``target`` (the queue's action; None: the
+        queue ran dry, and the part corrects ``hold`` (A,), the command the robot holds) on the freshest
+        observation. Without a part, ``target``. When the part cannot act (`robot_bridge.low_latency`'s rule):
+        ``target``, counted in ``low_latency_fallbacks``."""
+        if self.low_latency is None or self.next_context is None:
+            return target
+        base = hold if target is None else target
+        observation = self.inputs.observation()
+        if observation is None:
+            action, why, ms = None, "no paired observation for the low-latency part", 0.0
+        else:
+            action, why, ms = self.low_latency.act(observation, base, self.next_context)
+            self.diagnostics.low_latency_ms.append(ms)
+        if action is None:
+            self.diagnostics.count("low_latency_fallbacks")
+            self.log_limiter("low_latency_fallback", "error", f"{why}; sending the uncorrected action")
+            return target
+        return action
+
+    def _finish_loading(self) -> None:
+        """The policy fits and its worker is ready: ready once the low-latency part is loaded in this process."""
+        if self.low_latency.error is not None:
+            self._fitted = None
+            self.health.load_failed(self.low_latency.error, counted=False)
+        elif self.low_latency.ready:
+            self.protocol, self._fitted = self._fitted, None
+            self.health.ready()
+            self.logger.info("low-latency part loaded: it corrects every tick's action")
 
     def discard_plan(self, first_step: int) -> None:
         """The merged plan from ``first_step`` never reached the robot (trajectory output, a waypoint out of the IK's
@@ -149,12 +193,18 @@ class ChunkScheduler:
             self.policy_info = status.info
             self.inputs.policy_image_size = status.info.get("image_size")
             try:
-                self.protocol = fit_protocol(self.config, status.info)
+                protocol = fit_protocol(self.config, status.info)
             except ValueError as err:  # the checkpoint does not fit this robot's config: say why, and hold
                 self.health.load_failed(str(err), counted=False)
                 return
-            self.health.ready()
             self.logger.info(f"policy ready: {status.info}")
+            if protocol.spec.low_latency_rows:  # hold until this process has the part too
+                self.low_latency = self.low_latency or LowLatencyRunner(self._load_policy)
+                self._fitted = protocol
+                self._finish_loading()
+                return
+            self.protocol = protocol
+            self.health.ready()
 
     def _on_result(self, result: worker.InferenceResult, request: worker.InFlightRequest, now: float) -> None:
         # From the submission to the worker's answer: the inference's own latency, not rounded to the tick

@@ -19,10 +19,13 @@ STATE_LEVELS = {"RUNNING": "OK", "LOADING": "WARN", "HOLDING": "WARN", "ESTOP": 
 # took, and refused or could not take: none was up). overrun_ticks: ticks whose work after the command (merging a
 # chunk, the next request, planning the trajectory: with an end-effector policy its IK, tens of ms for a long
 # chunk) took longer than a control period, delaying the next tick; counted from the node's start.
+# low_latency_fallbacks: ticks whose low-latency part could not act (`robot_bridge.low_latency`), which sent the
+# uncorrected action.
 COUNTERS = ("ticks", "missed_deadlines", "rejected_messages", "out_of_order", "stale_events", "chunks",
             "dropped_chunks", "policy_errors", "invalid_chunks", "load_failures", "delay_clamped",
             "excess_states", "description_rejected", "trajectories", "ik_failures", "velocity_limited_points",
-            "trajectory_goals_accepted", "trajectory_rejected", "unpaired_observations", "overrun_ticks")  # fmt: skip
+            "trajectory_goals_accepted", "trajectory_rejected", "unpaired_observations", "overrun_ticks",
+            "low_latency_fallbacks")  # fmt: skip
 
 
 class BridgeDiagnostics:
@@ -34,6 +37,7 @@ class BridgeDiagnostics:
         self.last_error = ""
         self.latencies_ms: list[float] = []  # request -> result, per merged chunk
         self.obs_to_command_ms: list[float] = []  # joint state arrival -> first command of its chunk
+        self.low_latency_ms: list[float] = []  # the low-latency part's time per tick, before the command goes out
         self.after_command_max_ms = 0.0  # longest work after a tick's command (see overrun_ticks)
         # Whether the control process got real-time scheduling and locked memory ("granted", or why
         # not); `serve` fills it in, and it is reported with the other values.
@@ -57,6 +61,7 @@ class BridgeDiagnostics:
             "inference_latency_ms": f"{lat[-1]:.2f}" if lat else "",
             "inference_latency_p50_ms": f"{np.percentile(lat, 50):.2f}" if lat else "",
             "after_command_max_ms": f"{self.after_command_max_ms:.2f}",
+            "low_latency_p99_ms": f"{np.percentile(part, 99):.2f}" if (part := self.low_latency_ms[-1000:]) else "",
             **live,
             "last_error": self.last_error,
         }

@@ -158,6 +158,12 @@ class Hold:
         if self.inputs.state is not None:
             self.safety.start_from(self.measured_command())
 
+    def hold_target(self) -> np.ndarray:
+        """(A,) what a hold sends now: the last command, or before any the measured one (the low-latency part
+        corrects it when the queue ran dry, as simulation's shell corrects the arm's last target)."""
+        last = self.safety.last_command
+        return (self.measured_command() if last is None else last).astype(np.float64)
+
     def measured_command(self) -> np.ndarray:
         """(A,) the hold before any command: state entries named like the actions, else safety.initial_command."""
         cfg = self.config

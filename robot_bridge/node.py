@@ -272,6 +272,8 @@ class PolicyBridge(Node):
         self._tick_step, self._tick_ns = plan.next_step, self._tick_time_ns()
         cause_key, cause = self.hold.check(now)
         target = plan.next_target if cause is None else None
+        if cause is None and plan.low_latency is not None:  # the part acts on this tick's freshest inputs
+            target = plan.low_latency_target(target, self.hold.hold_target())
         if self.config.output == "ticks":
             command = self.hold.command(target)
             if command is not None:

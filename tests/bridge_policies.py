@@ -50,6 +50,25 @@ def ramp_policy(horizon: int = 8, delta: bool = False, n_action_steps: int | Non
     return RampPolicy(horizon, delta, n_action_steps)
 
 
+class SideStepPolicy(RampPolicy):
+    """A RampPolicy with a low-latency part: every tick it sets ee_y to the freshest state's ee_y + STEP (the
+    ramp's chunks keep ee_y as observed), whatever the base action, queued or held."""
+
+    def __init__(self):
+        super().__init__(horizon=8)
+        self.config.low_latency, self.config.low_latency_rows = True, 2
+
+    def low_latency_step(self, obs, base, context):
+        assert context.plan.shape == (1, 2, 4) and obs[image_key("front")].shape == (1, 3, IMAGE_SIZE, IMAGE_SIZE)
+        out = base.clone()
+        out[:, 1] = obs[OBS_STATE][:, 9].float() + STEP
+        return out
+
+
+def side_step_policy() -> SideStepPolicy:
+    return SideStepPolicy()
+
+
 class BadChunkPolicy(RampPolicy):
     """A RampPolicy whose calls numbered in ``bad`` (1-based) return an unusable chunk: "nan" puts one
     NaN at step 2, ee_y; "shape" drops the last action dim (grip)."""

@@ -631,6 +631,27 @@ def test_serves_the_project_diffusion_policy_with_resized_images(ros):
         bridge.close()
 
 
+def test_a_low_latency_part_corrects_every_command_in_a_ros_graph(ros):
+    """A checkpoint with a low-latency part: the node holds until the part is loaded in its own process, then every
+    command the robot receives carries the part's correction (ee_y one STEP off the observed, where the ramp's
+    chunks keep it), its per-tick time is on /diagnostics, and nothing fell back."""
+    from bridge_policies import STEP, side_step_policy
+
+    context, executor = ros
+    bridge, robot = make_bridge(context, executor, load=side_step_policy, merge="latest")
+    try:
+        assert spin_until(executor, lambda: len(robot.chunks) >= 3), bridge.hold.cause
+        assert bridge.scheduler.low_latency is not None and bridge.scheduler.low_latency.ready
+        first = len(robot.commands)
+        assert spin_until(executor, lambda: len(robot.commands) >= first + 10)
+        y = robot.commands[-1][2].index("ee_y")
+        assert all(c[1][y] == pytest.approx(EE[1] + STEP, abs=1e-6) for c in robot.commands[first:])
+        assert spin_until(executor, lambda: robot.diagnostics and robot.diagnostics[-1]["low_latency_p99_ms"] != "")
+        assert robot.diagnostics[-1]["low_latency_fallbacks"] == "0" and bridge.hold.state == "RUNNING"
+    finally:
+        bridge.close()
+
+
 def test_serves_a_flow_vla_with_rtc_guidance_in_a_worker_process(ros):
     """merge=rtc with a flow VLA: every request after the first carries RTC guidance, which the
     worker process computes with autograd (a vector-Jacobian product) on each denoising step."""

@@ -45,6 +45,7 @@ STEPS = 60
 # Delay of each request in control steps (>= 1: a robot's answer is found at the earliest by the next tick).
 TIMELINE = [2, 1, 3, 4, 1, 2, 4, 3, 1, 1, 2, 4, 2, 3, 1, 4, 2, 2, 3, 1, 4, 4, 1, 3]
 HOLD = -1.0
+LOW_LATENCY_ROWS = 3  # plan rows a low-latency probe reads
 
 
 class ProbePolicy:
@@ -52,15 +53,26 @@ class ProbePolicy:
 
     supports_inpainting = True
 
-    def __init__(self, latency_aware: bool = False, lead: int = 0):
+    def __init__(self, latency_aware: bool = False, lead: int = 0, low_latency: bool = False):
         self.config = SimpleNamespace(  # trained for the timeline's delays plus the lead
             horizon=H, n_action_steps=S, image_size=None, state_dim=len(SIM_STATE_NAMES),
             action_dim=len(SIM_ACTION_NAMES), max_delay_steps=0 if latency_aware else D_MAX + lead,
             latency_aware=latency_aware, latency_max_delay=D_MAX, mid_fraction=0.5, mid_cameras=[],
+            low_latency=low_latency, low_latency_rows=LOW_LATENCY_ROWS,
         )  # fmt: skip
         self.seen: list[tuple] = []
+        self.steps: list[tuple] = []  # a low-latency probe's (state[0], base, plan age, since request, plan) per step
         self.mid: list[tuple[float, int]] = []  # a latency-aware probe's (mid state[0], mid steps) per request
         self.noise: list[torch.Tensor | None] = []  # the sampler noise each request was given (None: none)
+
+    def low_latency_step(self, obs, base, context):
+        """The low-latency part: records what it read and moves the base's last column by 100 + the step read."""
+        state = float(torch.as_tensor(obs["observation.state"])[0, 0])
+        self.steps.append((state, base[0].tolist(), int(context.plan_age[0]), int(context.since_request[0]),
+                           (context.plan[0] * context.queued[0, :, None]).tolist()))  # fmt: skip
+        out = base.clone().float()
+        out[:, 3] += 100 + state
+        return out
 
     def prepare_request(self, obs):  # the slow part of a latency-aware policy (`LatencyAwarePolicy`): nothing here
         return {"prepared": True}
@@ -177,27 +189,30 @@ class TimelineWorker:
         self.worker.close()
 
 
-def run_sim(merge: str, latency_aware: bool = False, lead: int = 0) -> tuple[list, ProbePolicy]:
-    policy, env = ProbePolicy(latency_aware, lead), RecordingEnv()
+def run_sim(
+    merge: str, latency_aware: bool = False, lead: int = 0, low_latency: bool = False
+) -> tuple[list, ProbePolicy]:
+    policy, env = ProbePolicy(latency_aware, lead, low_latency), RecordingEnv()
     mid = 0.5 if latency_aware else None
     shell = make_shell(env, H, S, TimelineDelays(), merge=merge, ensemble_coeff=0.5, window=WINDOW,
-                       committed_rows=0 if latency_aware else D_MAX + lead, mid_fraction=mid,
-                       lead_steps=lead)  # fmt: skip
+                       committed_rows=0 if latency_aware else D_MAX + lead, mid_fraction=mid, lead_steps=lead,
+                       low_latency_rows=LOW_LATENCY_ROWS if low_latency else 0,
+                       step_policy=policy.low_latency_step if low_latency else None)  # fmt: skip
     obs, need = shell.reset(seed=0)
     while len(env.applied) < STEPS:
         assert need.tolist() == [True]
         obs_step = shell.obs_step
         chunk = policy.predict_chunk(obs, obs_step, inpaint=shell.guidance)
         obs, *_, need = shell.step(chunk)
-    emitted = [None if a[0] == HOLD else a for a in env.applied[:STEPS]]
+    emitted = [None if a[0] == HOLD and not low_latency else a for a in env.applied[:STEPS]]
     return emitted, policy
 
 
 def run_bridge(merge: str, latency_log: str, latency_aware: bool = False, episode_ends: dict[int, int] | None = None,
-               noise_seed: int = -1, lead: int = 0) -> tuple[list, ProbePolicy, list[dict]]:  # fmt: skip
+               noise_seed: int = -1, lead: int = 0, low_latency: bool = False) -> tuple[list, ProbePolicy, list[dict]]:  # fmt: skip
     """The robot's shell on the test's clock. episode_ends: tick -> the robot's episode that ended just before
     it (announced on the episode topic, its final state stamped half a period before the tick)."""
-    policy = ProbePolicy(latency_aware, lead)
+    policy = ProbePolicy(latency_aware, lead, low_latency)
     config = ServeConfig(
         mid_inference=latency_aware, noise_seed=noise_seed,
         checkpoint="(probe)", inference="thread", inference_cpu=-1, control_hz=1 / DT, latency_log=latency_log,
@@ -239,7 +254,10 @@ def run_bridge(merge: str, latency_log: str, latency_aware: bool = False, episod
                 start = tick if scheduler.start_episode_if_due() else start
                 scheduler.prepare_next_action(None, clock.now)
             assert scheduler.next_step == tick - start
-            emitted.append(None if scheduler.next_target is None else scheduler.next_target.tolist())
+            target = scheduler.next_target
+            if low_latency:  # as the node asks at the tick (the robot's hold is the sim's hold action here)
+                target = scheduler.low_latency_target(target, np.full(len(SIM_ACTION_NAMES), HOLD))
+            emitted.append(None if target is None else target.tolist())
     finally:
         scheduler.close()
     return emitted, policy, chunks
@@ -404,23 +422,41 @@ def test_a_new_episode_holds_where_the_robot_now_is_not_at_the_last_episodes_com
     assert hold.command(None).tolist() == [0.6, 0.0, 0.25, 0.0]
 
 
-def test_serve_refuses_a_checkpoint_with_a_low_latency_part_it_would_not_run(tiny_checkpoint):
-    """The robot's shell does not run a low-latency part yet: serving such a checkpoint would run the slow chunks
-    alone, another policy than the one evaluated, so its load is refused with the fix."""
+@pytest.mark.parametrize("setting", [{"output": "trajectory"}, {"inference": "remote"}, {"action_mode": "delta"}])
+def test_serve_refuses_a_low_latency_part_where_it_would_not_run_per_tick(tiny_checkpoint, setting):
+    """Serve runs a low-latency part per tick, in its own process, on absolute targets: a config where it could not
+    (trajectories, remote inference, delta actions) is refused at load with the fix, rather than run the slow
+    chunks alone; the same checkpoint with ticks and local inference fits, reading the part's plan rows."""
     from robot_bridge.inference import policy_info
     from vla_rl.checkpoint import load_policy
 
     policy, _ = load_policy(tiny_checkpoint[0])
-    plain = policy_info(policy)
-    assert plain["low_latency_rows"] == 0
+    assert policy_info(policy)["low_latency_rows"] == 0
     policy.add_low_latency(rows=4, max_age=8, cameras=list(policy.config.cameras))
     info = policy_info(policy)
-    assert info["low_latency_rows"] == 4
     config = ServeConfig(
         state_names=SIM_STATE_NAMES, action_names=SIM_ACTION_NAMES, chunking=ChunkingConfig(merge="latest")
     )
-    assert fit_protocol(config, plain).spec.low_latency_rows == 0
-    with pytest.raises(
-        ValueError, match=r"has a low-latency part .* which vla-rl serve does not run yet.*initial_checkpoint"
-    ):
+    assert fit_protocol(config, info).spec.low_latency_rows == 4
+    for key, value in setting.items():
+        object.__setattr__(config, key, value)  # past the config's own checks (a trajectory needs its topic)
+    with pytest.raises(ValueError, match=r"has a low-latency part .* runs per tick .*initial_checkpoint"):
         fit_protocol(config, info)
+
+
+def test_the_low_latency_part_acts_the_same_in_simulation_and_on_the_robot(tmp_path):
+    """A probe with a low-latency part on the same timeline: at every step both shells give it the same freshest
+    state (that step's), the same base action (the queue's, or the hold when it ran dry), plan, plan age and steps
+    since the request, and the corrected actions agree step by step. Worked by hand from TIMELINE: nothing runs
+    before chunk 0 arrives at step 2 (the part corrects the hold, plan age -1); chunk 0 (asked at step 0) runs its
+    rows 2 and 3 (ages 2, 3); chunk 1 (asked at 3, 1 step late) takes over at 4 with its row 1 (age 1), then row 2
+    (age 2). A row of a chunk asked at t is t + its index, so the bases are 2, 3, 4, 5."""
+    sim_emitted, sim_policy = run_sim("latest", low_latency=True)
+    robot_emitted, robot_policy, _ = run_bridge("latest", str(tmp_path / "latencies.jsonl"), low_latency=True)
+    assert len(sim_policy.steps) >= STEPS and len(robot_policy.steps) == STEPS
+    assert [s[0] for s in robot_policy.steps] == [float(t) for t in range(STEPS)]  # the tick's own state
+    assert sim_policy.steps[:STEPS] == robot_policy.steps
+    assert sim_emitted == robot_emitted
+    assert [s[2] for s in sim_policy.steps[:6]] == [-1, -1, 2, 3, 1, 2]
+    assert [s[1][0] for s in sim_policy.steps[:6]] == [HOLD, HOLD, 2.0, 3.0, 4.0, 5.0]
+    assert sim_emitted[0][3] == HOLD + 100 and sim_emitted[4][3] == sim_policy.steps[4][1][3] + 104

@@ -1,0 +1,79 @@
+"""The low-latency part of a served checkpoint (`policies.low_latency`, from ``vla-rl finetune --low_latency``),
+run in the control process at every tick, on the freshest joint state and images, as simulation's shell runs it
+(`vla_core.runtime.delayed_env.DelayedChunkEnv`'s step policy).
+
+The slow policy stays in the inference worker; this process loads the same checkpoint once more, in a thread so
+that the control loop never waits for it, and runs only the part's mean correction (`low_latency_step`) on the
+CPU: one small network per tick. The node holds until it is loaded.
+
+The rule when the part cannot act (stated in README's serve section): the tick's inputs are refused (no joint
+state or image within the pairing tolerance), or the part raises or returns a non-finite action, the tick sends
+the action the part would have corrected (the queue's, or the hold), counts ``low_latency_fallbacks`` and logs why
+(rate-limited). A stale observation never reaches it: the hold's staleness checks hold the tick before (the hold
+is not corrected then). No ROS import here.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from robot_bridge.inference import to_policy_batch
+
+
+class LowLatencyRunner:
+    """Loads the checkpoint with ``load_policy`` in a background thread; :meth:`act` corrects one tick's action.
+    ``ready`` once loaded; ``error`` (text) when the load failed or the checkpoint has no low-latency part."""
+
+    def __init__(self, load_policy: Callable[[], Any]) -> None:
+        self.policy: Any = None
+        self.error: str | None = None
+        self._thread = threading.Thread(target=self._load, args=(load_policy,), daemon=True, name="low-latency-load")
+        self._thread.start()
+
+    @property
+    def ready(self) -> bool:
+        return self.policy is not None
+
+    def _load(self, load_policy: Callable[[], Any]) -> None:
+        try:
+            policy = load_policy()
+        except Exception as err:  # noqa: BLE001 (reported as the node's load failure, never a crash)
+            self.error = f"the low-latency part failed to load: {type(err).__name__}: {err}"
+            return
+        if not callable(getattr(policy, "low_latency_step", None)):
+            self.error = "the checkpoint announced a low-latency part but its policy has no low_latency_step"
+            return
+        if hasattr(policy, "eval"):
+            policy.eval()
+        self.policy = policy
+
+    def act(self, observation: dict[str, Any], base: np.ndarray, context) -> tuple[np.ndarray | None, str, float]:
+        """(the corrected action (A,) float64, or None when the part could not act; why not; milliseconds spent).
+        observation: the inputs' numpy batch of one (`BridgeInputs.observation`); base (A,): the action the part
+        corrects; context: the protocol's `StepContext` of this step."""
+        start = time.perf_counter()
+        try:
+            with torch.no_grad():
+                action = self.policy.low_latency_step(
+                    to_policy_batch(observation), torch.as_tensor(base, dtype=torch.float32)[None], context
+                )
+            action = action[0].detach().cpu().numpy().astype(np.float64)
+        except Exception as err:  # noqa: BLE001 (the tick falls back to the uncorrected action)
+            return None, f"the low-latency part raised {type(err).__name__}: {err}", _ms(start)
+        if action.shape != base.shape or not np.isfinite(action).all():
+            return (
+                None,
+                f"the low-latency part returned {action.shape} with non-finite values or a wrong size",
+                _ms(start),
+            )
+        return action, "", _ms(start)
+
+
+def _ms(start: float) -> float:
+    return (time.perf_counter() - start) * 1e3
