@@ -128,3 +128,19 @@ def test_the_curves_figure_plots_each_seeds_periodic_evaluations_of_each_arm(tmp
         "ppo seed 1": ([0], [0.5]), "grpo seed 1": ([], []),
     }  # fmt: skip
     assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and not list(tmp_path.glob("*.tmp*"))
+
+
+def test_the_grpo_arm_samples_with_the_std_floor_the_pilots_chose_and_ppo_with_the_default(tmp_path, monkeypatch):
+    """The 2026-12-07 amendment: GRPO fine-tunes with --noise.min_std=0.05, PPO with finetune's 0.1; eta 0 both."""
+    from vla_rl.bench_rl import _finetune_arm
+
+    seen = {}
+
+    def finetune(cfg):
+        seen[cfg.algo] = (cfg.noise.eta, cfg.noise.min_std, cfg.noise.temperature)
+        return {"env_steps": 1, "iterations": 1, "evals": [], "rollout_env_steps_per_s": 1.0, "skipped_updates": 0}
+
+    monkeypatch.setattr(stages, "finetune", finetune)
+    for arm in ("ppo", "grpo"):
+        _finetune_arm(BenchRLConfig(), arm, tmp_path / "imitation", tmp_path)
+    assert seen == {"ppo": (0.0, 0.1, 1.0), "grpo": (0.0, 0.05, 1.0)}

@@ -107,6 +107,10 @@ Protocol history (runs as README.md reports them, each by its final line):
   be fixed in the benchmark's code in a dated entry before (b) runs. (b) was launched on 2026-12-06 and did
   not finish; none of its figures exists. The PPO target (0.93) is out of reach of every setting tried here:
   held-out 0.820 on seed 2, no pilot above 0.823.
+- 2026-12-07, an amendment fixed before any run of (b): the GRPO arm fine-tunes with ``--noise.min_std=0.05``
+  (``GRPO_MIN_STD``; eta 0, the default), as the pilots chose; the PPO arm keeps every default. Token policies
+  sample at their temperature and are unaffected. (b) is run again from its start:
+  ``vla-rl bench rl --seeds=[2,3] --eval_episodes=200 --num_threads=1 --output_dir=outputs/bench/rl_target``.
 """
 
 from __future__ import annotations
@@ -277,14 +281,20 @@ def plot_curves(pooled: dict[str, Any], path: Path) -> dict[str, tuple[list[int]
     return series
 
 
+GRPO_MIN_STD = 0.05  # the GRPO arm's ``--noise.min_std`` (finetune's default 0.1 for every other run)
+
+
 def _finetune_arm(cfg: BenchRLConfig, arm: str, imitation: Path, out: Path) -> dict[str, Any]:
     """Fine-tune ``imitation`` as ``arm`` (ppo, grpo, or ppo_prm: PPO with the process reward model fitted on
     the benchmark's demonstrations) into ``out / arm`` on the env-step budget, resumed when it has checkpoints."""
+    from policies.denoising_chain import ExplorationNoise
     from vla_rl.stages import EnvConfig, FinetuneConfig, GRPOConfig, RewardConfig, finetune
 
     run_dir, algo, extra = out / arm, arm.removesuffix("_prm"), {}
     if algo == "grpo":
         extra["grpo"] = GRPOConfig(group_size=min(8, cfg.num_envs))
+        # The pilots' choice (protocol history, 2026-12-07): a chain's sampling std floor of 0.05, not 0.1.
+        extra["noise"] = ExplorationNoise(eta=0.0, min_std=GRPO_MIN_STD)
     if arm == "ppo_prm":
         extra["reward"] = RewardConfig(process_model=str(_process_reward_model(cfg, out)))
     t0 = time.time()
