@@ -25,6 +25,7 @@ still in flight is answered, logged and dropped), and requests are numbered from
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -131,13 +132,13 @@ class ChunkScheduler:
         ``target``, counted in ``low_latency_fallbacks``."""
         if self.low_latency is None or self.next_context is None:
             return target
-        base = hold if target is None else target
-        observation = self.inputs.observation()
+        base, start = (hold if target is None else target), time.perf_counter()
+        observation = self.inputs.observation(quiet=True)  # pairing problems are counted and logged by requests
         if observation is None:
-            action, why, ms = None, "no paired observation for the low-latency part", 0.0
+            action, why = None, "no paired observation for the low-latency part"
         else:
-            action, why, ms = self.low_latency.act(observation, base, self.next_context)
-            self.diagnostics.low_latency_ms.append(ms)
+            action, why = self.low_latency.act(observation, base, self.next_context)
+        self.diagnostics.low_latency_ms.append((time.perf_counter() - start) * 1e3)
         if action is None:
             self.diagnostics.count("low_latency_fallbacks")
             self.log_limiter("low_latency_fallback", "error", f"{why}; sending the uncorrected action")
@@ -176,6 +177,8 @@ class ChunkScheduler:
             if self.in_flight is not None and bool(p.pending[0]):
                 self._send_mid()  # the worker waits for it; its answer will be dropped
             p.restart(ONE)
+            # The new episode's first tick may run the part: on the restarted queue, as simulation's does.
+            self.next_context = p.step_context(p.spec.low_latency_rows) if self.low_latency is not None else None
         self.next_target, self.next_is_seam, self._seam_step = None, False, None
         return True
 
@@ -199,7 +202,8 @@ class ChunkScheduler:
                 return
             self.logger.info(f"policy ready: {status.info}")
             if protocol.spec.low_latency_rows:  # hold until this process has the part too
-                self.low_latency = self.low_latency or LowLatencyRunner(self._load_policy)
+                if self.low_latency is None or self.low_latency.error is not None:  # a failed load is tried again
+                    self.low_latency = LowLatencyRunner(self._load_policy)
                 self._fitted = protocol
                 self._finish_loading()
                 return

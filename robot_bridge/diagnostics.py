@@ -7,6 +7,8 @@ final summary. No ROS import at module level.
 
 from __future__ import annotations
 
+from collections import deque
+
 import numpy as np
 
 # The node's states; the DiagnosticStatus level (OK, WARN, ERROR) each is reported with.
@@ -37,7 +39,8 @@ class BridgeDiagnostics:
         self.last_error = ""
         self.latencies_ms: list[float] = []  # request -> result, per merged chunk
         self.obs_to_command_ms: list[float] = []  # joint state arrival -> first command of its chunk
-        self.low_latency_ms: list[float] = []  # the low-latency part's time per tick, before the command goes out
+        # the low-latency part's time on its latest ticks (its observation built, then the part), before the command
+        self.low_latency_ms: deque[float] = deque(maxlen=1000)
         self.after_command_max_ms = 0.0  # longest work after a tick's command (see overrun_ticks)
         # Whether the control process got real-time scheduling and locked memory ("granted", or why
         # not); `serve` fills it in, and it is reported with the other values.
@@ -61,7 +64,7 @@ class BridgeDiagnostics:
             "inference_latency_ms": f"{lat[-1]:.2f}" if lat else "",
             "inference_latency_p50_ms": f"{np.percentile(lat, 50):.2f}" if lat else "",
             "after_command_max_ms": f"{self.after_command_max_ms:.2f}",
-            "low_latency_p99_ms": f"{np.percentile(part, 99):.2f}" if (part := self.low_latency_ms[-1000:]) else "",
+            "low_latency_p99_ms": f"{np.percentile(self.low_latency_ms, 99):.2f}" if self.low_latency_ms else "",
             **live,
             "last_error": self.last_error,
         }

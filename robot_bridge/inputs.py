@@ -250,16 +250,20 @@ class BridgeInputs:
         state_stamp = self.stamp[JOINT_STATES]
         return min(self.frames[camera], key=lambda frame: abs(frame[0] - state_stamp))
 
-    def paired_image(self, camera: CameraTopic) -> np.ndarray | None:
+    def paired_image(self, camera: CameraTopic, quiet: bool = False) -> np.ndarray | None:
         """(H, W, 3) uint8: the camera's buffered image closest in stamp to the newest joint state, or None when
         none is within ``safety.pair_tolerance_s`` (counted as ``unpaired_observations``, said once a second,
-        and a hold cause once it lasts longer than ``safety.stale_after_s``: :meth:`pairing_problem`)."""
+        and a hold cause once it lasts longer than ``safety.stale_after_s``: :meth:`pairing_problem`). ``quiet``: none
+        of that, only the answer (the low-latency part asks every tick; the requests count and say it)."""
         source = f"camera {camera.name}"
         state_stamp, tolerance = self.stamp[JOINT_STATES], self.config.safety.pair_tolerance_s
         stamp, rgb = self._closest(camera.name)
         if abs(stamp - state_stamp) <= tolerance:
-            self.unpaired.pop(source, None)
+            if not quiet:
+                self.unpaired.pop(source, None)
             return rgb
+        if quiet:
+            return None
         newest = self.frames[camera.name][-1][0]
         why = (f"{source}: no image within {tolerance:g} s of the joint state stamped {state_stamp:.3f} s (the closest "
                f"is {(stamp - state_stamp) * 1e3:+.0f} ms from it, the newest stamped {newest:.3f} s): the camera and "
@@ -286,24 +290,26 @@ class BridgeInputs:
             return None
         return "unpaired " + ", ".join(s for s, _ in lasting), "unpaired input: " + "; ".join(w for _, w in lasting)
 
-    def observation(self) -> dict[str, Any] | None:
+    def observation(self, quiet: bool = False) -> dict[str, Any] | None:
         """The policy's numpy batch of one: state (1, S) float32, instruction, images (1, H, W, 3) uint8, each
         image paired with the state by stamp (:meth:`paired_image`).
 
         None when a camera has no image within the pairing tolerance, or (the camera rejected) when an image
-        that arrived before the policy told its size does not fit it.
+        that arrived before the policy told its size does not fit it. ``quiet``: an unpaired camera is neither
+        counted nor logged (`paired_image`).
         """
         observation: dict[str, Any] = {OBS_STATE: self.state[None].astype(np.float32), TASK: [self.instruction]}
         size = self.image_size
         for cam in self.config.cameras:
-            rgb = self.paired_image(cam)
+            rgb = self.paired_image(cam, quiet)
             if rgb is None:
                 return None
             if size:
                 try:
                     rgb = fit_image(rgb, size, self.config.resize_images)
                 except InputRejected as err:
-                    self.reject(f"camera {cam.name}", err)
+                    if not quiet:
+                        self.reject(f"camera {cam.name}", err)
                     return None
             observation[cam.feature] = rgb[None]
         return observation

@@ -6,6 +6,11 @@ The slow policy stays in the inference worker; this process loads the same check
 that the control loop never waits for it, and runs only the part's mean correction (`low_latency_step`) on the
 CPU: one small network per tick. The node holds until it is loaded.
 
+The part acts on the joint state and images of the tick its action goes out at: one control period fresher than
+the observation the slow policy's request of that step was made from (the node prepares a step's action at the
+tick before; simulation's shell reads one observation for both), its step context the one prepared with the
+action. A part that fails to load is loaded again when the worker reloads the policy.
+
 The rule when the part cannot act (stated in README's serve section): the tick's inputs are refused (no joint
 state or image within the pairing tolerance), or the part raises or returns a non-finite action, the tick sends
 the action the part would have corrected (the queue's, or the hold), counts ``low_latency_fallbacks`` and logs why
@@ -15,8 +20,8 @@ is not corrected then). No ROS import here.
 
 from __future__ import annotations
 
+import os
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -24,6 +29,7 @@ import numpy as np
 import torch
 
 from robot_bridge.inference import to_policy_batch
+from robot_bridge.scheduling import use_normal
 
 
 class LowLatencyRunner:
@@ -41,6 +47,11 @@ class LowLatencyRunner:
         return self.policy is not None
 
     def _load(self, load_policy: Callable[[], Any]) -> None:
+        # Started from the control thread, this thread inherits its real-time priority and its core: loading a
+        # checkpoint there would keep the control loop (same priority, same core) off the CPU for seconds.
+        use_normal()
+        if hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, range(os.cpu_count() or 1))
         try:
             policy = load_policy()
         except Exception as err:  # noqa: BLE001 (reported as the node's load failure, never a crash)
@@ -53,11 +64,10 @@ class LowLatencyRunner:
             policy.eval()
         self.policy = policy
 
-    def act(self, observation: dict[str, Any], base: np.ndarray, context) -> tuple[np.ndarray | None, str, float]:
-        """(the corrected action (A,) float64, or None when the part could not act; why not; milliseconds spent).
-        observation: the inputs' numpy batch of one (`BridgeInputs.observation`); base (A,): the action the part
-        corrects; context: the protocol's `StepContext` of this step."""
-        start = time.perf_counter()
+    def act(self, observation: dict[str, Any], base: np.ndarray, context) -> tuple[np.ndarray | None, str]:
+        """(the corrected action (A,) float64, or None when the part could not act; why not). observation: the
+        inputs' numpy batch of one (`BridgeInputs.observation`); base (A,): the action the part corrects; context:
+        the protocol's `StepContext` of this step."""
         try:
             with torch.no_grad():
                 action = self.policy.low_latency_step(
@@ -65,15 +75,7 @@ class LowLatencyRunner:
                 )
             action = action[0].detach().cpu().numpy().astype(np.float64)
         except Exception as err:  # noqa: BLE001 (the tick falls back to the uncorrected action)
-            return None, f"the low-latency part raised {type(err).__name__}: {err}", _ms(start)
+            return None, f"the low-latency part raised {type(err).__name__}: {err}"
         if action.shape != base.shape or not np.isfinite(action).all():
-            return (
-                None,
-                f"the low-latency part returned {action.shape} with non-finite values or a wrong size",
-                _ms(start),
-            )
-        return action, "", _ms(start)
-
-
-def _ms(start: float) -> float:
-    return (time.perf_counter() - start) * 1e3
+            return None, f"the low-latency part returned {action.shape} with non-finite values or a wrong size"
+        return action, ""

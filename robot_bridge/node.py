@@ -289,7 +289,8 @@ class PolicyBridge(Node):
             self.diagnostics.count("missed_deadlines")
         if self.on_tick is not None:
             record = TickRecord(
-                plan.next_step, scheduled, published, command, target is not None, self.hold.state,
+                plan.next_step, scheduled, published, command, cause is None and plan.next_target is not None,
+                self.hold.state,
                 plan.next_is_seam, self.inputs.stamp.get(JOINT_STATES, 0.0),
             )  # fmt: skip
             self.on_tick(record)

@@ -648,6 +648,13 @@ def test_a_low_latency_part_corrects_every_command_in_a_ros_graph(ros):
         assert all(c[1][y] == pytest.approx(EE[1] + STEP, abs=1e-6) for c in robot.commands[first:])
         assert spin_until(executor, lambda: robot.diagnostics and robot.diagnostics[-1]["low_latency_p99_ms"] != "")
         assert robot.diagnostics[-1]["low_latency_fallbacks"] == "0" and bridge.hold.state == "RUNNING"
+        # A hold for a cause is not corrected: under the e-stop the part is not asked, and the hold repeats.
+        robot.estop_pub.publish(Bool(data=True))
+        assert spin_until(executor, lambda: bridge.hold.state == "ESTOP")
+        calls, first = bridge.scheduler.low_latency.policy.calls, len(robot.commands)
+        assert spin_until(executor, lambda: len(robot.commands) >= first + 8)
+        assert bridge.scheduler.low_latency.policy.calls == calls
+        assert calls > 10  # it was asked every tick before
     finally:
         bridge.close()
 

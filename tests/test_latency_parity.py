@@ -66,12 +66,12 @@ class ProbePolicy:
         self.noise: list[torch.Tensor | None] = []  # the sampler noise each request was given (None: none)
 
     def low_latency_step(self, obs, base, context):
-        """The low-latency part: records what it read and moves the base's last column by 100 + the step read."""
+        """The low-latency part: records what it read and moves the base's last column by 100."""
         state = float(torch.as_tensor(obs["observation.state"])[0, 0])
         self.steps.append((state, base[0].tolist(), int(context.plan_age[0]), int(context.since_request[0]),
                            (context.plan[0] * context.queued[0, :, None]).tolist()))  # fmt: skip
         out = base.clone().float()
-        out[:, 3] += 100 + state
+        out[:, 3] += 100
         return out
 
     def prepare_request(self, obs):  # the slow part of a latency-aware policy (`LatencyAwarePolicy`): nothing here
@@ -243,7 +243,9 @@ def run_bridge(merge: str, latency_log: str, latency_aware: bool = False, episod
             threading.Event().wait(0.01)
         assert scheduler.protocol is not None, scheduler.health.worker_error
         emitted, start = [], 0  # start: the tick the robot's current episode began at
-        for tick in range(STEPS):  # tick k prepares the action of step k (published at the next tick)
+        # Tick k prepares the action of step k, published at tick k + 1; a low-latency part corrects it there, on
+        # tick k + 1's inputs, as the node does before the command goes out (one tick more to publish the last).
+        for tick in range(STEPS + low_latency):
             clock.now = tick * DT
             inputs.state[0] = tick  # the joint state the robot reads at this tick: the step it is of
             inputs.stamp[JOINT_STATES] = tick * DT
@@ -252,12 +254,15 @@ def run_bridge(merge: str, latency_log: str, latency_aware: bool = False, episod
                 inputs.ended_episode = (episode_ends[tick], (tick - 0.5) * DT)
             if tick:
                 start = tick if scheduler.start_episode_if_due() else start
+                if low_latency:  # the robot's hold is the sim's hold action here
+                    target = scheduler.low_latency_target(scheduler.next_target, np.full(len(SIM_ACTION_NAMES), HOLD))
+                    emitted.append(None if target is None else target.tolist())
+                if tick == STEPS:
+                    break
                 scheduler.prepare_next_action(None, clock.now)
             assert scheduler.next_step == tick - start
-            target = scheduler.next_target
-            if low_latency:  # as the node asks at the tick (the robot's hold is the sim's hold action here)
-                target = scheduler.low_latency_target(target, np.full(len(SIM_ACTION_NAMES), HOLD))
-            emitted.append(None if target is None else target.tolist())
+            if not low_latency:
+                emitted.append(None if scheduler.next_target is None else scheduler.next_target.tolist())
     finally:
         scheduler.close()
     return emitted, policy, chunks
@@ -445,18 +450,21 @@ def test_serve_refuses_a_low_latency_part_where_it_would_not_run_per_tick(tiny_c
 
 
 def test_the_low_latency_part_acts_the_same_in_simulation_and_on_the_robot(tmp_path):
-    """A probe with a low-latency part on the same timeline: at every step both shells give it the same freshest
-    state (that step's), the same base action (the queue's, or the hold when it ran dry), plan, plan age and steps
-    since the request, and the corrected actions agree step by step. Worked by hand from TIMELINE: nothing runs
-    before chunk 0 arrives at step 2 (the part corrects the hold, plan age -1); chunk 0 (asked at step 0) runs its
-    rows 2 and 3 (ages 2, 3); chunk 1 (asked at 3, 1 step late) takes over at 4 with its row 1 (age 1), then row 2
-    (age 2). A row of a chunk asked at t is t + its index, so the bases are 2, 3, 4, 5."""
+    """A probe with a low-latency part on the same timeline: at every step both shells give it the same base action
+    (the queue's, or the hold when it ran dry), plan, plan age and steps since the request, and the corrected
+    actions agree step by step. The state it reads is its step's in simulation and one step fresher on the robot:
+    the node prepares step k's action at tick k and the part corrects it at tick k + 1, as it goes out, on that
+    tick's joint state. Worked by hand from TIMELINE: nothing runs before chunk 0 arrives at step 2 (the part
+    corrects the hold, plan age -1); chunk 0 (asked at step 0) runs its rows 2 and 3 (ages 2, 3); chunk 1 (asked
+    at 3, 1 step late) takes over at 4 with its row 1 (age 1), then row 2 (age 2). A row of a chunk asked at t is
+    t + its index, so the bases are 2, 3, 4, 5."""
     sim_emitted, sim_policy = run_sim("latest", low_latency=True)
     robot_emitted, robot_policy, _ = run_bridge("latest", str(tmp_path / "latencies.jsonl"), low_latency=True)
     assert len(sim_policy.steps) >= STEPS and len(robot_policy.steps) == STEPS
-    assert [s[0] for s in robot_policy.steps] == [float(t) for t in range(STEPS)]  # the tick's own state
-    assert sim_policy.steps[:STEPS] == robot_policy.steps
+    assert [s[0] for s in sim_policy.steps[:STEPS]] == [float(t) for t in range(STEPS)]
+    assert [s[0] for s in robot_policy.steps] == [float(t + 1) for t in range(STEPS)]
+    assert [s[1:] for s in sim_policy.steps[:STEPS]] == [s[1:] for s in robot_policy.steps]
     assert sim_emitted == robot_emitted
     assert [s[2] for s in sim_policy.steps[:6]] == [-1, -1, 2, 3, 1, 2]
     assert [s[1][0] for s in sim_policy.steps[:6]] == [HOLD, HOLD, 2.0, 3.0, 4.0, 5.0]
-    assert sim_emitted[0][3] == HOLD + 100 and sim_emitted[4][3] == sim_policy.steps[4][1][3] + 104
+    assert sim_emitted[0][3] == HOLD + 100 and sim_emitted[4][3] == sim_policy.steps[4][1][3] + 100
