@@ -9,7 +9,7 @@ CPU: one small network per tick. The node holds until it is loaded.
 The part acts on the joint state and images of the tick its action goes out at: one control period fresher than
 the observation the slow policy's request of that step was made from (the node prepares a step's action at the
 tick before; simulation's shell reads one observation for both), its step context the one prepared with the
-action. A part that fails to load is loaded again when the worker reloads the policy.
+action. A part that fails to load leaves the node failed with its error (restart it once the checkpoint is fixed).
 
 The rule when the part cannot act (stated in README's serve section): the tick's inputs are refused (no joint
 state or image within the pairing tolerance), or the part raises or returns a non-finite action, the tick sends
