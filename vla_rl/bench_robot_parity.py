@@ -63,6 +63,16 @@ Protocol history:
   fine-tuned for. Run 3 (fixed before it ran; no result of run 2's evaluation exists) sleeps
   ``--added_latency_s=0.3125`` (6.25 periods), so chunks arrive about 7 steps late with a step to spare
   below the policy's 8; every other setting as run 2.
+- 2026-12-07, a run fixed before it starts (RL under delay: the low-latency policy served). The checkpoint is
+  `bench latency-rl`'s low-latency arm of seed 0 (its amendment of 2026-12-07: ``--checkpoint=
+  outputs/bench/latency_rl_arli/seed0/runs/latency_aware_d8``, the first seed, chosen before either seed's
+  result), which `serve` runs with its part at every tick and `vla-rl eval` with its part at every step;
+  ``--task=track_jump --episodes=200 --added_latency_s=0.3625`` (7.25 periods slept: chunks about 8 steps
+  late, the delay it was fine-tuned at; its slow policy reads no delay, so a 9 is not refused),
+  ``--output_dir=outputs/bench/robot_parity_low_latency``, every other setting the default, the machine
+  otherwise idle. Target (the issue's): |gap| <= 5 points over the 200 pairs. What the pairs cannot show: on
+  the robot the part reads a joint state one period fresher than in simulation (serve prepares a step's
+  action at the tick before; README.md, serve).
 """
 
 from __future__ import annotations
