@@ -73,6 +73,8 @@ Protocol history:
   otherwise idle. Target (the issue's): |gap| <= 5 points over the 200 pairs. What the pairs cannot show: on
   the robot the part reads a joint state one period fresher than in simulation (serve prepares a step's
   action at the tick before; README.md, serve).
+- 2026-12-07, the result of that run, recorded after it: ``sim_success=0.800 ros_success=0.810 gap_points=1.0
+  episodes=200 mcnemar_p=0.7905`` (lags 8 steps for 682 of 873 requests, 7 for 178, 9 for 13).
 """
 
 from __future__ import annotations
