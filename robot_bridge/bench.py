@@ -115,6 +115,16 @@ Protocol history (runs as README.md reports them: figures over runs, not their f
   point); per-tick output is unchanged; the final line is unchanged. One full default run (README.md, run
   4): ``starved_ticks=0 late_chunks=0 tick_mode_late=7 ticks=100002``; transport at most 0.18 ms, smallest
   margin 338 ms.
+- 2026-12-07, an addition fixed before any run of it (RL under delay: the low-latency part on the robot):
+  ``--low_latency=true`` gives the bench policy a low-latency part (the project's `LowLatencyPolicy` with the
+  diffusion policy's keypoint encoder on the 64 px image), which serve runs at every tick before the command
+  goes out; per-tick output only (trajectory output does not run a part, and is refused with it). The run:
+  ``vla-rl bench bridge --outputs=[ticks] --low_latency=true --output_json=outputs/bench/bridge_low_latency.json``,
+  every other setting the default (100 Hz, 100,000 ticks over the three merges, the training load, the horizon
+  sized by the sizing run, which serves no part). The issue's target reads trajectory output's counts (0 starved
+  ticks, 0 late chunks); with a part there is none, so what is reported is per-tick output's ``tick_mode_late``
+  (commands more than 5 ms after their joint state) and the part's time per tick (``low_latency_ms``), beside
+  the published runs without a part (other runs: their ratio means little).
 """
 
 from __future__ import annotations
@@ -146,6 +156,7 @@ JOINTS = ["joint1", "joint2", "joint3", "joint4"]
 CAMERA = "front"
 PING_TOPIC, PONG_TOPIC = "/bench/ping", "/bench/pong"
 REFERENCE_HZ, REFERENCE_AMPLITUDE = 0.5, 0.2
+LOW_LATENCY_ROWS = 4  # plan rows the bench policy's low-latency part reads
 
 
 @dataclass
@@ -181,6 +192,9 @@ class BenchBridgeConfig:
     domain_id: int = 47  # ROS_DOMAIN_ID of the benchmark (a private one: other nodes would disturb it)
     start_timeout_s: float = 120.0  # longest wait for the serve node's first chunk
     output_json: str = "outputs/bench/bridge.json"  # where the results are written
+    # The bench policy with a low-latency part (the project's `LowLatencyPolicy`, its keypoint encoder as the
+    # diffusion policy's), which serve runs at every tick before the command goes out: ticks output only.
+    low_latency: bool = False
 
     def apply_quick(self) -> None:
         if self.quick:
@@ -240,12 +254,46 @@ class BenchPolicy(nn.Module):
         return ActionChunk(reference + correction, obs_step)
 
 
+class BenchLowLatencyPolicy(BenchPolicy):
+    """BenchPolicy with a low-latency part: the project's `LowLatencyPolicy` (a keypoint CNN of the diffusion
+    policy's default size on the freshest image, the state, LOW_LATENCY_ROWS plan rows and their ages), its
+    correction bounded by ``chunk_noise``: the per-tick work a served low-latency checkpoint costs."""
+
+    def __init__(self, horizon: int, control_hz: float, image_size: int, chunk_noise: float):
+        from policies.keypoints import ImageEncoder
+        from policies.low_latency import LowLatencyPolicy
+
+        super().__init__(horizon, control_hz, image_size, chunk_noise)
+        self.config.low_latency, self.config.low_latency_rows = True, LOW_LATENCY_ROWS
+        channels, keypoints = 32, 32  # DiffusionConfig's vision_channels and num_keypoints
+        self.low_latency = LowLatencyPolicy(
+            state_dim=len(JOINTS), action_dim=len(JOINTS), cameras=[CAMERA],
+            image_encoders={CAMERA: ImageEncoder(channels, keypoints)}, keypoint_dim=2 * keypoints,
+            rows=LOW_LATENCY_ROWS, max_age=2 * horizon,
+        )  # fmt: skip
+        nn.init.normal_(self.low_latency.mean.weight, std=0.1)  # a part that acts (a new one's output is zero)
+
+    @torch.no_grad()
+    def low_latency_step(self, obs: dict, base: torch.Tensor, context) -> torch.Tensor:
+        from policies.low_latency import LowLatencyInputs
+
+        scale = float(self.low_latency.max_age)
+        mean, _ = self.low_latency(LowLatencyInputs(
+            state=obs[OBS_STATE].float(), images={CAMERA: obs[image_key(CAMERA)].float()},
+            plan=context.plan.float(), plan_mask=context.queued, plan_age=context.plan_age.float() / scale,
+            since_request=context.since_request.float() / scale,
+        ))  # fmt: skip
+        return base + self.chunk_noise * torch.tanh(mean)
+
+
 def build_bench_policy(inference_ms: float, horizon: int, control_hz: float, image_size: int, chunk_noise: float,
-                       depth: int = 0):  # fmt: skip
-    """Build BenchPolicy and set its depth so one chunk takes ``inference_ms`` here (call it on the inference core),
-    or to ``depth`` when given (calibrated before: a loaded core would calibrate it too shallow)."""
+                       depth: int = 0, low_latency: bool = False):  # fmt: skip
+    """Build BenchPolicy (with ``low_latency``, BenchLowLatencyPolicy) and set its depth so one chunk takes
+    ``inference_ms`` here (call it on the inference core), or to ``depth`` when given (calibrated before: a loaded
+    core would calibrate it too shallow)."""
     torch.manual_seed(0)
-    policy = BenchPolicy(horizon, control_hz, image_size, chunk_noise).eval()
+    policy = (BenchLowLatencyPolicy if low_latency else BenchPolicy)(horizon, control_hz, image_size, chunk_noise)
+    policy = policy.eval()
     if depth:
         policy.depth = depth
         return policy
@@ -426,7 +474,16 @@ def _serve_side(cfg: BenchBridgeConfig, rate: float, merge: MergeMode, output: s
     # joint4 range, so the Panda's state bounds would reject every state.
     serve_cfg.safety.state_bounds = {}
     ticks: list[tuple] = []  # (step, scheduled, published, from_policy, seam, command), then the state stamp in us
-    loader = partial(build_bench_policy, cfg.inference_ms, horizon, rate, cfg.image_size, cfg.chunk_noise, depth)
+    loader = partial(
+        build_bench_policy,
+        cfg.inference_ms,
+        horizon,
+        rate,
+        cfg.image_size,
+        cfg.chunk_noise,
+        depth,
+        cfg.low_latency and output == "ticks",
+    )  # fmt: skip (the sizing run's trajectories: no part)
     bridge = PolicyBridge(
         serve_cfg, loader, on_tick=lambda r: ticks.append((r.step, r.scheduled, r.published, r.from_policy, r.seam,
                                                            None if r.command is None else r.command.tolist(),
@@ -449,6 +506,7 @@ def _serve_side(cfg: BenchBridgeConfig, rate: float, merge: MergeMode, output: s
         "inference_latency_ms": bridge.diagnostics.latencies_ms,
         "after_command_max_ms": bridge.diagnostics.after_command_max_ms,
         "obs_to_command_ms": bridge.diagnostics.obs_to_command_ms,
+        "low_latency_ms": list(bridge.diagnostics.low_latency_ms),  # the part's latest 1,000 ticks (ms), if any
         "policy_info": bridge.scheduler.policy_info, "state": bridge.hold.state, "cause": bridge.hold.cause,
         "scheduling": scheduling_record(rt_problem, lock_problem),
     })  # fmt: skip
@@ -718,6 +776,7 @@ def _run_one(cfg, executor, robot: BenchRobot, rate: float, merge: MergeMode, ou
            "after_command_max_ms": round(serve_result["after_command_max_ms"], 3),  # over the process, warm-up too
            "chunks_counted": chunks_counted,  # merged chunks announced during the measured ticks
            "obs_to_influenced_command_ms": _quantiles(serve_result["obs_to_command_ms"]),
+           "low_latency_ms": _quantiles(serve_result["low_latency_ms"]),  # the part per tick (latest 1,000 ticks)
            "node_counters": serve_result["counters"], "policy_info": serve_result["policy_info"],
            "scheduling": serve_result["scheduling"]}  # fmt: skip
     if output == "trajectory":
@@ -809,6 +868,9 @@ def bench_bridge(cfg: BenchBridgeConfig) -> dict[str, Any]:
         raise ValueError(f"sizing_chunks must be at least 1 (0 = the default), got {cfg.sizing_chunks}")
     if not cfg.horizon:
         cfg.sizing_chunks = cfg.sizing_chunks or (5 if cfg.quick else 20)
+    if cfg.low_latency and cfg.outputs != ["ticks"]:
+        raise ValueError(f"--low_latency=true runs the part at every tick, which trajectory output does not: set "
+                         f"--outputs=[ticks] (got {cfg.outputs})")  # fmt: skip
     unknown = sorted(set(cfg.outputs) - {"ticks", "trajectory"})
     if unknown or not cfg.outputs:
         raise ValueError(f"outputs are serve's output modes, ticks and trajectory; got {cfg.outputs}")

@@ -131,6 +131,8 @@ def test_a_given_horizon_refuses_a_sizing_run_it_would_skip(tmp_path):
     with pytest.raises(ValueError, match=r"--trajectory_lead_s=0.2 does nothing with --outputs=\['ticks'\]"):
         bench_bridge(BenchBridgeConfig(horizon=100, outputs=["ticks"], trajectory_lead_s=0.2,
                                        output_json=str(tmp_path / "b.json")))  # fmt: skip
+    with pytest.raises(ValueError, match=r"--low_latency=true runs the part at every tick.*--outputs=\[ticks\]"):
+        bench_bridge(BenchBridgeConfig(low_latency=True, output_json=str(tmp_path / "b.json")))
     assert not list(tmp_path.iterdir())  # refused before anything ran or was written
 
 
@@ -214,6 +216,25 @@ def test_bench_policy_chunks_follow_one_reference_with_small_corrections():
     assert (a[0, 1:] - b[0, :-1]).abs().max() > 0
 
 
+def test_the_bench_low_latency_part_corrects_by_at_most_chunk_noise_from_the_freshest_image():
+    """The low-latency bench policy's step: the base moved by a correction in (0, chunk_noise] per joint, which
+    reads the image (another image, another correction) and the plan's age."""
+    from vla_core.runtime.protocol import StepContext
+
+    policy = build_bench_policy(inference_ms=5, horizon=12, control_hz=100.0, image_size=64, chunk_noise=0.001,
+                                depth=4, low_latency=True)  # fmt: skip
+    base = torch.full((1, len(JOINTS)), 0.3)
+    context = StepContext(torch.zeros(1, 4, len(JOINTS)), torch.ones(1, 4, dtype=torch.bool), torch.tensor([3]),
+                          torch.tensor([1]))  # fmt: skip
+    obs = {image_key("front"): torch.rand(1, 3, 64, 64), OBS_STATE: torch.zeros(1, len(JOINTS))}
+    delta = policy.low_latency_step(obs, base, context) - base
+    assert 0 < delta.abs().max() <= 0.001
+    other = {**obs, image_key("front"): torch.rand(1, 3, 64, 64)}
+    assert not torch.equal(policy.low_latency_step(other, base, context) - base, delta)
+    older = StepContext(context.plan, context.queued, torch.tensor([9]), context.since_request)
+    assert not torch.equal(policy.low_latency_step(obs, base, older) - base, delta)
+
+
 def test_bench_bridge_tiny_run(tmp_path):
     """Both outputs, 80 ticks each at 100 Hz under the training load. deadline_ms = 1 us: every tick-mode command
     is late (DDS alone takes longer), so the count shows the setting is what decides."""
@@ -271,3 +292,22 @@ def test_bench_bridge_tiny_run(tmp_path):
     assert result["scheduling"]["realtime_scheduling"] == (rt_problem is None)
     assert result["scheduling"]["memory_locked"] == (lock_problem is None)
     assert ("WARNING: real-time scheduling was refused" in proc.stdout) == (rt_problem is not None)
+
+
+def test_bench_bridge_tiny_run_with_a_low_latency_part(tmp_path):
+    """Ticks output, 80 ticks at 100 Hz, the part run by serve at every tick: its per-tick times are in the JSON,
+    and it fell back only on the odd tick whose joint state arrived before its camera frame (no paired
+    observation: the rule sends the uncorrected action)."""
+    out = tmp_path / "bridge.json"
+    env = {**os.environ, "ROS_AUTOMATIC_DISCOVERY_RANGE": "LOCALHOST"}
+    args = [
+        sys.executable, "-m", "vla_rl.cli", "bench", "bridge", "--cycles=80", "--ping_cycles=30",
+        "--rates_hz=[100]", "--merges=[latest]", "--inference_ms=50", "--domain_id=44", f"--output_json={out}",
+        "--outputs=[ticks]", "--horizon=40", "--low_latency=true", "--load=false",
+    ]  # fmt: skip
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (ticks,) = json.loads(out.read_text())["runs"]
+    assert ticks["policy_info"]["low_latency_rows"] == 4
+    assert ticks["node_counters"]["low_latency_fallbacks"] <= 8  # of 80 ticks; the part ran on the others
+    assert 0 < ticks["low_latency_ms"]["p50"] <= ticks["low_latency_ms"]["max"] < 1000
