@@ -125,6 +125,12 @@ Protocol history (runs as README.md reports them: figures over runs, not their f
   ticks, 0 late chunks); with a part there is none, so what is reported is per-tick output's ``tick_mode_late``
   (commands more than 5 ms after their joint state) and the part's time per tick (``low_latency_ms``), beside
   the published runs without a part (other runs: their ratio means little).
+- 2026-12-07, an amendment after that run stopped, fixed before it runs again: a policy with a low-latency part
+  merges latest-only (serve refuses the others), so the run stopped at its second merge mode (``ensemble``),
+  after ``latest``'s third of the ticks, with no result written. ``--low_latency=true`` now also needs
+  ``--merges=[latest]`` (refused in one line otherwise), and the run is ``vla-rl bench bridge --outputs=[ticks]
+  --merges=[latest] --low_latency=true --output_json=outputs/bench/bridge_low_latency.json``: all 100,000 ticks
+  with ``latest``, every other setting as above.
 """
 
 from __future__ import annotations
@@ -868,9 +874,10 @@ def bench_bridge(cfg: BenchBridgeConfig) -> dict[str, Any]:
         raise ValueError(f"sizing_chunks must be at least 1 (0 = the default), got {cfg.sizing_chunks}")
     if not cfg.horizon:
         cfg.sizing_chunks = cfg.sizing_chunks or (5 if cfg.quick else 20)
-    if cfg.low_latency and cfg.outputs != ["ticks"]:
-        raise ValueError(f"--low_latency=true runs the part at every tick, which trajectory output does not: set "
-                         f"--outputs=[ticks] (got {cfg.outputs})")  # fmt: skip
+    if cfg.low_latency and (cfg.outputs != ["ticks"] or cfg.merges != ["latest"]):
+        raise ValueError(f"--low_latency=true runs the part at every tick on the newest chunk, which trajectory output "
+                         f"and the other merges do not: set --outputs=[ticks] --merges=[latest] (got {cfg.outputs}, "
+                         f"{cfg.merges})")  # fmt: skip
     unknown = sorted(set(cfg.outputs) - {"ticks", "trajectory"})
     if unknown or not cfg.outputs:
         raise ValueError(f"outputs are serve's output modes, ticks and trajectory; got {cfg.outputs}")

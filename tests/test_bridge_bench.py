@@ -131,8 +131,11 @@ def test_a_given_horizon_refuses_a_sizing_run_it_would_skip(tmp_path):
     with pytest.raises(ValueError, match=r"--trajectory_lead_s=0.2 does nothing with --outputs=\['ticks'\]"):
         bench_bridge(BenchBridgeConfig(horizon=100, outputs=["ticks"], trajectory_lead_s=0.2,
                                        output_json=str(tmp_path / "b.json")))  # fmt: skip
-    with pytest.raises(ValueError, match=r"--low_latency=true runs the part at every tick.*--outputs=\[ticks\]"):
+    with pytest.raises(ValueError, match=r"--low_latency=true runs the part .*--outputs=\[ticks\] --merges=\[latest\]"):
         bench_bridge(BenchBridgeConfig(low_latency=True, output_json=str(tmp_path / "b.json")))
+    with pytest.raises(ValueError, match=r"--merges=\[latest\] \(got \['ticks'\], \['latest', 'rtc'\]\)"):
+        bench_bridge(BenchBridgeConfig(low_latency=True, outputs=["ticks"], merges=["latest", "rtc"],
+                                       output_json=str(tmp_path / "b.json")))  # fmt: skip
     assert not list(tmp_path.iterdir())  # refused before anything ran or was written
 
 
