@@ -124,7 +124,9 @@ Protocol history (runs as README.md reports them: figures over runs, not their f
   sized by the sizing run, which serves no part). The issue's target reads trajectory output's counts (0 starved
   ticks, 0 late chunks); with a part there is none, so what is reported is per-tick output's ``tick_mode_late``
   (commands more than 5 ms after their joint state) and the part's time per tick (``low_latency_ms``), beside
-  the published runs without a part (other runs: their ratio means little).
+  the published runs without a part (other runs: their ratio means little). (After the run below, with no
+  protocol change: the part is built from the same layers here, not imported from `policies`, which this
+  layer may not import; its shapes and work are the same.)
 - 2026-12-07, an amendment after that run stopped, fixed before it runs again: a policy with a low-latency part
   merges latest-only (serve refuses the others), so the run stopped at its second merge mode (``ensemble``),
   after ``latest``'s third of the ticks, with no result written. ``--low_latency=true`` now also needs
@@ -261,35 +263,38 @@ class BenchPolicy(nn.Module):
 
 
 class BenchLowLatencyPolicy(BenchPolicy):
-    """BenchPolicy with a low-latency part: the project's `LowLatencyPolicy` (a keypoint CNN of the diffusion
-    policy's default size on the freshest image, the state, LOW_LATENCY_ROWS plan rows and their ages), its
-    correction bounded by ``chunk_noise``: the per-tick work a served low-latency checkpoint costs."""
+    """BenchPolicy with a low-latency part of the project's part's shape and cost (`policies.low_latency`, which
+    this layer may not import): a keypoint CNN of the diffusion policy's default size (32 channels, 32
+    keypoints) on the freshest image, then an MLP (256 wide) over it, the state, LOW_LATENCY_ROWS plan rows with
+    their mask, the plan's age and the steps since the request; its correction bounded by ``chunk_noise``."""
 
     def __init__(self, horizon: int, control_hz: float, image_size: int, chunk_noise: float):
-        from policies.keypoints import ImageEncoder
-        from policies.low_latency import LowLatencyPolicy
-
         super().__init__(horizon, control_hz, image_size, chunk_noise)
         self.config.low_latency, self.config.low_latency_rows = True, LOW_LATENCY_ROWS
-        channels, keypoints = 32, 32  # DiffusionConfig's vision_channels and num_keypoints
-        self.low_latency = LowLatencyPolicy(
-            state_dim=len(JOINTS), action_dim=len(JOINTS), cameras=[CAMERA],
-            image_encoders={CAMERA: ImageEncoder(channels, keypoints)}, keypoint_dim=2 * keypoints,
-            rows=LOW_LATENCY_ROWS, max_age=2 * horizon,
+        c, k, a, hidden = 32, 32, len(JOINTS), 256
+        self.part_cnn = nn.Sequential(
+            nn.Conv2d(3, c, 3, stride=2, padding=1), nn.GroupNorm(8, c), nn.Mish(),
+            nn.Conv2d(c, 2 * c, 3, stride=2, padding=1), nn.GroupNorm(8, 2 * c), nn.Mish(),
+            nn.Conv2d(2 * c, 2 * c, 3, padding=1), nn.GroupNorm(8, 2 * c), nn.Mish(),
+            nn.Conv2d(2 * c, k, 1),
         )  # fmt: skip
-        nn.init.normal_(self.low_latency.mean.weight, std=0.1)  # a part that acts (a new one's output is zero)
+        in_dim = a + 2 * k + LOW_LATENCY_ROWS * (a + 1) + 3
+        self.part_mlp = nn.Sequential(nn.Linear(in_dim, hidden), nn.Mish(), nn.Linear(hidden, hidden), nn.Mish(),
+                                      nn.Linear(hidden, a))  # fmt: skip
+        self.max_age = 2 * horizon
 
     @torch.no_grad()
     def low_latency_step(self, obs: dict, base: torch.Tensor, context) -> torch.Tensor:
-        from policies.low_latency import LowLatencyInputs
-
-        scale = float(self.low_latency.max_age)
-        mean, _ = self.low_latency(LowLatencyInputs(
-            state=obs[OBS_STATE].float(), images={CAMERA: obs[image_key(CAMERA)].float()},
-            plan=context.plan.float(), plan_mask=context.queued, plan_age=context.plan_age.float() / scale,
-            since_request=context.since_request.float() / scale,
-        ))  # fmt: skip
-        return base + self.chunk_noise * torch.tanh(mean)
+        maps = self.part_cnn(obs[image_key(CAMERA)].float() * 2.0 - 1.0)  # (1, K, h, w)
+        b, _, h, w = maps.shape
+        grid = torch.stack(torch.meshgrid(torch.linspace(-1, 1, h), torch.linspace(-1, 1, w), indexing="ij"), -1)
+        keypoints = (maps.flatten(2).softmax(-1) @ grid.reshape(h * w, 2)).reshape(b, -1)  # (1, 2K)
+        mask = context.queued.float()
+        age = context.plan_age.float()[:, None]
+        parts = [obs[OBS_STATE].float(), keypoints, (context.plan.float() * mask[..., None]).flatten(1), mask,
+                 age.clamp(min=0) / self.max_age, (age >= 0).float(),
+                 context.since_request.float()[:, None] / self.max_age]  # fmt: skip
+        return base + self.chunk_noise * torch.tanh(self.part_mlp(torch.cat(parts, -1)))
 
 
 def build_bench_policy(inference_ms: float, horizon: int, control_hz: float, image_size: int, chunk_noise: float,
