@@ -200,8 +200,8 @@ class BenchBridgeConfig:
     domain_id: int = 47  # ROS_DOMAIN_ID of the benchmark (a private one: other nodes would disturb it)
     start_timeout_s: float = 120.0  # longest wait for the serve node's first chunk
     output_json: str = "outputs/bench/bridge.json"  # where the results are written
-    # The bench policy with a low-latency part (the project's `LowLatencyPolicy`, its keypoint encoder as the
-    # diffusion policy's), which serve runs at every tick before the command goes out: ticks output only.
+    # The bench policy with a low-latency part of the project's part's shape (`BenchLowLatencyPolicy`), which serve
+    # runs at every tick before the command goes out: ticks output and latest merging only.
     low_latency: bool = False
 
     def apply_quick(self) -> None:
@@ -485,16 +485,8 @@ def _serve_side(cfg: BenchBridgeConfig, rate: float, merge: MergeMode, output: s
     # joint4 range, so the Panda's state bounds would reject every state.
     serve_cfg.safety.state_bounds = {}
     ticks: list[tuple] = []  # (step, scheduled, published, from_policy, seam, command), then the state stamp in us
-    loader = partial(
-        build_bench_policy,
-        cfg.inference_ms,
-        horizon,
-        rate,
-        cfg.image_size,
-        cfg.chunk_noise,
-        depth,
-        cfg.low_latency and output == "ticks",
-    )  # fmt: skip (the sizing run's trajectories: no part)
+    part = cfg.low_latency and output == "ticks"  # the sizing run serves trajectories: no part
+    loader = partial(build_bench_policy, cfg.inference_ms, horizon, rate, cfg.image_size, cfg.chunk_noise, depth, part)
     bridge = PolicyBridge(
         serve_cfg, loader, on_tick=lambda r: ticks.append((r.step, r.scheduled, r.published, r.from_policy, r.seam,
                                                            None if r.command is None else r.command.tolist(),

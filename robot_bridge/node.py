@@ -290,8 +290,7 @@ class PolicyBridge(Node):
         if self.on_tick is not None:
             record = TickRecord(
                 plan.next_step, scheduled, published, command, cause is None and plan.next_target is not None,
-                self.hold.state,
-                plan.next_is_seam, self.inputs.stamp.get(JOINT_STATES, 0.0),
+                self.hold.state, plan.next_is_seam, self.inputs.stamp.get(JOINT_STATES, 0.0),
             )  # fmt: skip
             self.on_tick(record)
         if plan.next_is_seam:

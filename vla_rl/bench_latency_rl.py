@@ -179,7 +179,8 @@ class BenchLatencyRLConfig:
     # calibration.json of `vla-rl bench delay-calibration`: the run is refused unless it is the one the
     # calibration chose (task, delays, seed, episodes, evaluation seed, folder) under its protocol text
     calibration: str = ""
-    # arms not run (of OPTIONAL_ARMS: the final line reads none of them), to spend the time on the others
+    # arms not run (of OPTIONAL_ARMS: the final line reads none of them), to spend the time on the others;
+    # leaving out mid_head leaves out warmup_only too (the mid head's starting point)
     skip_arms: list[str] = field(default_factory=list)
 
     def apply_quick(self) -> None:

@@ -117,7 +117,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -287,14 +287,13 @@ GRPO_MIN_STD = 0.05  # the GRPO arm's ``--noise.min_std`` (finetune's default 0.
 def _finetune_arm(cfg: BenchRLConfig, arm: str, imitation: Path, out: Path) -> dict[str, Any]:
     """Fine-tune ``imitation`` as ``arm`` (ppo, grpo, or ppo_prm: PPO with the process reward model fitted on
     the benchmark's demonstrations) into ``out / arm`` on the env-step budget, resumed when it has checkpoints."""
-    from policies.denoising_chain import ExplorationNoise
     from vla_rl.stages import EnvConfig, FinetuneConfig, GRPOConfig, RewardConfig, finetune
 
     run_dir, algo, extra = out / arm, arm.removesuffix("_prm"), {}
     if algo == "grpo":
         extra["grpo"] = GRPOConfig(group_size=min(8, cfg.num_envs))
         # The pilots' choice (protocol history, 2026-12-07): a chain's sampling std floor of 0.05, not 0.1.
-        extra["noise"] = ExplorationNoise(eta=0.0, min_std=GRPO_MIN_STD)
+        extra["noise"] = replace(FinetuneConfig().noise, min_std=GRPO_MIN_STD)
     if arm == "ppo_prm":
         extra["reward"] = RewardConfig(process_model=str(_process_reward_model(cfg, out)))
     t0 = time.time()
