@@ -32,11 +32,24 @@ def test_the_ratios_compare_the_largest_delay_with_naive_and_with_no_delay_rl():
     assert math.isinf(never["latency_aware_over_naive"])  # over zero: printed as inf, it means nothing
 
 
+def test_the_no_delay_run_may_have_a_larger_budget_and_never_a_smaller_one(tmp_path):
+    from vla_rl.bench_latency_rl import BenchLatencyRLConfig, bench_latency_rl
+
+    same = BenchLatencyRLConfig(env_steps=36_000)
+    assert (same.budget(0), same.budget(8)) == (36_000, 36_000)
+    longer = BenchLatencyRLConfig(env_steps=36_000, standard_env_steps=150_000)
+    assert (longer.budget(0), longer.budget(3), longer.budget(8)) == (150_000, 36_000, 36_000)
+    with pytest.raises(ValueError, match="never fewer"):
+        bench_latency_rl(BenchLatencyRLConfig(env_steps=36_000, standard_env_steps=20_000, output_dir=str(tmp_path)))
+    assert not any(tmp_path.iterdir())  # refused before anything was written
+
+
 @pytest.mark.slow  # every arm at toy sizes, 30 s: -m slow
 def test_quick_benchmark_runs_every_arm_and_prints_the_final_line(tmp_path):
     out = tmp_path / "bench"
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "latency_rl.py"), "--quick=true", f"--output_dir={out}"],
+        [sys.executable, str(ROOT / "benchmarks" / "latency_rl.py"), "--quick=true", f"--output_dir={out}",
+         "--standard_env_steps=600"],
         check=False, capture_output=True, text=True, timeout=600, cwd=ROOT,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -53,7 +66,12 @@ def test_quick_benchmark_runs_every_arm_and_prints_the_final_line(tmp_path):
     assert set(runs) == {"standard_d0", "naive_d3", "latency_aware_d3", "mid_head_d3"}
     assert runs["latency_aware_d3"]["low_latency"] and runs["mid_head_d3"]["latency_aware"]
     assert not runs["naive_d3"]["latency_aware"] and not runs["naive_d3"]["low_latency"]
-    assert all(run["env_steps"] >= 150 for run in runs.values())  # the budget was spent, then the run stopped
+    # each budget was spent, then the run stopped: the no-delay run's own 600 steps took it a second iteration
+    # (one is 4 worlds x 2 episodes, 480 steps here), quick's 150 stopped the runs under delay after one
+    assert runs["standard_d0"]["env_steps"] >= 600 and runs["standard_d0"]["iterations"] == 2
+    assert all(
+        run["env_steps"] >= 150 and run["iterations"] == 1 for name, run in runs.items() if name != "standard_d0"
+    )
     folder = out / "quick" / "runs"
     aware = json.loads((folder / "latency_aware_d3/checkpoints/last/pretrained_model/config.json").read_text())
     assert (aware["low_latency"], aware["low_latency_max_age"], aware["low_latency_cameras"]) == (

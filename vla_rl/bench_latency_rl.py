@@ -115,6 +115,22 @@ Protocol history (runs numbered as README.md numbers them, each by its final lin
   latency_aware_over_nodelay=1.495 nodelay_gain=-0.5``; pooled ``latency_aware_over_naive=3.679
   latency_aware_over_nodelay=1.665 nodelay_gain=+1.3 seeds=0,1``. The ratios clear their targets on each
   seed; ``nodelay_gain`` misses its 10 points on each, so the targets are not met.
+- 2026-12-07, an amendment fixed before any run of it (the no-delay arm's budget). In that run standard PPO without
+  delay gained +3.0 and -0.5 points in 36,000 steps, its rollout success flat over all 26 iterations: the gate that
+  RL without delay works at all was not shown. ``--standard_env_steps`` (new; 0, the default, keeps one budget)
+  gives the no-delay run its own budget, here 150,000 steps: the budget of `vla-rl bench rl`, where the same
+  policy and PPO gain +16 to +27 points on ``track``, chosen from that benchmark, not from any result of this
+  one. The runs under delay keep 36,000 steps, so the latency-aware arm is compared with a no-delay arm that had
+  4x its steps (a handicap that can only lower ``latency_aware_over_nodelay``); ``latency_aware_over_naive`` is
+  unchanged (both 36,000). Everything else of the run above is reused as it stands: each seed's folder is copied
+  to ``outputs/bench/latency_rl_nodelay150k/seed<s>`` without its ``latency_rl.json`` and ``eval/``, its
+  ``standard_d0`` run goes on from its 36,000-step checkpoint to 150,000 (``finetune --resume`` restores every
+  stream and nothing in a run depends on its budget but when it stops, so this is the 150,000-step run), and
+  every cell is evaluated again as before: ``vla-rl bench latency-rl --task=track_jump --delays=[0,8]
+  --eval_episodes=200 --eval_seed=9000 --num_threads=1 --seed=<s> --skip_arms=[mid_head,warmup_only,training_rtc]
+  --standard_env_steps=150000 --output_dir=outputs/bench/latency_rl_nodelay150k/seed<s>`` for s = 0 and 1, side
+  by side, then the same with ``--seeds=[0,1]`` and ``--output_dir=outputs/bench/latency_rl_nodelay150k`` pools
+  them. The targets are unchanged, ``nodelay_gain`` now read from the 150,000-step run.
 """
 
 from __future__ import annotations
@@ -164,6 +180,9 @@ class BenchLatencyRLConfig:
     latency_warmup_steps: int = 1000
     num_envs: int = 16  # rollout worlds of fine-tuning
     env_steps: int = 36_000  # rollout control steps of every PPO run
+    # rollout control steps of the no-delay run (the ``standard`` arm, shared at d = 0), if it is to have a
+    # larger budget than the runs under delay; 0: ``env_steps``
+    standard_env_steps: int = 0
     eval_episodes: int = 100  # held-out episodes per cell
     eval_seed: int = 7000  # seed of the held-out evaluation, the same in every cell
     seed: int = 0
@@ -183,6 +202,10 @@ class BenchLatencyRLConfig:
     # leaving out mid_head leaves out warmup_only too (the mid head's starting point)
     skip_arms: list[str] = field(default_factory=list)
 
+    def budget(self, d: int) -> int:
+        """Rollout control steps of the PPO runs at delay ``d``."""
+        return self.standard_env_steps if d == 0 and self.standard_env_steps else self.env_steps
+
     def apply_quick(self) -> None:
         if self.quick:
             self.demos, self.train_steps, self.batch_size, self.num_envs = 4, 20, 16, 4
@@ -200,6 +223,9 @@ def bench_latency_rl(cfg: BenchLatencyRLConfig) -> dict[str, Any]:
         raise ValueError(
             f"delays must start at 0 (the standard arm) and stay below horizon={cfg.horizon}, got {cfg.delays}"
         )
+    if cfg.standard_env_steps and cfg.standard_env_steps < cfg.env_steps:
+        raise ValueError(f"--standard_env_steps={cfg.standard_env_steps} must be 0 (env_steps) or at least "
+                         f"--env_steps={cfg.env_steps}: it gives the no-delay arm more steps, never fewer")  # fmt: skip
     if set(cfg.skip_arms) - set(OPTIONAL_ARMS):
         raise ValueError(f"--skip_arms={cfg.skip_arms}: only {list(OPTIONAL_ARMS)} may be left out (the final line "
                          "reads the others)")  # fmt: skip

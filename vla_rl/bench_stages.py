@@ -138,8 +138,8 @@ def ppo_run(cfg, out: Path, name: str, d: int, latency_aware: bool, low_latency:
                                  batch_size=cfg.batch_size)  # fmt: skip
     summary = finetune(FinetuneConfig(
         checkpoint=str(out / "imitation"), algo="ppo", env=EnvConfig(task=cfg.task, num_envs=cfg.num_envs),
-        iterations=10**6, max_env_steps=cfg.env_steps, seed=cfg.seed, output_dir=str(run_dir), eval_every=0,
-        delay=DelayConfig(kind="fixed", steps=d), latency_aware=latency_aware, mid_fraction=cfg.mid_fraction,
+        iterations=10**6, max_env_steps=cfg.budget(d), seed=cfg.seed, output_dir=str(run_dir),
+        eval_every=0, delay=DelayConfig(kind="fixed", steps=d), latency_aware=latency_aware, mid_fraction=cfg.mid_fraction,
         low_latency=low_latency, latency_warmup=warmup, num_threads=cfg.num_threads, log_with="none",
         resume=(run_dir / "checkpoints" / "last").exists(),
     ))  # fmt: skip
