@@ -1,5 +1,6 @@
 import json
 import math
+from dataclasses import replace
 
 import imageio.v2 as imageio
 import pytest
@@ -429,3 +430,52 @@ def test_the_rate_ratio_interval_is_katzs_log_interval_worked_by_hand():
     low, high = rate_ratio_interval(0, 100, 50, 100)
     assert 0 < low < 0.5 / 50.5 < high < 1 and math.isfinite(high)
     assert all(math.isnan(v) for v in rate_ratio_interval(3, 0, 5, 10))
+
+
+def test_the_best_of_draws_counts_a_state_once_it_succeeds_in_any_draw():
+    from vla_rl.eval_record import best_of_draws
+
+    outcomes = {0: [1, 0, 0, 0], 1: [0, 0, 0, 0], 2: [1, 1, 1, 1]}
+    episodes = [{"initial_state": k, "success": bool(s)} for k, v in outcomes.items() for s in v]
+    b = best_of_draws(episodes[::-1])  # in any order
+    # mean 5 of 12; states 0 and 2 succeed at least once: 2 of 3; headroom 100 * (8/12 - 5/12) = 25 points
+    assert (b["states"], b["draws"], b["mean"], b["best_of_draws"]) == (3, 4, 5 / 12, 2 / 3)
+    assert (b["states_never"], b["headroom_points"], b["per_state"]) == (1, 25.0, [1, 0, 4])
+    with pytest.raises(ValueError, match="same number of draws"):
+        best_of_draws(episodes[:-1])
+
+
+def test_a_repeated_plan_resets_each_states_draws_to_one_initial_state():
+    """3 states x 2 draws on 4 worlds from seed 10: world seeds 10 10 11 11, then 12 12 and two uncounted."""
+    from sim.factory import make_env
+    from vla_rl.eval_record import EpisodePlan
+
+    plan = EpisodePlan.repeated(3, 2, 4, 10)
+    assert [r.seed for r in plan.rounds] == [[10, 10, 11, 11], [12, 12, 10, 10]]
+    assert plan.rounds[1].episodes == [{"seed": 12, "initial_state": 2, "draw": 0},
+                                       {"seed": 12, "initial_state": 2, "draw": 1}, None, None]  # fmt: skip
+    assert plan.num_episodes == 6 and plan.episode_numbers(1) == [4, 5, -1, -1]
+    with make_env(EnvConfig(num_envs=4, cameras=[])) as env:
+        state = env.reset(seed=plan.rounds[0].seed)["observation.state"]
+        cube = env.privileged_state()["cube"]
+    assert torch.equal(state[0], state[1]) and torch.equal(state[2], state[3])
+    assert (cube[0] == cube[1]).all() and (cube[2] == cube[3]).all() and not (cube[0] == cube[2]).all()
+
+
+def test_eval_with_draws_per_state_reports_the_best_of_them(tiny_checkpoint, tmp_path):
+    out, _ = tiny_checkpoint
+    cfg = EvalConfig(checkpoint=str(out), env=EnvConfig(num_envs=4, max_episode_steps=6), num_episodes=8,
+                     draws_per_state=4, seed=3, video_episodes=0, output_dir=str(tmp_path / "best"))  # fmt: skip
+    result = evaluate(cfg)
+    assert [(e["initial_state"], e["draw"], e["seed"]) for e in result["per_episode"]] == [
+        (k, j, 3 + k) for k in range(2) for j in range(4)]  # fmt: skip
+    wins = [sum(e["success"] for e in result["per_episode"] if e["initial_state"] == k) for k in range(2)]
+    b = result["best_of_draws"]
+    assert (b["per_state"], b["best_of_draws"], b["mean"]) == (wins, sum(w > 0 for w in wins) / 2, sum(wins) / 8)
+    assert f"best of 4 draws per initial state: **{b['best_of_draws']:.1%}** of 2 states" in (
+        tmp_path / "best" / "summary.md").read_text()  # fmt: skip
+    assert evaluate(replace(cfg, draws_per_state=1, output_dir=str(tmp_path / "one")))["best_of_draws"] is None
+    for bad, match in ((0, "must be >= 1"), (3, "multiple of it")):
+        with pytest.raises(ValueError, match=match):
+            evaluate(replace(cfg, draws_per_state=bad, output_dir=str(tmp_path / "bad")))
+    assert not (tmp_path / "bad").exists()

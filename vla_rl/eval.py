@@ -41,6 +41,7 @@ from vla_core.types import TASK, ActionChunk, world_indices
 from vla_rl.checkpoint import load_policy
 from vla_rl.eval_record import (
     EpisodePlan,
+    best_of_draws,
     EvalRecord,
     compare_episodes,
     load_random_state,
@@ -76,6 +77,10 @@ class EvalConfig:
         default_factory=lambda: EnvConfig(num_envs=50)
     )  # simulated task; num_envs worlds per round (default here: 50)
     num_episodes: int = 0  # episodes in total; 0 = 50, or under a LIBERO protocol episodes_per_task per task
+    # > 1: every initial state is run this many times, each with its own policy noise (num_episodes / draws
+    # states), and eval.json's best_of_draws says what the best of them reaches: the headroom any choice among
+    # the policy's own samples (steering, best-of-N, RL that re-weights) could add
+    draws_per_state: int = 1
     seed: int = 1000  # seed of the evaluation initial states (kept apart from the recording seed)
     # LIBERO's evaluation protocol (`sim.libero_protocol`: openpi, lerobot, rlinf, simplevla): episodes per
     # task, initial states, settle steps, step limits. "" = openpi on a LIBERO task; refused on other tasks.
@@ -140,6 +145,7 @@ def evaluate(cfg: EvalConfig, policy=None, expected_weights: str | None = None) 
         )
     if cfg.rerun:
         return rerun(cfg)
+    check_draws(cfg)
     if cfg.tasks:
         return evaluate_tasks(cfg, policy, expected_weights)
     from sim.factory import make_env
@@ -184,6 +190,8 @@ def evaluate(cfg: EvalConfig, policy=None, expected_weights: str | None = None) 
         if libero is not None:
             plan = EpisodePlan.per_task(env.world_tasks.tolist(), env.task_names,
                                         cfg.episodes_per_task or libero.episodes_per_task)  # fmt: skip
+        elif cfg.draws_per_state > 1:
+            plan = EpisodePlan.repeated(cfg.num_episodes // cfg.draws_per_state, cfg.draws_per_state, n, cfg.seed)
         else:
             plan = EpisodePlan.seeded(cfg.num_episodes or DEFAULT_EPISODES, n, cfg.seed)
         delay.check_episodes(plan.num_episodes)  # a trace too short for the plan is refused before any step
@@ -225,6 +233,7 @@ def evaluate(cfg: EvalConfig, policy=None, expected_weights: str | None = None) 
         "mean_episode_length": float(np.mean(lengths)),
         "mean_success_length": float(np.mean([e["length"] for e in episodes if e["success"]] or [0])),
         "per_task": per_task_table(episodes, env.task_names),
+        "best_of_draws": best_of_draws(episodes) if cfg.draws_per_state > 1 else None,
         "seed": cfg.seed,
         "execute_steps": execute_steps,
         "merge": cfg.chunking.merge,
@@ -246,6 +255,19 @@ def evaluate(cfg: EvalConfig, policy=None, expected_weights: str | None = None) 
         write_text_atomic(out / "summary.md", _summary_md(result))
         record.finished()
     return result
+
+
+def check_draws(cfg: EvalConfig) -> None:
+    """``--draws_per_state`` in one line: >= 1, and above 1 a number of episodes it divides, off LIBERO's protocols."""
+    d = cfg.draws_per_state
+    if d < 1:
+        raise ValueError(f"--draws_per_state must be >= 1 (1: every episode its own initial state), got {d}")
+    if d > 1 and (cfg.tasks or cfg.libero_protocol() is not None):
+        raise ValueError("--draws_per_state repeats the seeded initial states; LIBERO's protocols and --tasks fix "
+                         "their own episodes: drop it there")  # fmt: skip
+    if d > 1 and (cfg.num_episodes <= 0 or cfg.num_episodes % d):
+        raise ValueError(f"--draws_per_state={d} needs --num_episodes a multiple of it (states x draws), got "
+                         f"{cfg.num_episodes}")  # fmt: skip
 
 
 def identity(cfg: EvalConfig, weights_sha256: str) -> dict:
@@ -470,6 +492,9 @@ def _summary_md(r: dict) -> str:
         + (f"- protocol `{r['protocol']['name']}` ({r['protocol']['source']}): {r['protocol']['episodes_per_task']} "
            f"episodes per task, {r['protocol']['settle_steps']} settle steps, at most "
            f"{r['protocol']['max_episode_steps']} steps\n" if r["protocol"] else "")
+        + (f"- best of {b['draws']} draws per initial state: **{b['best_of_draws']:.1%}** of {b['states']} states "
+           f"(mean {b['mean']:.1%}, headroom {b['headroom_points']:+.1f} points; {b['states_never']} states never "
+           f"succeed)\n" if (b := r.get("best_of_draws")) else "")
         + f"- time: {r['seconds']} s\n"
         + "\n| task | successes | rate | 95% CI | mean length |\n|---|---|---|---|---|\n"
         + "".join(f"| {t['task']} | {t['successes']}/{t['episodes']} | {t['success_rate']:.1%} | "

@@ -5,6 +5,9 @@ The plan. Every world runs one episode per round, all worlds reset together, so 
 sample from one stream of policy noise whatever ran before.
 - Without a protocol, round r resets every world with the batch seed ``seed + r`` and the first
   ``num_episodes - r * N`` worlds count (what `vla-rl eval` always did).
+- With ``draws_per_state`` D > 1 (the best of D), initial state k (k = 0, 1, ...) is run D times, each with
+  its own policy noise: its D worlds are reset with the one world seed ``seed + k`` (equal seeds, equal
+  episodes: the same layout, and on a task with scheduled events the same events), filled in order.
 - Under a LIBERO protocol (`sim.libero_protocol`) each task runs exactly ``episodes_per_task`` episodes,
   episode i from the task's fixed initial state i. A world keeps its task (a LIBERO world is one task's
   scene): in round r the worlds of a task take its next episodes in order, and a world whose task has
@@ -68,6 +71,19 @@ class EpisodePlan:
         return cls(rounds)
 
     @classmethod
+    def repeated(cls, num_states: int, draws: int, num_worlds: int, seed: int) -> EpisodePlan:
+        """Initial state k (world seed ``seed + k``) run ``draws`` times, the states in order, ``num_worlds`` episodes a
+        round; a world without an episode left in the last round repeats state 0 uncounted."""
+        plan = [(k, j) for k in range(num_states) for j in range(draws)]
+        rounds = []
+        for start in range(0, len(plan), num_worlds):
+            batch = plan[start : start + num_worlds]
+            episodes = [{"seed": seed + k, "initial_state": k, "draw": j} for k, j in batch]
+            pad = num_worlds - len(batch)
+            rounds.append(Round([seed + k for k, _ in batch] + [seed] * pad, episodes + [None] * pad))
+        return cls(rounds)
+
+    @classmethod
     def per_task(cls, world_tasks: list[int], task_names: list[str], episodes_per_task: int) -> EpisodePlan:
         """``episodes_per_task`` episodes of every task, episode i from initial state i; ``world_tasks``
         (N,) each world's task, an index into ``task_names``. A world without an episode is reset to its
@@ -108,6 +124,26 @@ class EpisodePlan:
             numbers.append(-1 if episode is None else before)
             before += episode is not None
         return numbers
+
+
+def best_of_draws(episodes: list[dict[str, Any]]) -> dict[str, Any]:
+    """What the best of D draws per initial state would reach (``--draws_per_state``): ``episodes`` each with its
+    ``initial_state`` and ``success``. Returns states, draws, mean (success over every episode), best_of_draws (the
+    share of states with at least one success), states_never (with none), headroom_points (best minus mean, in
+    points: what choosing among the policy's own samples could add at most), per_state (successes per state)."""
+    per_state: dict[int, list[bool]] = {}
+    for e in episodes:
+        per_state.setdefault(int(e["initial_state"]), []).append(bool(e["success"]))
+    draws = {len(v) for v in per_state.values()}
+    if len(draws) != 1:
+        raise ValueError(f"every initial state needs the same number of draws, got {sorted(draws)}")
+    wins = [sum(v) for _, v in sorted(per_state.items())]
+    d = draws.pop()
+    mean = sum(wins) / (d * len(wins))
+    best = sum(w > 0 for w in wins) / len(wins)
+    return {"states": len(wins), "draws": d, "mean": mean, "best_of_draws": best,
+            "states_never": sum(w == 0 for w in wins), "headroom_points": round(100 * (best - mean), 1),
+            "per_state": wins}  # fmt: skip
 
 
 def _parsed(line: str) -> dict[str, Any] | None:
