@@ -18,6 +18,7 @@ import torch
 from tqdm import tqdm
 
 from sim.config import EnvConfig
+from sim.tasks.variety import ExpertVariety, VariedExpert
 from vla_core import interrupt
 from vla_core.data import discard_dataset, quiet_datasets
 from vla_core.files import replace_directory
@@ -37,6 +38,9 @@ class RecordConfig:
     repo_id: str = "local/vla_rl_lift"  # dataset name stored in its metadata
     seed: int = 0  # seed of the initial-state distribution
     overwrite: bool = False  # replace an existing dataset at output_dir
+    # the expert varied per episode within the workspace (`sim.tasks.variety`: approach detours, pace,
+    # noise); the defaults record the expert as written. Kept in meta/vla_rl_record.json's config.
+    variety: ExpertVariety = field(default_factory=ExpertVariety)
 
 
 def dataset_features(env) -> dict:
@@ -85,6 +89,8 @@ def record(cfg: RecordConfig) -> dict:
                         )  # fmt: skip
                     # Each task gets its own seed range, so tasks never share initial-state draws.
                     expert = EXPERTS[task](env.num_envs)
+                    if cfg.variety.active:
+                        expert = VariedExpert(expert, cfg.variety, env.num_envs, cfg.seed + 1000 * task_number)
                     task_saved, task_failed = _record_task(env, expert, ds, cfg, cfg.seed + 1000 * task_number, lengths)
                     saved, failed = saved + task_saved, failed + task_failed
             ds.finalize()
