@@ -12,7 +12,13 @@ import torch
 class NormalizationMixin:
     """For an ``nn.Module`` policy: call ``register_normalization`` in ``__init__``."""
 
-    def register_normalization(self, state_dim: int, action_dim: int) -> None:
+    def register_normalization(self, state_dim: int, action_dim: int, action_bounds: list | None = None) -> None:
+        """``action_bounds``: [low, high] (action units) a sampled chunk is clamped to (`clamp_chunk`); empty or
+        None: the demonstrations' range."""
+        if action_bounds and len(action_bounds[0]) != action_dim:
+            raise ValueError(f"--policy.action_bounds has {len(action_bounds[0])} values per bound; the actions "
+                             f"have {action_dim}")  # fmt: skip
+        self._action_bounds = [list(map(float, b)) for b in action_bounds] if action_bounds else None
         self.register_buffer("state_mean", torch.zeros(state_dim))
         self.register_buffer("state_std", torch.ones(state_dim))
         self.register_buffer("action_min", -torch.ones(action_dim))
@@ -35,3 +41,12 @@ class NormalizationMixin:
 
     def unnormalize_action(self, a: torch.Tensor) -> torch.Tensor:
         return (a + 1) / 2 * (self.action_max - self.action_min) + self.action_min
+
+    def clamp_chunk(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, H, A) sampled chunk, normalized -> clamped to the action bounds (normalized), or to [-1, 1], the
+        demonstrations' range, when there are none."""
+        if self._action_bounds is None:
+            return x.clamp(-1, 1)
+        low, high = (self.normalize_action(torch.as_tensor(b, dtype=x.dtype, device=x.device))
+                     for b in self._action_bounds)  # fmt: skip
+        return torch.maximum(torch.minimum(x, high), low)

@@ -170,12 +170,19 @@ class DenoisingPolicyConfig(PolicyConfig):
     objective: Objective = "ddpm"
     # flow only: clip of the real-time-chunking inpainting guidance weight (`policies.flow_guidance`)
     rtc_max_guidance: float = DEFAULT_MAX_GUIDANCE
+    # [low, high] (each one value per action, in action units) a sampled chunk is clamped to, e.g. the robot's
+    # limits; empty (the default): the demonstrations' range, so no sample leaves what was demonstrated
+    action_bounds: list[list[float]] = field(default_factory=list)
 
     def validate(self) -> None:
         super().validate()
         if self.num_inference_steps < 1 or self.num_train_timesteps < 1:
             raise ValueError("policy.num_inference_steps and policy.num_train_timesteps must be >= 1")
         check_objective(self.objective)
+        bounds = self.action_bounds
+        if bounds and (len(bounds) != 2 or len(bounds[0]) != len(bounds[1])
+                       or any(lo > hi for lo, hi in zip(*bounds))):  # fmt: skip
+            raise ValueError(f"--policy.action_bounds must be [low, high] with low <= high per action, got {bounds}")
 
 
 def policy_class(type_name: str) -> type[PreTrainedPolicy]:

@@ -125,3 +125,25 @@ def test_given_noise_makes_a_chunk_reproducible_and_a_wrong_shape_is_named():
     assert not torch.allclose(a, policy.predict_chunk(batch, noise=torch.randn(2, 4, 2)).actions)
     with pytest.raises(ValueError, match=r"noise must be \(B, horizon, action_dim\) = \(2, 4, 2\)"):
         policy.predict_chunk(batch, noise=torch.randn(2, 5, 2))
+
+
+@pytest.mark.parametrize(("bounds", "low", "high"), [
+    ([], [0.2, -1.0], [0.4, 3.0]),  # no bounds: the demonstrations' range, as before the setting existed
+    ([[0.0, -2.0], [1.0, 10.0]], [0.0, -2.0], [1.0, 10.0]),  # the given bounds, beyond what was demonstrated
+])  # fmt: skip
+def test_a_sampled_chunk_is_clamped_to_the_demonstrations_range_or_to_the_given_bounds(bounds, low, high):
+    policy = make_policy(objective="flow", action_bounds=bounds)
+    policy.set_normalization([0, 0, 0], [1, 1, 1], [0.2, -1.0], [0.4, 3.0])
+    policy.denoise = lambda x, t, cond, known=None: torch.zeros_like(x)  # no velocity: the chunk is its start
+    start = torch.tensor([50.0, -50.0, 0.0, 50.0]).view(1, 4, 1).expand(2, 4, 2)
+    chunk = policy.predict_chunk(obs(), torch.tensor([0, 0]), noise=start).actions
+    middle = [(lo + hi) / 2 for lo, hi in zip([0.2, -1.0], [0.4, 3.0])]  # normalized 0: the demonstrations' centre
+    expected = torch.tensor([high, low, middle, high]).expand(2, 4, 2)
+    torch.testing.assert_close(chunk, expected)
+
+
+def test_action_bounds_are_checked_against_the_actions():
+    with pytest.raises(ValueError, match="action_bounds"):
+        DiffusionConfig(action_bounds=[[0.0, 1.0], [-1.0, 2.0]]).validate()  # low > high in the first action
+    with pytest.raises(ValueError, match="3 values per bound; the actions have 2"):
+        make_policy(action_bounds=[[0.0] * 3, [1.0] * 3])

@@ -121,7 +121,7 @@ class DiffusionPolicy(FlowHooks, DenoisingRL, PreTrainedPolicy):
         self.blocks = nn.ModuleList([FiLMBlock(cfg.hidden_dim, cond_dim) for _ in range(cfg.num_blocks)])
         self.output_proj = nn.Sequential(nn.LayerNorm(cfg.hidden_dim), nn.Linear(cfg.hidden_dim, flat))
 
-        self.register_normalization(cfg.state_dim, cfg.action_dim)
+        self.register_normalization(cfg.state_dim, cfg.action_dim, cfg.action_bounds)
         self.latency_head = self.build_latency_head() if cfg.latency_aware else None
         self.low_latency = self.build_low_latency() if cfg.low_latency else None
 
@@ -282,7 +282,7 @@ class DiffusionPolicy(FlowHooks, DenoisingRL, PreTrainedPolicy):
                     x = torch.where(known[..., None], self.normalize_action(committed), x)
                 eps = self.denoise(x, t.expand(b).to(cond.device), cond, known)
                 x = self.sample_scheduler.step(eps, t, x).prev_sample
-        actions = self.unnormalize_action(x.clamp(-1, 1))
+        actions = self.unnormalize_action(self.clamp_chunk(x))
         if known is not None:  # exactly the committed actions, not their normalization round trip
             actions = torch.where(known[..., None], committed, actions)
         return self._chunk(actions, obs_step)
@@ -344,7 +344,7 @@ class DiffusionPolicy(FlowHooks, DenoisingRL, PreTrainedPolicy):
                 return steps.mean(x, eps, noise.eta, k)
 
             chain, log_prob = sample_chain(step_mean, initial, steps.stds(noise), noise.eta, committed)
-        actions = self.unnormalize_action(chain.latents[:, -1].clamp(-1, 1))
+        actions = self.unnormalize_action(self.clamp_chunk(chain.latents[:, -1]))
         if prefix is not None:  # exactly the committed actions, not their normalization round trip
             actions = torch.where(known[..., None], prefix[0], actions)
         return self._chunk(actions, obs_step), chain, log_prob

@@ -81,7 +81,7 @@ class DiffusionVLAPolicy(FlowHooks, DenoisingRL, PreTrainedPolicy):
             cfg.action_dim, cfg.horizon, cfg.dim, cfg.depth, cfg.heads, cfg.mlp_ratio,
             known_tokens=cfg.max_delay_steps > 0,
         )  # fmt: skip
-        self.register_normalization(cfg.state_dim, cfg.action_dim)
+        self.register_normalization(cfg.state_dim, cfg.action_dim, cfg.action_bounds)
         self.latency_head = self.build_latency_head() if cfg.latency_aware else None
         self.low_latency = self.build_low_latency() if cfg.low_latency else None
         sched = {
@@ -244,7 +244,7 @@ class DiffusionVLAPolicy(FlowHooks, DenoisingRL, PreTrainedPolicy):
                 eps = self.dit(x, tt, cond, cond_mask, known)
                 x = self.sample_scheduler.step(eps, t, x).prev_sample
             x = x[:, 0]
-        actions = self.unnormalize_action(x.clamp(-1, 1))
+        actions = self.unnormalize_action(self.clamp_chunk(x))
         if prefix is not None:  # exactly the committed actions, not their normalization round trip
             actions = torch.where(prefix[1][..., None], prefix[0], actions)
         return self._chunk(actions, obs_step)
@@ -334,7 +334,7 @@ class DiffusionVLAPolicy(FlowHooks, DenoisingRL, PreTrainedPolicy):
                 return steps.mean(x, self.dit(xx, tt, cond, cond_mask, known)[:, 0], noise.eta, k)
 
             chain, log_prob = sample_chain(step_mean, initial, steps.stds(noise), noise.eta, committed)
-        actions = self.unnormalize_action(chain.latents[:, -1].clamp(-1, 1))
+        actions = self.unnormalize_action(self.clamp_chunk(chain.latents[:, -1]))
         if prefix is not None:  # exactly the committed actions, not their normalization round trip
             actions = torch.where(prefix[1][..., None], prefix[0], actions)
         return self._chunk(actions, obs_step), chain, log_prob
