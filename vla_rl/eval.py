@@ -41,8 +41,8 @@ from vla_core.types import TASK, ActionChunk, world_indices
 from vla_rl.checkpoint import load_policy
 from vla_rl.eval_record import (
     EpisodePlan,
-    best_of_draws,
     EvalRecord,
+    best_of_draws,
     compare_episodes,
     load_random_state,
     occupied,
