@@ -111,6 +111,12 @@ Protocol history (runs as README.md reports them, each by its final line):
   (``GRPO_MIN_STD``; eta 0, the default), as the pilots chose; the PPO arm keeps every default. Token policies
   sample at their temperature and are unaffected. (b) is run again from its start:
   ``vla-rl bench rl --seeds=[2,3] --eval_episodes=200 --num_threads=1 --output_dir=outputs/bench/rl_target``.
+- 2026-12-07, how (b) runs, fixed before it starts (nothing of the protocol changes): each seed as its own
+  process, exactly the run ``--seeds=[2,3]`` makes for it (``--seed=<s> --output_dir=outputs/bench/rl_target/
+  seed<s>``), seed 2 first; then the command above reads both back and pools them. After seed 2, a probe
+  that changes nothing here: its PPO checkpoint evaluated with ``vla-rl eval --draws_per_state=16`` (40
+  initial states of seed 20000, 640 episodes) beside its imitation checkpoint, to measure how much of the gap
+  to 0.93 choosing among the policy's own samples could close (``best_of_draws``).
 """
 
 from __future__ import annotations
