@@ -9,7 +9,10 @@ from extras import require
 
 require("torchrl", "steer")
 
-FINAL = re.compile(r"^gated_gain_ood=([+-]\d+\.\d) gated_loss_id=([+-]\d+\.\d) dsrl_gain_ood=([+-]\d+\.\d)$")
+FINAL = re.compile(
+    r"^gated_gain_ood=([+-]\d+\.\d) gated_loss_id=([+-]\d+\.\d) dsrl_gain_ood=([+-]\d+\.\d) "
+    r"headroom_ood=([+-]\d+\.\d) cells=(\d+)/(\d+)$"
+)
 
 
 def test_bench_steering_quick_runs_every_stage_and_reports_each_cell(tmp_path):
@@ -39,6 +42,23 @@ def test_bench_steering_quick_runs_every_stage_and_reports_each_cell(tmp_path):
         100 * (rate("in_distribution", "base") - rate("in_distribution", "gated")), abs=0.05
     )
     assert report["timing"]["base_ms"] > 0 and report["timing"]["gated_over_base"] > 0
+    # the headroom gate ran first, on the base alone: 2 states x 2 draws per setting (quick keeps every variation)
+    assert list(report["headroom"]) == ["in_distribution", "position", "lighting"] and report["kept"] == [
+        "position", "lighting"]  # fmt: skip
+    for name, h in report["headroom"].items():
+        episodes = json.loads((out / "headroom" / name / "eval.json").read_text())["per_episode"]
+        wins = [sum(e["success"] for e in episodes if e["initial_state"] == k) for k in range(2)]
+        assert (h["states"], h["draws"]) == (2, 2) and h["best_of_draws"] == sum(w > 0 for w in wins) / 2
+    assert (match.group(5), match.group(6)) == ("2", "2")
+    mean = sum(report["headroom"][v]["headroom_points"] for v in ("position", "lighting")) / 2
+    assert float(match.group(4)) == pytest.approx(mean, abs=0.05)
+    # the base: demonstrations of the varied expert, chunks clamped to the robot's action limits
+    from vla_core.robot import SIM_PANDA
+
+    recorded = json.loads((out / "dataset" / "meta" / "vla_rl_record.json").read_text())["config"]["variety"]
+    assert recorded == {"detour": 0.03, "detour_steps": 15, "pace_low": 0.7, "noise": 0.002}
+    base = json.loads((out / "base" / "checkpoints" / "last" / "pretrained_model" / "config.json").read_text())
+    assert base["action_bounds"] == [list(SIM_PANDA.action_low), list(SIM_PANDA.action_high)]
     # A second call reads every finished stage and cell back instead of running it again (no file rewritten).
     written = {p: p.stat().st_mtime_ns for p in (out / "eval").rglob("eval.json")}
     again = bench_steering(BenchSteeringConfig(quick=True, num_threads=1, output_dir=str(tmp_path)))
@@ -57,6 +77,24 @@ def test_the_final_figures_are_the_cells_differences_in_points():
              "lighting": {"base": 0.60, "always": 0.62, "gated": 0.65, "dsrl": 0.50}}  # fmt: skip
     table = {(c, a): {"episodes": 100, "successes": round(100 * r), "success_rate": r, "success_ci95": [0, 1]}
              for c, arms in rates.items() for a, r in arms.items()}  # fmt: skip
-    report = _report(BenchSteeringConfig(), table, {}, 60.0)
+    report = _report(BenchSteeringConfig(variations=["position", "lighting"]), table, {}, 60.0)
     assert final_line(report) == "gated_gain_ood=+10.0 gated_loss_id=+2.0 dsrl_gain_ood=+0.0"
     assert report["always_gain_ood"] == 6.0 and report["base_floor_met"]
+
+
+def test_a_run_stopped_at_the_headroom_gate_prints_only_the_gate():
+    """Two of three variations kept, with 20 and 30 points of headroom: headroom_ood is their mean, 25.0."""
+    from vla_rl.bench_steering import final_line
+
+    headroom = {"in_distribution": {"headroom_points": 1.0}, "position": {"headroom_points": 20.0},
+                "size": {"headroom_points": 30.0}, "colour": {"headroom_points": 2.0}}  # fmt: skip
+    stopped = {"headroom": headroom, "kept": ["position", "size"], "headroom_ood": 25.0, "steering_ran": False}
+    assert final_line(stopped) == "headroom_ood=+25.0 cells=2/3"
+
+
+def test_the_clamp_setting_is_checked():
+    from vla_rl.bench_steering import BenchSteeringConfig
+
+    assert BenchSteeringConfig(clamp="data").action_bounds == []
+    with pytest.raises(ValueError, match="--clamp must be robot"):
+        _ = BenchSteeringConfig(clamp="limits").action_bounds

@@ -36,6 +36,9 @@ def record_demos(cfg, dataset: Path) -> None:
     from vla_rl.stages import EnvConfig, RecordConfig, record
 
     wanted = {"seed": cfg.seed, "num_episodes": cfg.demos, "task": cfg.task, "num_envs": min(cfg.num_envs, cfg.demos)}
+    variety = getattr(cfg, "variety", None)  # the expert varied per episode (`bench steering`); None: as written
+    if variety is not None:
+        wanted["variety"] = asdict(variety)
     summary = dataset / "meta" / "vla_rl_record.json"
     if summary.is_file():  # reused: it must be this run's recording
         c = json.loads(summary.read_text())["config"]
@@ -45,6 +48,7 @@ def record_demos(cfg, dataset: Path) -> None:
         record(RecordConfig(
             env=EnvConfig(task=cfg.task, num_envs=min(cfg.num_envs, cfg.demos)), num_episodes=cfg.demos,
             output_dir=str(dataset), seed=cfg.seed, repo_id=f"local/vla_rl_{cfg.task}", overwrite=True,
+            **({"variety": variety} if variety is not None else {}),
         ))  # fmt: skip
 
 
@@ -60,6 +64,8 @@ def train_imitation(cfg, dataset: Path, output_dir: Path, delay=None) -> None:
         policy["action_tokenizer"] = cfg.action_tokenizer
     if getattr(cfg, "objective", ""):  # a flow base policy (`bench steering`)
         policy["objective"] = cfg.objective
+    if getattr(cfg, "action_bounds", None):  # its chunks clamped to these bounds (`bench steering`: the robot's)
+        policy["action_bounds"] = cfg.action_bounds
     delay = delay or DelayConfig()
     steps = getattr(cfg, "imitation_steps", None) or cfg.train_steps  # `bench rl` resolves a policy type's default
     saved = output_dir / "train_config.json"

@@ -220,6 +220,15 @@ def _run_bench_steering(cfg):
     from vla_rl.bench_steering import bench_steering, final_line
 
     report = bench_steering(cfg)
+    for name, h in report["headroom"].items():
+        print(f"headroom {name}: base {h['mean']:.2f}, best of {h['draws']} {h['best_of_draws']:.2f} "
+              f"({h['headroom_points']:+.1f} points, {h['states_never']}/{h['states']} states never succeed)"
+              + (" kept" if h["kept"] else ""))  # fmt: skip
+    if not report["steering_ran"]:
+        why = "--headroom_only" if cfg.headroom_only else "fewer than 2 variations passed the headroom gate"
+        print(f"no steering arm ran ({why}); the table is in {cfg.output_dir}/steering.json")
+        print(final_line(report))
+        return
     for cell, arms in report["cells"].items():
         rates = ", ".join(f"{arm} {r['success_rate']:.2f} [{r['success_ci95'][0]:.2f}, {r['success_ci95'][1]:.2f}]"
                           for arm, r in arms.items())  # fmt: skip
