@@ -197,9 +197,10 @@ def _mean_headroom(headroom: dict[str, dict], kept: list[str]) -> float:
 
 
 def _same_run(cfg: BenchSteeringConfig, path: Path) -> None:
-    """A folder holds one setting: its stages and cells are reused only by a run of the same config (the threads
-    and the folder aside); another is refused, naming the first field that differs."""
-    mine = {k: v for k, v in asdict(cfg).items() if k not in ("num_threads", "output_dir")}
+    """A folder holds one setting: its stages and cells are reused only by a run of the same config (the threads,
+    the folder and ``headroom_only`` aside: a gate-only run goes on to the steering arms); another is refused, naming
+    the first field that differs."""
+    mine = {k: v for k, v in asdict(cfg).items() if k not in ("num_threads", "output_dir", "headroom_only")}
     if path.exists():
         saved = json.loads(path.read_text())
         for name, value in mine.items():
