@@ -131,6 +131,13 @@ Protocol history (runs numbered as README.md numbers them, each by its final lin
   --standard_env_steps=150000 --output_dir=outputs/bench/latency_rl_nodelay150k/seed<s>`` for s = 0 and 1, side
   by side, then the same with ``--seeds=[0,1]`` and ``--output_dir=outputs/bench/latency_rl_nodelay150k`` pools
   them. The targets are unchanged, ``nodelay_gain`` now read from the 150,000-step run.
+- 2026-12-07, results of that run, recorded after it (README.md). Its first launch found no copy of the folders
+  (the copying tool was missing), began recording demonstrations afresh and was stopped within a minute, its
+  folder removed, before the copy was made as written. Seed 0 crashed natively once (two render threads in
+  ``mjr_render``) at 65,663 steps and was resumed with the same command. Seed 0 ``latency_aware_over_naive=3.975
+  latency_aware_over_nodelay=1.674 nodelay_gain=+7.5``; seed 1 ``latency_aware_over_naive=3.390
+  latency_aware_over_nodelay=1.404 nodelay_gain=+2.5``; pooled ``latency_aware_over_naive=3.679
+  latency_aware_over_nodelay=1.536 nodelay_gain=+5.0 seeds=0,1``. The gate misses on each seed: not met.
 """
 
 from __future__ import annotations
