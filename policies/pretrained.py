@@ -170,8 +170,9 @@ class DenoisingPolicyConfig(PolicyConfig):
     objective: Objective = "ddpm"
     # flow only: clip of the real-time-chunking inpainting guidance weight (`policies.flow_guidance`)
     rtc_max_guidance: float = DEFAULT_MAX_GUIDANCE
-    # [low, high] (each one value per action, in action units) a sampled chunk is clamped to, e.g. the robot's
-    # limits; empty (the default): the demonstrations' range, so no sample leaves what was demonstrated
+    # flow only: [low, high] (each one value per action, in action units) a sampled chunk is clamped to, e.g. the
+    # robot's limits; empty (the default): the demonstrations' range, so no sample leaves what was demonstrated.
+    # (ddpm's sampler clips its clean estimate to that range at every step, so it cannot take wider bounds.)
     action_bounds: list[list[float]] = field(default_factory=list)
 
     def validate(self) -> None:
@@ -183,6 +184,9 @@ class DenoisingPolicyConfig(PolicyConfig):
         if bounds and (len(bounds) != 2 or len(bounds[0]) != len(bounds[1])
                        or any(lo > hi for lo, hi in zip(*bounds))):  # fmt: skip
             raise ValueError(f"--policy.action_bounds must be [low, high] with low <= high per action, got {bounds}")
+        if bounds and self.objective != "flow":
+            raise ValueError("--policy.action_bounds needs --policy.objective=flow (ddpm's sampler clips every step "
+                             "to the demonstrations' range): train a flow policy, or drop the bounds")  # fmt: skip
 
 
 def policy_class(type_name: str) -> type[PreTrainedPolicy]:

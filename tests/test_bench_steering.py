@@ -80,6 +80,8 @@ def test_the_final_figures_are_the_cells_differences_in_points():
     report = _report(BenchSteeringConfig(variations=["position", "lighting"]), table, {}, 60.0)
     assert final_line(report) == "gated_gain_ood=+10.0 gated_loss_id=+2.0 dsrl_gain_ood=+0.0"
     assert report["always_gain_ood"] == 6.0 and report["base_floor_met"]
+    assert report["dsrl_loss_id"] == 1.0  # 0.80 - 0.79 in distribution
+    assert report["gain_per_cell"]["gated"] == {"position": 15.0, "lighting": 5.0}
 
 
 def test_a_run_stopped_at_the_headroom_gate_prints_only_the_gate():

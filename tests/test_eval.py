@@ -452,8 +452,8 @@ def test_a_repeated_plan_resets_each_states_draws_to_one_initial_state():
 
     plan = EpisodePlan.repeated(3, 2, 4, 10)
     assert [r.seed for r in plan.rounds] == [[10, 10, 11, 11], [12, 12, 10, 10]]
-    assert plan.rounds[1].episodes == [{"seed": 12, "initial_state": 2, "draw": 0},
-                                       {"seed": 12, "initial_state": 2, "draw": 1}, None, None]  # fmt: skip
+    assert plan.rounds[1].episodes == [{"world_seed": 12, "initial_state": 2, "draw": 0},
+                                       {"world_seed": 12, "initial_state": 2, "draw": 1}, None, None]  # fmt: skip
     assert plan.num_episodes == 6 and plan.episode_numbers(1) == [4, 5, -1, -1]
     with make_env(EnvConfig(num_envs=4, cameras=[])) as env:
         state = env.reset(seed=plan.rounds[0].seed)["observation.state"]
@@ -467,8 +467,11 @@ def test_eval_with_draws_per_state_reports_the_best_of_them(tiny_checkpoint, tmp
     cfg = EvalConfig(checkpoint=str(out), env=EnvConfig(num_envs=4, max_episode_steps=6), num_episodes=8,
                      draws_per_state=4, seed=3, video_episodes=0, output_dir=str(tmp_path / "best"))  # fmt: skip
     result = evaluate(cfg)
-    assert [(e["initial_state"], e["draw"], e["seed"]) for e in result["per_episode"]] == [
+    assert [(e["initial_state"], e["draw"], e["world_seed"]) for e in result["per_episode"]] == [
         (k, j, 3 + k) for k in range(2) for j in range(4)]  # fmt: skip
+    from vla_rl.eval_report import episode_key
+
+    assert len({episode_key(e) for e in result["per_episode"]}) == 8  # each draw its own episode when compared
     wins = [sum(e["success"] for e in result["per_episode"] if e["initial_state"] == k) for k in range(2)]
     b = result["best_of_draws"]
     assert (b["per_state"], b["best_of_draws"], b["mean"]) == (wins, sum(w > 0 for w in wins) / 2, sum(wins) / 8)

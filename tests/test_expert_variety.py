@@ -44,6 +44,16 @@ def test_the_detour_fades_to_the_expert_over_its_steps_and_never_points_down():
     assert np.array_equal(same[:, 3], plain.act(EE, CUBE)[:, 3])
 
 
+def test_a_varied_target_stays_inside_the_workspace():
+    from sim.arm import ACTION_HIGH, ACTION_LOW
+
+    edge = np.array([ACTION_HIGH[:3] - 0.001, ACTION_LOW[:3] + 0.001])  # one hand at each corner of the workspace
+    varied = VariedExpert(LiftExpert(2), ExpertVariety(detour=0.05, noise=0.01), num_envs=2, seed=4)
+    for _ in range(5):
+        targets = varied.act(edge, CUBE)[:, :3]
+        assert np.all(targets >= ACTION_LOW[:3]) and np.all(targets <= ACTION_HIGH[:3])
+
+
 def test_bad_variety_is_refused_in_one_line():
     for bad in ({"detour": -0.01}, {"noise": -1.0}, {"pace_low": 0.0}, {"pace_low": 1.5}, {"detour_steps": 0}):
         with pytest.raises(ValueError, match="--variety"):

@@ -146,4 +146,7 @@ def test_action_bounds_are_checked_against_the_actions():
     with pytest.raises(ValueError, match="action_bounds"):
         DiffusionConfig(action_bounds=[[0.0, 1.0], [-1.0, 2.0]]).validate()  # low > high in the first action
     with pytest.raises(ValueError, match="3 values per bound; the actions have 2"):
-        make_policy(action_bounds=[[0.0] * 3, [1.0] * 3])
+        make_policy(objective="flow", action_bounds=[[0.0] * 3, [1.0] * 3])
+    # ddpm's sampler clips its clean estimate to the demonstrations' range at every step: bounds would do nothing
+    with pytest.raises(ValueError, match="needs --policy.objective=flow"):
+        DiffusionConfig(action_bounds=[[0.0, 0.0], [1.0, 1.0]]).validate()

@@ -259,6 +259,10 @@ def _report(cfg: BenchSteeringConfig, table: dict, timing: dict, seconds: float,
         "base_in_distribution": rate("", "base"), "base_floor_met": rate("", "base") >= 0.70,
         "gated_gain_ood": gain("gated"), "always_gain_ood": gain("always"), "dsrl_gain_ood": gain("dsrl"),
         "gated_loss_id": round(100 * (rate("", "base") - rate("", "gated")), 1),
+        "dsrl_loss_id": round(100 * (rate("", "base") - rate("", "dsrl")), 1),
+        # each kept cell's gain in points (the targets ask every kept cell >= +5 for gated steering)
+        "gain_per_cell": {arm: {v: round(100 * (rate(v, arm) - rate(v, "base")), 1) for v in kept}
+                          for arm in ("always", "gated", "dsrl")},
     }  # fmt: skip
 
 

@@ -226,7 +226,8 @@ def _run_bench_steering(cfg):
               + (" kept" if h["kept"] else ""))  # fmt: skip
     if not report["steering_ran"]:
         why = "--headroom_only" if cfg.headroom_only else "fewer than 2 variations passed the headroom gate"
-        print(f"no steering arm ran ({why}); the table is in {cfg.output_dir}/steering.json")
+        folder = Path(cfg.output_dir) / "quick" if cfg.quick else Path(cfg.output_dir)
+        print(f"no steering arm ran ({why}); the table is in {folder / 'steering.json'}")
         print(final_line(report))
         return
     for cell, arms in report["cells"].items():

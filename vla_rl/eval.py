@@ -274,6 +274,8 @@ def identity(cfg: EvalConfig, weights_sha256: str) -> dict:
     """What must match for a record to be resumed or reused: the config without what does not change the
     episodes, and the weights."""
     skip = ("resume", "overwrite", "rerun", "output_dir", "video_episodes", "video_size", "tokenizer_dir")
+    if cfg.draws_per_state == 1:  # as a record from before the field existed holds it
+        skip += ("draws_per_state",)
     return {**{k: v for k, v in asdict(cfg).items() if k not in skip}, "weights_sha256": weights_sha256}
 
 

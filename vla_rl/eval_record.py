@@ -72,13 +72,14 @@ class EpisodePlan:
 
     @classmethod
     def repeated(cls, num_states: int, draws: int, num_worlds: int, seed: int) -> EpisodePlan:
-        """Initial state k (world seed ``seed + k``) run ``draws`` times, the states in order, ``num_worlds`` episodes a
-        round; a world without an episode left in the last round repeats state 0 uncounted."""
+        """Initial state k (world seed ``seed + k``: one world's own seed, not a batch seed, so state k is none of a
+        seeded plan's episodes) run ``draws`` times, the states in order, ``num_worlds`` episodes a round; a world
+        without an episode left in the last round repeats state 0 uncounted."""
         plan = [(k, j) for k in range(num_states) for j in range(draws)]
         rounds = []
         for start in range(0, len(plan), num_worlds):
             batch = plan[start : start + num_worlds]
-            episodes = [{"seed": seed + k, "initial_state": k, "draw": j} for k, j in batch]
+            episodes = [{"world_seed": seed + k, "initial_state": k, "draw": j} for k, j in batch]
             pad = num_worlds - len(batch)
             rounds.append(Round([seed + k for k, _ in batch] + [seed] * pad, episodes + [None] * pad))
         return cls(rounds)
@@ -130,7 +131,8 @@ def best_of_draws(episodes: list[dict[str, Any]]) -> dict[str, Any]:
     """What the best of D draws per initial state would reach (``--draws_per_state``): ``episodes`` each with its
     ``initial_state`` and ``success``. Returns states, draws, mean (success over every episode), best_of_draws (the
     share of states with at least one success), states_never (with none), headroom_points (best minus mean, in
-    points: what choosing among the policy's own samples could add at most), per_state (successes per state)."""
+    points: what choosing among these D samples of the policy would add; more samples could add more), per_state
+    (successes per state)."""
     per_state: dict[int, list[bool]] = {}
     for e in episodes:
         per_state.setdefault(int(e["initial_state"]), []).append(bool(e["success"]))

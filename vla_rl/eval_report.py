@@ -81,10 +81,10 @@ def load_record(path: str) -> dict[str, Any]:
 
 
 def episode_key(e: dict[str, Any]) -> tuple:
-    """What identifies an episode across two runs of one plan: its task and initial state (a protocol run),
-    or its task, seed and world."""
+    """What identifies an episode across two runs of one plan: its task and initial state (a protocol run), and its
+    draw (``--draws_per_state``), or its task, seed and world."""
     if "initial_state" in e:
-        return e["task"], e["initial_state"]
+        return (e["task"], e["initial_state"]) + ((e["draw"],) if "draw" in e else ())
     return e["task"], e.get("seed"), e["world"]
 
 

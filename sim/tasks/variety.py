@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from sim.arm import ACTION_HIGH, ACTION_LOW
+
 
 @dataclass
 class ExpertVariety:
@@ -73,6 +75,7 @@ class VariedExpert:
         fade = np.clip(1.0 - self.step / self.variety.detour_steps, 0.0, 1.0)[:, None]
         step = (actions[:, :3] - ee_pos) * self.pace[:, None]
         noise = self.rng.normal(0.0, self.variety.noise, size=step.shape) if self.variety.noise > 0 else 0.0
-        actions[:, :3] = ee_pos + step + fade * self.offset + noise
+        # the workspace's bounds, as the env would clip it: the dataset keeps what the arm was asked to do
+        actions[:, :3] = np.clip(ee_pos + step + fade * self.offset + noise, ACTION_LOW[:3], ACTION_HIGH[:3])
         self.step += 1
         return actions
