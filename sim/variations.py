@@ -16,7 +16,9 @@ base model's values before each draw, so nothing accumulates over episodes.
   from each other (the scene gets them as free bodies; an episode without room puts one aside);
 - ``camera``: the cameras moved by up to 5 cm per axis and turned by 2-5 degrees about the vertical;
 - ``lighting``: the lights' and the headlight's colours times 0.3-0.6 or 1.4-1.8 (each clipped at 1, so a
-  brighter scene can be less than that much brighter), the lights moved by up to 0.5 m sideways.
+  brighter scene can be less than that much brighter), the lights moved by up to 0.5 m sideways;
+- ``position_far`` and ``camera_far``: the same shifts, further: the object 10-16 cm beyond the recorded range;
+  the cameras moved by up to 8 cm per axis and turned by 5-8 degrees.
 
 Object variations need a task with a free body (lift, push, push_impulse, pick_place, stack; position needs a
 recorded object range: lift, push, push_impulse, pick_place, open_drawer's cabinet); ``size`` is refused for
@@ -33,7 +35,10 @@ from typing import Any
 import mujoco
 import numpy as np
 
-VARIATIONS = ("position", "size", "colour", "distractors", "camera", "lighting")
+VARIATIONS = ("position", "size", "colour", "distractors", "camera", "lighting", "position_far", "camera_far")
+# How far each shift goes: (metres beyond the recorded object range) for position; (metres per axis, degrees) camera
+POSITION_BEYOND = {"position": (0.02, 0.10), "position_far": (0.10, 0.16)}
+CAMERA_MOVE = {"camera": (0.05, (2.0, 5.0)), "camera_far": (0.08, (5.0, 8.0))}
 DISTRACTORS, DISTRACTOR_HALF = 3, 0.015  # boxes added for ``distractors``, their half side (m)
 # Where distractors may stand: the table in front of the arm, inside its workspace.
 DISTRACTOR_X, DISTRACTOR_Y = (0.35, 0.70), (-0.25, 0.25)
@@ -60,8 +65,8 @@ def check_variation(name: str, task: Any, model: mujoco.MjModel) -> None:
     if name == "distractors" and mujoco.mj_name2id(model, mujoco.mjtObj.mjOBJ_JOINT, "distractor0") < 0:
         raise ValueError("--env.variation=distractors needs the scene built with its boxes: "
                          "sim.variations.scene_with_distractors(task.xml_path())")  # fmt: skip
-    if name == "position" and _y_range(task) is None:
-        raise ValueError(f"--env.variation=position shifts the layout beyond the recorded object range, and task "
+    if name in POSITION_BEYOND and _y_range(task) is None:
+        raise ValueError(f"--env.variation={name} shifts the layout beyond the recorded object range, and task "
                          f"{task.name!r} declares none; use lift, push, push_impulse, pick_place or open_drawer")  # fmt: skip
 
 
@@ -113,7 +118,8 @@ class VariedWorlds:
             return
         model = self.models[i]
         self._restore(model)
-        self.records[i] = {"variation": self.name, **getattr(self, f"_{self.name}")(model, data, rng)}
+        draw = self.name.removesuffix("_far")  # a far shift is its shift's draw, further
+        self.records[i] = {"variation": self.name, **getattr(self, f"_{draw}")(model, data, rng)}
 
     def record(self, i: int) -> dict[str, Any]:
         """World i's current episode's variation, as drawn ({} in distribution)."""
@@ -147,8 +153,9 @@ class VariedWorlds:
 
     def _position(self, model: mujoco.MjModel, data: mujoco.MjData, rng: np.random.Generator) -> dict:
         low, high = _y_range(self.task)
+        near, far = POSITION_BEYOND[self.name]
         side = 1.0 if rng.random() < 0.5 else -1.0
-        target = (high + rng.uniform(0.02, 0.10)) if side > 0 else (low - rng.uniform(0.02, 0.10))
+        target = (high + rng.uniform(near, far)) if side > 0 else (low - rng.uniform(near, far))
         anchor = self._anchor_y(model, data)
         shift = target - anchor
         for b in self._objects:
@@ -206,8 +213,9 @@ class VariedWorlds:
         return {"xy_m": placed}
 
     def _camera(self, model: mujoco.MjModel, data: mujoco.MjData, rng: np.random.Generator) -> dict:
-        shift = rng.uniform(-0.05, 0.05, size=3)
-        turn = np.radians(rng.uniform(2.0, 5.0)) * (1.0 if rng.random() < 0.5 else -1.0)
+        move, degrees = CAMERA_MOVE[self.name]
+        shift = rng.uniform(-move, move, size=3)
+        turn = np.radians(rng.uniform(*degrees)) * (1.0 if rng.random() < 0.5 else -1.0)
         spin = np.array([np.cos(turn / 2), 0.0, 0.0, np.sin(turn / 2)])  # about the world z axis
         model.cam_pos[:] = self.base.cam_pos + shift
         for c in range(model.ncam):

@@ -56,6 +56,23 @@ def test_position_puts_the_object_beyond_the_recorded_range_with_the_layout():
         assert min(ys) < 0 < max(ys)  # both sides drawn among 8 worlds (seed 0)
 
 
+def test_the_far_shifts_go_further_than_their_shifts():
+    """position_far: the cube 10-16 cm beyond |y| <= 0.12, so at 0.22-0.28; camera_far: moved up to 8 cm per axis,
+    turned 5-8 degrees (camera: 5 cm, 2-5 degrees)."""
+    with env_of("position_far", num_envs=8) as env:
+        env.reset(seed=0)
+        ys = [cube_qpos(env, i)[1] for i in range(8)]
+        assert all(0.22 - 1e-9 <= abs(y) <= 0.28 + 1e-9 for y in ys) and min(ys) < 0 < max(ys)
+        assert env.variation_record(0)["variation"] == "position_far"
+    with env_of("camera_far", num_envs=8) as env:
+        env.reset(seed=0)
+        for i in range(8):
+            record = env.variation_record(i)
+            assert 5.0 - 1e-6 <= abs(record["yaw_deg"]) <= 8.0 + 1e-6 and max(map(abs, record["shift_m"])) <= 0.08
+            np.testing.assert_allclose(env._models[i].cam_pos, env.model.cam_pos + record["shift_m"], atol=1e-6)
+        assert max(max(map(abs, env.variation_record(i)["shift_m"])) for i in range(8)) > 0.05  # beyond camera's
+
+
 def test_size_scales_the_object_and_it_still_rests_on_the_table():
     """The cube's half side 0.02 m times the drawn scale; after 10 steps of holding still its centre is at that
     half side (it rests, neither sunk nor dropped)."""

@@ -46,6 +46,16 @@ Protocol history:
      none is kept); a run stopped after the gate prints only those two. Targets (the issue's, on each seed):
      gated_gain_ood >= +10 and >= 60% of headroom_ood with every kept cell >= +5, gated_loss_id <= 2,
      dsrl_gain_ood >= +10 with <= 2 points lost in distribution.
+- 2026-12-07, an amendment fixed before any steering arm runs (protocol 2 asks it when fewer than two cells pass).
+  The gate on seed 0 (``--headroom_only``, README.md) kept one cell of six: ``headroom_ood=+15.6 cells=1/6``
+  (camera +15.6; position +13.4, size +12.5, lighting +5.0, distractors +0.8, colour +0.0). The base now reaches
+  0.87 under ``position`` (0.15 before the variety and the limits), so its shifts are mild for it. Two further
+  shifts join the tried cells, the two nearest the gate made stronger (`sim.variations`): ``position_far`` (the
+  cube 10-16 cm beyond the recorded range) and ``camera_far`` (up to 8 cm, 5-8 degrees); everything else stays.
+  The run goes on from seed 0's folder copied to ``outputs/bench/steering_2026-12-07b/seed0`` with its
+  ``bench_config.json`` and ``steering.json`` left behind (its demonstrations, base and finished headroom cells
+  are this protocol's, reused), ``vla-rl bench steering --headroom_only=true --seed=0 --num_threads=1
+  --output_dir=outputs/bench/steering_2026-12-07b/seed0``.
 """
 
 from __future__ import annotations
@@ -61,7 +71,8 @@ from sim.tasks.variety import ExpertVariety
 from vla_core.files import write_text_atomic
 
 ARMS = ("base", "always", "gated", "dsrl")
-VARIATIONS = ["position", "lighting", "camera", "size", "colour", "distractors"]  # `sim.variations`, all six
+# `sim.variations`: the six of the 2026-12-07 protocol, then the two further shifts of its amendment
+VARIATIONS = ["position", "lighting", "camera", "size", "colour", "distractors", "position_far", "camera_far"]
 
 
 @dataclass
