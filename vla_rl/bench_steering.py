@@ -56,6 +56,10 @@ Protocol history:
   ``bench_config.json`` and ``steering.json`` left behind (its demonstrations, base and finished headroom cells
   are this protocol's, reused), ``vla-rl bench steering --headroom_only=true --seed=0 --num_threads=1
   --output_dir=outputs/bench/steering_2026-12-07b/seed0``.
+- 2026-12-07, results of the gate on seed 0 under the amendment, recorded after it (README.md): ``headroom_ood=+29.0
+  cells=3/8``, kept ``camera`` (+15.6), ``position_far`` (+44.7), ``camera_far`` (+26.7). (The demonstrations were
+  recorded before `sim.tasks.variety` clipped its targets to the workspace; none of their 11,157 actions lies
+  outside it, so they are what today's code records.)
 """
 
 from __future__ import annotations
