@@ -117,6 +117,10 @@ Protocol history (runs as README.md reports them, each by its final line):
   that changes nothing here: its PPO checkpoint evaluated with ``vla-rl eval --draws_per_state=16`` (40
   initial states of seed 20000, 640 episodes) beside its imitation checkpoint, to measure how much of the gap
   to 0.93 choosing among the policy's own samples could close (``best_of_draws``).
+- 2026-12-07, results of (b) seed 2 and of the probe, recorded after them (README.md): imitation 0.550, PPO 0.730
+  [0.66, 0.79], GRPO 0.765 [0.70, 0.82], ``ppo_gain=+18.0 grpo_gain=+21.5 env_steps=151309 minutes=63.0``; the
+  target is missed. Best of 16: imitation 0.575 mean, 0.800 best; PPO 0.738 mean, 0.925 best (3 of 40 states
+  never solved). Seed 3 was not run.
 """
 
 from __future__ import annotations
