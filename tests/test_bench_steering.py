@@ -94,9 +94,14 @@ def test_a_run_stopped_at_the_headroom_gate_prints_only_the_gate():
     assert final_line(stopped) == "headroom_ood=+25.0 cells=2/3"
 
 
-def test_the_clamp_setting_is_checked():
-    from vla_rl.bench_steering import BenchSteeringConfig
+def test_the_clamp_and_gate_settings_are_refused_before_anything_runs(tmp_path):
+    from vla_rl.bench_steering import BenchSteeringConfig, bench_steering
 
     assert BenchSteeringConfig(clamp="data").action_bounds == []
-    with pytest.raises(ValueError, match="--clamp must be robot"):
-        _ = BenchSteeringConfig(clamp="limits").action_bounds
+    for bad, match in (
+        ({"clamp": "limits"}, "--clamp must be robot"),
+        ({"headroom_draws": 1}, "--headroom_draws >= 2"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            bench_steering(BenchSteeringConfig(output_dir=str(tmp_path / "run"), **bad))
+    assert not (tmp_path / "run").exists()  # nothing recorded or written

@@ -138,6 +138,10 @@ def bench_steering(cfg: BenchSteeringConfig) -> dict[str, Any]:
     from vla_rl.bench_stages import record_demos, train_imitation
 
     cfg.apply_quick()
+    _ = cfg.action_bounds  # --clamp refused in one line before any stage runs
+    if cfg.headroom_draws < 2 or cfg.headroom_states < 1:
+        raise ValueError(f"the headroom gate needs --headroom_draws >= 2 and --headroom_states >= 1 (the best of "
+                         f"several draws per state), got {cfg.headroom_draws} and {cfg.headroom_states}")  # fmt: skip
     out = Path(cfg.output_dir) / "quick" if cfg.quick else Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     _same_run(cfg, out / "bench_config.json")

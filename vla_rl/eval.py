@@ -187,13 +187,7 @@ def evaluate(cfg: EvalConfig, policy=None, expected_weights: str | None = None) 
     with make_env(env_cfg) as env:
         delay = DelayModel(cfg.delay, control_dt=env.control_dt)
         n = env.num_envs
-        if libero is not None:
-            plan = EpisodePlan.per_task(env.world_tasks.tolist(), env.task_names,
-                                        cfg.episodes_per_task or libero.episodes_per_task)  # fmt: skip
-        elif cfg.draws_per_state > 1:
-            plan = EpisodePlan.repeated(cfg.num_episodes // cfg.draws_per_state, cfg.draws_per_state, n, cfg.seed)
-        else:
-            plan = EpisodePlan.seeded(cfg.num_episodes or DEFAULT_EPISODES, n, cfg.seed)
+        plan = episode_plan(cfg, env, libero)
         delay.check_episodes(plan.num_episodes)  # a trace too short for the plan is refused before any step
         recorder = FrameRecorder(env, min(cfg.video_episodes, n, plan.num_episodes), cfg.video_size)
         # Chunks run through the same latency model as RL and the robot bridge; with the default
@@ -255,6 +249,18 @@ def evaluate(cfg: EvalConfig, policy=None, expected_weights: str | None = None) 
         write_text_atomic(out / "summary.md", _summary_md(result))
         record.finished()
     return result
+
+
+def episode_plan(cfg: EvalConfig, env, libero) -> EpisodePlan:
+    """The evaluation's rounds (`vla_rl.eval_record`): a LIBERO protocol's initial states per task, each state's
+    ``draws_per_state`` draws, or batch-seeded rounds."""
+    if libero is not None:
+        return EpisodePlan.per_task(env.world_tasks.tolist(), env.task_names,
+                                    cfg.episodes_per_task or libero.episodes_per_task)  # fmt: skip
+    if cfg.draws_per_state > 1:
+        return EpisodePlan.repeated(cfg.num_episodes // cfg.draws_per_state, cfg.draws_per_state, env.num_envs,
+                                    cfg.seed)  # fmt: skip
+    return EpisodePlan.seeded(cfg.num_episodes or DEFAULT_EPISODES, env.num_envs, cfg.seed)
 
 
 def check_draws(cfg: EvalConfig) -> None:
