@@ -14,7 +14,8 @@ period, and the request's episode and index in it), which ``--delay.kind=histogr
 A checkpoint with a low-latency part (`robot_bridge.low_latency`): :meth:`prepare_next_action` also keeps the
 protocol's `StepContext` of the next step (read before its action is taken, as simulation's shell reads it), and
 the node asks :meth:`low_latency_target` at the tick for the action the part makes of the queue's action (or the
-hold) on the freshest observation. The node holds until the part is loaded too.
+hold) on the freshest observation (with trajectory output, :meth:`low_latency_correction`, which the node sends as
+the trajectory's next point). The node holds until the part is loaded too.
 
 With the robot's episode status (``topics.episode``), the node calls :meth:`start_episode_if_due`
 before each tick's command: from the first joint state stamped after an episode's end, the protocol
@@ -130,9 +131,15 @@ class ChunkScheduler:
         queue ran dry, and the part corrects ``hold`` (A,), the command the robot holds) on the freshest
         observation. Without a part, ``target``. When the part cannot act (`robot_bridge.low_latency`'s rule):
         ``target``, counted in ``low_latency_fallbacks``."""
+        corrected = self.low_latency_correction(hold if target is None else target)
+        return target if corrected is None else corrected
+
+    def low_latency_correction(self, base: np.ndarray) -> np.ndarray | None:
+        """The part's correction (A,) of ``base`` (A,) on the freshest observation; None without a part or a step
+        context, or when the part cannot act (then counted in ``low_latency_fallbacks`` and logged)."""
         if self.low_latency is None or self.next_context is None:
-            return target
-        base, start = (hold if target is None else target), time.perf_counter()
+            return None
+        start = time.perf_counter()
         observation = self.inputs.observation(quiet=True)  # pairing problems are counted and logged by requests
         if observation is None:
             action, why = None, "no paired observation for the low-latency part"
@@ -140,10 +147,13 @@ class ChunkScheduler:
             action, why = self.low_latency.act(observation, base, self.next_context)
         self.diagnostics.low_latency_ms.append((time.perf_counter() - start) * 1e3)
         if action is None:
-            self.diagnostics.count("low_latency_fallbacks")
-            self.log_limiter("low_latency_fallback", "error", f"{why}; sending the uncorrected action")
-            return target
+            self.low_latency_fell_back(why)
         return action
+
+    def low_latency_fell_back(self, why: str) -> None:
+        """A tick whose correction could not go out: counted in ``low_latency_fallbacks``, logged once a second."""
+        self.diagnostics.count("low_latency_fallbacks")
+        self.log_limiter("low_latency_fallback", "error", f"{why}; sending the uncorrected action")
 
     def _finish_loading(self) -> None:
         """The policy fits and its worker is ready: ready once the low-latency part is loaded in this process."""

@@ -11,11 +11,16 @@ the observation the slow policy's request of that step was made from (the node p
 tick before; simulation's shell reads one observation for both), its step context the one prepared with the
 action. A part that fails to load leaves the node failed with its error (restart it once the checkpoint is fixed).
 
+With ``output: trajectory`` the correction goes out as the trajectory's next point: each tick that does not hold
+sends the trajectory from its step on, the corrected point first, then the plan's later points
+(`robot_bridge.trajectory.TrajectoryPlanner.correct`), so a lost tick leaves the controller on the plan.
+
 The rule when the part cannot act (stated in README's serve section): the tick's inputs are refused (no joint
-state or image within the pairing tolerance), or the part raises or returns a non-finite action, the tick sends
-the action the part would have corrected (the queue's, or the hold), counts ``low_latency_fallbacks`` and logs why
-(rate-limited). A stale observation never reaches it: the hold's staleness checks hold the tick before (the hold
-is not corrected then). No ROS import here.
+state or image within the pairing tolerance), or the part raises or returns a non-finite action (with trajectory
+output also: the IK does not reach the corrected point), the tick sends the action the part would have corrected
+(the queue's, or the hold; with trajectory output nothing is sent and the trajectory sent before runs on), counts
+``low_latency_fallbacks`` and logs why (rate-limited). A stale observation never reaches it: the hold's staleness
+checks hold the tick before (the hold is not corrected then). No ROS import here.
 """
 
 from __future__ import annotations

@@ -272,14 +272,14 @@ class PolicyBridge(Node):
         self._tick_step, self._tick_ns = plan.next_step, self._tick_time_ns()
         cause_key, cause = self.hold.check(now)
         target = plan.next_target if cause is None else None
-        if cause is None and plan.low_latency is not None:  # the part acts on this tick's freshest inputs
-            target = plan.low_latency_target(target, self.hold.hold_target())
         if self.config.output == "ticks":
+            if cause is None and plan.low_latency is not None:  # the part acts on this tick's freshest inputs
+                target = plan.low_latency_target(target, self.hold.hold_target())
             command = self.hold.command(target)
             if command is not None:
                 self._publish_command(command)
         else:
-            command = self._trajectory_tick(cause, new_episode)
+            command = self._trajectory_tick(cause, new_episode, target)
         published = time.monotonic()
         # Everything below runs after the command went out.
         if self.hold.update(cause_key, cause):
@@ -336,12 +336,14 @@ class PolicyBridge(Node):
         grip = f", grip on {list(mapping.gripper_joints)}" if mapping.gripper_joints else ""
         self.get_logger().info(f"robot {description.name!r}: {how} joints {list(mapping.arm_joints)}{grip}")
 
-    def _trajectory_tick(self, cause: str | None, new_episode: bool) -> np.ndarray | None:
+    def _trajectory_tick(self, cause: str | None, new_episode: bool, target: np.ndarray | None) -> np.ndarray | None:
         """``output=trajectory``: anchor the planner on the measured state (the first one, and each episode's), and
         while holding publish the held setpoint, stamped now and reached ``safety.stale_after_s`` later (at least a
         period): the point is where the controller already is, and a robot that reads it late (a loaded machine)
-        must not find it in the past and reject it. Returns the action the controller executes at this tick's
-        step (None before the description and a joint state are in)."""
+        must not find it in the past and reject it. With a low-latency part, a tick that does not hold sends the
+        part's correction of ``target`` (the queue's action of this tick's step; None: the queue ran dry, and the
+        part corrects the point the controller is at) as the next point (`_send_correction`). Returns the action
+        the controller executes at this tick's step (None before the description and a joint state are in)."""
         planner = self.planner
         if planner is None or self.inputs.state is None:
             return None
@@ -353,16 +355,37 @@ class PolicyBridge(Node):
             planner.anchor(self.hold.measured_command(), self.inputs.state[self._arm_in_state])
         if cause is None:
             planner.release()
+            if self.scheduler.low_latency is not None:
+                self._send_correction(target if target is not None else planner.action_at(self._tick_step))
             return planner.action_at(self._tick_step)
         held = planner.hold(self._tick_step)
         lead = max(self.period, self.config.safety.stale_after_s)
         self._publish_trajectory(held, self.get_clock().now().nanoseconds, lead)
         return held.actions[0].copy()
 
+    def _send_correction(self, base: np.ndarray) -> None:
+        """The low-latency part's correction of ``base`` (A,) as the trajectory from this tick's step on, stamped
+        with this tick's time: its point 0 is reached one period later, as the per-tick command of the step would
+        be, and the sent plan's later points follow it (the controller runs them if later ticks are lost). When the
+        part cannot act, or the IK does not reach the corrected point, nothing is sent: the trajectory sent before
+        runs on uncorrected (counted in ``low_latency_fallbacks``)."""
+        corrected = self.scheduler.low_latency_correction(base)
+        if corrected is None:
+            return
+        result = self.planner.correct(self._tick_step, corrected)
+        if isinstance(result, IKFailure):
+            self.scheduler.low_latency_fell_back(
+                f"the corrected point is out of the IK's reach: {result.line(self.config.ik_tolerance)}"
+            )
+            return
+        self._publish_trajectory(result, self._tick_ns)
+
     def _send_plan(self, first_step: int, actions: np.ndarray) -> None:
         """The merged plan (P, A) from ``first_step`` as trajectories, stamped with the tick time of that step;
         not sent when a waypoint is out of the IK's reach (counted, logged once a second: the previous runs on)."""
-        result = self.planner.plan(first_step, actions)
+        # The points from the step before this tick's on stay known: the controller runs them until the plan's first
+        # step, and a low-latency part corrects them at their ticks (its seam's velocity reads the step before).
+        result = self.planner.plan(first_step, actions, keep_from=self._tick_step - 1)
         if result is None:
             return
         if isinstance(result, IKFailure):

@@ -39,13 +39,11 @@ def fit_protocol(config: ServeConfig, info: dict[str, Any]) -> LatencyProtocol:
             "this latency-aware policy has no prepare_request (vla_core.types.LatencyAwarePolicy: the slow part, run "
             "before the mid-inference observation arrives); implement it, or serve a policy that is not latency-aware"
         )
-    if spec.low_latency_rows and (config.output != "ticks" or config.inference == "remote" or
-                                  config.action_mode != "absolute"):  # fmt: skip
+    if spec.low_latency_rows and (config.inference == "remote" or config.action_mode != "absolute"):
         raise ValueError(
             "this checkpoint has a low-latency part (vla-rl finetune --low_latency), which vla-rl serve runs per tick "
-            "in its own process on absolute targets: set output: ticks, inference: process (or thread) and "
-            "action_mode: absolute, or serve the checkpoint its run started from (initial_checkpoint.txt in the "
-            "run's folder)"
+            "in its own process on absolute targets: set inference: process (or thread) and action_mode: absolute, "
+            "or serve the checkpoint its run started from (initial_checkpoint.txt in the run's folder)"
         )
     if spec.latency_aware and not config.mid_inference:
         raise ValueError(

@@ -129,32 +129,80 @@ class TrajectoryPlanner:
         self._sent = _Sent(-(2**62), action[None], self._home[None], self.mapping.gripper_positions(action[None]))
         self.holding = False
 
-    def plan(self, first_step: int, actions: np.ndarray) -> PlannedTrajectory | IKFailure | None:
+    def plan(self, first_step: int, actions: np.ndarray,
+             keep_from: int | None = None) -> PlannedTrajectory | IKFailure | None:  # fmt: skip
         """The trajectory of the executor's plan ``actions`` (P, A), its row 0 for step ``first_step``, going on
         from what the previous one does at step first_step - 1; an `IKFailure` when a waypoint is not reached,
-        None for an empty plan (nothing changes then: the previous trajectory runs on)."""
+        None for an empty plan (nothing changes then: the previous trajectory runs on). ``keep_from``: the first
+        step whose point of the previous trajectory this planner keeps (the controller still runs the steps before
+        ``first_step`` from it, and the low-latency part corrects them, see :meth:`correct`); first_step - 1 when
+        None."""
         if self._sent is None:
             raise RuntimeError("TrajectoryPlanner.plan before anchor: anchor it at the measured state first")
         if len(actions) == 0:
             return None
-        seam_action, seam_velocity, seam_arm, seam_arm_velocity, seam_gripper = self._sent.at(first_step - 1)
+        seam_action, seam_velocity, seam_arm, seam_arm_velocity, _ = self._sent.at(first_step - 1)
         filtered = self._filter_actions(np.asarray(actions, dtype=np.float64), seam_action, seam_velocity)
+        solved = self._solve(first_step, self.mapping.arm_targets(filtered), seam_arm)
+        if isinstance(solved, IKFailure):
+            return solved
+        arm, limited = self._filter_joints(solved, seam_arm, seam_arm_velocity)
+        return self._splice(first_step, filtered, arm, limited, first_step - 1 if keep_from is None else keep_from)
+
+    def correct(self, step: int, action: np.ndarray) -> PlannedTrajectory | IKFailure:
+        """The low-latency part's correction ``action`` (A,) of ``step`` (the tick's step), as the trajectory the
+        controller replaces its own with at this tick: point 0 the corrected action of ``step``, then the points of
+        the trajectory sent last for the steps after it (its plan runs on where no later tick corrects it), going
+        on from what the controller does at step - 1. The later points keep their joints unless the safety filter,
+        going on from the corrected point, moves their action (then they are solved again); an `IKFailure` when a
+        point is not reached (nothing is recorded: the previous trajectory runs on, uncorrected)."""
+        if self._sent is None:
+            raise RuntimeError("TrajectoryPlanner.correct before anchor: anchor it at the measured state first")
+        sent = self._sent
+        seam_action, seam_velocity, seam_arm, seam_arm_velocity, _ = sent.at(step - 1)
+        later = range(step + 1, sent.seam_step + len(sent.actions))  # the sent points after the corrected one
+        actions = np.vstack([np.asarray(action, dtype=np.float64)[None]] + [sent.at(s)[0][None] for s in later])
+        filtered = self._filter_actions(actions, seam_action, seam_velocity)
+        kept = [None] + [sent.at(s)[2] for s in later]  # (J,) the sent joints of each later point
         targets = self.mapping.arm_targets(filtered)
-        if self.chain is not None:
-            # One waypoint per call, each warm-started from the one before (as solve_ik's own loop does), so a chunk
-            # out of reach costs the control thread one waypoint's iterations, not every waypoint's.
-            solved, q = [], seam_arm
-            for k, target in enumerate(targets):
-                solution = solve_ik(self.chain, target[None], q, self._rot_error_map, self._home, self.ik_tolerance)
-                if not solution.converged[0]:
-                    return IKFailure(first_step + k, target, float(solution.error[0]))
-                q = solution.q[0]
-                solved.append(q)
-            targets = np.stack(solved)
-        arm, limited = self._filter_joints(targets, seam_arm, seam_arm_velocity)
+        solved, q = [], seam_arm
+        for k, target in enumerate(targets):
+            if k > 0 and np.allclose(filtered[k], actions[k], rtol=0.0, atol=1e-9):  # the filter left it as sent
+                q = kept[k]
+            else:
+                q = self._solve(step + k, target[None], q)
+                if isinstance(q, IKFailure):
+                    return q
+                q = q[0]
+            solved.append(q)
+        arm, limited = self._filter_joints(np.stack(solved), seam_arm, seam_arm_velocity)
+        return self._splice(step, filtered, arm, limited, step - 1)
+
+    def _solve(self, first_step: int, targets: np.ndarray, q: np.ndarray) -> np.ndarray | IKFailure:
+        """(P, J) the arm joints of the arm targets (P, J) or (P, 3) of steps first_step, ..., warm-started from the
+        joints ``q`` (J,); the targets themselves for a joint-space policy."""
+        if self.chain is None:
+            return targets
+        # One waypoint per call, each warm-started from the one before (as solve_ik's own loop does), so a chunk
+        # out of reach costs the control thread one waypoint's iterations, not every waypoint's.
+        solved = []
+        for k, target in enumerate(targets):
+            solution = solve_ik(self.chain, target[None], q, self._rot_error_map, self._home, self.ik_tolerance)
+            if not solution.converged[0]:
+                return IKFailure(first_step + k, target, float(solution.error[0]))
+            q = solution.q[0]
+            solved.append(q)
+        return np.stack(solved)
+
+    def _splice(self, first_step: int, filtered: np.ndarray, arm: np.ndarray, limited: int,
+                keep_from: int) -> PlannedTrajectory:  # fmt: skip
+        """Record what the controller runs from now on: the sent points of steps keep_from to first_step - 1 (the
+        seam last), then the new ones from ``first_step``; return the trajectory to send."""
+        steps = range(min(keep_from, first_step - 1), first_step)
+        before = [self._sent.at(s) for s in steps]
         gripper = self.mapping.gripper_positions(filtered)
-        self._sent = _Sent(first_step - 1, np.vstack([seam_action, filtered]), np.vstack([seam_arm, arm]),
-                           np.vstack([seam_gripper, gripper]))  # fmt: skip
+        self._sent = _Sent(steps.start, np.vstack([b[0] for b in before] + [filtered]),
+                           np.vstack([b[2] for b in before] + [arm]), np.vstack([b[4] for b in before] + [gripper]))  # fmt: skip
         self.holding = False
         m = self.mapping
         return PlannedTrajectory(first_step, filtered, m.arm_joints, arm, m.gripper_joints, gripper, limited)

@@ -32,7 +32,7 @@ from sensor_msgs.msg import CompressedImage, Image, JointState
 from std_msgs.msg import Bool, String
 from trajectory_msgs.msg import JointTrajectory
 
-from robot_bridge.config import SIM_STATE_NAMES, CameraTopic, ServeConfig
+from robot_bridge.config import SIM_ACTION_NAMES, SIM_STATE_NAMES, CameraTopic, ServeConfig
 from robot_bridge.node import PolicyBridge
 from vla_core.runtime import ChunkingConfig
 
@@ -655,6 +655,50 @@ def test_a_low_latency_part_corrects_every_command_in_a_ros_graph(ros):
         assert spin_until(executor, lambda: len(robot.commands) >= first + 8)
         assert bridge.scheduler.low_latency.policy.calls == calls
         assert calls > 10  # it was asked every tick before
+    finally:
+        bridge.close()
+
+
+def test_a_low_latency_part_corrects_the_next_point_of_each_trajectory_in_a_ros_graph(ros):
+    """output=trajectory with a low-latency part: every tick that does not hold sends the trajectory from its step
+    on, its first point the part's correction (ee_y one STEP off the observed, where the ramp's chunks keep it),
+    reached one period after the tick, solved on the URDF; its later points the merged plan's, uncorrected. Each
+    step's action, as the tick records it, is the corrected one, and nothing fell back. (IK tolerance 10 um, so a
+    1 mm correction shows in the joints.)"""
+    from bridge_policies import STEP, side_step_policy
+
+    from vla_core.robot import SIM_PANDA
+
+    context, executor = ros
+    ticks = []
+    bridge, robot = make_bridge(context, executor, load=side_step_policy, merge="latest", on_tick=ticks.append,
+                                output="trajectory", ik_tolerance=1e-5)  # fmt: skip
+    robot.state_override = _at_home_pose
+    chain, period_ns = SIM_PANDA.chain(), round(1e9 / HZ)
+    home = chain.forward(np.array(HOME_JOINTS))[0][0]
+    try:
+        assert spin_until(executor, lambda: len(robot.chunks) >= 3), bridge.hold.cause
+        assert bridge.scheduler.low_latency is not None and bridge.scheduler.low_latency.ready
+        first_tick, first_sent = len(ticks), len(robot.arm_trajectories)
+        assert spin_until(
+            executor, lambda: len(ticks) >= first_tick + 15 and len(robot.arm_trajectories) >= first_sent + 15
+        )
+        y = SIM_ACTION_NAMES.index("ee_y")
+        assert all(t.command[y] == pytest.approx(home[1] + STEP, abs=1e-9) for t in ticks[first_tick + 1 :])
+        sent = robot.arm_trajectories[first_sent + 1 :]  # the first may be in transport from before
+        corrections = [
+            t for t in sent if abs(chain.forward(np.array(t.points[0].positions))[0][0][1] - home[1]) > STEP / 2
+        ]
+        assert len(corrections) >= 10
+        for trajectory in corrections:
+            reached = chain.forward(np.array([list(p.positions) for p in trajectory.points]))[0]
+            assert reached[0, 1] == pytest.approx(home[1] + STEP, abs=1e-5)  # within the IK's tolerance
+            assert _ns(trajectory.points[0].time_from_start) == period_ns
+            # The points after the first are the plan's: ee_y as observed, the IK's tolerance away at most.
+            assert np.abs(reached[1:, 1] - home[1]).max(initial=0.0) <= 1e-5 + 1e-9
+        assert robot.commands == [] and bridge.hold.state == "RUNNING"
+        assert spin_until(executor, lambda: robot.diagnostics and robot.diagnostics[-1]["low_latency_p99_ms"] != "")
+        assert robot.diagnostics[-1]["low_latency_fallbacks"] == "0"
     finally:
         bridge.close()
 

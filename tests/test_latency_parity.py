@@ -427,11 +427,11 @@ def test_a_new_episode_holds_where_the_robot_now_is_not_at_the_last_episodes_com
     assert hold.command(None).tolist() == [0.6, 0.0, 0.25, 0.0]
 
 
-@pytest.mark.parametrize("setting", [{"output": "trajectory"}, {"inference": "remote"}, {"action_mode": "delta"}])
+@pytest.mark.parametrize("setting", [{"inference": "remote"}, {"action_mode": "delta"}])
 def test_serve_refuses_a_low_latency_part_where_it_would_not_run_per_tick(tiny_checkpoint, setting):
     """Serve runs a low-latency part per tick, in its own process, on absolute targets: a config where it could not
-    (trajectories, remote inference, delta actions) is refused at load with the fix, rather than run the slow
-    chunks alone; the same checkpoint with ticks and local inference fits, reading the part's plan rows."""
+    (remote inference, delta actions) is refused at load with the fix, rather than run the slow chunks alone; the
+    same checkpoint with ticks or trajectories and local inference fits, reading the part's plan rows."""
     from robot_bridge.inference import policy_info
     from vla_rl.checkpoint import load_policy
 
@@ -442,6 +442,8 @@ def test_serve_refuses_a_low_latency_part_where_it_would_not_run_per_tick(tiny_c
     config = ServeConfig(
         state_names=SIM_STATE_NAMES, action_names=SIM_ACTION_NAMES, chunking=ChunkingConfig(merge="latest")
     )
+    assert fit_protocol(config, info).spec.low_latency_rows == 4
+    object.__setattr__(config, "output", "trajectory")  # the correction goes out as the trajectory's next point
     assert fit_protocol(config, info).spec.low_latency_rows == 4
     for key, value in setting.items():
         object.__setattr__(config, key, value)  # past the config's own checks (a trajectory needs its topic)
