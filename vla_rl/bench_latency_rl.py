@@ -138,6 +138,20 @@ Protocol history (runs numbered as README.md numbers them, each by its final lin
   latency_aware_over_nodelay=1.674 nodelay_gain=+7.5``; seed 1 ``latency_aware_over_naive=3.390
   latency_aware_over_nodelay=1.404 nodelay_gain=+2.5``; pooled ``latency_aware_over_naive=3.679
   latency_aware_over_nodelay=1.536 nodelay_gain=+5.0 seeds=0,1``. The gate misses on each seed: not met.
+- 2026-12-07 (the day's third session), an amendment fixed before any run of it (the no-delay arm's budget, again).
+  At 150,000 steps the no-delay arm's rollout success was still rising by quarter on seed 1 (0.40, 0.40, 0.43,
+  0.48) and barely on seed 0 (0.36, 0.38, 0.39, 0.40); its held-out gains were +7.5 and +2.5. The budget is chosen
+  from that arm's own curve (a baseline arm), nothing of the delayed arms: ``--standard_env_steps=450000``, three
+  times ``bench rl``'s. Each seed's folder of the run above is copied to
+  ``outputs/bench/latency_rl_nodelay450k/seed<s>`` without its ``latency_rl.json`` and ``eval/``; its
+  ``standard_d0`` run goes on from its 150,000-step checkpoint to 450,000 (as before, the same run as one begun
+  with that budget: no part of a run depends on its budget but when it stops), and every cell is evaluated again:
+  ``vla-rl bench latency-rl --task=track_jump --delays=[0,8] --eval_episodes=200 --eval_seed=9000 --num_threads=1
+  --seed=<s> --skip_arms=[mid_head,warmup_only,training_rtc] --standard_env_steps=450000
+  --output_dir=outputs/bench/latency_rl_nodelay450k/seed<s>`` for s = 0 and 1, side by side, then ``--seeds=[0,1]``
+  with ``--output_dir=outputs/bench/latency_rl_nodelay450k`` pools them. The runs under delay keep their 36,000
+  steps, so the no-delay arm now has 12.5 times the latency-aware arm's (a handicap that can only lower
+  ``latency_aware_over_nodelay``). The targets are unchanged, ``nodelay_gain`` read from the 450,000-step run.
 """
 
 from __future__ import annotations
