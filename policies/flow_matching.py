@@ -53,9 +53,10 @@ def time_batch(t: float | torch.Tensor, batch: int, device: torch.device) -> tor
     return t.expand(batch)
 
 
-def steering(steer: Steer, x: torch.Tensor, t: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
-    """``steer(x, t, latents)``, checked: the extra velocity (B, *noise_shape) added to the policy's."""
-    extra = steer(x, t, latents)
+def steering(steer: Steer, x: torch.Tensor, t: torch.Tensor, latents: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """``steer(x, t, latents)`` (``steer(x, t, latents, v)`` for a steer that ``reads_velocity``: v the policy's
+    velocity at this step), checked: the extra velocity (B, *noise_shape) added to the policy's."""
+    extra = steer(x, t, latents, v) if getattr(steer, "reads_velocity", False) else steer(x, t, latents)
     if not torch.is_tensor(extra) or extra.shape != x.shape:
         shape = tuple(extra.shape) if torch.is_tensor(extra) else type(extra).__name__
         raise ValueError(f"steer must return an extra velocity shaped like x_t, (B, *noise_shape) = {tuple(x.shape)}, "
@@ -90,7 +91,7 @@ def euler_sample(
         else:
             v, latents = _guided(flow_pass, x, t, time, known, guidance, want)
         if steer is not None:
-            v = v + steering(steer, x, time, latents)
+            v = v + steering(steer, x, time, latents, v)
         x = x - v / num_steps
     return x
 

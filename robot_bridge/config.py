@@ -127,11 +127,12 @@ class ServeConfig:
     tokenizer_dir: str = ""
     device: str = "cpu"  # torch device of the policy
     # Latent steering (RL²) composed with the checkpoint in the inference process: a `vla-rl steer` output's
-    # steering/ folder ("" = none), gated (where its failure predictor expects a failure) or always, weight w.
+    # steering/ folder ("" = none), gated (where its failure predictor expects a failure) or always, weight w (0:
+    # the one `vla-rl steer` chose).
     # The mode is checked where the steering loads (`vla_rl.steering`), in the inference worker.
     steer_dir: str = ""
     steer_mode: str = "gated"
-    steer_weight: float = 1.0
+    steer_weight: float = 0.0
     cameras: list[CameraTopic] = field(default_factory=lambda: [CameraTopic()])  # camera topic -> policy image feature
     # JointState names, in observation.state order
     state_names: list[str] = field(default_factory=lambda: list(SIM_STATE_NAMES))

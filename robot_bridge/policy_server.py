@@ -50,7 +50,7 @@ class PolicyServerConfig:
     device: str = "cpu"  # torch device of the policy
     steer_dir: str = ""  # latent steering composed with the policy (as `vla-rl serve --steer_dir`); "" = none
     steer_mode: str = "gated"  # gated or always
-    steer_weight: float = 1.0
+    steer_weight: float = 0.0  # 0: the weight `vla-rl steer` chose
     address: str = "0.0.0.0:50051"  # host:port to listen on (port 0: any free port, printed at start)
     num_threads: int = 1  # torch CPU threads of the policy
     added_latency_s: float = 0.0  # seconds added to every answer: a slow model's latency on a fast machine

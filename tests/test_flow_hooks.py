@@ -195,6 +195,29 @@ def test_a_constant_steer_shifts_the_chunk_by_minus_itself_when_the_velocity_ign
 
 
 @pytest.mark.parametrize("kind", FLOW_KINDS)
+def test_a_steer_that_reads_the_velocity_gets_the_policys_own_at_each_step(kind):
+    """A steer marked ``reads_velocity`` is called with the step's velocity: returning c - v makes every step's
+    velocity c, so the chunk is noise - c whatever the policy (n steps of c / n), and each v it got is the hook's
+    at that step's state."""
+    policy = make_policy(kind)
+    obs = observation()
+    noise = torch.rand(B, H, A, generator=torch.Generator().manual_seed(2)) - 0.5
+    c = torch.rand(B, H, A, generator=torch.Generator().manual_seed(4)) * 0.6 - 0.3
+    seen = []
+
+    def steer(x_t, t, latents, velocity):
+        seen.append((x_t.clone(), t.clone(), velocity.clone()))
+        return c - velocity
+
+    steer.reads_velocity = True
+    steered = normalized(policy.predict_chunk(obs, noise=noise, steer=steer).actions)
+    torch.testing.assert_close(steered, (noise - c).clamp(-1, 1), rtol=0, atol=1e-5)
+    assert len(seen) == policy.config.num_inference_steps
+    for x_t, t, velocity in seen:
+        torch.testing.assert_close(velocity, policy.velocity(obs, x_t, t), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", FLOW_KINDS)
 def test_a_steer_composes_with_rtc_guidance(kind):
     """Under inpainting guidance the steer is added to the guided velocity: a zero steer changes nothing,
     and its latents are those of the pass that computed the velocity."""

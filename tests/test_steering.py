@@ -1,6 +1,8 @@
-"""RL²'s latent steering (`vla_rl.steering`, `vla-rl steer`): the learner's pieces against hand-worked values, the
-gate on a tiny flow policy (steered rows move, the others are the unsteered chunk bit for bit), the collected
-regression samples against an Euler integral written here, and the command end to end into `vla-rl eval`."""
+"""RL²'s latent steering (`vla_rl.steering`, `vla-rl steer`): the chunk-level critic against the values of a toy
+decision process worked by hand, the advantage-weighted flow policy against the weighted mean of its targets, the
+gate on the observation-only latents and the composed velocity on a tiny flow policy (steered rows are the hand
+integral of the composition, the others the unsteered chunk bit for bit), the collected decisions, and the
+command end to end into `vla-rl eval` and serve's loader."""
 
 import json
 import math
@@ -11,13 +13,16 @@ from tiny_policies import TASK, A, H, make_policy, save_lift_flow_policy
 
 from vla_rl.steering import (
     MAX_WEIGHT,
+    ChunkCritic,
     FailurePredictor,
+    RLFlowPolicy,
     SteeredPolicy,
     Steering,
-    SteeringField,
     advantage_weights,
     choose_threshold,
-    train_field,
+    observation_latents,
+    train_critic,
+    train_flow_policy,
     train_predictor,
 )
 
@@ -33,12 +38,11 @@ def observation(batch: int = B) -> dict:
             "observation.state": torch.randn(batch, 3, generator=g), "task": [TASK] * batch}  # fmt: skip
 
 
-def test_advantage_weights_are_exp_of_return_minus_value_over_beta_capped():
-    """Success with p_fail = 0.5 (V = 0.5): exp(0.5 / 0.5) = e; failure: exp(-1); V = 0 (logit +inf-ish) and
-    success at beta 0.1: exp(10) capped at 20."""
-    weights = advantage_weights(torch.tensor([1, 0, 1]), torch.tensor([0.0, 0.0, 30.0]), beta=0.5)
-    assert weights[:2].tolist() == pytest.approx([math.e, math.exp(-1.0)])
-    assert advantage_weights(torch.tensor([1]), torch.tensor([30.0]), beta=0.1).item() == MAX_WEIGHT
+def test_advantage_weights_are_exp_of_the_advantage_over_beta_capped():
+    """beta 0.05: A = 0.1 -> e^2, A = -0.1 -> e^-2; A = 1 -> e^20, capped at MAX_WEIGHT."""
+    weights = advantage_weights(torch.tensor([0.1, -0.1, 1.0]), beta=0.05)
+    assert weights[:2].tolist() == pytest.approx([math.exp(2.0), math.exp(-2.0)], rel=1e-5)
+    assert weights[2].item() == MAX_WEIGHT
 
 
 def test_the_threshold_maximizes_youdens_j_on_held_out_requests():
@@ -52,21 +56,66 @@ def test_the_threshold_maximizes_youdens_j_on_held_out_requests():
     assert choose_threshold(prob, torch.zeros(6, dtype=torch.bool))["auc"] is None  # one class: no threshold
 
 
-def test_the_field_fits_the_advantage_weighted_mean_of_its_targets():
-    """One input, targets +1 (successes) and -1 (failures) in equal numbers, V = 0.5 for all, beta 1: the
-    weighted mean is (e^0.5 - e^-0.5) / (e^0.5 + e^-0.5) = tanh(0.5) = 0.4621."""
-    n = 64
-    success = torch.arange(n) % 2 == 0
-    data = {"x_t": torch.zeros(n, 1, 1), "t": torch.full((n,), 0.5), "latents": torch.zeros(n, 2),
-            "residual": torch.where(success, 1.0, -1.0).view(n, 1, 1)}  # fmt: skip
-    weights = advantage_weights(success, torch.zeros(n), beta=1.0)
-    field = SteeringField((1, 1), latent_dim=2, hidden=16)
+def two_request_episodes() -> dict[str, torch.Tensor]:
+    """400 episodes of two requests. State A (z = [1, 0]) then state B (z = [0, 1]); each takes action +1 or -1
+    (x0 of shape (1, 1)), half each. From A nothing is rewarded; at B, +1 succeeds in 80 of its 100 episodes of
+    each A-action and -1 in 20: the reward 1 lands on B's request, which ends the episode."""
+    rows = {"z": [], "x0": [], "reward": [], "next_z": [], "done": []}
+    a_state, b_state = [1.0, 0.0], [0.0, 1.0]
+    for k in range(400):
+        a_action, b_action = (1.0 if k % 2 else -1.0), (1.0 if k // 200 == 0 else -1.0)
+        success = (k % 200) // 2 < (80 if b_action > 0 else 20)  # 80 (or 20) of the 100 episodes of each A-action
+        for z, x0, reward, next_z, done in ((a_state, a_action, 0.0, b_state, False),
+                                            (b_state, b_action, float(success), b_state, True)):  # fmt: skip
+            for name, value in zip(rows, (z, [[x0]], reward, next_z, done), strict=True):
+                rows[name].append(value)
+    return {k: torch.tensor(v) for k, v in rows.items()}
+
+
+@pytest.mark.parametrize("expectile", [0.5, 0.9])
+def test_the_critic_learns_the_toys_values_by_td_and_expectile(expectile):
+    """Worked by hand, gamma 0.9. Q(B, +1) = 0.8, Q(B, -1) = 0.2 (the success rates: B ends the episode). V(B) is
+    the tau-expectile of Q(B, .) over the data's actions, half each: tau 0.5 gives the mean, 0.5; tau 0.9 solves
+    0.9 (0.8 - v) = 0.1 (v - 0.2), v = 0.74. Then Q(A, +-1) = 0 + 0.9 V(B) (0.45, 0.666), and V(A) the same."""
     generator = torch.Generator().manual_seed(0)
-    # Batches of 4,096 drawn with replacement (their weighted mean within about 0.01 of the whole set's), then a
-    # smaller step so Adam settles instead of following the last batch.
-    train_field(field, data, weights, steps=300, lr=1e-2, batch_size=4096, generator=generator)
-    train_field(field, data, weights, steps=200, lr=1e-3, batch_size=4096, generator=generator)
-    assert field(data["x_t"][:1], data["t"][:1], data["latents"][:1]).item() == pytest.approx(math.tanh(0.5), abs=0.02)
+    torch.manual_seed(0)
+    critic = ChunkCritic((1, 1), latent_dim=2, hidden=64)
+    data = two_request_episodes()
+    # Then a smaller step, so Adam settles on the whole set's values instead of following the last batches.
+    for steps, lr in ((1500, 1e-3), (1000, 1e-4)):
+        train_critic(critic, data, steps=steps, lr=lr, batch_size=512, gamma=0.9, expectile=expectile,
+                     generator=generator, polyak=0.02)  # fmt: skip
+    v_b = 0.5 if expectile == 0.5 else 0.74
+    z = torch.tensor([[0.0, 1.0], [0.0, 1.0], [1.0, 0.0], [1.0, 0.0]])
+    x0 = torch.tensor([1.0, -1.0, 1.0, -1.0]).view(4, 1, 1)
+    with torch.no_grad():
+        q, v = critic.q(z, x0), critic.v(z)
+    assert q.tolist() == pytest.approx([0.8, 0.2, 0.9 * v_b, 0.9 * v_b], abs=0.03)
+    assert v.tolist() == pytest.approx([v_b, v_b, 0.9 * v_b, 0.9 * v_b], abs=0.03)
+
+
+def test_the_flow_policy_samples_the_advantage_weighted_mixture_of_its_chunks():
+    """One state, chunks +1 and -1 (shape (1, 1)) in equal numbers, advantages +0.1 and -0.1 at beta 0.05: weights
+    e^2 and e^-2, so the weighted data is +1 with probability e^2 / (e^2 + e^-2) = 0.982, mean 0.964. The trained
+    flow's samples (Euler steps from N(0, 1)) have about that mean; with equal weights, about 0."""
+
+    def sampled_mean(weights: torch.Tensor) -> float:
+        torch.manual_seed(0)
+        generator = torch.Generator().manual_seed(0)
+        flow = RLFlowPolicy((1, 1), latent_dim=1, hidden=64)
+        x0 = torch.tensor([1.0, -1.0] * 64).view(128, 1, 1)
+        z = torch.zeros(128, 1)
+        train_flow_policy(flow, z, x0, weights, steps=1500, lr=3e-3, batch_size=512, generator=generator)
+        x = torch.randn(4000, 1, 1, generator=generator)
+        with torch.no_grad():
+            for k in range(20):
+                x = x - flow(x, torch.full((4000,), 1.0 - k / 20), torch.zeros(4000, 1)) / 20
+        return float(x.mean())
+
+    sharp = advantage_weights(torch.tensor([0.1, -0.1] * 64), beta=0.05)
+    expected = (math.exp(2) - math.exp(-2)) / (math.exp(2) + math.exp(-2))
+    assert sampled_mean(sharp) == pytest.approx(expected, abs=0.08)
+    assert sampled_mean(torch.ones(128)) == pytest.approx(0.0, abs=0.1)
 
 
 def test_the_predictor_learns_which_latents_fail():
@@ -80,76 +129,109 @@ def test_the_predictor_learns_which_latents_fail():
     assert choose_threshold(torch.sigmoid(predictor(held)).detach(), held[:, 0] > 0)["auc"] > 0.98
 
 
-def steering_for(policy, fail_logits: list[float], shift: float) -> Steering:
-    """A steering whose predictor says ``fail_logits`` per row and whose field is the constant ``shift``."""
-    steering = Steering(tuple(policy.noise_shape), policy.latent_dim, hidden=8, threshold=0.5)
-    steering.predictor.forward = lambda latents: torch.tensor(fail_logits)
+def steering_for(policy, fail_logits: list[float], c: float, weight: float = 1.0) -> tuple[Steering, list]:
+    """A steering whose predictor says ``fail_logits`` per row (recording its input) and whose RL flow policy's
+    velocity is the constant ``c``."""
+    steering = Steering(tuple(policy.noise_shape), policy.latent_dim, hidden=8, threshold=0.5, weight=weight)
+    seen = []
+    steering.predictor.forward = lambda latents: seen.append(latents.clone()) or torch.tensor(fail_logits)
     with torch.no_grad():
-        steering.field.net[-1].bias.fill_(shift)
-    return steering
+        steering.flow.net[-1].weight.zero_()
+        steering.flow.net[-1].bias.fill_(c)
+    return steering, seen
 
 
 @pytest.mark.parametrize("kind", ["diffusion-flow", "flow"])
-def test_the_gate_steers_only_the_rows_expected_to_fail(kind):
+def test_the_gate_reads_the_state_and_the_steered_rows_follow_the_composed_velocity(kind):
     """Row 0's failure logit +5 (p = 0.993 > 0.5) is steered, row 1's -5 is not: it is the unsteered chunk bit for
-    bit from the same noise; always-mode steers both, and weight 0 neither."""
+    bit from the same noise. The gate reads the observation-only latents (the expert's at x = 0, t = 1), the same
+    for any noise. Steered with w: each Euler step's velocity is v + w (c - v), integrated here by hand over the
+    velocity hook; w = 1 gives noise - c exactly. Always-mode steers both rows; weight 0 neither."""
     torch.manual_seed(0)
     policy = make_policy(kind)
-    obs, noise = observation(), torch.randn(B, H, A)
+    obs = observation()
+    noise = torch.rand(B, H, A, generator=torch.Generator().manual_seed(2)) - 0.5
+    low, high = torch.tensor([-2.0, 0.0]), torch.tensor([2.0, 1.0])  # the tiny policies' action range
+    normalized = lambda actions: (actions - low) / (high - low) * 2 - 1
     free = policy.predict_chunk(obs, noise=noise).actions
-    gated = SteeredPolicy(policy, steering_for(policy, [5.0, -5.0], shift=0.3), "gated").predict_chunk(obs, noise=noise)
+    steering, seen = steering_for(policy, [5.0, -5.0], c=0.2)
+    gated = SteeredPolicy(policy, steering, "gated").predict_chunk(obs, noise=noise)
     torch.testing.assert_close(gated.actions[1], free[1], rtol=0, atol=0)
-    assert (gated.actions[0] - free[0]).abs().max() > 1e-3
-    always = SteeredPolicy(policy, steering_for(policy, [5.0, -5.0], shift=0.3), "always").predict_chunk(
+    torch.testing.assert_close(normalized(gated.actions[0]), (noise[0] - 0.2).clamp(-1, 1), rtol=0, atol=1e-5)
+    torch.testing.assert_close(seen[0], observation_latents(policy, obs), rtol=0, atol=0)
+    torch.testing.assert_close(seen[0], policy.latents(obs, torch.zeros(B, H, A), 1.0), rtol=0, atol=1e-6)
+    # w = 0.5: x <- x - (v + 0.5 (0.2 - v)) / n, by hand.
+    half, _ = steering_for(policy, [5.0, -5.0], c=0.2, weight=0.5)
+    n, x = policy.config.num_inference_steps, noise.clone()
+    with torch.no_grad():
+        for k in range(n):
+            v = policy.velocity(obs, x, 1.0 - k / n)
+            x = x - (v + 0.5 * (0.2 - v)) / n
+    steered = normalized(SteeredPolicy(policy, half, "gated").predict_chunk(obs, noise=noise).actions)
+    torch.testing.assert_close(steered[0], x[0].clamp(-1, 1), rtol=0, atol=1e-5)
+    always = SteeredPolicy(policy, steering_for(policy, [5.0, -5.0], c=0.2)[0], "always").predict_chunk(
         obs, noise=noise
     )
-    assert (always.actions - free).abs().flatten(1).max(1).values.min() > 1e-3
-    off = SteeredPolicy(policy, steering_for(policy, [5.0, 5.0], shift=0.3), "gated", weight=0.0)
+    torch.testing.assert_close(normalized(always.actions), (noise - 0.2).clamp(-1, 1), rtol=0, atol=1e-5)
+    off = SteeredPolicy(policy, steering_for(policy, [5.0, 5.0], c=0.2)[0], "gated", weight=0.0)
     torch.testing.assert_close(off.predict_chunk(obs, noise=noise).actions, free, rtol=0, atol=0)
     with pytest.raises(ValueError, match="steer mode must be one of"):
-        SteeredPolicy(policy, steering_for(policy, [0.0, 0.0], 0.0), "sometimes")
+        SteeredPolicy(policy, steering_for(policy, [0.0, 0.0], 0.0)[0], "sometimes")
 
 
-def test_a_request_records_its_regression_samples_on_the_straight_path_of_its_own_chunk():
-    """x_0 is the sampler's end (an Euler integral over the velocity hook, by hand here); each sample lies on the
-    straight path x_t = t e + (1 - t) x_0 and its residual is (e - x_0) - v(x_t, t)."""
+def test_a_request_records_the_state_latents_and_the_samplers_end():
+    """x0 is the sampler's end (an Euler integral over the velocity hook, by hand here) and z the observation-only
+    latents."""
     from vla_rl.steer import record_request
 
     torch.manual_seed(0)
     policy = make_policy("diffusion-flow")
     obs = observation()
-    _, record = record_request(policy, obs, torch.zeros(B, dtype=torch.long), 2, torch.Generator().manual_seed(3))
+    _, record = record_request(policy, obs, torch.zeros(B, dtype=torch.long), torch.Generator().manual_seed(3))
     noise = torch.randn(B, H, A, generator=torch.Generator().manual_seed(3))  # the draw record_request made first
     n = policy.config.num_inference_steps
     x = noise.clone()
     with torch.no_grad():
         for k in range(n):
             x = x - policy.velocity(obs, x, 1.0 - k / n) / n
-        for s in range(2):
-            t = record["t"][:, s]
-            tt = t.view(-1, 1, 1)
-            torch.testing.assert_close(record["x_t"][:, s], tt * noise + (1 - tt) * x, rtol=0, atol=1e-5)
-            expected = (noise - x) - policy.velocity(obs, record["x_t"][:, s], t)
-            torch.testing.assert_close(record["residual"][:, s], expected, rtol=0, atol=1e-5)
-        torch.testing.assert_close(record["gate"], policy.latents(obs, noise, 1.0), rtol=0, atol=1e-6)
+    torch.testing.assert_close(record["x0"], x, rtol=0, atol=1e-5)
+    torch.testing.assert_close(record["z"], policy.latents(obs, torch.zeros(B, H, A), 1.0), rtol=0, atol=1e-6)
+
+
+def test_the_requests_become_transitions_rewarded_at_a_successful_episodes_last():
+    """Episodes 0 (3 requests, success), 1 (1 request, failure), 2 (2 requests, success): rewards 0 0 1 | 0 | 0 1,
+    done at each episode's last, next_z the next request's latents within the episode."""
+    from vla_rl.steer import decisions
+
+    z = torch.arange(6, dtype=torch.float32).view(6, 1)
+    data = {"z": z, "x0": torch.zeros(6, 1, 1), "episode": torch.tensor([0, 0, 0, 1, 2, 2]),
+            "success": torch.tensor([True, True, True, False, True, True])}  # fmt: skip
+    rows = decisions(data)
+    assert rows["reward"].tolist() == [0, 0, 1, 0, 0, 1]
+    assert rows["done"].tolist() == [False, False, True, True, False, True]
+    assert rows["next_z"][[0, 1, 4], 0].tolist() == [1, 2, 5]
 
 
 def test_vla_rl_steer_collects_trains_and_eval_serves_the_steered_policy(tmp_path):
-    """A random flow `diffusion` policy on lift (4 steps an episode, 2 worlds): 6 episodes collected, the gate and
-    the field trained and written; `vla-rl eval --steer.dir` loads them and runs."""
+    """A random flow `diffusion` policy on lift (8 steps an episode, 2 worlds): 6 episodes collected, the critic,
+    the RL flow policy and the gate trained, the weight chosen on 2 episodes each, all written; `vla-rl eval
+    --steer.dir` and serve's loader load them and run; a steering of the earlier format is refused in one line."""
     from sim.config import EnvConfig
     from vla_rl.eval import EvalConfig, SteerEvalConfig, evaluate
     from vla_rl.steer import SteerConfig, run_steer
 
     policy = save_lift_flow_policy(tmp_path / "policy", image_size=32)
     env = EnvConfig(num_envs=2, max_episode_steps=8, image_size=32, num_threads=1, render_threads=1, variation="colour")
-    summary = run_steer(SteerConfig(checkpoint=str(tmp_path / "policy"), env=env, episodes=6, samples_per_chunk=1,
-                                    held_out_fraction=0.34, predictor_steps=5, field_steps=5, batch_size=8, hidden=16,
-                                    output_dir=str(tmp_path / "steer")))  # fmt: skip
+    summary = run_steer(SteerConfig(checkpoint=str(tmp_path / "policy"), env=env, episodes=6, held_out_fraction=0.34,
+                                    predictor_steps=5, critic_steps=5, flow_steps=5, batch_size=8, hidden=16,
+                                    choose_episodes=2, output_dir=str(tmp_path / "steer")))  # fmt: skip
     # 8 steps in chunks of 4 steps executed: two requests an episode (at steps 0 and 4), 3 episodes in each of the 2
     # worlds (the worlds' further episodes are not written), none succeeds in 8 steps.
     assert (summary["requests"], summary["episodes"], summary["held_out_episodes"]) == (12, 6, 2)
-    assert summary["success_rate"] == 0.0 and summary["gate"]["threshold"] == 0.5  # one class: no threshold to fit
+    assert summary["episode_success_rate"] == summary["request_success_rate"] == 0.0
+    assert summary["gate"]["threshold"] == 0.5  # one class: no threshold to fit
+    # Every weight failed its 2 episodes: of equal rates the smallest.
+    assert summary["weights"] == {"chosen": 0.5, "success": {"0.5": 0.0, "1.0": 0.0}}
     # The rollouts are a LeRobotDataset: one episode per rollout, one frame per request, the steer.* features.
     from vla_core.data import open_dataset
     from vla_rl.steer import load_rollouts
@@ -158,17 +240,19 @@ def test_vla_rl_steer_collects_trains_and_eval_serves_the_steered_policy(tmp_pat
     assert (rollouts.meta.total_episodes, rollouts.meta.total_frames) == (6, 12)
     frame = rollouts[0]
     assert frame["observation.images.front"].shape == (3, 32, 32) and frame["steer.chunk"].shape == (8, 4)
-    assert frame["steer.x_t"].shape == frame["steer.residual"].shape == (1, 8, 4) and not frame["steer.success"]
+    assert frame["steer.x0"].shape == (8, 4) and frame["steer.z"].shape == (policy.latent_dim,)
+    assert not frame["steer.success"]
     data = load_rollouts(tmp_path / "steer" / "rollouts")
-    assert data["t"].shape == (12, 1) and data["latents"].shape == (12, 1, policy.latent_dim)
+    assert data["z"].shape == (12, policy.latent_dim) and data["x0"].shape == (12, 8, 4)
     assert data["episode"].tolist() == [e for e in range(6) for _ in range(2)]
     assert data["obs_step"].tolist() == [0, 4] * 6 and data["setting"].tolist() == [0] * 12
-    assert ((data["t"] >= 0) & (data["t"] <= 1)).all() and not data["success"].any()
+    assert not data["success"].any()
     with pytest.raises(ValueError, match="was collected with another seed"):  # resumed under another setting
         run_steer(SteerConfig(checkpoint=str(tmp_path / "policy"), env=env, episodes=6, seed=1,
                               output_dir=str(tmp_path / "steer")))  # fmt: skip
     saved = json.loads((tmp_path / "steer" / "steering" / "config.json").read_text())
-    assert saved["noise_shape"] == [8, 4] and saved["threshold"] == 0.5
+    assert saved["noise_shape"] == [8, 4] and saved["threshold"] == 0.5 and saved["weight"] == 0.5
+    assert saved["version"] == 2
     result = evaluate(EvalConfig(checkpoint=str(tmp_path / "policy"), env=env, num_episodes=2, video_episodes=0,
                                  steer=SteerEvalConfig(dir=str(tmp_path / "steer" / "steering"), mode="always"),
                                  output_dir=str(tmp_path / "eval")))  # fmt: skip
@@ -180,7 +264,7 @@ def test_vla_rl_steer_collects_trains_and_eval_serves_the_steered_policy(tmp_pat
 
     served = _loader(ServeConfig(checkpoint=str(tmp_path / "policy"), steer_dir=str(tmp_path / "steer" / "steering"),
                                  steer_mode="always"))()  # fmt: skip
-    assert isinstance(served, SteeredPolicy) and served.mode == "always"
+    assert isinstance(served, SteeredPolicy) and served.mode == "always" and served.weight == 0.5  # the chosen
     assert policy_info(served)["noise_shape"] == (8, 4) and policy_info(served)["horizon"] == 8
     with pytest.raises(ValueError, match="steer nothing without --steer.dir"):
         evaluate(EvalConfig(checkpoint=str(tmp_path / "policy"), env=env, num_episodes=2, video_episodes=0,
@@ -193,6 +277,11 @@ def test_vla_rl_steer_collects_trains_and_eval_serves_the_steered_policy(tmp_pat
         evaluate(EvalConfig(checkpoint=str(tmp_path / "other"), env=env, num_episodes=2, video_episodes=0,
                             steer=SteerEvalConfig(dir=str(tmp_path / "steer" / "steering")),
                             output_dir=str(tmp_path / "eval_other")))  # fmt: skip
+    # A steering written by the earlier `vla-rl steer` (no version): refused, naming the fix.
+    del saved["version"]
+    (tmp_path / "steer" / "steering" / "config.json").write_text(json.dumps(saved))
+    with pytest.raises(ValueError, match=r"earlier vla-rl steer .* train it again with `vla-rl steer`"):
+        Steering.load(tmp_path / "steer" / "steering")
 
 
 def test_a_policy_without_a_flow_velocity_is_refused_naming_the_fix():

@@ -147,7 +147,9 @@ Steer = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 """``steer(x_t, t, latents) -> extra velocity``: x_t (B, *noise_shape) the sampler's state, t (B,) float32
 its time (1 = noise, 0 = actions), latents (B, latent_dim) the action expert's pooled hidden state at that
 step (`FlowSteerable.latents`); returns (B, *noise_shape), added to the policy's velocity at every Euler
-step. The caller owns any weight or gate (multiply inside ``steer``)."""
+step. A steer with the attribute ``reads_velocity = True`` is called ``steer(x_t, t, latents, velocity)``,
+velocity (B, *noise_shape) the policy's own at that step (after any guidance), so it can compose with it
+(RL²: w * (v_RL - velocity)). The caller owns any weight or gate (multiply inside ``steer``)."""
 
 
 @runtime_checkable

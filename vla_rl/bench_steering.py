@@ -11,7 +11,8 @@ A folder holds one setting (``bench_config.json``): a run with other sizes there
    the flow objective trained on them (``train_steps``): the base. It must succeed >= 70% in distribution
    (reported against that floor; the benchmark goes on either way).
 2. RL² (`vla-rl steer`): ``steer_episodes`` rollouts of the base in each of the three settings, pooled; the
-   failure predictor, its threshold on held-out episodes, and the steering field.
+   failure predictor, its threshold on held-out episodes, and the steering (since 2026-12-07: the RL flow policy
+   on observation-only latents, its weight chosen on held-out rollouts; `vla_rl.steering`).
 3. DSRL (`vla-rl dsrl`): ``dsrl_iterations`` iterations cycling through the three settings.
 4. Every arm on every cell, ``eval_episodes`` (>= 100) held-out episodes from ``eval_seed`` (the same initial
    states for every arm of a cell): base, always-steer (the field in every chunk), gated steering (RL²), DSRL.
@@ -60,6 +61,16 @@ Protocol history:
   cells=3/8``, kept ``camera`` (+15.6), ``position_far`` (+44.7), ``camera_far`` (+26.7). (The demonstrations were
   recorded before `sim.tasks.variety` clipped its targets to the workspace; none of their 11,157 actions lies
   outside it, so they are what today's code records.)
+- 2026-12-07 (the day's third session), a method change fixed before any steering arm runs under this protocol:
+  the RL² arm is `vla-rl steer` as its paper builds it (`vla_rl.steering`'s docstring): a small flow policy on the
+  action expert's observation-only latents, trained offline on the base's rollouts by advantage-weighted flow
+  matching (beta 0.05) under a chunk-level IQL critic (gamma 0.95 per request, expectile 0.9); its velocity
+  composed with the base's, v_base + w (v_RL - v_base), w chosen among 0.5 and 1 on 32 episodes per setting from
+  seed ``seed + 7500`` (the steer stage's seed + 500; not the held-out ``eval_seed``); the gate on the same
+  observation-only latents. ``steer_field_steps`` (its name kept so the gate's folders resume) is the flow
+  policy's training steps; every other steer setting is `vla-rl steer`'s default (critic 3,000 steps). The
+  always-steer arm runs the same steering in every chunk at the chosen w. Success is reported per episode; the
+  steer stage's summary gives request-level success beside it. Nothing of the gate or the targets changes.
 """
 
 from __future__ import annotations
@@ -97,6 +108,7 @@ class BenchSteeringConfig:
     num_envs: int = 25
     seed: int = 0
     steer_episodes: int = 100  # RL² rollouts per setting
+    # training steps of RL²'s flow policy (named when it was a residual field; kept so the gate's folders resume)
     steer_field_steps: int = 2000
     dsrl_iterations: int = 24
     eval_episodes: int = 100
@@ -162,7 +174,7 @@ def bench_steering(cfg: BenchSteeringConfig) -> dict[str, Any]:
     if not (steering_dir / "config.json").exists():
         stages.steer(stages.SteerConfig(
             checkpoint=str(base_dir), env=env, variations=cells, episodes=cfg.steer_episodes, seed=cfg.seed + 7000,
-            field_steps=cfg.steer_field_steps, num_threads=cfg.num_threads, output_dir=str(out / "steer"),
+            flow_steps=cfg.steer_field_steps, num_threads=cfg.num_threads, output_dir=str(out / "steer"),
         ))  # fmt: skip
     dsrl_dir = out / "dsrl" / "dsrl"
     if not (dsrl_dir / "config.json").exists():

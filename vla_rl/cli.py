@@ -40,7 +40,7 @@ class Command:
 
 
 def _policy_from_checkpoint(path: str, device: str, tokenizer_dir: str = "", steer_dir: str = "",
-                            steer_mode: str = "gated", steer_weight: float = 1.0):  # fmt: skip
+                            steer_mode: str = "gated", steer_weight: float = 0.0):  # fmt: skip
     """The serve node's policy loader; runs inside its inference worker, so a bad checkpoint is reported there.
     With ``steer_dir`` the policy is steered there too (`vla_rl.steering.SteeredPolicy`)."""
     from vla_rl.checkpoint import load_policy
@@ -49,7 +49,7 @@ def _policy_from_checkpoint(path: str, device: str, tokenizer_dir: str = "", ste
     if steer_dir:
         from vla_rl.steering import SteeredPolicy, Steering
 
-        policy = SteeredPolicy(policy, Steering.load(steer_dir).to(policy.device), steer_mode, steer_weight)
+        policy = SteeredPolicy(policy, Steering.load(steer_dir).to(policy.device), steer_mode, steer_weight or None)
     return policy
 
 
@@ -147,10 +147,12 @@ def _run_steer(cfg):
     summary = run_steer(cfg)
     gate = summary["gate"]
     print(
-        f"steer: {summary['episodes']} episodes ({summary['success_rate']:.0%} successful), {summary['requests']} "
-        f"requests; gate threshold {gate['threshold']:.3f} (held out: AUC {gate['auc']}, failures caught "
-        f"{gate['tpr']}, successes steered {gate['fpr']}); field loss {summary['field_loss']['first']} -> "
-        f"{summary['field_loss']['last']}; {cfg.output_dir}/steering\n"
+        f"steer: {summary['episodes']} episodes ({summary['episode_success_rate']:.0%} successful), "
+        f"{summary['requests']} requests ({summary['request_success_rate']:.0%} in successful episodes); gate "
+        f"threshold {gate['threshold']:.3f} (held out: AUC {gate['auc']}, failures caught {gate['tpr']}, successes "
+        f"steered {gate['fpr']}); flow loss {summary['flow_loss']['first']} -> {summary['flow_loss']['last']}; "
+        f"weight {summary['weights']['chosen']} (gated success by weight: {summary['weights']['success']}); "
+        f"{cfg.output_dir}/steering\n"
         f"evaluate: vla-rl eval --checkpoint={cfg.checkpoint} --steer.dir={cfg.output_dir}/steering --steer.mode=gated"
     )
 

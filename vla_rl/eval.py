@@ -62,7 +62,7 @@ DEFAULT_EPISODES = 50  # episodes of an evaluation off LIBERO when --num_episode
 class SteerEvalConfig:
     dir: str = ""  # a `vla-rl steer` output's steering/ folder; "" = the policy unsteered
     mode: str = "gated"  # gated: where the failure predictor expects a failure; always: every chunk
-    weight: float = 1.0  # w in v = v_base + w * v_steer
+    weight: float = 0.0  # w in v = v_base + w (v_RL - v_base); 0 = the weight `vla-rl steer` chose
 
 
 @dataclass
@@ -166,7 +166,8 @@ def evaluate(cfg: EvalConfig, policy=None, expected_weights: str | None = None) 
     if cfg.steer.dir:
         from vla_rl.steering import SteeredPolicy, Steering
 
-        policy = SteeredPolicy(policy, Steering.load(cfg.steer.dir).to(policy.device), cfg.steer.mode, cfg.steer.weight)
+        policy = SteeredPolicy(policy, Steering.load(cfg.steer.dir).to(policy.device), cfg.steer.mode,
+                               cfg.steer.weight or None)  # fmt: skip
     origin = provenance(policy)
     if expected_weights is not None and origin["weights_sha256"] != expected_weights:
         raise ValueError(

@@ -1,22 +1,24 @@
 """`vla-rl steer`: RL²'s latent steering of a frozen flow policy, from its own rollouts (`vla_rl.steering` holds
-the method and its math). Three stages, into ``output_dir``:
+the method and its math). Stages, into ``output_dir``:
 
 1. collect: ``episodes`` closed-loop episodes of the frozen policy in the batched sim (the task and its
-   ``--env.variation``), through the latency model as `vla-rl eval` runs them. For every request the
-   sampler's initial noise e is drawn here and the latents at t = 1 are read through a recording steer
-   that adds nothing; x_0 is the sampler's end (its last Euler step undone from the velocity hook); then
-   ``samples_per_chunk`` times t ~ U(0, 1) give x_t = t e + (1 - t) x_0, the latents there and the
-   residual (e - x_0) - v_base(x_t, t). Each request keeps its episode's success once it ends. Each world
-   counts its first ceil(episodes / N) episodes (so ``episodes`` rounds up to a multiple of the worlds),
-   whatever their length. Written as a LeRobotDataset, ``rollouts/`` (`ROLLOUT_FEATURES`): one frame per
-   request (the request's images and state, the chunk the policy sampled, the ``steer.*`` features), one
-   LeRobot episode per rollout; a run resumed with another base, env or sizes is refused.
-2. train: episodes split by a seeded draw (``held_out_fraction`` held out); the failure predictor on the
-   training requests, its threshold on the held-out ones (Youden's J); the field by Q-weighted flow matching
-   on the training requests, each weighted against a value from a predictor that did not see it (two folds
-   of the training episodes, each scored by the predictor fitted on the other).
-3. write ``steering/`` (config.json with the threshold and held-out metrics, model.safetensors) and
-   ``steer_summary.json``. Evaluate with ``vla-rl eval --checkpoint=<base> --steer.dir=<output_dir>/steering
+   ``--env.variation``, or each of ``variations``), through the latency model as `vla-rl eval` runs them. For
+   every request: its observation-only latents z (`vla_rl.steering.observation_latents`) and the sampler's end
+   x_0 (its last Euler step undone from the velocity hook); each request keeps its episode's success once it
+   ends. Each world counts its first ceil(episodes / N) episodes (so ``episodes`` rounds up to a multiple of the
+   worlds), whatever their length. Written as a LeRobotDataset, ``rollouts/`` (`ROLLOUT_FEATURES`): one frame
+   per request (its images and state, the chunk the policy sampled, the ``steer.*`` features), one LeRobot
+   episode per rollout; a run resumed with another base, env or sizes is refused.
+2. train: episodes split by a seeded draw (``held_out_fraction`` held out). On the training episodes' requests:
+   the chunk-level critic (IQL), then the RL flow policy by advantage-weighted flow matching, and the failure
+   predictor; its threshold on the held-out episodes' requests (Youden's J).
+3. choose the weight w among ``weights``: the gated steered policy with each, ``choose_episodes`` episodes per
+   setting from seed ``seed + 500`` (neither the collection's nor eval's); the highest episode success rate,
+   of equal rates the smallest w.
+4. write ``steering/`` (config.json with the threshold, the weight and the metrics, model.safetensors) and
+   ``steer_summary.json``. Success is counted per episode (``episode_success_rate``) and per request
+   (``request_success_rate``: the share of requests whose episode succeeded; failing episodes are longer, so
+   this is lower). Evaluate with ``vla-rl eval --checkpoint=<base> --steer.dir=<output_dir>/steering
    --steer.mode=gated|always``.
 """
 
@@ -42,11 +44,15 @@ from vla_core.types import OBS_IMAGES, OBS_STATE, TASK, ActionChunk
 from vla_rl.checkpoint import load_policy
 from vla_rl.eval_record import weights_sha256
 from vla_rl.steering import (
+    ChunkCritic,
+    SteeredPolicy,
     Steering,
     advantage_weights,
     check_steerable,
     choose_threshold,
-    train_field,
+    observation_latents,
+    train_critic,
+    train_flow_policy,
     train_predictor,
 )
 
@@ -63,14 +69,19 @@ class SteerConfig:
     variations: list[str] = field(default_factory=list)
     episodes: int = 200  # rollouts collected per setting (whole episodes; the ones cut at the end are dropped)
     seed: int = 7000  # initial states of the rollouts (apart from eval's 1000 and the recording seeds)
-    samples_per_chunk: int = 2  # times t drawn per request for the field's regression
     held_out_fraction: float = 0.25  # episodes held out to choose the gate's threshold
     predictor_steps: int = 500
-    field_steps: int = 2000
+    critic_steps: int = 3000
+    flow_steps: int = 3000  # the RL flow policy's
     batch_size: int = 256
-    lr: float = 1e-3
-    hidden: int = 256  # the field's width
-    beta: float = 1.0  # temperature of the advantage weights
+    lr: float = 1e-3  # of the predictor and the flow policy
+    critic_lr: float = 3e-4
+    hidden: int = 256  # the width of every network
+    gamma: float = 0.95  # discount per request
+    expectile: float = 0.9  # IQL's tau: V tends to the best returns the data shows from a state
+    beta: float = 0.05  # temperature of the advantage weights: sharp, so the chunks above the state's value dominate
+    weights: list[float] = field(default_factory=lambda: [0.5, 1.0])  # the composition's w, chosen in stage 3
+    choose_episodes: int = 32  # per setting and weight, in stage 3 (0: the largest weight, unchosen)
     chunking: ChunkingConfig = field(default_factory=ChunkingConfig)
     delay: DelayConfig = field(default_factory=DelayConfig)
     device: str = "cpu"
@@ -84,6 +95,9 @@ def run_steer(cfg: SteerConfig) -> dict[str, Any]:
     if not 0 < cfg.held_out_fraction < 1 or cfg.episodes * max(1, len(cfg.variations)) < 4:
         raise ValueError("held_out_fraction must be in (0, 1) and the episodes over every setting >= 4 (some to "
                          "train on, some held out)")  # fmt: skip
+    if not cfg.weights or min(cfg.weights) <= 0 or cfg.choose_episodes < 0 or not 0 < cfg.expectile < 1:
+        raise ValueError("--weights must be a non-empty list of weights > 0, --choose_episodes >= 0 and --expectile "
+                         "in (0, 1)")  # fmt: skip
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     policy, _ = load_policy(cfg.checkpoint, device=cfg.device)
@@ -92,8 +106,8 @@ def run_steer(cfg: SteerConfig) -> dict[str, Any]:
     start = time.time()
     rollouts = out / "rollouts"
     collection = {"base_sha256": weights_sha256(policy), "env": asdict(cfg.env), "variations": list(cfg.variations),
-                  "episodes": cfg.episodes, "seed": cfg.seed, "samples_per_chunk": cfg.samples_per_chunk,
-                  "chunking": asdict(cfg.chunking), "delay": asdict(cfg.delay)}  # fmt: skip
+                  "episodes": cfg.episodes, "seed": cfg.seed, "chunking": asdict(cfg.chunking),
+                  "delay": asdict(cfg.delay), "version": COLLECTION_VERSION}  # fmt: skip
     if (rollouts / "meta" / "info.json").is_file():  # a run stopped after collecting goes on from its rollouts
         made_with = rollouts / "meta" / COLLECTION_FILE
         saved = json.loads(made_with.read_text()) if made_with.is_file() else {}
@@ -107,6 +121,8 @@ def run_steer(cfg: SteerConfig) -> dict[str, Any]:
     collected_s = time.time() - start
     steering, metrics = train(cfg, data, tuple(policy.noise_shape), policy.latent_dim)
     steering.base_sha256 = collection["base_sha256"]  # a steering refuses any other base (`SteeredPolicy`)
+    metrics["weights"] = choose_weight(cfg, policy, steering)
+    steering.metrics = metrics
     steering.save(out / "steering", {"checkpoint": cfg.checkpoint, "env": asdict(cfg.env)})
     summary = {"config": asdict(cfg), **metrics, "collect_seconds": round(collected_s, 1),
                "seconds": round(time.time() - start, 1)}  # fmt: skip
@@ -120,57 +136,41 @@ def run_steer(cfg: SteerConfig) -> dict[str, Any]:
 
 
 @torch.no_grad()
-def record_request(policy, obs: dict, obs_step: torch.Tensor, samples: int, generator: torch.Generator):
-    """Sample one chunk per row of ``obs`` from drawn noise and the regression samples of the module docstring.
-    Returns (the chunk's actions (B, H, A), {gate (B, L), x_t (B, K, *S), t (B, K), latents (B, K, L),
-    residual (B, K, *S)})."""
+def record_request(policy, obs: dict, obs_step: torch.Tensor, generator: torch.Generator):
+    """Sample one chunk per row of ``obs`` from drawn noise. Returns (the chunk's actions (B, H, A), {z (B, L) the
+    observation-only latents, x0 (B, *S) the sampler's end})."""
     batch = len(obs_step)
     noise = torch.randn(batch, *policy.noise_shape, generator=generator).to(policy.device)
     seen: dict[str, torch.Tensor] = {}
 
-    def recording(x_t, t, latents):  # adds nothing; keeps the first step's latents and the last step's state
-        seen.setdefault("gate", latents.detach().float().cpu())
+    def recording(x_t, t, latents):  # adds nothing; keeps the last step's state
         seen["x"], seen["t"] = x_t.detach(), t.detach()
         return torch.zeros_like(x_t)
 
     chunk = policy.predict_chunk(obs, obs_step, noise=noise, steer=recording)
     step = seen["t"].view(-1, *[1] * (noise.ndim - 1))  # the last Euler step's time is its size, 1 / n
-    x_0 = seen["x"] - policy.velocity(obs, seen["x"], seen["t"]) * step
-    xs, ts, lats, residuals = [], [], [], []
-    for _ in range(samples):
-        t = torch.rand(batch, generator=generator).to(noise.device)
-        tt = t.view(-1, *[1] * (noise.ndim - 1))
-        x_t = tt * noise + (1 - tt) * x_0
-        xs.append(x_t.float().cpu())
-        ts.append(t.float().cpu())
-        lats.append(policy.latents(obs, x_t, t).float().cpu())
-        residuals.append(((noise - x_0) - policy.velocity(obs, x_t, t)).float().cpu())
-    record = {"gate": seen["gate"], "x_t": torch.stack(xs, 1), "t": torch.stack(ts, 1),
-              "latents": torch.stack(lats, 1), "residual": torch.stack(residuals, 1)}  # fmt: skip
-    return chunk.actions, record
+    x0 = seen["x"] - policy.velocity(obs, seen["x"], seen["t"]) * step
+    return chunk.actions, {"z": observation_latents(policy, obs).cpu(), "x0": x0.float().cpu()}
 
 
 COLLECTION_FILE = "vla_rl_steer_collection.json"  # in the dataset's meta/: what the rollouts were collected with
-# The extra features of a rollout frame (one request), with their shapes: K = samples_per_chunk, S = the
-# policy's noise shape, L = its latent width, (H, A) its chunk.
+COLLECTION_VERSION = 2  # 2: observation-only latents and the sampler's end (1: regression samples of a residual field)
+# The extra features of a rollout frame (one request), with their shapes: S = the policy's noise shape, L = its
+# latent width, (H, A) its chunk.
 ROLLOUT_FEATURES = {
     "steer.chunk": "(H, A) the chunk the frozen policy sampled",
-    "steer.gate": "(L,) latents at t = 1, the failure predictor's input",
-    "steer.x_t": "(K, *S) points on the straight path from the noise to the chunk",
-    "steer.t": "(K,) their times",
-    "steer.latents": "(K, L) the latents there",
-    "steer.residual": "(K, *S) (e - x_0) - v_base(x_t, t), the field's regression target",
+    "steer.z": "(L,) the observation-only latents (the gate's and the RL policy's input)",
+    "steer.x0": "(*S) the sampler's end: the chunk in the policy's normalized units, before any clamp",
     "steer.obs_step": "(1,) the control step of the request's observation",
     "steer.success": "(1,) whether the request's episode succeeded",
     "steer.setting": "(1,) the index of its env.variation in the run's settings (`variations`, or env.variation)",
 }
 
 
-def rollout_features(env, policy, samples: int) -> dict:
+def rollout_features(env, policy) -> dict:
     """LeRobot's features of the rollouts dataset: the env's observations, then `ROLLOUT_FEATURES`."""
     noise, latent, horizon = tuple(policy.noise_shape), policy.latent_dim, policy.config.horizon
-    shapes = {"steer.chunk": (horizon, env.action_dim), "steer.gate": (latent,), "steer.x_t": (samples, *noise),
-              "steer.t": (samples,), "steer.latents": (samples, latent), "steer.residual": (samples, *noise)}  # fmt: skip
+    shapes = {"steer.chunk": (horizon, env.action_dim), "steer.z": (latent,), "steer.x0": noise}
     feats = {k: dict(f) for k, f in env.features.items() if k == OBS_STATE or k.startswith(OBS_IMAGES + ".")}
     feats |= {k: {"dtype": "float32", "shape": shape, "names": None} for k, shape in shapes.items()}
     feats["steer.obs_step"] = feats["steer.setting"] = {"dtype": "int64", "shape": (1,), "names": None}
@@ -199,7 +199,7 @@ def collect_dataset(cfg: SteerConfig, policy, root: Path, collection: dict) -> N
                         per_request = env.control_dt * (cfg.chunking.execute_steps or policy.config.n_action_steps)
                         dataset = LeRobotDataset.create(
                             f"local/steer_{cfg.env.task}", fps=max(1, round(1 / per_request)),
-                            features=rollout_features(env, policy, cfg.samples_per_chunk), root=tmp,
+                            features=rollout_features(env, policy), root=tmp,
                             robot_type="panda", use_videos=False, video_backend=video_backend(),
                         )  # fmt: skip
                     collect(setting, policy, env, dataset, setting_index=k)
@@ -250,7 +250,7 @@ def collect(cfg: SteerConfig, policy, env, dataset, setting_index: int = 0) -> N
                 sub = {k: [v[i] for i in rows.tolist()] if k == TASK else v[rows.to(v.device)]
                        for k, v in obs.items() if k == TASK or torch.is_tensor(v)}  # fmt: skip
                 obs_step = delayed.obs_step[rows]
-                chunk, record = record_request(policy, sub, obs_step, cfg.samples_per_chunk, generator)
+                chunk, record = record_request(policy, sub, obs_step, generator)
                 actions = chunk.new_zeros(n, *chunk.shape[1:])
                 actions[rows.to(actions.device)] = chunk
                 for j, w in enumerate(rows.tolist()):
@@ -287,56 +287,118 @@ def _frame(obs: dict, j: int, chunk: torch.Tensor, record: dict, obs_step: int, 
 # -- train ---------------------------------------------------------------------------------------
 
 
+def decisions(data: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The requests as the critic's transitions (rows in the rollouts' order, each episode's requests in turn):
+    reward (N,) 1 at a successful episode's last request, else 0; done (N,) at each episode's last; next_z (N, L)
+    the next request's latents (its own at the last, unread there)."""
+    episode = data["episode"]
+    done = torch.ones(len(episode), dtype=torch.bool)
+    done[:-1] = episode[1:] != episode[:-1]
+    next_z = data["z"].clone()
+    next_z[:-1] = torch.where(done[:-1, None], data["z"][:-1], data["z"][1:])
+    return {"z": data["z"].float(), "x0": data["x0"].float(), "next_z": next_z.float(), "done": done,
+            "reward": (done & data["success"].bool()).float()}  # fmt: skip
+
+
 def train(cfg: SteerConfig, data: dict[str, torch.Tensor], noise_shape: tuple[int, ...], latent_dim: int):
     """Stage 2 on the collected ``data``: (the `Steering`, its metrics)."""
     generator = torch.Generator().manual_seed(cfg.seed + 1)
+    torch.manual_seed(cfg.seed + 1)  # the networks' initial weights
     episodes = torch.unique(data["episode"])
     order = episodes[torch.randperm(len(episodes), generator=generator)]
     held = set(order[: max(1, round(len(order) * cfg.held_out_fraction))].tolist())
     is_held = torch.tensor([int(e) in held for e in data["episode"]])
     fail = ~data["success"].bool()
     steering = Steering(noise_shape, latent_dim, cfg.hidden)
-    train_rows, held_rows = ~is_held, is_held
-    predictor_loss = train_predictor(steering.predictor, data["gate"][train_rows], fail[train_rows], cfg.predictor_steps,
-                                     cfg.lr, cfg.batch_size, generator)  # fmt: skip
+    rows = decisions(data)
+    train_rows = {k: v[~is_held] for k, v in rows.items()}
+    critic = ChunkCritic(noise_shape, latent_dim, cfg.hidden)
+    critic_loss = train_critic(critic, train_rows, cfg.critic_steps, cfg.critic_lr, cfg.batch_size, cfg.gamma,
+                               cfg.expectile, generator)  # fmt: skip
     with torch.no_grad():
-        held_prob = torch.sigmoid(steering.predictor(data["gate"][held_rows]))
-    train_logit = _out_of_fold_logits(cfg, data["gate"][train_rows], fail[train_rows], data["episode"][train_rows],
-                                      latent_dim, generator)  # fmt: skip
-    gate = choose_threshold(held_prob, fail[held_rows])
+        advantage = critic.q(train_rows["z"], train_rows["x0"]) - critic.v(train_rows["z"])
+    weights = advantage_weights(advantage, cfg.beta)
+    flow_loss = train_flow_policy(steering.flow, train_rows["z"], train_rows["x0"], weights, cfg.flow_steps, cfg.lr,
+                                  cfg.batch_size, generator)  # fmt: skip
+    predictor_loss = train_predictor(steering.predictor, train_rows["z"], fail[~is_held], cfg.predictor_steps, cfg.lr,
+                                     cfg.batch_size, generator)  # fmt: skip
+    with torch.no_grad():
+        held_prob = torch.sigmoid(steering.predictor(rows["z"][is_held]))
+    gate = choose_threshold(held_prob, fail[is_held])
     steering.threshold = gate["threshold"]
-    # The field's samples: every regression sample of every training request, with its request's weight.
-    k = data["t"].shape[1]
-    weights = advantage_weights(data["success"][train_rows], train_logit, cfg.beta).repeat_interleave(k)
-    flat = {name: data[name][train_rows].flatten(0, 1) for name in ("x_t", "t", "latents", "residual")}
-    field_loss = train_field(steering.field, flat, weights, cfg.field_steps, cfg.lr, cfg.batch_size, generator)
+    first = rows["done"].roll(1)  # each episode's first request (the one after the last's)
     metrics = {
         "requests": len(data["episode"]), "episodes": len(episodes), "held_out_episodes": len(held),
-        "success_rate": round(float(data["success"].float().mean()), 4),
+        "episode_success_rate": round(float(data["success"][first].float().mean()), 4),
+        "request_success_rate": round(float(data["success"].float().mean()), 4),
         "gate": {**{key: None if v is None else round(v, 4) for key, v in gate.items()},
                  "steered_fraction_held_out": round(float((held_prob > steering.threshold).float().mean()), 4)},
+        "critic_loss": {"first": round(critic_loss[0], 5), "last": round(critic_loss[-1], 5)},
+        "flow_loss": {"first": round(flow_loss[0], 5), "last": round(flow_loss[-1], 5)},
         "predictor_loss": {"first": round(predictor_loss[0], 5), "last": round(predictor_loss[-1], 5)},
-        "field_loss": {"first": round(field_loss[0], 5), "last": round(field_loss[-1], 5)},
-        "weights": {"mean": round(float(weights.mean()), 4), "max": round(float(weights.max()), 4)},
+        "advantage_weights": {"mean": round(float(weights.mean()), 4), "max": round(float(weights.max()), 4),
+                              "effective_share": round(float(weights.sum() ** 2 / (weights.pow(2).sum() * len(weights))), 4)},
     }  # fmt: skip
     steering.metrics = metrics
     return steering.eval(), metrics
 
 
-def _out_of_fold_logits(cfg: SteerConfig, gate: torch.Tensor, fail: torch.Tensor, episode: torch.Tensor,
-                        latent_dim: int, generator: torch.Generator) -> torch.Tensor:  # fmt: skip
-    """(N,) failure logits of the training requests, each from a predictor fitted on the other fold of episodes: a
-    value baseline fitted on the very requests it weighs would learn their outcomes, and every weight would be
-    about 1. One fold when there are too few episodes: the fitted predictor's own logits."""
-    from vla_rl.steering import FailurePredictor
+# -- choose the weight ---------------------------------------------------------------------------
 
-    episodes = torch.unique(episode)
-    fold = torch.isin(episode, episodes[torch.randperm(len(episodes), generator=generator)][: len(episodes) // 2])
-    logits = torch.empty(len(gate))
-    for scored in (fold, ~fold):
-        fitted = FailurePredictor(latent_dim)
-        rows = ~scored if (~scored).any() else scored
-        train_predictor(fitted, gate[rows], fail[rows], cfg.predictor_steps, cfg.lr, cfg.batch_size, generator)
-        with torch.no_grad():
-            logits[scored] = fitted(gate[scored])
-    return logits
+
+def choose_weight(cfg: SteerConfig, policy, steering: Steering) -> dict[str, Any]:
+    """Stage 3: the episode success of the gated steered policy with each of ``cfg.weights`` on ``choose_episodes``
+    episodes per setting from seed ``cfg.seed + 500``; sets ``steering.weight`` to the best (of equal rates the
+    smallest) and returns {"chosen": w, "success": {w: rate}}. ``choose_episodes`` 0: the largest, unchosen."""
+    from sim.factory import make_env
+
+    if not cfg.choose_episodes:
+        steering.weight = max(cfg.weights)
+        return {"chosen": steering.weight, "success": {}}
+    rates = {}
+    for w in sorted(cfg.weights):
+        steered = SteeredPolicy(policy, steering, "gated", w)
+        successes = episodes = 0
+        for variation in cfg.variations or [cfg.env.variation]:
+            setting = replace(cfg, env=replace(cfg.env, variation=variation), seed=cfg.seed + 500,
+                              episodes=cfg.choose_episodes)  # fmt: skip
+            with make_env(setting.env) as env:
+                outcomes = rollout_outcomes(setting, steered, env)
+            successes, episodes = successes + int(outcomes.sum()), episodes + len(outcomes)
+        rates[w] = successes / episodes
+    best = max(rates, key=lambda w: (rates[w], -w))
+    steering.weight = best
+    return {"chosen": best, "success": {str(w): round(r, 4) for w, r in rates.items()}}
+
+
+@torch.no_grad()
+def rollout_outcomes(cfg: SteerConfig, policy, env) -> np.ndarray:
+    """(episodes,) bool: the successes of each world's first ceil(cfg.episodes / N) episodes from seed ``cfg.seed``,
+    through the latency model as stage 1 runs them."""
+    from vla_core.runtime.delayed_env import DelayedChunkEnv, step_policy_of
+
+    torch.manual_seed(cfg.seed)
+    n = env.num_envs
+    delayed = DelayedChunkEnv(env, LatencySpec.of(policy), cfg.chunking, DelayModel(cfg.delay, env.control_dt),
+                              step_policy=step_policy_of(policy))  # fmt: skip
+    obs, need = delayed.reset(seed=cfg.seed)
+    per_world = -(-cfg.episodes // n)
+    finished, outcomes = np.zeros(n, dtype=np.int64), []
+    with tqdm(total=per_world * n, desc="choose w", unit="ep", leave=False) as bar:
+        while (finished < per_world).any():
+            rows = torch.nonzero(need.cpu()).flatten()
+            actions = torch.zeros(n, policy.config.horizon, policy.config.action_dim)
+            if len(rows):
+                sub = {k: [v[i] for i in rows.tolist()] if k == TASK else v[rows.to(v.device)]
+                       for k, v in obs.items() if k == TASK or torch.is_tensor(v)}  # fmt: skip
+                chunk = policy.predict_chunk(sub, delayed.obs_step[rows]).actions
+                actions = chunk.new_zeros(n, *chunk.shape[1:])
+                actions[rows.to(actions.device)] = chunk
+            obs, _, terminated, truncated, info, need = delayed.step(ActionChunk(actions, delayed.obs_step))
+            for w in torch.nonzero((terminated | truncated).cpu()).flatten().tolist():
+                if finished[w] < per_world:
+                    outcomes.append(bool(info["success"][w]))
+                    bar.update()
+                finished[w] += 1
+            interrupt.raise_if_stopped()
+    return np.array(outcomes)

@@ -1,38 +1,38 @@
-"""RL²'s latent steering of a frozen flow policy: the steering field, the failure predictor, the gate and the
-learner, the math in view. `vla-rl steer` (`vla_rl.steer`) collects the data and runs the learner;
-`vla-rl eval --steer.dir=DIR` serves the steered policy.
+"""RL²'s latent steering of a frozen flow policy, as its paper builds it: a small offline-RL flow policy on the
+action expert's observation-only latents, its velocity composed with the frozen policy's, switched on by a failure
+predictor that judges the state. `vla-rl steer` (`vla_rl.steer`) collects the data and runs the learner;
+`vla-rl eval --steer.dir=DIR` and `vla-rl serve` run the steered policy.
 
-At inference the field adds to the frozen policy's flow velocity at every Euler step,
+Observation-only latents. z = latents(obs, 0, t = 1): the action expert's pooled hidden state (`FlowSteerable.
+latents`) at a fixed input, the noise's mean at its time. It depends on the observation alone, so the gate and the
+RL policy judge the state, not the draw of noise (the latents along the sampler's path change with every noise).
 
-    v(x_t, t) = v_base(x_t, t) + w * g * v_steer(x_t, t, z_t),
+At inference, in a chunk the gate steers, every Euler step's velocity becomes
 
-z_t the action expert's pooled hidden state (`FlowSteerable.latents`), w the steering weight and g the
-gate: 1 where the failure predictor's probability, read once per chunk from the latents at t = 1 (the
-noise, before any step), is above the threshold chosen on held-out rollouts (``gated``); 1 everywhere
-(``always``).
+    v(x_t, t) = v_base(x_t, t) + w * (v_RL(x_t, t, z) - v_base(x_t, t)),
 
-The learner is Q-weighted flow matching, offline, on the frozen policy's own rollouts. For a request with
-initial noise e whose sampler ended at x_0 (its chunk, in the policy's normalized units) and a time
-t ~ U(0, 1), at x_t = t e + (1 - t) x_0 the composed velocity should be the straight path's, e - x_0, so
-the field regresses the residual
+w the steering weight (1: the RL policy's velocity alone; `vla-rl steer` chooses it on held-out rollouts); the
+gate is 1 where the failure predictor's probability from z is above the threshold chosen on held-out episodes
+(``gated``), 1 everywhere (``always``). Unsteered chunks are the frozen policy's, bit for bit.
 
-    r = (e - x_0) - v_base(x_t, t),     loss = sum_i a_i |v_steer(x_t, t, z_t) - r_i|^2 / sum_i a_i,
+The learner, offline on the frozen policy's own rollouts. A decision is a request: its state z, its action the
+sampler's end x_0 (the chunk in the policy's normalized units, before any clamp; shape ``noise_shape``), its reward
+1 at the episode's last request when the episode succeeded, else 0 (sparse and terminal: at zero delay the last
+request's rows are the ones running when the episode ends), discount ``gamma`` per request.
 
-each sample weighted by a_i = min(exp((Q_i - V_i) / beta), 20): Q_i the Monte-Carlo return of its chunk
-(its episode's success, 1 or 0, undiscounted: the reward is sparse and terminal) and V_i = 1 - p_fail(z_1)
-the predictor's success probability for the same request, the baseline. Successful chunks from states that
-usually fail weigh most. Why this and not IQL: the data is one frozen policy's, a few hundred episodes; its
-Monte-Carlo return is an unbiased Q for that policy, so IQL's expectile value and Q networks would add two
-networks and their bias for nothing, and a residual velocity is the action space the base policy already
-samples in (a flow policy cannot take a Gaussian IQL actor's action).
-
-The failure predictor is a logistic MLP on z_1 trained with binary cross-entropy on the training
-episodes' requests; the threshold maximizes Youden's J (true-positive rate of failures minus
-false-positive rate) on the held-out episodes' requests.
+1. A chunk-level critic, IQL: Q(z, x_0) by TD, target r + gamma (1 - done) V(z'), and V(z) by expectile regression
+   (tau) on a slowly updated copy of Q, so V approaches the best return the data shows from z, not its mean.
+2. The RL flow policy by advantage-weighted flow matching: for noise e ~ N(0, I) and t ~ U(0, 1), at
+   x_t = t e + (1 - t) x_0 it regresses the straight path's velocity e - x_0, each sample weighted by
+   a = min(exp((Q(z, x_0) - V(z)) / beta), MAX_WEIGHT); a sharp beta (0.05) keeps the chunks the critic ranks
+   above the state's value and drops the rest, which is how it can move beyond the base's dominant mode.
+3. The failure predictor: a logistic MLP on z, binary cross-entropy on the training episodes' requests (label:
+   the episode failed); the threshold maximizes Youden's J on the held-out episodes' requests.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 from pathlib import Path
@@ -44,27 +44,57 @@ from torch import nn
 
 from vla_core.types import Steer
 
-MAX_WEIGHT = 20.0  # the largest advantage weight: a few rare successes must not be the whole loss
+MAX_WEIGHT = 100.0  # the largest advantage weight: one chunk must not be the whole loss
 SteerMode = str  # "gated" (where the predictor expects failure) or "always"
 STEER_MODES = ("gated", "always")
+VERSION = 2  # of the saved steering: 2 = the RL flow policy on observation-only latents
 
 
-class SteeringField(nn.Module):
-    """v_steer(x_t (B, *noise_shape), t (B,), latents (B, latent_dim)) -> (B, *noise_shape): an MLP on the
-    flattened state, the time and the latents."""
+def mlp(inputs: int, hidden: int, outputs: int, layer_norm: bool = False) -> nn.Sequential:
+    """Two hidden layers of ``hidden`` with GELU (each after a LayerNorm when ``layer_norm``, as critics want)."""
+    layers: list[nn.Module] = []
+    for size in (inputs, hidden):
+        layers += [nn.Linear(size, hidden), *([nn.LayerNorm(hidden)] if layer_norm else []), nn.GELU()]
+    return nn.Sequential(*layers, nn.Linear(hidden, outputs))
+
+
+@torch.no_grad()
+def observation_latents(policy, obs: dict) -> torch.Tensor:
+    """(B, latent_dim) z = latents(obs, 0, t = 1): the action expert's latents at a fixed input (see the module
+    docstring), one expert pass."""
+    batch = len(obs["task"]) if "task" in obs else next(v for v in obs.values() if torch.is_tensor(v)).shape[0]
+    zeros = torch.zeros(batch, *policy.noise_shape, device=policy.device)
+    return policy.latents(obs, zeros, 1.0).float()
+
+
+class RLFlowPolicy(nn.Module):
+    """v_RL(x_t (B, *noise_shape), t (B,), z (B, latent_dim)) -> (B, *noise_shape): an MLP on the flattened state,
+    the time and the observation-only latents."""
 
     def __init__(self, noise_shape: tuple[int, ...], latent_dim: int, hidden: int = 256):
         super().__init__()
         self.noise_shape, self.latent_dim = tuple(noise_shape), latent_dim
         size = math.prod(self.noise_shape)
-        self.net = nn.Sequential(nn.Linear(size + 1 + latent_dim, hidden), nn.GELU(), nn.Linear(hidden, hidden),
-                                 nn.GELU(), nn.Linear(hidden, size))  # fmt: skip
-        nn.init.zeros_(self.net[-1].weight)  # untrained, it steers nowhere
-        nn.init.zeros_(self.net[-1].bias)
+        self.net = mlp(size + 1 + latent_dim, hidden, size)
 
-    def forward(self, x_t: torch.Tensor, t: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
-        flat = torch.cat([x_t.flatten(1), t[:, None].to(x_t.dtype), latents.to(x_t.dtype)], dim=1)
+    def forward(self, x_t: torch.Tensor, t: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        flat = torch.cat([x_t.flatten(1), t[:, None].to(x_t.dtype), z.to(x_t.dtype)], dim=1)
         return self.net(flat).view(len(x_t), *self.noise_shape)
+
+
+class ChunkCritic(nn.Module):
+    """IQL at the chunk level: ``q(z (B, L), x0 (B, *S)) -> (B,)`` and ``v(z) -> (B,)``, LayerNorm MLPs."""
+
+    def __init__(self, noise_shape: tuple[int, ...], latent_dim: int, hidden: int = 256):
+        super().__init__()
+        self.q_net = mlp(latent_dim + math.prod(noise_shape), hidden, 1, layer_norm=True)
+        self.v_net = mlp(latent_dim, hidden, 1, layer_norm=True)
+
+    def q(self, z: torch.Tensor, x0: torch.Tensor) -> torch.Tensor:
+        return self.q_net(torch.cat([z, x0.flatten(1)], dim=1)).squeeze(-1)
+
+    def v(self, z: torch.Tensor) -> torch.Tensor:
+        return self.v_net(z).squeeze(-1)
 
 
 class FailurePredictor(nn.Module):
@@ -79,39 +109,47 @@ class FailurePredictor(nn.Module):
 
 
 class Steering(nn.Module):
-    """The field, the predictor and the threshold, saved together (config.json + model.safetensors)."""
+    """The RL flow policy, the failure predictor, the threshold and the chosen weight, saved together (config.json +
+    model.safetensors). The critic trains them and is not saved."""
 
     def __init__(self, noise_shape: tuple[int, ...], latent_dim: int, hidden: int = 256, threshold: float = 0.5,
-                 metrics: dict[str, Any] | None = None, base_sha256: str = ""):  # fmt: skip
+                 weight: float = 1.0, metrics: dict[str, Any] | None = None, base_sha256: str = ""):  # fmt: skip
         super().__init__()
-        self.field = SteeringField(noise_shape, latent_dim, hidden)
+        self.flow = RLFlowPolicy(noise_shape, latent_dim, hidden)
         self.predictor = FailurePredictor(latent_dim)
-        self.threshold, self.hidden, self.metrics = float(threshold), hidden, dict(metrics or {})
+        self.threshold, self.weight, self.hidden, self.metrics = (
+            float(threshold),
+            float(weight),
+            hidden,
+            dict(metrics or {}),
+        )
         self.base_sha256 = base_sha256  # the weights of the base policy it was trained on ("" = not recorded)
 
-    def steer(self, mode: SteerMode = "gated", weight: float = 1.0) -> Steer:
-        """A `vla_core.types.Steer` for one chunk: the gate is read at its first Euler step (t = 1) and kept."""
+    def steer(self, z: torch.Tensor, mode: SteerMode = "gated", weight: float | None = None) -> Steer:
+        """A `vla_core.types.Steer` for one chunk from its observation-only latents ``z`` (B, L): the gate read from
+        z, the composed velocity's extra w * g * (v_RL - v_base) at every step (``weight`` None: the chosen one)."""
         if mode not in STEER_MODES:
             raise ValueError(f"steer mode must be one of {STEER_MODES}, got {mode!r}")
-        gate: dict[str, torch.Tensor] = {}
+        w = self.weight if weight is None else float(weight)
+        on = torch.sigmoid(self.predictor(z.float())) > self.threshold if mode == "gated" else None
 
-        def steer(x_t: torch.Tensor, t: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
-            if "g" not in gate:  # the first step: the latents of the noise itself
-                fail = torch.sigmoid(self.predictor(latents.float()))
-                on = fail > self.threshold if mode == "gated" else torch.ones_like(fail, dtype=torch.bool)
-                gate["g"] = on.to(x_t.dtype).view(-1, *[1] * (x_t.ndim - 1))
-            if not gate["g"].any():  # no row steered (the common case in distribution): the field costs nothing
+        def steer(x_t: torch.Tensor, t: torch.Tensor, latents: torch.Tensor, velocity: torch.Tensor) -> torch.Tensor:
+            gate = torch.ones(len(x_t), dtype=torch.bool, device=x_t.device) if on is None else on.to(x_t.device)
+            if not gate.any() or w == 0:  # no row steered (the common case in distribution): it costs nothing
                 return torch.zeros_like(x_t)
-            return weight * gate["g"] * self.field(x_t.float(), t, latents.float()).to(x_t.dtype)
+            g = gate.to(x_t.dtype).view(-1, *[1] * (x_t.ndim - 1))
+            v_rl = self.flow(x_t.float(), t, z.to(x_t.device).float()).to(x_t.dtype)
+            return w * g * (v_rl - velocity)
 
+        steer.reads_velocity = True
         return steer
 
     def save(self, directory: Path, extra: dict[str, Any] | None = None) -> None:
         """config.json and model.safetensors in ``directory``, each written atomically."""
         directory.mkdir(parents=True, exist_ok=True)
-        config = {"noise_shape": list(self.field.noise_shape), "latent_dim": self.field.latent_dim,
-                  "hidden": self.hidden, "threshold": self.threshold, "base_sha256": self.base_sha256,
-                  "metrics": self.metrics, **(extra or {})}  # fmt: skip
+        config = {"version": VERSION, "noise_shape": list(self.flow.noise_shape), "latent_dim": self.flow.latent_dim,
+                  "hidden": self.hidden, "threshold": self.threshold, "weight": self.weight,
+                  "base_sha256": self.base_sha256, "metrics": self.metrics, **(extra or {})}  # fmt: skip
         tmp = directory / "model.safetensors.tmp"
         save_file({k: v.contiguous() for k, v in self.state_dict().items()}, str(tmp))
         tmp.replace(directory / "model.safetensors")
@@ -125,8 +163,11 @@ class Steering(nn.Module):
         if not (directory / "config.json").exists():
             raise ValueError(f"{directory} holds no steering (config.json); write one with `vla-rl steer`")
         config = json.loads((directory / "config.json").read_text())
+        if config.get("version") != VERSION:
+            raise ValueError(f"{directory} holds a steering of an earlier vla-rl steer (a residual field on the noise's "
+                             "latents), which this version no longer runs: train it again with `vla-rl steer`")  # fmt: skip
         steering = cls(tuple(config["noise_shape"]), config["latent_dim"], config["hidden"], config["threshold"],
-                       config.get("metrics"), config.get("base_sha256", ""))  # fmt: skip
+                       config["weight"], config.get("metrics"), config.get("base_sha256", ""))  # fmt: skip
         steering.trained_on = config.get("checkpoint", "")
         steering.load_state_dict(load_file(str(directory / "model.safetensors")))
         return steering.eval()
@@ -152,14 +193,15 @@ class WrappedPolicy(nn.Module):
 
 
 class SteeredPolicy(WrappedPolicy):
-    """The frozen ``base`` policy whose every ``predict_chunk`` is steered (see the module docstring)."""
+    """The frozen ``base`` policy whose every ``predict_chunk`` is steered (see the module docstring); ``weight``
+    None takes the one `vla-rl steer` chose."""
 
-    def __init__(self, base: nn.Module, steering: Steering, mode: SteerMode = "gated", weight: float = 1.0):
+    def __init__(self, base: nn.Module, steering: Steering, mode: SteerMode = "gated", weight: float | None = None):
         super().__init__()
-        if tuple(base.noise_shape) != steering.field.noise_shape or base.latent_dim != steering.field.latent_dim:
+        if tuple(base.noise_shape) != steering.flow.noise_shape or base.latent_dim != steering.flow.latent_dim:
             raise ValueError(
-                f"the steering was trained for noise {steering.field.noise_shape} and latents of "
-                f"{steering.field.latent_dim}, the policy has {tuple(base.noise_shape)} and {base.latent_dim}: "
+                f"the steering was trained for noise {steering.flow.noise_shape} and latents of "
+                f"{steering.flow.latent_dim}, the policy has {tuple(base.noise_shape)} and {base.latent_dim}: "
                 "steer the policy it was collected on"
             )
         if steering.base_sha256:
@@ -172,21 +214,71 @@ class SteeredPolicy(WrappedPolicy):
                     f"the steering was trained on another base policy (weights sha256 {steering.base_sha256[:12]}..., "
                     f"this one {sha[:12]}...): steer {where}, or collect and train again with `vla-rl steer` on this one"
                 )
-        self.base, self.steering, self.mode, self.weight = base, steering, mode, float(weight)
-        steering.steer(mode)  # the mode checked now, not at the first chunk
+        self.base, self.steering, self.mode = base, steering, mode
+        self.weight = steering.weight if weight is None else float(weight)  # None: the weight `vla-rl steer` chose
+        if mode not in STEER_MODES:  # checked now, not at the first chunk
+            raise ValueError(f"steer mode must be one of {STEER_MODES}, got {mode!r}")
 
     def predict_chunk(self, obs, obs_step=None, **kwargs):
-        return self.base.predict_chunk(obs, obs_step, steer=self.steering.steer(self.mode, self.weight), **kwargs)
+        z = observation_latents(self.base, obs)  # one expert pass more per chunk
+        return self.base.predict_chunk(obs, obs_step, steer=self.steering.steer(z, self.mode, self.weight), **kwargs)
 
 
 # -- the learner ---------------------------------------------------------------------------------
 
 
-def advantage_weights(success: torch.Tensor, fail_logit: torch.Tensor, beta: float) -> torch.Tensor:
-    """(N,) a_i = min(exp((Q_i - V_i) / beta), MAX_WEIGHT): Q the episode's success (N,) in {0, 1}, V = 1 -
-    sigmoid(fail_logit) (N,) the predictor's success probability."""
-    value = 1.0 - torch.sigmoid(fail_logit)
-    return torch.exp((success.float() - value) / beta).clamp(max=MAX_WEIGHT)
+def train_critic(critic: ChunkCritic, data: dict[str, torch.Tensor], steps: int, lr: float, batch_size: int,
+                 gamma: float, expectile: float, generator: torch.Generator, polyak: float = 0.005) -> list[float]:  # fmt: skip
+    """IQL on the requests ``data``: z (N, L), x0 (N, *S), reward (N,), next_z (N, L), done (N,) bool. V regresses
+    the ``expectile`` of a slowly updated (``polyak``) copy of Q; Q regresses r + gamma (1 - done) V(next_z).
+    Returns the sum of both losses per step."""
+    target = copy.deepcopy(critic).requires_grad_(False)
+    optimizer = torch.optim.Adam(critic.parameters(), lr=lr)
+    losses = []
+    for _ in range(steps):
+        batch = torch.randint(len(data["reward"]), (batch_size,), generator=generator)  # with replacement
+        z, x0, next_z = data["z"][batch], data["x0"][batch], data["next_z"][batch]
+        with torch.no_grad():
+            q_target = target.q(z, x0)
+            backup = data["reward"][batch] + gamma * (~data["done"][batch]).float() * critic.v(next_z)
+        diff = q_target - critic.v(z)
+        v_loss = (torch.abs(expectile - (diff < 0).float()) * diff.pow(2)).mean()
+        q_loss = (critic.q(z, x0) - backup).pow(2).mean()
+        optimizer.zero_grad()
+        (v_loss + q_loss).backward()
+        optimizer.step()
+        with torch.no_grad():
+            for p, p_target in zip(critic.parameters(), target.parameters(), strict=True):
+                p_target.lerp_(p, polyak)
+        losses.append((v_loss + q_loss).item())
+    return losses
+
+
+def advantage_weights(advantage: torch.Tensor, beta: float) -> torch.Tensor:
+    """(N,) a_i = min(exp(A_i / beta), MAX_WEIGHT) from the critic's advantages (N,)."""
+    return torch.exp(advantage / beta).clamp(max=MAX_WEIGHT)
+
+
+def train_flow_policy(flow: RLFlowPolicy, z: torch.Tensor, x0: torch.Tensor, weights: torch.Tensor, steps: int,
+                      lr: float, batch_size: int, generator: torch.Generator) -> list[float]:  # fmt: skip
+    """Advantage-weighted flow matching (the module docstring) on the requests z (N, L), x0 (N, *S), weights (N,):
+    each step draws fresh noise and times. Returns the weighted loss per step."""
+    optimizer = torch.optim.Adam(flow.parameters(), lr=lr)
+    losses = []
+    for _ in range(steps):
+        batch = torch.randint(len(weights), (batch_size,), generator=generator)  # with replacement
+        target = x0[batch]
+        noise = torch.randn(target.shape, generator=generator)
+        t = torch.rand(batch_size, generator=generator)
+        tt = t.view(-1, *[1] * (target.ndim - 1))
+        predicted = flow(tt * noise + (1 - tt) * target, t, z[batch])
+        error = (predicted - (noise - target)).pow(2).flatten(1).sum(1)  # (B,)
+        loss = (weights[batch] * error).sum() / weights[batch].sum()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
 
 
 def train_predictor(predictor: FailurePredictor, latents: torch.Tensor, fail: torch.Tensor, steps: int, lr: float,
@@ -226,21 +318,3 @@ def choose_threshold(fail_prob: torch.Tensor, fail: torch.Tensor) -> dict[str, f
     diff = fail_prob[fail][:, None] - fail_prob[~fail][None, :]
     best["auc"] = float(((diff > 0).float() + 0.5 * (diff == 0).float()).mean())
     return best
-
-
-def train_field(field: SteeringField, data: dict[str, torch.Tensor], weights: torch.Tensor, steps: int, lr: float,
-                batch_size: int, generator: torch.Generator) -> list[float]:  # fmt: skip
-    """The weighted residual regression of the module docstring on ``data`` (x_t (N, *S), t (N,), latents (N, L),
-    residual (N, *S)) with ``weights`` (N,); returns the weighted loss per step."""
-    optimizer = torch.optim.Adam(field.parameters(), lr=lr)
-    losses = []
-    for _ in range(steps):
-        batch = torch.randint(len(weights), (batch_size,), generator=generator)  # with replacement
-        predicted = field(data["x_t"][batch], data["t"][batch], data["latents"][batch])
-        error = (predicted - data["residual"][batch]).pow(2).flatten(1).sum(1)  # (B,)
-        loss = (weights[batch] * error).sum() / weights[batch].sum()
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses

@@ -151,7 +151,7 @@ class Sampler:
                 target, weights = self.guidance
                 v = guided_velocity(lambda z: velocity(z, t), x, times[k], target, weights, self.max_guidance)
             if self.steer is not None:
-                v = v + steering(self.steer, x, t, self.latents.latest.detach())
+                v = v + steering(self.steer, x, t, self.latents.latest.detach(), v)
             return x + dt * v
 
         std = self.std.to(noise)
