@@ -482,3 +482,31 @@ def test_eval_with_draws_per_state_reports_the_best_of_them(tiny_checkpoint, tmp
         with pytest.raises(ValueError, match=match):
             evaluate(replace(cfg, draws_per_state=bad, output_dir=str(tmp_path / "bad")))
     assert not (tmp_path / "bad").exists()
+
+
+def test_eval_with_a_noise_scale_samples_from_that_multiple_of_each_requests_noise(tmp_path, monkeypatch):
+    """--noise_seed=0 --noise_scale=1.5: request k of episode 0 starts its sampler from 1.5 request_noise(0, 0, k)
+    (8 steps, 4 executed a chunk: requests 0 and 1 at least), bit for bit; with steering too it is refused."""
+    from tiny_policies import save_lift_flow_policy
+
+    from policies.diffusion.modeling_diffusion import DiffusionPolicy
+    from vla_core.runtime import request_noise
+    from vla_rl.eval import SteerEvalConfig
+
+    save_lift_flow_policy(tmp_path / "policy", image_size=32)
+    seen, original = [], DiffusionPolicy.predict_chunk
+
+    def recording(self, obs, obs_step=None, **kwargs):
+        seen.append(kwargs["noise"].clone())
+        return original(self, obs, obs_step, **kwargs)
+
+    monkeypatch.setattr(DiffusionPolicy, "predict_chunk", recording)
+    cfg = EvalConfig(checkpoint=str(tmp_path / "policy"), num_episodes=1, noise_seed=0, noise_scale=1.5,
+                     env=EnvConfig(num_envs=1, max_episode_steps=8, image_size=32, num_threads=1, render_threads=1),
+                     video_episodes=0, output_dir=str(tmp_path / "eval"))  # fmt: skip
+    result = evaluate(cfg)
+    assert len(seen) >= 2 and result["config"]["noise_scale"] == 1.5
+    for k in range(2):
+        assert torch.equal(seen[k], 1.5 * request_noise(0, 0, k, 8, 4))
+    with pytest.raises(ValueError, match="--noise_scale probes the base's own noise and --steer.dir steers it"):
+        evaluate(replace(cfg, steer=SteerEvalConfig(dir=str(tmp_path)), output_dir=str(tmp_path / "both")))

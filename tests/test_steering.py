@@ -179,6 +179,29 @@ def test_the_gate_reads_the_state_and_the_steered_rows_follow_the_composed_veloc
         SteeredPolicy(policy, steering_for(policy, [0.0, 0.0], 0.0)[0], "sometimes")
 
 
+def test_the_noise_scaled_policy_samples_from_sigma_times_the_noise():
+    """Given noise e: the chunk the base makes of 1.5 e, bit for bit; with none: 1.5 times the standard normal draw
+    torch's stream gives next. A scale <= 0 and a policy without flow noise are refused, naming why."""
+    from vla_rl.steering import NoiseScaledPolicy
+
+    policy = make_policy("diffusion-flow")
+    obs, noise = observation(), torch.randn(B, H, A, generator=torch.Generator().manual_seed(2))
+    scaled = NoiseScaledPolicy(policy, 1.5)
+    expected = policy.predict_chunk(obs, noise=1.5 * noise).actions
+    torch.testing.assert_close(scaled.predict_chunk(obs, noise=noise).actions, expected, rtol=0, atol=0)
+    assert (expected - policy.predict_chunk(obs, noise=noise).actions).abs().max() > 1e-3  # the scale shows
+    torch.manual_seed(7)
+    drawn = scaled.predict_chunk(obs).actions
+    torch.manual_seed(7)
+    torch.testing.assert_close(
+        drawn, policy.predict_chunk(obs, noise=1.5 * torch.randn(B, H, A)).actions, rtol=0, atol=0
+    )
+    with pytest.raises(ValueError, match="noise scale must be > 0"):
+        NoiseScaledPolicy(policy, 0.0)
+    with pytest.raises(ValueError, match="a noise scale needs a flow policy: .*--policy.objective=flow"):
+        NoiseScaledPolicy(make_policy("diffusion"), 1.5)
+
+
 def test_a_request_records_the_state_latents_and_the_samplers_end():
     """x0 is the sampler's end (an Euler integral over the velocity hook, by hand here) and z the observation-only
     latents."""

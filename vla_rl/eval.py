@@ -100,6 +100,9 @@ class EvalConfig:
     # >= 0: the sampler's initial noise of request k of the plan's episode e is drawn from (noise_seed, e, k)
     # (`vla_core.runtime.noise`), as `vla-rl serve --noise_seed` draws it on the robot; -1: from torch's stream.
     noise_seed: int = -1
+    # The sampler's initial noise times this (a flow policy; 1 = as trained): the sigma probe that bounds the noise
+    # DSRL may steer in (`vla_rl.steering.NoiseScaledPolicy`).
+    noise_scale: float = 1.0
     # Latent steering (RL²) of the frozen policy by a `vla-rl steer` output (`vla_rl.steering`): none by default.
     steer: SteerEvalConfig = field(default_factory=lambda: SteerEvalConfig())
     video_episodes: int = 4  # episodes shown in rollouts.mp4 (0 = no video)
@@ -163,6 +166,12 @@ def evaluate(cfg: EvalConfig, policy=None, expected_weights: str | None = None) 
     if not cfg.steer.dir and (cfg.steer.mode, cfg.steer.weight) != (SteerEvalConfig.mode, SteerEvalConfig.weight):
         raise ValueError("--steer.mode and --steer.weight steer nothing without --steer.dir (a `vla-rl steer` "
                          "output's steering/ folder): pass it, or drop them")  # fmt: skip
+    if cfg.noise_scale != 1.0 and cfg.steer.dir:
+        raise ValueError("--noise_scale probes the base's own noise and --steer.dir steers it: pass one")
+    if cfg.noise_scale != 1.0:
+        from vla_rl.steering import NoiseScaledPolicy
+
+        policy = NoiseScaledPolicy(policy, cfg.noise_scale)  # refuses a scale <= 0 or a policy without flow noise
     if cfg.steer.dir:
         from vla_rl.steering import SteeredPolicy, Steering
 

@@ -58,12 +58,16 @@ def mlp(inputs: int, hidden: int, outputs: int, layer_norm: bool = False) -> nn.
     return nn.Sequential(*layers, nn.Linear(hidden, outputs))
 
 
+def batch_size(obs: dict) -> int:
+    """The number of samples in an observation batch (its first tensor's leading size)."""
+    return next(v for v in obs.values() if torch.is_tensor(v)).shape[0]
+
+
 @torch.no_grad()
 def observation_latents(policy, obs: dict) -> torch.Tensor:
     """(B, latent_dim) z = latents(obs, 0, t = 1): the action expert's latents at a fixed input (see the module
     docstring), one expert pass."""
-    batch = len(obs["task"]) if "task" in obs else next(v for v in obs.values() if torch.is_tensor(v)).shape[0]
-    zeros = torch.zeros(batch, *policy.noise_shape, device=policy.device)
+    zeros = torch.zeros(batch_size(obs), *policy.noise_shape, device=policy.device)
     return policy.latents(obs, zeros, 1.0).float()
 
 
@@ -190,6 +194,30 @@ class WrappedPolicy(nn.Module):
             return super().__getattr__(name)
         except AttributeError:
             return getattr(self._modules["base"], name)
+
+
+class NoiseScaledPolicy(WrappedPolicy):
+    """The frozen ``base`` flow policy sampling from ``sigma`` times its initial noise: a given noise e (B, *S)
+    becomes sigma e, and with none, sigma times a standard normal draw from torch's stream. What the sigma probe
+    runs (`vla-rl eval --noise_scale`): how far outside its training noise the base keeps working bounds a noise
+    space an agent (DSRL) may steer in."""
+
+    def __init__(self, base: nn.Module, sigma: float):
+        super().__init__()
+        try:
+            check_steerable(base)  # the noise DSRL steers is a flow policy's
+        except ValueError as err:
+            raise ValueError(
+                f"a noise scale needs a flow policy: {str(err).removeprefix('steering needs a flow policy: ')}"
+            ) from None
+        if not sigma > 0:
+            raise ValueError(f"the noise scale must be > 0, got {sigma}")
+        self.base, self.sigma = base, float(sigma)
+
+    def predict_chunk(self, obs, obs_step=None, noise=None, **kwargs):
+        if noise is None:
+            noise = torch.randn(batch_size(obs), *self.base.noise_shape, device=self.base.device)
+        return self.base.predict_chunk(obs, obs_step, noise=self.sigma * noise, **kwargs)
 
 
 class SteeredPolicy(WrappedPolicy):
