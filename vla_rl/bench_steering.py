@@ -71,6 +71,9 @@ Protocol history:
   policy's training steps; every other steer setting is `vla-rl steer`'s default (critic 3,000 steps). The
   always-steer arm runs the same steering in every chunk at the chosen w. Success is reported per episode; the
   steer stage's summary gives request-level success beside it. Nothing of the gate or the targets changes.
+- 2026-12-07, results of seed 1's gate, recorded after it (README.md): ``headroom_ood=+27.8 cells=3/8``, the same
+  three cells kept as on seed 0: ``camera`` (+28.3), ``position_far`` (+32.3), ``camera_far`` (+22.8); in
+  distribution 0.997. It crashed natively once in its ``camera`` cell and was resumed with the same command.
 """
 
 from __future__ import annotations
