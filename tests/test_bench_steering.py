@@ -3,6 +3,7 @@ line's figures recomputed here from the cells the JSON holds."""
 
 import json
 import re
+from dataclasses import asdict
 
 import pytest
 from extras import require
@@ -77,11 +78,51 @@ def test_the_final_figures_are_the_cells_differences_in_points():
              "lighting": {"base": 0.60, "always": 0.62, "gated": 0.65, "dsrl": 0.50}}  # fmt: skip
     table = {(c, a): {"episodes": 100, "successes": round(100 * r), "success_rate": r, "success_ci95": [0, 1]}
              for c, arms in rates.items() for a, r in arms.items()}  # fmt: skip
-    report = _report(BenchSteeringConfig(variations=["position", "lighting"]), table, {}, 60.0)
+    report = _report(asdict(BenchSteeringConfig()), table, {}, 60.0, None, ["position", "lighting"])
     assert final_line(report) == "gated_gain_ood=+10.0 gated_loss_id=+2.0 dsrl_gain_ood=+0.0"
     assert report["always_gain_ood"] == 6.0 and report["base_floor_met"]
     assert report["dsrl_loss_id"] == 1.0  # 0.80 - 0.79 in distribution
     assert report["gain_per_cell"]["gated"] == {"position": 15.0, "lighting": 5.0}
+
+
+def seed_report(rates: dict[str, dict[str, int]], headroom: dict[str, tuple[float, bool]]) -> dict:
+    """A finished seed's report with 100 episodes a cell: ``rates`` successes by cell and arm, ``headroom`` each
+    setting's (points, kept)."""
+    from vla_rl.bench_steering import BenchSteeringConfig
+
+    kept = [v for v, (_, k) in headroom.items() if k]
+    cells = {c: {a: {"episodes": 100, "successes": n, "success_rate": n / 100} for a, n in arms.items()}
+             for c, arms in rates.items()}  # fmt: skip
+    return {"config": {**asdict(BenchSteeringConfig()), "variations": list(headroom)[1:]}, "cells": cells,
+            "headroom": {v: {"mean": 0.5, "headroom_points": p, "kept": k} for v, (p, k) in headroom.items()},
+            "kept": kept, "steering_ran": True, "minutes": 10.0,
+            "headroom_ood": sum(headroom[v][0] for v in kept) / len(kept)}  # fmt: skip
+
+
+def test_seeds_pool_the_cells_kept_on_every_seed_and_average_the_headroom():
+    """Seed 0 keeps camera and size (headroom 20, 30: +25.0), seed 1 keeps camera only (+16.0): pooled headroom_ood
+    is their mean, +20.5, and the arms pool over camera alone. Camera: base 40 + 50 of 200, gated 60 + 56 (+13.0
+    points), DSRL 40 + 50 (+0.0); in distribution base 98 + 100, gated 97 + 99 (a loss of 1.0 point)."""
+    from vla_rl.bench_steering import final_line, pool_steering
+
+    id0 = {"base": 98, "always": 98, "gated": 97, "dsrl": 98}
+    id1 = {"base": 100, "always": 100, "gated": 99, "dsrl": 100}
+    seed0 = seed_report({"in_distribution": id0, "camera": {"base": 40, "always": 45, "gated": 60, "dsrl": 40},
+                         "size": {"base": 10, "always": 10, "gated": 90, "dsrl": 10}},
+                        {"in_distribution": (0.0, False), "camera": (20.0, True), "size": (30.0, True)})  # fmt: skip
+    seed1 = seed_report({"in_distribution": id1, "camera": {"base": 50, "always": 50, "gated": 56, "dsrl": 50}},
+                        {"in_distribution": (0.0, False), "camera": (16.0, True), "size": (4.0, False)})  # fmt: skip
+    pooled = pool_steering({0: seed0, 1: seed1})
+    assert pooled["kept"] == ["camera"] and pooled["headroom"]["size"]["kept_on"] == [0]
+    assert (
+        pooled["cells"]["camera"]["gated"]["successes"] == 116 and pooled["cells"]["camera"]["gated"]["episodes"] == 200
+    )
+    assert (
+        final_line(pooled) == "gated_gain_ood=+13.0 gated_loss_id=+1.0 dsrl_gain_ood=+0.0 headroom_ood=+20.5 cells=1/2"
+    )
+    assert pooled["config"]["seeds"] == [0, 1] and set(pooled["seeds"]) == {"0", "1"}
+    stopped = pool_steering({0: {**seed0, "steering_ran": False}, 1: seed1})
+    assert final_line(stopped) == "headroom_ood=+20.5 cells=1/2"
 
 
 def test_a_run_stopped_at_the_headroom_gate_prints_only_the_gate():

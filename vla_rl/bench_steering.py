@@ -74,6 +74,10 @@ Protocol history:
 - 2026-12-07, results of seed 1's gate, recorded after it (README.md): ``headroom_ood=+27.8 cells=3/8``, the same
   three cells kept as on seed 0: ``camera`` (+28.3), ``position_far`` (+32.3), ``camera_far`` (+22.8); in
   distribution 0.997. It crashed natively once in its ``camera`` cell and was resumed with the same command.
+- 2026-12-07, an addition (nothing of a seed's run changes): ``--seeds=[0,1]`` runs each seed as its own resumable
+  run in ``<output_dir>/seed<s>`` and pools them (`pool_steering`): each seed's final line, then the pooled line
+  with `` seeds=<s,...>`` appended; the targets stay judged on each seed. The two gates read back pooled:
+  ``headroom_ood=+28.4 cells=3/8 seeds=0,1``.
 """
 
 from __future__ import annotations
@@ -124,6 +128,9 @@ class BenchSteeringConfig:
     headroom_seed: int = 20000
     headroom_gate: float = 15.0
     headroom_only: bool = False  # stop after the headroom table (probing a base): no steering arm runs
+    # Several training seeds, each its own resumable run of the protocol in <output_dir>/seed<s>, then pooled
+    # (`pool_steering`); empty = the one run of ``seed`` in output_dir.
+    seeds: list[int] = field(default_factory=list)
     num_threads: int = 0
     output_dir: str = "outputs/bench/steering"  # quick runs go to <output_dir>/quick
     quick: bool = False
@@ -149,15 +156,28 @@ class BenchSteeringConfig:
 
 
 def bench_steering(cfg: BenchSteeringConfig) -> dict[str, Any]:
-    from vla_rl import stages
-    from vla_rl.bench_stages import record_demos, train_imitation
-
+    """Run the protocol of the module docstring; returns (and writes as ``steering.json``) its report. With
+    ``cfg.seeds``, each seed's run and their pooled figures (``pooled.json``, `pool_steering`)."""
     cfg.apply_quick()
     _ = cfg.action_bounds  # --clamp refused in one line before any stage runs
     if cfg.headroom_draws < 2 or cfg.headroom_states < 1:
         raise ValueError(f"the headroom gate needs --headroom_draws >= 2 and --headroom_states >= 1 (the best of "
                          f"several draws per state), got {cfg.headroom_draws} and {cfg.headroom_states}")  # fmt: skip
     out = Path(cfg.output_dir) / "quick" if cfg.quick else Path(cfg.output_dir)
+    if cfg.seeds:
+        from vla_rl.bench_stages import seed_runs
+
+        pooled = pool_steering(seed_runs(cfg, lambda seed: out / f"seed{seed}", "steering.json", _bench_one_seed))
+        write_text_atomic(out / "pooled.json", json.dumps(pooled, indent=2))
+        return pooled
+    return _bench_one_seed(cfg, out)
+
+
+def _bench_one_seed(cfg: BenchSteeringConfig, out: Path) -> dict[str, Any]:
+    """The protocol for ``cfg.seed`` in ``out``: its report, also written as ``out / "steering.json"``."""
+    from vla_rl import stages
+    from vla_rl.bench_stages import record_demos, train_imitation
+
     out.mkdir(parents=True, exist_ok=True)
     _same_run(cfg, out / "bench_config.json")
     start = time.time()
@@ -200,7 +220,7 @@ def bench_steering(cfg: BenchSteeringConfig) -> dict[str, Any]:
                 checkpoint=str(base_dir), env=replace(env, variation=cell), num_episodes=cfg.eval_episodes,
                 seed=cfg.eval_seed, video_episodes=0, output_dir=str(folder), overwrite=True), policy=policy)  # fmt: skip
             table[(cell, arm)] = {k: result[k] for k in ("episodes", "successes", "success_rate", "success_ci95")}
-    report = _report(cfg, table, _timing(cfg, arms, env), time.time() - start, headroom, kept)
+    report = _report(asdict(cfg), table, _timing(cfg, arms, env), time.time() - start, headroom, kept)
     _plot(report, out / "steering.png")
     write_text_atomic(out / "steering.json", json.dumps(report, indent=2))
     return report
@@ -234,7 +254,7 @@ def _same_run(cfg: BenchSteeringConfig, path: Path) -> None:
     """A folder holds one setting: its stages and cells are reused only by a run of the same config (the threads,
     the folder and ``headroom_only`` aside: a gate-only run goes on to the steering arms); another is refused, naming
     the first field that differs."""
-    mine = {k: v for k, v in asdict(cfg).items() if k not in ("num_threads", "output_dir", "headroom_only")}
+    mine = {k: v for k, v in asdict(cfg).items() if k not in ("num_threads", "output_dir", "headroom_only", "seeds")}
     if path.exists():
         saved = json.loads(path.read_text())
         for name, value in mine.items():
@@ -273,11 +293,10 @@ def _timing(cfg: BenchSteeringConfig, arms: dict, env) -> dict[str, float]:
             "always_over_base": round(median["always"] / median["base"], 3)}  # fmt: skip
 
 
-def _report(cfg: BenchSteeringConfig, table: dict, timing: dict, seconds: float, headroom: dict | None = None,
-            kept: list[str] | None = None) -> dict[str, Any]:  # fmt: skip
-    """Every cell of ``table`` ((setting, arm) -> result) and the final figures over the ``kept`` variations (all of
-    ``cfg.variations`` when None)."""
-    kept = list(cfg.variations) if kept is None else kept
+def _report(config: dict[str, Any], table: dict, timing: dict, seconds: float, headroom: dict | None,
+            kept: list[str]) -> dict[str, Any]:  # fmt: skip
+    """Every cell of ``table`` ((setting, arm) -> result) and the final figures over the ``kept`` variations;
+    ``config`` the run's (as a dict)."""
 
     def rate(cell: str, arm: str) -> float:
         return table[(cell, arm)]["success_rate"]
@@ -287,7 +306,7 @@ def _report(cfg: BenchSteeringConfig, table: dict, timing: dict, seconds: float,
 
     cells = {(c or "in_distribution"): {arm: table[(c, arm)] for arm in ARMS} for c in ["", *kept]}
     return {
-        "config": asdict(cfg), "cells": cells, "timing": timing, "minutes": round(seconds / 60, 1),
+        "config": config, "cells": cells, "timing": timing, "minutes": round(seconds / 60, 1),
         "headroom": headroom, "kept": kept, "steering_ran": True,
         "headroom_ood": _mean_headroom(headroom, kept) if headroom else math.nan,
         "base_in_distribution": rate("", "base"), "base_floor_met": rate("", "base") >= 0.70,
@@ -298,6 +317,36 @@ def _report(cfg: BenchSteeringConfig, table: dict, timing: dict, seconds: float,
         "gain_per_cell": {arm: {v: round(100 * (rate(v, arm) - rate(v, "base")), 1) for v in kept}
                           for arm in ("always", "gated", "dsrl")},
     }  # fmt: skip
+
+
+def pool_steering(reports: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """Seeds' reports (by seed) -> the pooled report. The headroom: each setting's mean over the seeds, and
+    ``headroom_ood`` the mean of the seeds'. The steering arms (when every seed ran them): the cells kept on every
+    seed, each arm's successes and episodes summed over the seeds (`vla_rl.stages.pooled_rate`; the seeds share
+    their evaluation episodes' initial states, so the pooled interval counts them as independent), and the gains
+    of the pooled rates as one run's report has them. Every seed's report is kept under ``seeds``."""
+    from vla_rl.stages import pooled_rate
+
+    first = next(iter(reports.values()))
+    config = {**first["config"], "seed": None, "seeds": list(reports)}
+    headroom = {name: {"mean": round(sum(r["headroom"][name]["mean"] for r in reports.values()) / len(reports), 4),
+                       "headroom_points": round(sum(r["headroom"][name]["headroom_points"]
+                                                    for r in reports.values()) / len(reports), 1),
+                       "kept_on": [s for s, r in reports.items() if r["headroom"][name]["kept"]]}
+                for name in first["headroom"]}  # fmt: skip
+    kept = [v for v in first["config"]["variations"] if all(v in r["kept"] for r in reports.values())]
+    tried = sum(1 for name in first["headroom"] if name != "in_distribution")
+    pooled = {"config": config, "headroom": headroom, "kept": kept, "tried": tried,
+              "headroom_ood": round(sum(r["headroom_ood"] for r in reports.values()) / len(reports), 1),
+              "steering_ran": all(r["steering_ran"] for r in reports.values()),
+              "seeds": {str(seed): report for seed, report in reports.items()}}  # fmt: skip
+    if not pooled["steering_ran"] or not kept:
+        pooled["steering_ran"] = False
+        return pooled
+    table = {(cell, arm): pooled_rate([r["cells"][cell or "in_distribution"][arm] for r in reports.values()])
+             for cell in ["", *kept] for arm in ARMS}  # fmt: skip
+    report = _report(config, table, {}, sum(r["minutes"] for r in reports.values()) * 60, None, kept)
+    return {**report, **pooled}
 
 
 def _plot(report: dict, path: Path) -> None:
@@ -328,7 +377,7 @@ def final_line(report: dict[str, Any]) -> str:
     """The figures of the module docstring; a run stopped after the headroom gate has only its two."""
     gate = ""
     if report.get("headroom"):
-        tried = sum(1 for name in report["headroom"] if name != "in_distribution")
+        tried = report.get("tried", sum(1 for name in report["headroom"] if name != "in_distribution"))
         gate = f"headroom_ood={report['headroom_ood']:+.1f} cells={len(report['kept'])}/{tried}"
     if not report.get("steering_ran", True):
         return gate

@@ -222,6 +222,17 @@ def _run_bench_steering(cfg):
     from vla_rl.bench_steering import bench_steering, final_line
 
     report = bench_steering(cfg)
+    if cfg.seeds:  # each seed's line, then the pooled cells and line
+        for seed, seed_report in report["seeds"].items():
+            print(f"seed {seed}: {final_line(seed_report)}")
+        for name, h in report["headroom"].items():
+            print(f"headroom {name}: base {h['mean']:.2f} ({h['headroom_points']:+.1f} points, mean of the seeds), "
+                  f"kept on seeds {h['kept_on']}")  # fmt: skip
+        for cell, arms in report.get("cells", {}).items():
+            print(f"{cell} (pooled): " + ", ".join(f"{arm} {r['success_rate']:.3f} [{r['success_ci95'][0]:.3f}, "
+                                                   f"{r['success_ci95'][1]:.3f}]" for arm, r in arms.items()))  # fmt: skip
+        print(f"{final_line(report)} seeds={','.join(str(s) for s in cfg.seeds)}")
+        return
     for name, h in report["headroom"].items():
         print(f"headroom {name}: base {h['mean']:.2f}, best of {h['draws']} {h['best_of_draws']:.2f} "
               f"({h['headroom_points']:+.1f} points, {h['states_never']}/{h['states']} states never succeed)"
