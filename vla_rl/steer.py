@@ -119,7 +119,8 @@ def run_steer(cfg: SteerConfig) -> dict[str, Any]:
         collect_dataset(cfg, policy, rollouts, collection)
     data = load_rollouts(rollouts)
     collected_s = time.time() - start
-    steering, metrics = train(cfg, data, tuple(policy.noise_shape), policy.latent_dim)
+    executed = cfg.chunking.execute_steps or policy.config.n_action_steps
+    steering, metrics = train(cfg, data, tuple(policy.noise_shape), policy.latent_dim, executed)
     steering.base_sha256 = collection["base_sha256"]  # a steering refuses any other base (`SteeredPolicy`)
     metrics["weights"] = choose_weight(cfg, policy, steering)
     steering.metrics = metrics
@@ -300,8 +301,10 @@ def decisions(data: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             "reward": (done & data["success"].bool()).float()}  # fmt: skip
 
 
-def train(cfg: SteerConfig, data: dict[str, torch.Tensor], noise_shape: tuple[int, ...], latent_dim: int):
-    """Stage 2 on the collected ``data``: (the `Steering`, its metrics)."""
+def train(cfg: SteerConfig, data: dict[str, torch.Tensor], noise_shape: tuple[int, ...], latent_dim: int,
+          executed_rows: int):  # fmt: skip
+    """Stage 2 on the collected ``data``: (the `Steering`, its metrics); ``executed_rows``: the rows of a chunk that
+    run (the critic reads those)."""
     generator = torch.Generator().manual_seed(cfg.seed + 1)
     torch.manual_seed(cfg.seed + 1)  # the networks' initial weights
     episodes = torch.unique(data["episode"])
@@ -312,7 +315,7 @@ def train(cfg: SteerConfig, data: dict[str, torch.Tensor], noise_shape: tuple[in
     steering = Steering(noise_shape, latent_dim, cfg.hidden)
     rows = decisions(data)
     train_rows = {k: v[~is_held] for k, v in rows.items()}
-    critic = ChunkCritic(noise_shape, latent_dim, cfg.hidden)
+    critic = ChunkCritic(noise_shape, latent_dim, cfg.hidden, executed_rows)
     critic_loss = train_critic(critic, train_rows, cfg.critic_steps, cfg.critic_lr, cfg.batch_size, cfg.gamma,
                                cfg.expectile, generator)  # fmt: skip
     with torch.no_grad():

@@ -21,7 +21,8 @@ sampler's end x_0 (the chunk in the policy's normalized units, before any clamp;
 request's rows are the ones running when the episode ends), discount ``gamma`` per request.
 
 1. A chunk-level critic, IQL: Q(z, x_0) by TD, target r + gamma (1 - done) V(z'), and V(z) by expectile regression
-   (tau) on a slowly updated copy of Q, so V approaches the best return the data shows from z, not its mean.
+   (tau) on a slowly updated copy of Q, so V approaches the best return the data shows from z, not its mean. Q
+   reads the executed rows of x_0 only.
 2. The RL flow policy by advantage-weighted flow matching: for noise e ~ N(0, I) and t ~ U(0, 1), at
    x_t = t e + (1 - t) x_0 it regresses the straight path's velocity e - x_0, each sample weighted by
    a = min(exp((Q(z, x_0) - V(z)) / beta), MAX_WEIGHT); a sharp beta (0.05) keeps the chunks the critic ranks
@@ -87,22 +88,25 @@ class RLFlowPolicy(nn.Module):
 
 
 class ChunkCritic(nn.Module):
-    """IQL at the chunk level: ``q(z (B, L), x0 (B, *S)) -> (B,)`` and ``v(z) -> (B,)``, LayerNorm MLPs."""
+    """IQL at the chunk level: ``q(z (B, L), x0 (B, *S)) -> (B,)`` and ``v(z) -> (B,)``, LayerNorm MLPs. Q reads
+    the chunk's first ``executed_rows`` rows only (the ones that run at zero delay): the rest never reach the
+    robot, so in its input they would be noise."""
 
-    def __init__(self, noise_shape: tuple[int, ...], latent_dim: int, hidden: int = 256):
+    def __init__(self, noise_shape: tuple[int, ...], latent_dim: int, hidden: int = 256, executed_rows: int = 0):
         super().__init__()
-        self.q_net = mlp(latent_dim + math.prod(noise_shape), hidden, 1, layer_norm=True)
+        self.executed_rows = executed_rows or noise_shape[0]
+        self.q_net = mlp(latent_dim + self.executed_rows * math.prod(noise_shape[1:]), hidden, 1, layer_norm=True)
         self.v_net = mlp(latent_dim, hidden, 1, layer_norm=True)
 
     def q(self, z: torch.Tensor, x0: torch.Tensor) -> torch.Tensor:
-        return self.q_net(torch.cat([z, x0.flatten(1)], dim=1)).squeeze(-1)
+        return self.q_net(torch.cat([z, x0[:, : self.executed_rows].flatten(1)], dim=1)).squeeze(-1)
 
     def v(self, z: torch.Tensor) -> torch.Tensor:
         return self.v_net(z).squeeze(-1)
 
 
 class FailurePredictor(nn.Module):
-    """logit of P(the request's episode fails) from the latents at t = 1, (B, latent_dim) -> (B,)."""
+    """logit of P(the request's episode fails) from the observation-only latents, (B, latent_dim) -> (B,)."""
 
     def __init__(self, latent_dim: int, hidden: int = 64):
         super().__init__()
@@ -121,12 +125,8 @@ class Steering(nn.Module):
         super().__init__()
         self.flow = RLFlowPolicy(noise_shape, latent_dim, hidden)
         self.predictor = FailurePredictor(latent_dim)
-        self.threshold, self.weight, self.hidden, self.metrics = (
-            float(threshold),
-            float(weight),
-            hidden,
-            dict(metrics or {}),
-        )
+        self.threshold, self.weight, self.hidden = float(threshold), float(weight), hidden
+        self.metrics = dict(metrics or {})
         self.base_sha256 = base_sha256  # the weights of the base policy it was trained on ("" = not recorded)
 
     def steer(self, z: torch.Tensor, mode: SteerMode = "gated", weight: float | None = None) -> Steer:
