@@ -126,9 +126,9 @@ class ServeConfig:
     # with config.json); "": the checkpoint's tokenizer/ folder, else the Hugging Face cache.
     tokenizer_dir: str = ""
     device: str = "cpu"  # torch device of the policy
-    # Latent steering (RL²) composed with the checkpoint in the inference process: a `vla-rl steer` output's
-    # steering/ folder ("" = none), gated (where its failure predictor expects a failure) or always, weight w (0:
-    # the one `vla-rl steer` chose).
+    # Steering composed with the checkpoint in the inference process ("" = none): a `vla-rl steer` output's
+    # steering/ folder (RL²: gated, where its failure predictor expects a failure, or always; weight w, 0: the one
+    # `vla-rl steer` chose), or a `vla-rl dsrl` output's dsrl/ folder (the agent's noise in every chunk).
     # The mode is checked where the steering loads (`vla_rl.steering`), in the inference worker.
     steer_dir: str = ""
     steer_mode: str = "gated"

@@ -48,7 +48,7 @@ class PolicyServerConfig:
     checkpoint: str = "outputs/quickstart/train"  # checkpoint dir (or a training output dir) to load
     tokenizer_dir: str = ""  # a LeRobot VLA's tokenizer, in a local folder (as `vla-rl serve --tokenizer_dir`)
     device: str = "cpu"  # torch device of the policy
-    steer_dir: str = ""  # latent steering composed with the policy (as `vla-rl serve --steer_dir`); "" = none
+    steer_dir: str = ""  # steering (RL² or DSRL) composed with the policy (as `vla-rl serve --steer_dir`); "" = none
     steer_mode: str = "gated"  # gated or always
     steer_weight: float = 0.0  # 0: the weight `vla-rl steer` chose
     address: str = "0.0.0.0:50051"  # host:port to listen on (port 0: any free port, printed at start)

@@ -43,6 +43,8 @@ def test_bench_steering_quick_runs_every_stage_and_reports_each_cell(tmp_path):
         100 * (rate("in_distribution", "base") - rate("in_distribution", "gated")), abs=0.05
     )
     assert report["timing"]["base_ms"] > 0 and report["timing"]["gated_over_base"] > 0
+    assert set(report["timing"]) == {"base_ms", "always_ms", "gated_ms", "dsrl_ms", "always_over_base",
+                                     "gated_over_base", "dsrl_over_base"}  # fmt: skip
     # the headroom gate ran first, on the base alone: 2 states x 2 draws per setting (quick keeps every variation)
     assert list(report["headroom"]) == ["in_distribution", "position", "lighting"] and report["kept"] == [
         "position", "lighting"]  # fmt: skip

@@ -105,6 +105,33 @@ def test_vla_rl_dsrl_trains_through_the_shared_rollout_and_evaluates_both_arms(t
     assert [h["truncated_left_out"] for h in summary["history"]] == [2, 2]
     assert summary["gamma_chunk"] == pytest.approx(0.99**4)
     assert set(summary["eval"]) == {"base", "dsrl"} and (tmp_path / "dsrl" / "dsrl" / "model.safetensors").exists()
+    # `vla-rl eval --steer.dir` and serve's loader take the agent's folder as they take an RL² steering: the policy
+    # driven by the agent's deterministic noise; a weight (DSRL has none) and another base are refused.
+    from robot_bridge.config import ServeConfig
+    from vla_rl.cli import _loader
+    from vla_rl.dsrl import NoisePolicy
+    from vla_rl.eval import EvalConfig, SteerEvalConfig, evaluate
+
+    agent_dir = str(tmp_path / "dsrl" / "dsrl")
+    served = _loader(ServeConfig(checkpoint=str(tmp_path / "policy"), steer_dir=agent_dir))()
+    assert isinstance(served, NoisePolicy)
+    obs = {"observation.images.front": torch.rand(1, 3, 32, 32), "observation.state": torch.rand(1, 11),
+           "task": ["lift the cube"]}  # fmt: skip
+    agent_noise = served.predict_chunk(obs).actions  # deterministic: the actor's mean noise, whatever the stream
+    torch.testing.assert_close(served.predict_chunk(obs).actions, agent_noise, rtol=0, atol=0)
+    assert (served.base.predict_chunk(obs).actions - agent_noise).abs().max() > 1e-4  # not the base's own draw
+    with pytest.raises(ValueError, match="is a DSRL agent, which sets every chunk's noise with no weight"):
+        evaluate(EvalConfig(checkpoint=str(tmp_path / "policy"), env=env, num_episodes=2, video_episodes=0,
+                            steer=SteerEvalConfig(dir=agent_dir, weight=0.5), output_dir=str(tmp_path / "e2")))  # fmt: skip
+    from vla_rl.checkpoint import load_policy
+
+    policy = load_policy(str(tmp_path / "policy"))[0]
+    with torch.no_grad():
+        next(policy.parameters()).add_(1.0)
+    policy.save_pretrained(tmp_path / "other")
+    with pytest.raises(ValueError, match="steers the policy of .*, not this one"):
+        evaluate(EvalConfig(checkpoint=str(tmp_path / "other"), env=env, num_episodes=2, video_episodes=0,
+                            steer=SteerEvalConfig(dir=agent_dir), output_dir=str(tmp_path / "e3")))  # fmt: skip
 
 
 def test_a_stopped_dsrl_run_resumes_to_the_result_of_one_never_stopped(tmp_path, monkeypatch):

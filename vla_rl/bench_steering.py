@@ -272,7 +272,8 @@ def _cell(folder: Path) -> dict | None:
 
 
 def _timing(cfg: BenchSteeringConfig, arms: dict, env) -> dict[str, float]:
-    """Per-chunk inference seconds of the base, gated and always-steered (batch 1, interleaved), and the ratios."""
+    """Per-chunk inference seconds of the base, gated and always-steered and DSRL-driven (batch 1, interleaved), and
+    the ratios to the base."""
     import torch
 
     from sim.factory import make_env
@@ -280,7 +281,7 @@ def _timing(cfg: BenchSteeringConfig, arms: dict, env) -> dict[str, float]:
     with make_env(replace(env, num_envs=1)) as sim:
         obs = sim.reset(seed=cfg.eval_seed)
     step = torch.zeros(1, dtype=torch.long)
-    seconds = {arm: [] for arm in ("base", "gated", "always")}
+    seconds = {arm: [] for arm in ARMS}
     with torch.no_grad():
         for _ in range(cfg.timing_repeats):
             for arm, times in seconds.items():
@@ -288,9 +289,10 @@ def _timing(cfg: BenchSteeringConfig, arms: dict, env) -> dict[str, float]:
                 arms[arm].predict_chunk(obs, step)
                 times.append(time.perf_counter() - begin)
     median = {arm: sorted(v)[len(v) // 2] for arm, v in seconds.items()}
-    return {**{f"{arm}_ms": round(1e3 * s, 3) for arm, s in median.items()},
-            "gated_over_base": round(median["gated"] / median["base"], 3),
-            "always_over_base": round(median["always"] / median["base"], 3)}  # fmt: skip
+    return {
+        **{f"{arm}_ms": round(1e3 * s, 3) for arm, s in median.items()},
+        **{f"{arm}_over_base": round(median[arm] / median["base"], 3) for arm in ARMS if arm != "base"},
+    }
 
 
 def _report(config: dict[str, Any], table: dict, timing: dict, seconds: float, headroom: dict | None,

@@ -42,14 +42,14 @@ class Command:
 def _policy_from_checkpoint(path: str, device: str, tokenizer_dir: str = "", steer_dir: str = "",
                             steer_mode: str = "gated", steer_weight: float = 0.0):  # fmt: skip
     """The serve node's policy loader; runs inside its inference worker, so a bad checkpoint is reported there.
-    With ``steer_dir`` the policy is steered there too (`vla_rl.steering.SteeredPolicy`)."""
+    With ``steer_dir`` the policy is steered there too, RL² or DSRL (`vla_rl.steering.load_steered`)."""
     from vla_rl.checkpoint import load_policy
 
     policy = load_policy(path, device=device, tokenizer_dir=tokenizer_dir)[0]
     if steer_dir:
-        from vla_rl.steering import SteeredPolicy, Steering
+        from vla_rl.steering import load_steered
 
-        policy = SteeredPolicy(policy, Steering.load(steer_dir).to(policy.device), steer_mode, steer_weight or None)
+        policy = load_steered(policy, steer_dir, steer_mode, steer_weight or None)
     return policy
 
 
@@ -250,7 +250,7 @@ def _run_bench_steering(cfg):
     timing = report["timing"]
     print(f"base in distribution {report['base_in_distribution']:.2f} (floor 0.70 {'met' if report['base_floor_met'] else 'NOT met'}); "
           f"per-chunk inference {timing['base_ms']} ms, gated x{timing['gated_over_base']}, always "
-          f"x{timing['always_over_base']}; {report['minutes']} min")  # fmt: skip
+          f"x{timing['always_over_base']}, DSRL x{timing.get('dsrl_over_base')}; {report['minutes']} min")  # fmt: skip
     if cfg.quick:
         print("quick run: toy sizes, the numbers say nothing about steering")
     print(final_line(report))

@@ -60,7 +60,7 @@ DEFAULT_EPISODES = 50  # episodes of an evaluation off LIBERO when --num_episode
 
 @dataclass
 class SteerEvalConfig:
-    dir: str = ""  # a `vla-rl steer` output's steering/ folder; "" = the policy unsteered
+    dir: str = ""  # a `vla-rl steer` output's steering/ (RL²) or a `vla-rl dsrl` output's dsrl/; "" = unsteered
     mode: str = "gated"  # gated: where the failure predictor expects a failure; always: every chunk
     weight: float = 0.0  # w in v = v_base + w (v_RL - v_base); 0 = the weight `vla-rl steer` chose
 
@@ -173,10 +173,9 @@ def evaluate(cfg: EvalConfig, policy=None, expected_weights: str | None = None) 
 
         policy = NoiseScaledPolicy(policy, cfg.noise_scale)  # refuses a scale <= 0 or a policy without flow noise
     if cfg.steer.dir:
-        from vla_rl.steering import SteeredPolicy, Steering
+        from vla_rl.steering import load_steered
 
-        policy = SteeredPolicy(policy, Steering.load(cfg.steer.dir).to(policy.device), cfg.steer.mode,
-                               cfg.steer.weight or None)  # fmt: skip
+        policy = load_steered(policy, cfg.steer.dir, cfg.steer.mode, cfg.steer.weight or None)
     origin = provenance(policy)
     if expected_weights is not None and origin["weights_sha256"] != expected_weights:
         raise ValueError(
