@@ -121,6 +121,10 @@ Protocol history (runs as README.md reports them, each by its final line):
   [0.66, 0.79], GRPO 0.765 [0.70, 0.82], ``ppo_gain=+18.0 grpo_gain=+21.5 env_steps=151309 minutes=63.0``; the
   target is missed. Best of 16: imitation 0.575 mean, 0.800 best; PPO 0.738 mean, 0.925 best (3 of 40 states
   never solved). Seed 3 was not run.
+- 2026-12-07 (the day's third session), results of (b) seed 3 and the pool, recorded after them (README.md): seed 3
+  was resumed with its command in its PPO arm; imitation 0.525, PPO 0.735 [0.67, 0.79], GRPO 0.770 [0.71, 0.82],
+  ``ppo_gain=+21.0 grpo_gain=+24.5 env_steps=151350 minutes=33.2``; pooled over seeds 2 and 3 ``ppo_gain=+19.5
+  grpo_gain=+23.0 env_steps=151350 minutes=96.2 seeds=2,3``. The 93% target is missed on each seed by both arms.
 """
 
 from __future__ import annotations
