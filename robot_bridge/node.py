@@ -342,7 +342,7 @@ class PolicyBridge(Node):
         period): the point is where the controller already is, and a robot that reads it late (a loaded machine)
         must not find it in the past and reject it. With a low-latency part, a tick that does not hold sends the
         part's correction of ``target`` (the queue's action of this tick's step; None: the queue ran dry, and the
-        part corrects the point the controller is at) as the next point (`_send_correction`). Returns the action
+        part corrects the sent trajectory's point of this step) as the next point (`_send_correction`). Returns the action
         the controller executes at this tick's step (None before the description and a joint state are in)."""
         planner = self.planner
         if planner is None or self.inputs.state is None:

@@ -151,32 +151,25 @@ class TrajectoryPlanner:
 
     def correct(self, step: int, action: np.ndarray) -> PlannedTrajectory | IKFailure:
         """The low-latency part's correction ``action`` (A,) of ``step`` (the tick's step), as the trajectory the
-        controller replaces its own with at this tick: point 0 the corrected action of ``step``, then the points of
-        the trajectory sent last for the steps after it (its plan runs on where no later tick corrects it), going
-        on from what the controller does at step - 1. The later points keep their joints unless the safety filter,
-        going on from the corrected point, moves their action (then they are solved again); an `IKFailure` when a
-        point is not reached (nothing is recorded: the previous trajectory runs on, uncorrected)."""
+        controller replaces its own with at this tick: point 0 the corrected action of ``step``, through the
+        action-space filter going on from what the controller does at step - 1 and solved to the joints; then the
+        points of the trajectory sent last for the steps after it, as they were sent (the plan runs on where no
+        later tick corrects it), the joints' limits applied from the corrected point on. One IK solve a tick, so
+        the control thread's cost stays bounded (a point out of reach: an `IKFailure`, nothing recorded, the
+        previous trajectory runs on, uncorrected)."""
         if self._sent is None:
             raise RuntimeError("TrajectoryPlanner.correct before anchor: anchor it at the measured state first")
         sent = self._sent
         seam_action, seam_velocity, seam_arm, seam_arm_velocity, _ = sent.at(step - 1)
         later = range(step + 1, sent.seam_step + len(sent.actions))  # the sent points after the corrected one
-        actions = np.vstack([np.asarray(action, dtype=np.float64)[None]] + [sent.at(s)[0][None] for s in later])
-        filtered = self._filter_actions(actions, seam_action, seam_velocity)
-        kept = [None] + [sent.at(s)[2] for s in later]  # (J,) the sent joints of each later point
-        targets = self.mapping.arm_targets(filtered)
-        solved, q = [], seam_arm
-        for k, target in enumerate(targets):
-            if k > 0 and np.allclose(filtered[k], actions[k], rtol=0.0, atol=1e-9):  # the filter left it as sent
-                q = kept[k]
-            else:
-                q = self._solve(step + k, target[None], q)
-                if isinstance(q, IKFailure):
-                    return q
-                q = q[0]
-            solved.append(q)
-        arm, limited = self._filter_joints(np.stack(solved), seam_arm, seam_arm_velocity)
-        return self._splice(step, filtered, arm, limited, step - 1)
+        first = self._filter_actions(np.asarray(action, dtype=np.float64)[None], seam_action, seam_velocity)
+        solved = self._solve(step, self.mapping.arm_targets(first), seam_arm)
+        if isinstance(solved, IKFailure):
+            return solved
+        actions = np.vstack([first] + [sent.at(s)[0][None] for s in later])
+        arm, limited = self._filter_joints(np.vstack([solved] + [sent.at(s)[2][None] for s in later]), seam_arm,
+                                           seam_arm_velocity)  # fmt: skip
+        return self._splice(step, actions, arm, limited, step - 1)
 
     def _solve(self, first_step: int, targets: np.ndarray, q: np.ndarray) -> np.ndarray | IKFailure:
         """(P, J) the arm joints of the arm targets (P, J) or (P, 3) of steps first_step, ..., warm-started from the

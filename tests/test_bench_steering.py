@@ -42,6 +42,10 @@ def test_bench_steering_quick_runs_every_stage_and_reports_each_cell(tmp_path):
     assert float(match.group(2)) == pytest.approx(
         100 * (rate("in_distribution", "base") - rate("in_distribution", "gated")), abs=0.05
     )
+    # The sigma probe's bound, recomputed from its rates: the largest scale keeping 95% of the base's success at 1.
+    rates = {float(k): v for k, v in report["sigma_probe"]["success"].items()}
+    assert sorted(rates) == [1.0, 1.25, 1.5, 1.75, 2.0]
+    assert report["sigma_probe"]["bound"] == max(k for k, v in rates.items() if v >= 0.95 * rates[1.0])
     assert report["timing"]["base_ms"] > 0 and report["timing"]["gated_over_base"] > 0
     assert set(report["timing"]) == {"base_ms", "always_ms", "gated_ms", "dsrl_ms", "always_over_base",
                                      "gated_over_base", "dsrl_over_base"}  # fmt: skip

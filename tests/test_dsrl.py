@@ -1,5 +1,6 @@
-"""DSRL (`vla_rl.rl.sac`, `vla-rl dsrl`): the rollout's decisions as transitions (pairing worked out by hand), the
-chunk discount, SAC through TorchRL learning a noise bandit, and the command end to end on a tiny flow policy."""
+"""DSRL-NA (`vla_rl.rl.sac`, `vla-rl dsrl`): the rollout's decisions as transitions (pairing and the rows that ran,
+worked out by hand), the agent learning a noise bandit through a base whose chunk is a known function of the noise,
+and the command end to end on a tiny flow policy, its resume and its serving."""
 
 from types import SimpleNamespace
 
@@ -8,21 +9,10 @@ import torch
 from extras import require
 from tiny_policies import save_lift_flow_policy
 
-from vla_rl.rl.sac import NoiseAgent, NoiseDecision, SACConfig, chunk_discount, transitions
+from vla_core.types import ActionChunk
+from vla_rl.rl.sac import NoiseAgent, NoiseDecision, SACConfig, transitions
 
 require("torchrl", "steer")
-
-
-def rollout(world, episode, done, discount=None, diverged=None, truncated=None):
-    m = len(world)
-    return SimpleNamespace(
-        world=torch.tensor(world), episode=torch.tensor(episode), done=torch.tensor(done),
-        diverged=torch.tensor(diverged or [False] * m), truncated=torch.tensor(truncated or [False] * m),
-        reward=torch.arange(m, dtype=torch.float32), discount=torch.tensor(discount or [0.9] * m),
-        decision=NoiseDecision(torch.arange(m, dtype=torch.float32)[:, None].repeat(1, 2),
-                               10 + torch.arange(m, dtype=torch.float32)[:, None]),
-        __len__=None,
-    )  # fmt: skip
 
 
 class _Rollout(SimpleNamespace):
@@ -30,65 +20,84 @@ class _Rollout(SimpleNamespace):
         return len(self.world)
 
 
-def test_each_decision_goes_to_the_next_one_of_its_world_and_episode():
+def rollout(world, episode, done, executed, diverged=None, truncated=None) -> _Rollout:
+    """Decision i: state [i], image of value i / 7, noise [i, i], chunk rows (3 of them, 1 dim) 10 i + row."""
+    m = len(world)
+    return _Rollout(
+        world=torch.tensor(world), episode=torch.tensor(episode), done=torch.tensor(done),
+        diverged=torch.tensor(diverged or [False] * m), truncated=torch.tensor(truncated or [False] * m),
+        reward=torch.arange(m, dtype=torch.float32), discount=torch.full((m,), 0.9), executed=torch.tensor(executed),
+        obs={"observation.state": torch.arange(m, dtype=torch.float32)[:, None],
+             "observation.images.front": (torch.arange(m) / 7).view(m, 1, 1, 1).expand(m, 3, 2, 2),
+             "task": ["lift"] * m},
+        decision=NoiseDecision(torch.arange(m, dtype=torch.float32)[:, None].repeat(1, 2),
+                               (10 * torch.arange(m)[:, None] + torch.arange(3)).float()[..., None]),
+    )  # fmt: skip
+
+
+def test_each_decision_goes_to_the_next_one_of_its_world_and_episode_with_the_rows_that_ran():
     """World 0: decisions 0, 1 (1 ends its episode); world 1: 2, 3 (ends), then 4 (a new episode, ends). Next states:
-    0 -> 1; the ended ones point at themselves (unused: done); 2 -> 3."""
-    r = _Rollout(**vars(rollout([0, 0, 1, 1, 1], [0, 0, 0, 0, 1], [False, True, False, True, True])))
-    td = transitions(r)
-    assert td["next", "observation"][:, 0].tolist() == [11, 11, 13, 13, 14]
-    assert td["next", "done"][:, 0].tolist() == [False, True, False, True, True]
-    assert td["action"][:, 0].tolist() == [0, 1, 2, 3, 4] and td["next", "reward"][:, 0].tolist() == [0, 1, 2, 3, 4]
-    # World 1's first episode blew up: its decisions 2 and 3 are left out.
-    blown = _Rollout(**vars(rollout([0, 0, 1, 1, 1], [0, 0, 0, 0, 1], [False, True, False, True, True],
-                                    diverged=[False, False, True, True, False])))  # fmt: skip
-    assert transitions(blown)["action"][:, 0].tolist() == [0, 1, 4]
-    # The time limit cut world 0's episode at decision 1 and world 1's first at 3: those two are left out (their
-    # next state is unknown), the decisions before them keep theirs, decision 4 (a success) stays terminal.
-    cut = _Rollout(**vars(rollout([0, 0, 1, 1, 1], [0, 0, 0, 0, 1], [False, True, False, True, True],
-                                  truncated=[False, True, False, True, False])))  # fmt: skip
-    td = transitions(cut)
-    assert td["action"][:, 0].tolist() == [0, 2, 4] and td["next", "observation"][:, 0].tolist() == [11, 13, 14]
-    assert td["next", "done"][:, 0].tolist() == td["next", "terminated"][:, 0].tolist() == [False, False, True]
+    0 -> 1; the ended ones point at themselves (unused: done); 2 -> 3. Two rows run per chunk, except decision 1
+    (its episode ended after one row: rows [10, 0]) and decision 4 (a late chunk whose rows 1-2 ran: [41, 42])."""
+    two = [True, True, False]
+    r = rollout([0, 0, 1, 1, 1], [0, 0, 0, 0, 1], [False, True, False, True, True],
+                [two, [True, False, False], two, two, [False, True, True]])  # fmt: skip
+    t = transitions(r, rows=2)
+    assert t["next_obs"]["state"][:, 0].tolist() == [1, 1, 3, 3, 4]
+    assert t["done"].tolist() == [False, True, False, True, True] and t["reward"].tolist() == [0, 1, 2, 3, 4]
+    assert t["action"].tolist() == [[0, 1], [10, 0], [20, 21], [30, 31], [41, 42]]
+    assert t["noise"][:, 0].tolist() == [0, 1, 2, 3, 4] and t["discount"].tolist() == pytest.approx([0.9] * 5)
+    # The replay keeps the images as uint8 (value i / 7 -> round(36.43 i): 36, 109, 146) and no instruction.
+    assert t["obs"]["images"].dtype == torch.uint8 and set(t["obs"]) == {"images", "state"}
+    assert t["next_obs"]["images"][:, 0, 0, 0].tolist() == [36, 36, 109, 109, 146]
+    # World 1's first episode blew up: its decisions 2 and 3 are left out; the time limit cut world 0's episode at
+    # decision 1: left out too (its next state is unknown).
+    blown = rollout([0, 0, 1, 1, 1], [0, 0, 0, 0, 1], [False, True, False, True, True], [two] * 5,
+                    diverged=[False, False, True, True, False], truncated=[False, True, False, False, False])  # fmt: skip
+    assert transitions(blown, rows=2)["noise"][:, 0].tolist() == [0, 4]
 
 
-def test_the_chunk_discount_is_that_of_the_chunks_that_did_not_end_their_episode():
-    """gamma 0.99, chunks of 4 steps (0.99^4 = 0.96059601) unless they end the episode (shorter: left out)."""
-    r = _Rollout(**vars(rollout([0, 0, 0], [0, 0, 0], [False, False, True], [0.99**4, 0.99**4, 0.99])))
-    assert chunk_discount(r, 0.99) == pytest.approx(0.99**4)
-    assert chunk_discount(_Rollout(**vars(rollout([0], [0], [True]))), 0.99) == 0.99
+class LinearBase:
+    """A stand-in flow policy whose chunk is 0.5 * noise + 0.1 (noise (B, 2, 2): 2 rows of 2 dims), images 4 px."""
+
+    noise_shape, latent_dim, device = (2, 2), 3, torch.device("cpu")
+    config = SimpleNamespace(action_dim=2, image_size=4, state_dim=1, cameras=["front"], horizon=2)
+
+    def predict_chunk(self, obs, obs_step=None, noise=None):
+        return ActionChunk(0.5 * noise + 0.1, torch.zeros(len(noise), dtype=torch.long))
 
 
-def test_sac_moves_the_noise_toward_the_rewarded_one():
-    """A one-step bandit on a fixed state: reward -|w - target|^2 with target (0.8, -0.6, 0.4, 0.0), each episode
-    one decision (done). The deterministic noise starts at 0 (|w - target| = 1.077) and must end within 0.3."""
-    from tensordict import TensorDict
-    from torchrl.data import LazyTensorStorage, ReplayBuffer
-
+def test_dsrl_na_moves_the_noise_to_the_one_whose_executed_row_is_rewarded():
+    """One step, one state, E = 1 row run of the 2: reward -|a - (0.5, -0.2)|^2 for the executed row a = 0.5 w +
+    0.1, so the best noise is w = (0.8, -0.6) (inside the box of 1.5), which only the base's map tells the noise
+    critic. 16 warm-up rounds of the base's own noise, then 84 rounds of the agent's, 4 updates each on batches
+    drawn from everything collected (a replay). The deterministic noise starts 1.0 or more away and must end within
+    0.3 of the best; the row that does not run stays 0."""
     torch.manual_seed(0)
-    policy = SimpleNamespace(noise_shape=(2, 2), latent_dim=3, device=torch.device("cpu"))
-    agent = NoiseAgent(policy, SACConfig(lr=3e-3, batch_size=128, updates=1, hidden=64, alpha_init=0.01))
-    agent.loss.make_value_estimator(gamma=0.9)
-    target, state = torch.tensor([0.8, -0.6, 0.4, 0.0]), torch.zeros(64, 3)
-    replay = ReplayBuffer(storage=LazyTensorStorage(10_000), batch_size=128)
-
-    def deterministic() -> torch.Tensor:
-        from tensordict.nn import InteractionType, set_interaction_type
-
-        with torch.no_grad(), set_interaction_type(InteractionType.DETERMINISTIC):
-            return agent.actor(TensorDict({"observation": state[:1]}, batch_size=[1]))["action"][0]
-
-    start = (deterministic() - target).norm()
-    with torch.no_grad():  # the rollout's draws explore: two draws for one state differ
-        assert not torch.equal(agent.sample(state[:1]), agent.sample(state[:1]))
-    for _ in range(400):
-        with torch.no_grad():
-            noise = agent.sample(state)  # as act draws them
-        done = torch.ones(64, 1, dtype=torch.bool)
-        replay.extend(TensorDict({"observation": state, "action": noise, "next": TensorDict({
-            "observation": state, "reward": -(noise - target).pow(2).sum(-1, keepdim=True), "done": done,
-            "terminated": done}, batch_size=[64])}, batch_size=[64]))  # fmt: skip
-        agent.update(replay)
-    assert start > 1.0 and (deterministic() - target).norm() < 0.3
+    agent = NoiseAgent(LinearBase(), SACConfig(lr=1e-3, hidden=64, critics=2, distill_batch=16, feature_dim=8,
+                                               alpha_init=0.01), executed_rows=1)  # fmt: skip
+    obs = {"observation.images.front": torch.zeros(16, 3, 4, 4), "observation.state": torch.zeros(16, 1),
+           "task": ["t"] * 16}  # fmt: skip
+    batch = {"images": torch.zeros(64, 3, 4, 4, dtype=torch.uint8), "state": torch.zeros(64, 1)}  # the state, 64 times
+    best = torch.tensor([0.8, -0.6])
+    start = (agent.deterministic_noise(obs)[0, 0] - best).norm()
+    noises, actions = [], []
+    for i in range(100):
+        agent.warming_up = i < 16
+        chunk, decision = agent.act(obs, torch.zeros(16, dtype=torch.long))
+        noises.append(decision.noise)
+        actions.append(chunk.actions[:, 0])
+        if agent.warming_up:
+            continue
+        collected, ran = torch.cat(noises), torch.cat(actions)
+        for _ in range(4):
+            rows = torch.randint(len(collected), (64,))
+            reward = -(ran[rows] - torch.tensor([0.5, -0.2])).pow(2).sum(-1)
+            agent.update({"obs": batch, "next_obs": batch, "noise": collected[rows], "action": ran[rows],
+                          "reward": reward, "discount": torch.full((64,), 0.9),
+                          "done": torch.ones(64, dtype=torch.bool)})  # fmt: skip
+    final = agent.deterministic_noise(obs)
+    assert start > 1.0 and (final[0, 0] - best).norm() < 0.3 and final[:, 1].abs().max() == 0
 
 
 def test_vla_rl_dsrl_trains_through_the_shared_rollout_and_evaluates_both_arms(tmp_path):
@@ -98,12 +107,16 @@ def test_vla_rl_dsrl_trains_through_the_shared_rollout_and_evaluates_both_arms(t
     save_lift_flow_policy(tmp_path / "policy", image_size=32)
     env = EnvConfig(num_envs=2, max_episode_steps=8, image_size=32, num_threads=1, render_threads=1)
     summary = run_dsrl(DSRLConfig(checkpoint=str(tmp_path / "policy"), env=env, iterations=2, eval_episodes=2,
-                                  sac=SACConfig(batch_size=2, updates=2, hidden=16), output_dir=str(tmp_path / "dsrl")))  # fmt: skip
+                                  sac=SACConfig(batch_size=2, utd=1.0, warmup_transitions=2, hidden=16, critics=2,
+                                                distill_batch=1, feature_dim=8),
+                                  output_dir=str(tmp_path / "dsrl")))  # fmt: skip
     # 8 steps in chunks of 4 steps: 2 decisions per episode, 2 worlds, 2 iterations. No lift succeeds in 8 steps, so
-    # the time limit cuts every episode and its second decision is left out: 2 transitions an iteration.
-    assert [h["buffer"] for h in summary["history"]] == [2, 4] and "loss_qvalue" in summary["history"][1]
-    assert [h["truncated_left_out"] for h in summary["history"]] == [2, 2]
-    assert summary["gamma_chunk"] == pytest.approx(0.99**4)
+    # the time limit cuts every episode and its second decision is left out: 2 transitions an iteration. The first
+    # iteration is the warm-up (the base's own noise); once the buffer holds 2, one update per new transition.
+    history = summary["history"]
+    assert [h["buffer"] for h in history] == [2, 4] and [h["warmup"] for h in history] == [True, False]
+    assert [h["updates"] for h in history] == [2, 2] and "loss_noise_critic" in history[1]
+    assert [h["truncated_left_out"] for h in history] == [2, 2] and summary["env_steps"] == 2 * 2 * 8
     assert set(summary["eval"]) == {"base", "dsrl"} and (tmp_path / "dsrl" / "dsrl" / "model.safetensors").exists()
     # `vla-rl eval --steer.dir` and serve's loader take the agent's folder as they take an RL² steering: the policy
     # driven by the agent's deterministic noise; a weight (DSRL has none) and another base are refused.
@@ -136,9 +149,9 @@ def test_vla_rl_dsrl_trains_through_the_shared_rollout_and_evaluates_both_arms(t
 
 def test_a_stopped_dsrl_run_resumes_to_the_result_of_one_never_stopped(tmp_path, monkeypatch):
     """4 iterations straight, against 4 iterations stopped by SIGTERM during the third (saved after it, though the
-    periodic save is every 5) and resumed by the same command: the same history and actor, bit for bit. Delays
-    are drawn at random and announced as measured, so the delay stream and the measured lags must resume too.
-    A resume with another training setting is refused, naming it."""
+    periodic save is every 5) and resumed by the same command: the same history and actor, bit for bit (the replay,
+    the critics, the optimizers and torch's stream resume). A resume with another training setting is refused,
+    naming it; so is a delay (DSRL steers the rows that run at zero delay)."""
     import os
     import signal
 
@@ -154,9 +167,9 @@ def test_a_stopped_dsrl_run_resumes_to_the_result_of_one_never_stopped(tmp_path,
 
     def config(out: str, **changes) -> DSRLConfig:
         return DSRLConfig(checkpoint=str(tmp_path / "policy"), env=env, iterations=4, eval_episodes=2,
-                          delay=DelayConfig(kind="uniform", high=2, seed=3, estimate="measured"),
-                          sac=SACConfig(batch_size=2, updates=2, hidden=16), output_dir=str(tmp_path / out),
-                          **changes)  # fmt: skip
+                          sac=SACConfig(batch_size=2, utd=1.0, warmup_transitions=2, hidden=16, critics=2,
+                                        distill_batch=1, feature_dim=8),
+                          output_dir=str(tmp_path / out), **changes)  # fmt: skip
 
     straight = run_dsrl(config("straight"))
     real_collect, calls = rollout_module.collect, []
@@ -179,3 +192,5 @@ def test_a_stopped_dsrl_run_resumes_to_the_result_of_one_never_stopped(tmp_path,
     assert all(torch.equal(a[k], b[k]) for k in a)
     with pytest.raises(ValueError, match="--checkpoint_every=1 or more"):
         run_dsrl(config("zero", checkpoint_every=0))
+    with pytest.raises(ValueError, match="steers the noise of the rows that run at zero delay"):
+        run_dsrl(config("delayed", delay=DelayConfig(steps=2)))

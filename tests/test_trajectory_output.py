@@ -90,18 +90,25 @@ def test_each_trajectory_goes_on_from_the_previous_ones_seam_with_its_velocity()
 
 
 def test_a_plan_merged_with_a_lead_keeps_the_points_the_controller_runs_until_it_starts():
-    """Period 0.1 s, no limit binding. A plan for steps 1-4 (a = 0.01 ... 0.04); a chunk merged at the tick of
-    step 2 with a lead of 2 steps starts at step 5. Kept from step 2 on, the controller's points of steps 2-4 stay
-    known (step 3 is 0.03, where the seam alone would say 0.04), and the low-latency part's correction at step 3
-    (a = 0.035) goes on from step 2 and carries the points after it: 0.04 (step 4), then the merged 0.05, 0.06."""
-    planner = slides_planner()
+    """Period 0.1 s; a's acceleration limited to 1 unit/s^2 (its velocity changes by at most 0.1/s a step). A plan for
+    steps 1-4 (a = 0.01 ... 0.04, 0.1/s); a chunk merged at the tick of step 2 with a lead of 2 steps starts at step 5,
+    and the node keeps the points from the step before its tick, 1, on. Step 3 is still 0.03 (the seam alone would
+    say 0.04). The low-latency part's correction at step 3 (a = 0.035) goes on from step 2 moving at 0.1/s (known
+    from step 1): 0.15/s is a change of 0.05/s, allowed; the later points follow as sent: 0.04, then the merged 0.05,
+    0.06. Without step 1 the seam would be at rest and 0.035 out of reach (0.03 at most)."""
+    planner = slides_planner(max_acceleration=[1.0, 1e9])
     planner.plan(1, np.array([[0.01, 0.0], [0.02, 0.0], [0.03, 0.0], [0.04, 0.0]]))
-    merged = planner.plan(5, np.array([[0.05, 0.0], [0.06, 0.0]]), keep_from=2)
+    merged = planner.plan(5, np.array([[0.05, 0.0], [0.06, 0.0]]), keep_from=1)
     assert merged.first_step == 5 and merged.arm[:, 0] == pytest.approx([0.05, 0.06])
     assert planner.action_at(3) == pytest.approx([0.03, 0.0]) and planner.action_at(4) == pytest.approx([0.04, 0.0])
     corrected = planner.correct(3, np.array([0.035, 0.0]))
     assert corrected.first_step == 3 and corrected.arm[:, 0] == pytest.approx([0.035, 0.04, 0.05, 0.06])
     assert planner.action_at(3) == pytest.approx([0.035, 0.0]) and planner.action_at(6) == pytest.approx([0.06, 0.0])
+    # Keeping from step 2 only, the seam at step 2 is at rest: from rest a reaches 0.03 at most at step 3.
+    late = slides_planner(max_acceleration=[1.0, 1e9])
+    late.plan(1, np.array([[0.01, 0.0], [0.02, 0.0], [0.03, 0.0], [0.04, 0.0]]))
+    late.plan(5, np.array([[0.05, 0.0], [0.06, 0.0]]), keep_from=2)
+    assert late.correct(3, np.array([0.035, 0.0])).arm[0, 0] == pytest.approx(0.03)
     # Without keep_from the points before the new plan's seam are not kept: step 3 reads the seam's 0.04.
     old_way = slides_planner()
     old_way.plan(1, np.array([[0.01, 0.0], [0.02, 0.0], [0.03, 0.0], [0.04, 0.0]]))
@@ -109,22 +116,18 @@ def test_a_plan_merged_with_a_lead_keeps_the_points_the_controller_runs_until_it
     assert old_way.action_at(3) == pytest.approx([0.04, 0.0])
 
 
-def test_a_correction_goes_on_from_the_controllers_point_and_the_later_points_through_the_filter():
-    """Period 0.1 s; a's acceleration limited to 1 unit/s^2 (its velocity changes by at most 0.1/s a step), b's
-    velocity to its URDF's 0.2/s (0.02 a step). Sent: a = 0.01, 0.02, 0.03, 0.04 at steps 1-4 (0.1/s), b = 0.
-    The part corrects step 2 to a = 0.03, b = 0.05: from step 1 (a = 0.01 at 0.1/s) a reaches 0.03 at 0.2/s (a
-    change of 0.1/s, allowed); b is held to 0.02. Step 3's sent 0.03 would stop a at once (a change of -0.2/s): the
-    filter lets a slow by 0.1/s only, to 0.04 (0.1/s); step 4's 0.04 then is a stop by 0.1/s, allowed. b goes back
-    to 0 at 0.2/s, allowed."""
-    planner = slides_planner(max_acceleration=[1.0, 1e9])
+def test_a_correction_goes_on_from_the_controllers_point_and_the_later_points_follow_as_sent():
+    """Period 0.1 s; b's velocity limited to its URDF's 0.2/s (0.02 a step). Sent: a = 0.01 ... 0.04 at steps 1-4,
+    b = 0. The part corrects step 2 to a = 0.03, b = 0.05: b is held to 0.02 (the filter, from step 1); steps 3 and
+    4 follow as sent (a = 0.03, 0.04; b back to 0 at 0.2/s, within the joint's limit). After a hold only the held
+    point is left: a correction is that one point."""
+    planner = slides_planner()
     planner.plan(1, np.array([[0.01, 0.0], [0.02, 0.0], [0.03, 0.0], [0.04, 0.0]]))
     corrected = planner.correct(2, np.array([0.03, 0.05]))
-    assert corrected.first_step == 2
-    assert corrected.arm == pytest.approx(np.array([[0.03, 0.02], [0.04, 0.0], [0.04, 0.0]]))
+    assert corrected.first_step == 2 and corrected.limited_points == 0
+    assert corrected.arm == pytest.approx(np.array([[0.03, 0.02], [0.03, 0.0], [0.04, 0.0]]))
     assert corrected.actions == pytest.approx(corrected.arm)  # joint actions: the points are the actions
-    # What the controller runs from now on, as the next merge's seam reads it: step 3 at 0.04, rest at step 4.
-    assert planner.action_at(3) == pytest.approx([0.04, 0.0]) and planner.action_at(9) == pytest.approx([0.04, 0.0])
-    # After a hold only the held point is left: a correction is that one point, from the held point at rest.
+    assert planner.action_at(3) == pytest.approx([0.03, 0.0]) and planner.action_at(9) == pytest.approx([0.04, 0.0])
     planner.hold(5)
     planner.release()
     alone = planner.correct(5, np.array([0.045, 0.0]))

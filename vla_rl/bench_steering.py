@@ -13,9 +13,12 @@ A folder holds one setting (``bench_config.json``): a run with other sizes there
 2. RL² (`vla-rl steer`): ``steer_episodes`` rollouts of the base in each of the three settings, pooled; the
    failure predictor, its threshold on held-out episodes, and the steering (since 2026-12-07: the RL flow policy
    on observation-only latents, its weight chosen on held-out rollouts; `vla_rl.steering`).
-3. DSRL (`vla-rl dsrl`): ``dsrl_iterations`` iterations cycling through the three settings.
+3. DSRL (`vla-rl dsrl`; since 2026-12-07 as its authors run it, DSRL-NA): a sigma probe of the base in
+   distribution sets the noise bound (the largest scale keeping 95% of its success), then one agent per setting,
+   each until its rollouts used ``dsrl_env_steps`` control steps.
 4. Every arm on every cell, ``eval_episodes`` (>= 100) held-out episodes from ``eval_seed`` (the same initial
-   states for every arm of a cell): base, always-steer (the field in every chunk), gated steering (RL²), DSRL.
+   states for every arm of a cell): base, always-steer (RL²'s steering in every chunk), gated steering (RL²), DSRL
+   (the cell's own agent, its deterministic noise).
    Wilson intervals on each rate.
 5. The per-chunk inference time of the base with and without steering (gated and always), batch 1,
    ``timing_repeats`` chunks each, interleaved in one process: the ratio is what steering adds on a robot.
@@ -74,6 +77,16 @@ Protocol history:
 - 2026-12-07, results of seed 1's gate, recorded after it (README.md): ``headroom_ood=+27.8 cells=3/8``, the same
   three cells kept as on seed 0: ``camera`` (+28.3), ``position_far`` (+32.3), ``camera_far`` (+22.8); in
   distribution 0.997. It crashed natively once in its ``camera`` cell and was resumed with the same command.
+- 2026-12-07 (the day's third session), a method change fixed before any DSRL arm runs under this protocol: the
+  DSRL arm is DSRL-NA as its authors run it (`vla_rl.rl.sac`'s docstring), sized for two cores. Before it, a sigma
+  probe of the base in distribution (noise scales 1, 1.25, 1.5, 1.75, 2; ``sigma_probe_episodes`` = 100 episodes
+  each from ``headroom_seed + 1``) sets the noise bound: the largest scale whose success is at least 95% of the
+  base's at 1. Then one agent per setting (in distribution and each kept cell), its own encoder over the raw
+  image and state, the noise of the 8 rows that run (32 dimensions), the others 0; ensembles of 5 LayerNorm
+  critics (width 256) with a mean backup; target entropy -dim/2, alpha_0 = 1; a warm-up of 256 transitions of the
+  base's own noise, then 10 gradient steps per new transition; each agent until its rollouts used
+  ``dsrl_env_steps`` = 10,000 control steps (the issue allows 50,000; two cores allow this); each cell's DSRL arm
+  is that cell's agent, deterministic (its mean noise). Nothing of the gate, the RL² arms or the targets changes.
 - 2026-12-07, an addition (nothing of a seed's run changes): ``--seeds=[0,1]`` runs each seed as its own resumable
   run in ``<output_dir>/seed<s>`` and pools them (`pool_steering`): each seed's final line, then the pooled line
   with `` seeds=<s,...>`` appended; the targets stay judged on each seed. The two gates read back pooled:
@@ -117,7 +130,10 @@ class BenchSteeringConfig:
     steer_episodes: int = 100  # RL² rollouts per setting
     # training steps of RL²'s flow policy (named when it was a residual field; kept so the gate's folders resume)
     steer_field_steps: int = 2000
-    dsrl_iterations: int = 24
+    # DSRL (since 2026-12-07, as its authors run it): one agent per kept cell and in distribution, each until its
+    # rollouts used dsrl_env_steps control steps; its noise bound the sigma probe's (protocol 3)
+    dsrl_env_steps: int = 10_000
+    sigma_probe_episodes: int = 100  # per sigma, in distribution, from headroom_seed + 1
     eval_episodes: int = 100
     eval_seed: int = 5000
     timing_repeats: int = 20
@@ -148,7 +164,8 @@ class BenchSteeringConfig:
     def apply_quick(self) -> None:
         if self.quick:
             self.demos, self.train_steps, self.batch_size, self.num_envs = 4, 20, 16, 2
-            self.steer_episodes, self.steer_field_steps, self.dsrl_iterations = 2, 5, 2
+            self.steer_episodes, self.steer_field_steps, self.dsrl_env_steps = 2, 5, 16
+            self.sigma_probe_episodes = 2
             self.eval_episodes, self.timing_repeats = 2, 2
             self.variations = self.variations[:2]
             # every variation kept whatever its toy headroom, so that the steering stages run
@@ -199,31 +216,55 @@ def _bench_one_seed(cfg: BenchSteeringConfig, out: Path) -> dict[str, Any]:
             checkpoint=str(base_dir), env=env, variations=cells, episodes=cfg.steer_episodes, seed=cfg.seed + 7000,
             flow_steps=cfg.steer_field_steps, num_threads=cfg.num_threads, output_dir=str(out / "steer"),
         ))  # fmt: skip
-    dsrl_dir = out / "dsrl" / "dsrl"
-    if not (dsrl_dir / "config.json").exists():
-        stages.dsrl(stages.DSRLConfig(
-            checkpoint=str(base_dir), env=env, variations=cells, iterations=cfg.dsrl_iterations, eval_episodes=2,
-            seed=cfg.seed + 8000, num_threads=cfg.num_threads, output_dir=str(out / "dsrl"),
-        ))  # fmt: skip
+    sigma = _sigma_probe(cfg, out, base_dir, env)
+    for cell in cells:  # one agent per setting
+        folder = out / "dsrl" / (cell or "in_distribution")
+        if not (folder / "dsrl" / "config.json").exists():
+            stages.dsrl(stages.DSRLConfig(
+                checkpoint=str(base_dir), env=replace(env, variation=cell), iterations=100_000,
+                max_env_steps=cfg.dsrl_env_steps, eval_episodes=2, seed=cfg.seed + 8000,
+                sac=stages.SACConfig(max_noise=sigma["bound"]), num_threads=cfg.num_threads, output_dir=str(folder),
+            ))  # fmt: skip
     base = stages.load_policy(str(base_dir))[0].eval()
-    arms = {
-        "base": base,
-        "always": stages.SteeredPolicy(base, stages.Steering.load(steering_dir), "always"),
-        "gated": stages.SteeredPolicy(base, stages.Steering.load(steering_dir), "gated"),
-        "dsrl": stages.load_noise_policy(dsrl_dir, base),
-    }
+    steering = stages.Steering.load(steering_dir)
+    arms = {"base": base, "always": stages.SteeredPolicy(base, steering, "always"),
+            "gated": stages.SteeredPolicy(base, steering, "gated")}  # fmt: skip
     table = {}
     for cell in cells:
+        arms["dsrl"] = stages.load_noise_policy(out / "dsrl" / (cell or "in_distribution") / "dsrl", base)
         for arm, policy in arms.items():
             folder = out / "eval" / (cell or "in_distribution") / arm
             result = _cell(folder) or stages.evaluate(stages.EvalConfig(
                 checkpoint=str(base_dir), env=replace(env, variation=cell), num_episodes=cfg.eval_episodes,
                 seed=cfg.eval_seed, video_episodes=0, output_dir=str(folder), overwrite=True), policy=policy)  # fmt: skip
             table[(cell, arm)] = {k: result[k] for k in ("episodes", "successes", "success_rate", "success_ci95")}
+    arms["dsrl"] = stages.load_noise_policy(out / "dsrl" / "in_distribution" / "dsrl", base)  # timed in distribution
     report = _report(asdict(cfg), table, _timing(cfg, arms, env), time.time() - start, headroom, kept)
+    report["sigma_probe"] = sigma
     _plot(report, out / "steering.png")
     write_text_atomic(out / "steering.json", json.dumps(report, indent=2))
     return report
+
+
+SIGMAS = (1.0, 1.25, 1.5, 1.75, 2.0)  # the noise scales the sigma probe tries
+
+
+def _sigma_probe(cfg: BenchSteeringConfig, out: Path, base_dir: Path, env) -> dict[str, Any]:
+    """Protocol 3's bound: the base alone in distribution with its noise scaled by each of `SIGMAS`
+    (`vla-rl eval --noise_scale`, ``sigma_probe_episodes`` each from ``headroom_seed + 1``, into
+    ``out/sigma_probe/<sigma>``; a finished one is read back); the bound is the largest sigma whose success is at
+    least 95% of the base's at 1. Returns {"success": {sigma: rate}, "bound": sigma}."""
+    from vla_rl import stages
+
+    rates = {}
+    for sigma in SIGMAS:
+        folder = out / "sigma_probe" / f"{sigma:g}"
+        result = _cell(folder) or stages.evaluate(stages.EvalConfig(
+            checkpoint=str(base_dir), env=env, num_episodes=cfg.sigma_probe_episodes, seed=cfg.headroom_seed + 1,
+            noise_scale=sigma, video_episodes=0, output_dir=str(folder), overwrite=True))  # fmt: skip
+        rates[sigma] = result["success_rate"]
+    bound = max(s for s in SIGMAS if rates[s] >= 0.95 * rates[1.0])
+    return {"success": {f"{s:g}": r for s, r in rates.items()}, "bound": bound}
 
 
 def _headroom(cfg: BenchSteeringConfig, out: Path, base_dir: Path, env) -> dict[str, dict[str, Any]]:
@@ -257,7 +298,10 @@ def _same_run(cfg: BenchSteeringConfig, path: Path) -> None:
     mine = {k: v for k, v in asdict(cfg).items() if k not in ("num_threads", "output_dir", "headroom_only", "seeds")}
     if path.exists():
         saved = json.loads(path.read_text())
+        defaults = asdict(BenchSteeringConfig())
         for name, value in mine.items():
+            if name not in saved and value == defaults[name]:  # a field added since, at its default: the same run
+                continue
             if saved.get(name) != value:
                 raise ValueError(f"{path.parent} holds a steering benchmark run with {name}={saved.get(name)!r}, not "
                                  f"{value!r}: pass another --output_dir (one per setting)")  # fmt: skip

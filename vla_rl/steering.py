@@ -44,19 +44,12 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from vla_core.types import Steer
+from vla_rl.rl.networks import mlp
 
 MAX_WEIGHT = 100.0  # the largest advantage weight: one chunk must not be the whole loss
 SteerMode = str  # "gated" (where the predictor expects failure) or "always"
 STEER_MODES = ("gated", "always")
 VERSION = 2  # of the saved steering: 2 = the RL flow policy on observation-only latents
-
-
-def mlp(inputs: int, hidden: int, outputs: int, layer_norm: bool = False) -> nn.Sequential:
-    """Two hidden layers of ``hidden`` with GELU (each after a LayerNorm when ``layer_norm``, as critics want)."""
-    layers: list[nn.Module] = []
-    for size in (inputs, hidden):
-        layers += [nn.Linear(size, hidden), *([nn.LayerNorm(hidden)] if layer_norm else []), nn.GELU()]
-    return nn.Sequential(*layers, nn.Linear(hidden, outputs))
 
 
 def batch_size(obs: dict) -> int:
