@@ -235,6 +235,43 @@ def test_the_requests_become_transitions_rewarded_at_a_successful_episodes_last(
     assert rows["next_z"][[0, 1, 4], 0].tolist() == [1, 2, 5]
 
 
+def test_the_weight_is_the_one_of_the_highest_episode_success_of_equal_ones_the_smallest(monkeypatch):
+    """Stubbed rollouts, 4 episodes a weight and setting over two settings: w = 0.5 wins 5 of 8, w = 1 wins 6 of 8,
+    w = 2 wins 6 of 8: the highest rate is shared, so the smaller of those, 1. The base (w = 0) wins 7 of 8, which
+    the record flags: the steering hurts where it was chosen."""
+    import numpy as np
+
+    from vla_rl import steer
+
+    wins = {0.0: [4, 3], 0.5: [3, 2], 1.0: [3, 3], 2.0: [4, 2]}  # by weight, per setting
+    calls = []
+
+    def outcomes(cfg, policy, env):
+        calls.append((policy.weight, cfg.env.variation, cfg.seed, cfg.episodes))
+        k = wins[policy.weight][len([c for c in calls if c[0] == policy.weight]) - 1]
+        return np.array([True] * k + [False] * (4 - k))
+
+    class NoEnv:
+        def __enter__(self):
+            return None
+
+        def __exit__(self, *_):
+            return False
+
+    monkeypatch.setattr(steer, "rollout_outcomes", outcomes)
+    monkeypatch.setattr("sim.factory.make_env", lambda env_cfg: NoEnv())
+    policy = make_policy("diffusion-flow")
+    steering = Steering(tuple(policy.noise_shape), policy.latent_dim, hidden=8)
+    from sim.config import EnvConfig
+
+    cfg = steer.SteerConfig(env=EnvConfig(), variations=["", "camera"], weights=[2.0, 0.5, 1.0], choose_episodes=4,
+                            seed=7000)  # fmt: skip
+    chosen = steer.choose_weight(cfg, policy, steering)
+    assert chosen == {"chosen": 1.0, "success": {"0.0": 0.875, "0.5": 0.625, "1.0": 0.75, "2.0": 0.75},
+                      "base_better": True}  # fmt: skip
+    assert steering.weight == 1.0 and {(c[1], c[2], c[3]) for c in calls} == {("", 7500, 4), ("camera", 7500, 4)}
+
+
 def test_vla_rl_steer_collects_trains_and_eval_serves_the_steered_policy(tmp_path):
     """A random flow `diffusion` policy on lift (8 steps an episode, 2 worlds): 6 episodes collected, the critic,
     the RL flow policy and the gate trained, the weight chosen on 2 episodes each, all written; `vla-rl eval
@@ -254,7 +291,7 @@ def test_vla_rl_steer_collects_trains_and_eval_serves_the_steered_policy(tmp_pat
     assert summary["episode_success_rate"] == summary["request_success_rate"] == 0.0
     assert summary["gate"]["threshold"] == 0.5  # one class: no threshold to fit
     # Every weight failed its 2 episodes: of equal rates the smallest.
-    assert summary["weights"] == {"chosen": 0.5, "success": {"0.5": 0.0, "1.0": 0.0}}
+    assert summary["weights"] == {"chosen": 0.5, "success": {"0.0": 0.0, "0.5": 0.0, "1.0": 0.0}, "base_better": False}
     # The rollouts are a LeRobotDataset: one episode per rollout, one frame per request, the steer.* features.
     from vla_core.data import open_dataset
     from vla_rl.steer import load_rollouts

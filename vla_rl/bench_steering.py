@@ -367,7 +367,7 @@ def _report(config: dict[str, Any], table: dict, timing: dict, seconds: float, h
 
 def pool_steering(reports: dict[int, dict[str, Any]]) -> dict[str, Any]:
     """Seeds' reports (by seed) -> the pooled report. The headroom: each setting's mean over the seeds, and
-    ``headroom_ood`` the mean of the seeds'. The steering arms (when every seed ran them): the cells kept on every
+    ``headroom_ood`` their mean over the cells kept on every seed. The steering arms (when every seed ran them): the cells kept on every
     seed, each arm's successes and episodes summed over the seeds (`vla_rl.stages.pooled_rate`; the seeds share
     their evaluation episodes' initial states, so the pooled interval counts them as independent), and the gains
     of the pooled rates as one run's report has them. Every seed's report is kept under ``seeds``."""
@@ -383,7 +383,7 @@ def pool_steering(reports: dict[int, dict[str, Any]]) -> dict[str, Any]:
     kept = [v for v in first["config"]["variations"] if all(v in r["kept"] for r in reports.values())]
     tried = sum(1 for name in first["headroom"] if name != "in_distribution")
     pooled = {"config": config, "headroom": headroom, "kept": kept, "tried": tried,
-              "headroom_ood": round(sum(r["headroom_ood"] for r in reports.values()) / len(reports), 1),
+              "headroom_ood": _mean_headroom(headroom, kept),
               "steering_ran": all(r["steering_ran"] for r in reports.values()),
               "seeds": {str(seed): report for seed, report in reports.items()}}  # fmt: skip
     if not pooled["steering_ran"] or not kept:

@@ -289,8 +289,13 @@ def identity(cfg: EvalConfig, weights_sha256: str) -> dict:
     """What must match for a record to be resumed or reused: the config without what does not change the
     episodes, and the weights."""
     skip = ("resume", "overwrite", "rerun", "output_dir", "video_episodes", "video_size", "tokenizer_dir")
-    if cfg.draws_per_state == 1:  # as a record from before the field existed holds it
+    # Fields added since, at the value that changes nothing: left out, as a record from before them holds none.
+    if cfg.draws_per_state == 1:
         skip += ("draws_per_state",)
+    if cfg.noise_scale == 1.0:
+        skip += ("noise_scale",)
+    if not cfg.steer.dir:  # unsteered: the steer mode and weight (whose defaults changed) change nothing
+        skip += ("steer",)
     return {**{k: v for k, v in asdict(cfg).items() if k not in skip}, "weights_sha256": weights_sha256}
 
 

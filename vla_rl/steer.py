@@ -14,7 +14,8 @@ the method and its math). Stages, into ``output_dir``:
    predictor; its threshold on the held-out episodes' requests (Youden's J).
 3. choose the weight w among ``weights``: the gated steered policy with each, ``choose_episodes`` episodes per
    setting from seed ``seed + 500`` (neither the collection's nor eval's); the highest episode success rate,
-   of equal rates the smallest w.
+   of equal rates the smallest w. The base (w = 0) runs on the same episodes for the record; ``base_better``
+   says when it beat the chosen w (the steering then hurts where it was chosen).
 4. write ``steering/`` (config.json with the threshold, the weight and the metrics, model.safetensors) and
    ``steer_summary.json``. Success is counted per episode (``episode_success_rate``) and per request
    (``request_success_rate``: the share of requests whose episode succeeded; failing episodes are longer, so
@@ -59,8 +60,8 @@ from vla_rl.steering import (
 
 @dataclass
 class SteerConfig:
-    """Latent steering (RL²) of a frozen flow policy: collect its rollouts, train the steering field and the
-    failure predictor offline, write them for `vla-rl eval --steer.dir`."""
+    """Latent steering (RL²) of a frozen flow policy: collect its rollouts, train the critic, the RL flow policy and
+    the failure predictor offline, choose the weight, write them for `vla-rl eval --steer.dir`."""
 
     checkpoint: str = "outputs/quickstart/train"  # the frozen flow policy (a checkpoint dir or a training run)
     env: EnvConfig = field(default_factory=lambda: EnvConfig(num_envs=16))  # the task, its variation, worlds
@@ -95,6 +96,10 @@ def run_steer(cfg: SteerConfig) -> dict[str, Any]:
     if not 0 < cfg.held_out_fraction < 1 or cfg.episodes * max(1, len(cfg.variations)) < 4:
         raise ValueError("held_out_fraction must be in (0, 1) and the episodes over every setting >= 4 (some to "
                          "train on, some held out)")  # fmt: skip
+    if (cfg.delay.kind, cfg.delay.steps) != ("fixed", 0):
+        raise ValueError(
+            "RL²'s critic reads the rows of a chunk that run at zero delay: run vla-rl steer without --delay"
+        )
     if not cfg.weights or min(cfg.weights) <= 0 or cfg.choose_episodes < 0 or not 0 < cfg.expectile < 1:
         raise ValueError("--weights must be a non-empty list of weights > 0, --choose_episodes >= 0 and --expectile "
                          "in (0, 1)")  # fmt: skip
@@ -119,7 +124,7 @@ def run_steer(cfg: SteerConfig) -> dict[str, Any]:
         collect_dataset(cfg, policy, rollouts, collection)
     data = load_rollouts(rollouts)
     collected_s = time.time() - start
-    executed = cfg.chunking.execute_steps or policy.config.n_action_steps
+    executed = (cfg.chunking.execute_steps or policy.config.n_action_steps, policy.config.action_dim)
     steering, metrics = train(cfg, data, tuple(policy.noise_shape), policy.latent_dim, executed)
     steering.base_sha256 = collection["base_sha256"]  # a steering refuses any other base (`SteeredPolicy`)
     metrics["weights"] = choose_weight(cfg, policy, steering)
@@ -144,13 +149,14 @@ def record_request(policy, obs: dict, obs_step: torch.Tensor, generator: torch.G
     noise = torch.randn(batch, *policy.noise_shape, generator=generator).to(policy.device)
     seen: dict[str, torch.Tensor] = {}
 
-    def recording(x_t, t, latents):  # adds nothing; keeps the last step's state
-        seen["x"], seen["t"] = x_t.detach(), t.detach()
+    def recording(x_t, t, latents, velocity):  # adds nothing; keeps the last step's state and velocity
+        seen["x"], seen["t"], seen["v"] = x_t.detach(), t.detach(), velocity.detach()
         return torch.zeros_like(x_t)
 
+    recording.reads_velocity = True
     chunk = policy.predict_chunk(obs, obs_step, noise=noise, steer=recording)
     step = seen["t"].view(-1, *[1] * (noise.ndim - 1))  # the last Euler step's time is its size, 1 / n
-    x0 = seen["x"] - policy.velocity(obs, seen["x"], seen["t"]) * step
+    x0 = seen["x"] - seen["v"] * step
     return chunk.actions, {"z": observation_latents(policy, obs).cpu(), "x0": x0.float().cpu()}
 
 
@@ -229,7 +235,7 @@ def load_rollouts(root: Path) -> dict[str, torch.Tensor]:
 
 def collect(cfg: SteerConfig, policy, env, dataset, setting_index: int = 0) -> None:
     """The rollouts of stage 1 under ``cfg.env`` (``env`` made from it) into ``dataset``: one frame per request
-    with its regression samples (`record_request`), one LeRobot episode per counted rollout."""
+    with its latents and the sampler's end (`record_request`), one LeRobot episode per counted rollout."""
     from vla_core.runtime.delayed_env import DelayedChunkEnv, step_policy_of
 
     generator = torch.Generator().manual_seed(cfg.seed)
@@ -302,9 +308,9 @@ def decisions(data: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def train(cfg: SteerConfig, data: dict[str, torch.Tensor], noise_shape: tuple[int, ...], latent_dim: int,
-          executed_rows: int):  # fmt: skip
-    """Stage 2 on the collected ``data``: (the `Steering`, its metrics); ``executed_rows``: the rows of a chunk that
-    run (the critic reads those)."""
+          executed: tuple[int, int]):  # fmt: skip
+    """Stage 2 on the collected ``data``: (the `Steering`, its metrics); ``executed``: (the rows of a chunk that run,
+    the action's width), the part of x_0 the critic reads."""
     generator = torch.Generator().manual_seed(cfg.seed + 1)
     torch.manual_seed(cfg.seed + 1)  # the networks' initial weights
     episodes = torch.unique(data["episode"])
@@ -315,7 +321,7 @@ def train(cfg: SteerConfig, data: dict[str, torch.Tensor], noise_shape: tuple[in
     steering = Steering(noise_shape, latent_dim, cfg.hidden)
     rows = decisions(data)
     train_rows = {k: v[~is_held] for k, v in rows.items()}
-    critic = ChunkCritic(noise_shape, latent_dim, cfg.hidden, executed_rows)
+    critic = ChunkCritic(noise_shape, latent_dim, cfg.hidden, *executed)
     critic_loss = train_critic(critic, train_rows, cfg.critic_steps, cfg.critic_lr, cfg.batch_size, cfg.gamma,
                                cfg.expectile, generator)  # fmt: skip
     with torch.no_grad():
@@ -352,14 +358,16 @@ def train(cfg: SteerConfig, data: dict[str, torch.Tensor], noise_shape: tuple[in
 def choose_weight(cfg: SteerConfig, policy, steering: Steering) -> dict[str, Any]:
     """Stage 3: the episode success of the gated steered policy with each of ``cfg.weights`` on ``choose_episodes``
     episodes per setting from seed ``cfg.seed + 500``; sets ``steering.weight`` to the best (of equal rates the
-    smallest) and returns {"chosen": w, "success": {w: rate}}. ``choose_episodes`` 0: the largest, unchosen."""
+    smallest) and returns {"chosen": w, "success": {w: rate} (w = 0: the base), "base_better"}. ``choose_episodes``
+    0: the largest, unchosen."""
     from sim.factory import make_env
 
     if not cfg.choose_episodes:
         steering.weight = max(cfg.weights)
         return {"chosen": steering.weight, "success": {}}
     rates = {}
-    for w in sorted(cfg.weights):
+    steering.to(policy.device)
+    for w in [0.0, *sorted(cfg.weights)]:  # 0: the base itself, for the record (never chosen)
         steered = SteeredPolicy(policy, steering, "gated", w)
         successes = episodes = 0
         for variation in cfg.variations or [cfg.env.variation]:
@@ -369,9 +377,10 @@ def choose_weight(cfg: SteerConfig, policy, steering: Steering) -> dict[str, Any
                 outcomes = rollout_outcomes(setting, steered, env)
             successes, episodes = successes + int(outcomes.sum()), episodes + len(outcomes)
         rates[w] = successes / episodes
-    best = max(rates, key=lambda w: (rates[w], -w))
+    best = max((w for w in rates if w > 0), key=lambda w: (rates[w], -w))
     steering.weight = best
-    return {"chosen": best, "success": {str(w): round(r, 4) for w, r in rates.items()}}
+    return {"chosen": best, "success": {str(w): round(r, 4) for w, r in rates.items()},
+            "base_better": rates[0.0] > rates[best]}  # fmt: skip
 
 
 @torch.no_grad()

@@ -60,7 +60,7 @@ def batch_size(obs: dict) -> int:
 @torch.no_grad()
 def observation_latents(policy, obs: dict) -> torch.Tensor:
     """(B, latent_dim) z = latents(obs, 0, t = 1): the action expert's latents at a fixed input (see the module
-    docstring), one expert pass."""
+    docstring): one expert pass for vla-rl's policies; a LeRobot VLA's hook encodes its prefix again too."""
     zeros = torch.zeros(batch_size(obs), *policy.noise_shape, device=policy.device)
     return policy.latents(obs, zeros, 1.0).float()
 
@@ -82,17 +82,19 @@ class RLFlowPolicy(nn.Module):
 
 class ChunkCritic(nn.Module):
     """IQL at the chunk level: ``q(z (B, L), x0 (B, *S)) -> (B,)`` and ``v(z) -> (B,)``, LayerNorm MLPs. Q reads
-    the chunk's first ``executed_rows`` rows only (the ones that run at zero delay): the rest never reach the
-    robot, so in its input they would be noise."""
+    the chunk's first ``executed_rows`` rows (the ones that run at zero delay) and their first ``action_dim``
+    values only: the rest never reach the robot, so in its input they would be noise."""
 
-    def __init__(self, noise_shape: tuple[int, ...], latent_dim: int, hidden: int = 256, executed_rows: int = 0):
+    def __init__(self, noise_shape: tuple[int, ...], latent_dim: int, hidden: int = 256, executed_rows: int = 0,
+                 action_dim: int = 0):  # fmt: skip
         super().__init__()
-        self.executed_rows = executed_rows or noise_shape[0]
-        self.q_net = mlp(latent_dim + self.executed_rows * math.prod(noise_shape[1:]), hidden, 1, layer_norm=True)
+        self.executed_rows, self.action_dim = executed_rows or noise_shape[0], action_dim or noise_shape[-1]
+        self.q_net = mlp(latent_dim + self.executed_rows * self.action_dim, hidden, 1, layer_norm=True)
         self.v_net = mlp(latent_dim, hidden, 1, layer_norm=True)
 
     def q(self, z: torch.Tensor, x0: torch.Tensor) -> torch.Tensor:
-        return self.q_net(torch.cat([z, x0[:, : self.executed_rows].flatten(1)], dim=1)).squeeze(-1)
+        ran = x0[:, : self.executed_rows, : self.action_dim]  # a LeRobot VLA pads its actions to max_action_dim
+        return self.q_net(torch.cat([z, ran.flatten(1)], dim=1)).squeeze(-1)
 
     def v(self, z: torch.Tensor) -> torch.Tensor:
         return self.v_net(z).squeeze(-1)
@@ -241,7 +243,9 @@ class SteeredPolicy(WrappedPolicy):
             raise ValueError(f"steer mode must be one of {STEER_MODES}, got {mode!r}")
 
     def predict_chunk(self, obs, obs_step=None, **kwargs):
-        z = observation_latents(self.base, obs)  # one expert pass more per chunk
+        # One more pass of the expert per chunk (a LeRobot VLA's hook also encodes its prefix again: about one more
+        # inference per chunk, even where the gate steers nothing).
+        z = observation_latents(self.base, obs)
         return self.base.predict_chunk(obs, obs_step, steer=self.steering.steer(z, self.mode, self.weight), **kwargs)
 
 
