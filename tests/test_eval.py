@@ -510,3 +510,14 @@ def test_eval_with_a_noise_scale_samples_from_that_multiple_of_each_requests_noi
         assert torch.equal(seen[k], 1.5 * request_noise(0, 0, k, 8, 4))
     with pytest.raises(ValueError, match="--noise_scale probes the base's own noise and --steer.dir steers it"):
         evaluate(replace(cfg, steer=SteerEvalConfig(dir=str(tmp_path)), output_dir=str(tmp_path / "both")))
+
+
+def test_a_record_from_before_the_noise_scale_and_the_steer_weight_default_resumes():
+    """An unsteered evaluation at noise scale 1 has neither field in its identity, as records from before them (whose
+    steer weight default was 1.0) hold none; a scale other than 1, or a steering, is part of it."""
+    from vla_rl.eval import SteerEvalConfig, identity
+
+    plain = identity(EvalConfig(), "sha")
+    assert "noise_scale" not in plain and "steer" not in plain and plain["weights_sha256"] == "sha"
+    assert identity(EvalConfig(noise_scale=1.5), "sha")["noise_scale"] == 1.5
+    assert identity(EvalConfig(steer=SteerEvalConfig(dir="s")), "sha")["steer"]["dir"] == "s"
