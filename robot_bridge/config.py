@@ -244,10 +244,8 @@ class ServeConfig:
         if (self.inference == "remote") != bool(self.inference_server):
             raise ValueError("inference: remote and inference_server: HOST:PORT (a `vla-rl policy-server`) go together; "
                              "set both, or neither")  # fmt: skip
-        if not self.steer_dir and (self.steer_mode, self.steer_weight) != (
-            ServeConfig.steer_mode,
-            ServeConfig.steer_weight,
-        ):
+        # 1.0, the former default, still written in configs copied before it changed, steers nothing either.
+        if not self.steer_dir and (self.steer_mode != ServeConfig.steer_mode or self.steer_weight not in (0.0, 1.0)):
             raise ValueError("steer_mode and steer_weight steer nothing without steer_dir (a `vla-rl steer` output's "
                              "steering/ folder): set it, or drop them")  # fmt: skip
         if self.inference == "remote" and self.steer_dir:

@@ -472,6 +472,20 @@ def test_a_lerobot_vla_declares_its_padded_noise_and_its_chunk_is_the_euler_inte
         assert latents.shape == (B, 32)
         torch.testing.assert_close(latents, policy.latents(obs, x_t, t), rtol=1e-5, atol=1e-6)
     assert (policy.latents(obs, start + 0.5, 1.0) - seen[0][2]).abs().max() > 1e-4  # they move with x_t
+    # A steer that reads the velocity gets the padded one at each step: returning c - v makes every step's velocity
+    # c, so the chunk is start - c (three steps of -c / 3) in LeRobot's normalization, whatever the policy.
+    velocities = []
+
+    def composing(x_t, t, latents, velocity):
+        velocities.append((x_t.clone(), t.clone(), velocity.clone()))
+        return c - velocity
+
+    composing.reads_velocity = True
+    composed = policy.predict_chunk(obs, noise=start, steer=composing).actions
+    torch.testing.assert_close(composed, policy.postprocessor((start - c)[..., :4]), rtol=1e-5, atol=1e-5)
+    for x_t, t, velocity in velocities:
+        assert velocity.shape == (B, 8, 32)
+        torch.testing.assert_close(velocity, policy.velocity(obs, x_t, t), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match=r"noise for LeRobot's pi0\S* must be \(B, chunk_size, max_action_dim\) = "
                                          r"\(3, 8, 32\), the padded chunk its sampler integrates, got \(3, 8, 4\)"):  # fmt: skip
         policy.predict_chunk(obs, noise=torch.randn(B, 8, 4))  # (B, horizon, action_dim): not what pi0 integrates

@@ -169,4 +169,7 @@ def test_remote_inference_needs_its_server_and_keeps_the_latency_on_the_server()
         ServeConfig(inference="remote", inference_server="gpu-box:50051", steer_dir="steer/steering").validate()
     with pytest.raises(ValueError, match="steer_mode and steer_weight steer nothing without steer_dir"):
         ServeConfig(steer_mode="always").validate()
+    with pytest.raises(ValueError, match="steer_mode and steer_weight steer nothing without steer_dir"):
+        ServeConfig(steer_weight=0.5).validate()
+    ServeConfig(steer_weight=1.0).validate()  # the former default, in configs copied before it changed
     ServeConfig(inference="remote", inference_server="gpu-box:50051").validate()

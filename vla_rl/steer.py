@@ -236,45 +236,59 @@ def load_rollouts(root: Path) -> dict[str, torch.Tensor]:
 def collect(cfg: SteerConfig, policy, env, dataset, setting_index: int = 0) -> None:
     """The rollouts of stage 1 under ``cfg.env`` (``env`` made from it) into ``dataset``: one frame per request
     with its latents and the sampler's end (`record_request`), one LeRobot episode per counted rollout."""
+    generator = torch.Generator().manual_seed(cfg.seed)
+    frames: dict[int, list[dict]] = {}  # each world's requests in its current episode
+
+    def act(sub: dict, worlds: list[int], obs_step: torch.Tensor) -> torch.Tensor:
+        chunk, record = record_request(policy, sub, obs_step, generator)
+        for j, w in enumerate(worlds):
+            if w is not None:
+                frames.setdefault(w, []).append(_frame(sub, j, chunk[j], record, int(obs_step[j]), setting_index))
+        return chunk
+
+    def ended(w: int, success: bool) -> None:
+        # An episode that ended before its first request (a mid observation asked late) has nothing to learn from:
+        # counted, not written.
+        if frames.get(w):
+            for frame in frames[w]:
+                dataset.add_frame(frame | {"steer.success": np.array([success])})
+            dataset.save_episode()
+        frames[w] = []
+
+    run_episodes(cfg, policy, env, act, ended, "collect")
+
+
+def run_episodes(cfg: SteerConfig, policy, env, act, ended, desc: str) -> None:
+    """Each world of ``env`` runs its first ceil(cfg.episodes / N) episodes from seed ``cfg.seed`` through the
+    latency model as `vla-rl eval` runs them: ``act(obs, worlds, obs_step)`` gives the chunks (R, H, A) of the R
+    worlds asking (``worlds``: each one's index, None for a world done counting, which only holds its place),
+    ``ended(world, success)`` hears each counted episode's end. A world counts its first episodes whatever their length: keeping the first episodes to end
+    would favour the short ones, and success ends an episode early."""
     from vla_core.runtime.delayed_env import DelayedChunkEnv, step_policy_of
 
-    generator = torch.Generator().manual_seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     n = env.num_envs
     delayed = DelayedChunkEnv(env, LatencySpec.of(policy), cfg.chunking, DelayModel(cfg.delay, env.control_dt),
                               step_policy=step_policy_of(policy))  # fmt: skip
     obs, need = delayed.reset(seed=cfg.seed)
-    # Each world counts its first ceil(episodes / N) episodes, whatever their length: keeping the first
-    # episodes to end would favour the short ones, and success ends an episode early.
     per_world = -(-cfg.episodes // n)
     finished = np.zeros(n, dtype=np.int64)  # episodes each world has ended
-    frames: list[list[dict]] = [[] for _ in range(n)]  # each world's requests in its current episode
-    with tqdm(total=per_world * n, desc="collect", unit="ep") as bar:
+    with tqdm(total=per_world * n, desc=desc, unit="ep") as bar:
         while (finished < per_world).any():
+            actions = torch.zeros(n, policy.config.horizon, policy.config.action_dim)
             rows = torch.nonzero(need.cpu()).flatten()
-            actions = None
             if len(rows):
                 sub = {k: [v[i] for i in rows.tolist()] if k == TASK else v[rows.to(v.device)]
                        for k, v in obs.items() if k == TASK or torch.is_tensor(v)}  # fmt: skip
-                obs_step = delayed.obs_step[rows]
-                chunk, record = record_request(policy, sub, obs_step, generator)
+                counted = [w if finished[w] < per_world else None for w in rows.tolist()]
+                chunk = act(sub, counted, delayed.obs_step[rows])
                 actions = chunk.new_zeros(n, *chunk.shape[1:])
                 actions[rows.to(actions.device)] = chunk
-                for j, w in enumerate(rows.tolist()):
-                    if finished[w] < per_world:
-                        frames[w].append(_frame(sub, j, chunk[j], record, int(obs_step[j]), setting_index))
-            if actions is None:
-                actions = torch.zeros(n, policy.config.horizon, policy.config.action_dim)
             obs, _, terminated, truncated, info, need = delayed.step(ActionChunk(actions, delayed.obs_step))
             for w in torch.nonzero((terminated | truncated).cpu()).flatten().tolist():
-                # An episode that ended before its first request (a mid observation asked late) has nothing to learn
-                # from: counted, not written.
-                if finished[w] < per_world and frames[w]:
-                    for frame in frames[w]:
-                        dataset.add_frame(frame | {"steer.success": np.array([bool(info["success"][w])])})
-                    dataset.save_episode()
-                bar.update(int(finished[w] < per_world))
-                frames[w] = []
+                if finished[w] < per_world:
+                    ended(w, bool(info["success"][w]))
+                    bar.update()
                 finished[w] += 1
             interrupt.raise_if_stopped()
 
@@ -385,32 +399,9 @@ def choose_weight(cfg: SteerConfig, policy, steering: Steering) -> dict[str, Any
 
 @torch.no_grad()
 def rollout_outcomes(cfg: SteerConfig, policy, env) -> np.ndarray:
-    """(episodes,) bool: the successes of each world's first ceil(cfg.episodes / N) episodes from seed ``cfg.seed``,
-    through the latency model as stage 1 runs them."""
-    from vla_core.runtime.delayed_env import DelayedChunkEnv, step_policy_of
-
-    torch.manual_seed(cfg.seed)
-    n = env.num_envs
-    delayed = DelayedChunkEnv(env, LatencySpec.of(policy), cfg.chunking, DelayModel(cfg.delay, env.control_dt),
-                              step_policy=step_policy_of(policy))  # fmt: skip
-    obs, need = delayed.reset(seed=cfg.seed)
-    per_world = -(-cfg.episodes // n)
-    finished, outcomes = np.zeros(n, dtype=np.int64), []
-    with tqdm(total=per_world * n, desc="choose w", unit="ep", leave=False) as bar:
-        while (finished < per_world).any():
-            rows = torch.nonzero(need.cpu()).flatten()
-            actions = torch.zeros(n, policy.config.horizon, policy.config.action_dim)
-            if len(rows):
-                sub = {k: [v[i] for i in rows.tolist()] if k == TASK else v[rows.to(v.device)]
-                       for k, v in obs.items() if k == TASK or torch.is_tensor(v)}  # fmt: skip
-                chunk = policy.predict_chunk(sub, delayed.obs_step[rows]).actions
-                actions = chunk.new_zeros(n, *chunk.shape[1:])
-                actions[rows.to(actions.device)] = chunk
-            obs, _, terminated, truncated, info, need = delayed.step(ActionChunk(actions, delayed.obs_step))
-            for w in torch.nonzero((terminated | truncated).cpu()).flatten().tolist():
-                if finished[w] < per_world:
-                    outcomes.append(bool(info["success"][w]))
-                    bar.update()
-                finished[w] += 1
-            interrupt.raise_if_stopped()
+    """(episodes,) bool: the successes of each world's first ceil(cfg.episodes / N) episodes from seed ``cfg.seed``
+    (`run_episodes`), in the order they ended."""
+    outcomes: list[bool] = []
+    run_episodes(cfg, policy, env, lambda sub, worlds, obs_step: policy.predict_chunk(sub, obs_step).actions,
+                 lambda w, success: outcomes.append(success), "choose w")  # fmt: skip
     return np.array(outcomes)
