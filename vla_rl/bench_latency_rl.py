@@ -152,6 +152,11 @@ Protocol history (runs numbered as README.md numbers them, each by its final lin
   with ``--output_dir=outputs/bench/latency_rl_nodelay450k`` pools them. The runs under delay keep their 36,000
   steps, so the no-delay arm now has 12.5 times the latency-aware arm's (a handicap that can only lower
   ``latency_aware_over_nodelay``). The targets are unchanged, ``nodelay_gain`` read from the 450,000-step run.
+- 2026-12-07, results of that run, recorded after it (README.md): seed 0 ``latency_aware_over_naive=3.975
+  latency_aware_over_nodelay=1.459 nodelay_gain=+14.5``; seed 1 ``latency_aware_over_naive=3.390
+  latency_aware_over_nodelay=1.275 nodelay_gain=+7.5``; pooled ``latency_aware_over_naive=3.679
+  latency_aware_over_nodelay=1.367 nodelay_gain=+11.0 seeds=0,1``. The gate misses on seed 1: not met. Seed 0's
+  process died silently during its evaluations and was resumed with the same command.
 """
 
 from __future__ import annotations
