@@ -239,7 +239,7 @@ def collect(cfg: SteerConfig, policy, env, dataset, setting_index: int = 0) -> N
     generator = torch.Generator().manual_seed(cfg.seed)
     frames: dict[int, list[dict]] = {}  # each world's requests in its current episode
 
-    def act(sub: dict, worlds: list[int], obs_step: torch.Tensor) -> torch.Tensor:
+    def act(sub: dict, worlds: list[int | None], obs_step: torch.Tensor) -> torch.Tensor:
         chunk, record = record_request(policy, sub, obs_step, generator)
         for j, w in enumerate(worlds):
             if w is not None:
@@ -262,8 +262,8 @@ def run_episodes(cfg: SteerConfig, policy, env, act, ended, desc: str) -> None:
     """Each world of ``env`` runs its first ceil(cfg.episodes / N) episodes from seed ``cfg.seed`` through the
     latency model as `vla-rl eval` runs them: ``act(obs, worlds, obs_step)`` gives the chunks (R, H, A) of the R
     worlds asking (``worlds``: each one's index, None for a world done counting, which only holds its place),
-    ``ended(world, success)`` hears each counted episode's end. A world counts its first episodes whatever their length: keeping the first episodes to end
-    would favour the short ones, and success ends an episode early."""
+    ``ended(world, success)`` hears each counted episode's end. A world counts its first episodes whatever their
+    length: keeping the first episodes to end would favour the short ones, and success ends an episode early."""
     from vla_core.runtime.delayed_env import DelayedChunkEnv, step_policy_of
 
     torch.manual_seed(cfg.seed)
