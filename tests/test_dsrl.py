@@ -133,9 +133,10 @@ def test_vla_rl_dsrl_trains_through_the_shared_rollout_and_evaluates_both_arms(t
     agent_noise = served.predict_chunk(obs).actions  # deterministic: the actor's mean noise, whatever the stream
     torch.testing.assert_close(served.predict_chunk(obs).actions, agent_noise, rtol=0, atol=0)
     assert (served.base.predict_chunk(obs).actions - agent_noise).abs().max() > 1e-4  # not the base's own draw
-    with pytest.raises(ValueError, match="is a DSRL agent, which sets every chunk's noise with no weight"):
-        evaluate(EvalConfig(checkpoint=str(tmp_path / "policy"), env=env, num_episodes=2, video_episodes=0,
-                            steer=SteerEvalConfig(dir=agent_dir, weight=0.5), output_dir=str(tmp_path / "e2")))  # fmt: skip
+    for flags in ({"weight": 0.5}, {"mode": "always"}):
+        with pytest.raises(ValueError, match="is a DSRL agent, which sets every chunk's noise with no gate and no"):
+            evaluate(EvalConfig(checkpoint=str(tmp_path / "policy"), env=env, num_episodes=2, video_episodes=0,
+                                steer=SteerEvalConfig(dir=agent_dir, **flags), output_dir=str(tmp_path / "e2")))  # fmt: skip
     from vla_rl.checkpoint import load_policy
 
     policy = load_policy(str(tmp_path / "policy"))[0]

@@ -163,19 +163,7 @@ def evaluate(cfg: EvalConfig, policy=None, expected_weights: str | None = None) 
         policy, ckpt = load_policy(cfg.checkpoint, device=cfg.device, tokenizer_dir=cfg.tokenizer_dir)
     else:
         ckpt = cfg.checkpoint
-    if not cfg.steer.dir and (cfg.steer.mode, cfg.steer.weight) != (SteerEvalConfig.mode, SteerEvalConfig.weight):
-        raise ValueError("--steer.mode and --steer.weight steer nothing without --steer.dir (a `vla-rl steer` "
-                         "output's steering/ folder): pass it, or drop them")  # fmt: skip
-    if cfg.noise_scale != 1.0 and cfg.steer.dir:
-        raise ValueError("--noise_scale probes the base's own noise and --steer.dir steers it: pass one")
-    if cfg.noise_scale != 1.0:
-        from vla_rl.steering import NoiseScaledPolicy
-
-        policy = NoiseScaledPolicy(policy, cfg.noise_scale)  # refuses a scale <= 0 or a policy without flow noise
-    if cfg.steer.dir:
-        from vla_rl.steering import load_steered
-
-        policy = load_steered(policy, cfg.steer.dir, cfg.steer.mode, cfg.steer.weight or None)
+    policy = composed(policy, cfg)
     origin = provenance(policy)
     if expected_weights is not None and origin["weights_sha256"] != expected_weights:
         raise ValueError(
@@ -283,6 +271,25 @@ def check_draws(cfg: EvalConfig) -> None:
     if d > 1 and (cfg.num_episodes <= 0 or cfg.num_episodes % d):
         raise ValueError(f"--draws_per_state={d} needs --num_episodes a multiple of it (states x draws), got "
                          f"{cfg.num_episodes}")  # fmt: skip
+
+
+def composed(policy, cfg: EvalConfig):
+    """``policy`` as the evaluation runs it: its noise scaled (``--noise_scale``) or steered (``--steer.dir``, RL² or
+    DSRL), never both; the steering flags without a steering are refused in one line."""
+    if not cfg.steer.dir and (cfg.steer.mode, cfg.steer.weight) != (SteerEvalConfig.mode, SteerEvalConfig.weight):
+        raise ValueError("--steer.mode and --steer.weight steer nothing without --steer.dir (a `vla-rl steer` "
+                         "output's steering/ folder): pass it, or drop them")  # fmt: skip
+    if cfg.noise_scale != 1.0 and cfg.steer.dir:
+        raise ValueError("--noise_scale probes the base's own noise and --steer.dir steers it: pass one")
+    if cfg.noise_scale != 1.0:
+        from vla_rl.steering import NoiseScaledPolicy
+
+        return NoiseScaledPolicy(policy, cfg.noise_scale)  # refuses a scale <= 0 or a policy without flow noise
+    if cfg.steer.dir:
+        from vla_rl.steering import load_steered
+
+        return load_steered(policy, cfg.steer.dir, cfg.steer.mode, cfg.steer.weight or None)
+    return policy
 
 
 def identity(cfg: EvalConfig, weights_sha256: str) -> dict:

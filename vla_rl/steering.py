@@ -252,14 +252,14 @@ class SteeredPolicy(WrappedPolicy):
 def load_steered(base: nn.Module, directory: str | Path, mode: SteerMode = "gated", weight: float | None = None):
     """``base`` steered by the steering in ``directory``, of either kind: a `vla-rl steer` output's ``steering/``
     (RL², gated or always at ``weight``, None: the chosen one) or a `vla-rl dsrl` output's ``dsrl/`` (the agent's
-    noise in every chunk: it has no gate and no weight, so a weight is refused). Either refuses a base other than
-    the one it was trained on, in one line."""
+    noise in every chunk: it has no gate and no weight, so a weight or the mode ``always`` is refused). Either
+    refuses a base other than the one it was trained on, in one line."""
     directory = Path(directory)
     config_file = directory / "config.json"
     if config_file.is_file() and "sac" in json.loads(config_file.read_text()):
-        if weight:
-            raise ValueError(f"{directory} is a DSRL agent, which sets every chunk's noise with no weight: drop the "
-                             "steering weight")  # fmt: skip
+        if weight or mode != "gated":
+            raise ValueError(f"{directory} is a DSRL agent, which sets every chunk's noise with no gate and no "
+                             "weight: drop the steering mode and weight")  # fmt: skip
         from vla_rl.dsrl import load_noise_policy
 
         return load_noise_policy(directory, base)
