@@ -224,6 +224,7 @@ def _bench_one_seed(cfg: BenchSteeringConfig, out: Path) -> dict[str, Any]:
                 checkpoint=str(base_dir), env=replace(env, variation=cell), iterations=100_000,
                 max_env_steps=cfg.dsrl_env_steps, eval_episodes=2, seed=cfg.seed + 8000,
                 sac=stages.SACConfig(max_noise=sigma["bound"]), num_threads=cfg.num_threads, output_dir=str(folder),
+                checkpoint_every=1,  # an iteration is minutes of updates: a stopped run loses at most one
             ))  # fmt: skip
     base = stages.load_policy(str(base_dir))[0].eval()
     steering = stages.Steering.load(steering_dir)

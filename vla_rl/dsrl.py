@@ -108,11 +108,14 @@ def run_dsrl(cfg: DSRLConfig) -> dict[str, Any]:
                                 use="finetune", step_policy=step_policy_of(policy))  # fmt: skip
         history = load_state(state_file, agent, replay, shell, made_with) if state_file.exists() else []
         with interrupt.deferred():  # a stop signal ends the run after an iteration, its state saved
-            bar = tqdm(range(len(history), cfg.iterations), desc="dsrl", unit="it", initial=len(history),
-                       total=cfg.iterations)  # fmt: skip
-            for it in bar:
-                spent = sum(h["env_steps"] for h in history)
-                if cfg.max_env_steps and spent >= cfg.max_env_steps:
+            # The bar counts control steps against the budget (iterations when there is none): an iteration's
+            # steps vary with its episodes' lengths, and the iteration cap is usually far above the budget.
+            spent = sum(h["env_steps"] for h in history)
+            by_steps = bool(cfg.max_env_steps)
+            bar = tqdm(desc="dsrl", unit="step" if by_steps else "it", initial=spent if by_steps else len(history),
+                       total=cfg.max_env_steps if by_steps else cfg.iterations)  # fmt: skip
+            for it in range(len(history), cfg.iterations):
+                if by_steps and spent >= cfg.max_env_steps:
                     break
                 agent.warming_up = len(replay) < cfg.sac.warmup_transitions
                 rollout, stats = collect(agent, shell, episodes_per_world=cfg.episodes_per_world,
@@ -131,10 +134,13 @@ def run_dsrl(cfg: DSRLConfig) -> dict[str, Any]:
                                 "env_steps": stats.env_steps, "buffer": len(replay), "updates": updates,
                                 "truncated_left_out": int(rollout.truncated.sum()),
                                 **{k: round(v, 5) for k, v in losses.items()}})  # fmt: skip
+                spent += stats.env_steps
+                bar.update(stats.env_steps if by_steps else 1)
                 bar.set_postfix(success=history[-1]["success_rate"], buffer=len(replay))
                 if interrupt.received() is not None or (it + 1) % cfg.checkpoint_every == 0 or it + 1 == cfg.iterations:
                     save_state(state_file, agent, replay, shell, history, made_with)
                 interrupt.raise_if_stopped()
+            bar.close()
         save_state(state_file, agent, replay, shell, history, made_with)
     save_agent(out / "dsrl", agent, cfg)
     arms = {}
