@@ -72,6 +72,16 @@ def test_bench_steering_quick_runs_every_stage_and_reports_each_cell(tmp_path):
     assert again["cells"] == report["cells"] and {p: p.stat().st_mtime_ns for p in written} == written
     with pytest.raises(ValueError, match="holds a steering benchmark run with eval_seed=5000, not 5001"):
         bench_steering(BenchSteeringConfig(quick=True, eval_seed=5001, output_dir=str(tmp_path)))
+    # A steering from before best-of-N (version 2) is trained again from the same rollouts, and only the steered
+    # arms are evaluated again.
+    config = out / "steer" / "steering" / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "version": 2}))
+    rollouts = {p: p.stat().st_mtime_ns for p in (out / "steer" / "rollouts").rglob("*.parquet")}
+    bench_steering(BenchSteeringConfig(quick=True, num_threads=1, output_dir=str(tmp_path)))
+    assert json.loads(config.read_text())["version"] == 3
+    assert {p: p.stat().st_mtime_ns for p in rollouts} == rollouts
+    redone = {p for p in written if p.stat().st_mtime_ns != written[p]}
+    assert redone == {p for p in written if p.parent.name in ("gated", "always")} and redone
 
 
 def test_the_final_figures_are_the_cells_differences_in_points():

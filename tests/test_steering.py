@@ -235,20 +235,31 @@ def test_the_requests_become_transitions_rewarded_at_a_successful_episodes_last(
     assert rows["next_z"][[0, 1, 4], 0].tolist() == [1, 2, 5]
 
 
-def test_the_weight_is_the_one_of_the_highest_episode_success_of_equal_ones_the_smallest(monkeypatch):
-    """Stubbed rollouts, 4 episodes a weight and setting over two settings: w = 0.5 wins 5 of 8, w = 1 wins 6 of 8,
-    w = 2 wins 6 of 8: the highest rate is shared, so the smaller of those, 1. The base (w = 0) wins 7 of 8, which
-    the record flags: the steering hurts where it was chosen."""
+def test_the_weight_and_best_of_are_the_pair_of_the_highest_episode_success_of_equal_ones_the_smallest(monkeypatch):
+    """Stubbed rollouts, 4 episodes a pair and setting over two settings, weights [2, 0.5, 1, 0] and best_of [1, 8]:
+    (w, N) = (0, 8) wins 4 of 8, (0.5, 1) 5, (0.5, 8) 5, (1, 1) 6, (1, 8) 6, (2, 1) 6, (2, 8) 3: the highest rate is
+    shared by three pairs, so the cheapest: the smallest N, then the smallest w: (1, 1). (0, 1) is the base, run for the record
+    and never chosen: it wins 7 of 8, which the record flags (the steering hurts where it was chosen)."""
     import numpy as np
 
     from vla_rl import steer
 
-    wins = {0.0: [4, 3], 0.5: [3, 2], 1.0: [3, 3], 2.0: [4, 2]}  # by weight, per setting
+    wins = {
+        (0.0, 1): [4, 3],
+        (0.0, 8): [2, 2],
+        (0.5, 1): [3, 2],
+        (0.5, 8): [2, 3],
+        (1.0, 1): [3, 3],
+        (1.0, 8): [4, 2],
+        (2.0, 1): [4, 2],
+        (2.0, 8): [1, 2],
+    }  # by pair, per setting; fmt: skip
     calls = []
 
     def outcomes(cfg, policy, env):
-        calls.append((policy.weight, cfg.env.variation, cfg.seed, cfg.episodes))
-        k = wins[policy.weight][len([c for c in calls if c[0] == policy.weight]) - 1]
+        pair = (policy.weight, policy.best_of)
+        calls.append((pair, cfg.env.variation, cfg.seed, cfg.episodes))
+        k = wins[pair][len([c for c in calls if c[0] == pair]) - 1]
         return np.array([True] * k + [False] * (4 - k))
 
     class NoEnv:
@@ -264,12 +275,16 @@ def test_the_weight_is_the_one_of_the_highest_episode_success_of_equal_ones_the_
     steering = Steering(tuple(policy.noise_shape), policy.latent_dim, hidden=8)
     from sim.config import EnvConfig
 
-    cfg = steer.SteerConfig(env=EnvConfig(), variations=["", "camera"], weights=[2.0, 0.5, 1.0], choose_episodes=4,
-                            seed=7000)  # fmt: skip
+    cfg = steer.SteerConfig(env=EnvConfig(), variations=["", "camera"], weights=[2.0, 0.5, 1.0, 0.0], best_of=[1, 8],
+                            choose_episodes=4, seed=7000)  # fmt: skip
     chosen = steer.choose_weight(cfg, policy, steering)
-    assert chosen == {"chosen": 1.0, "success": {"0.0": 0.875, "0.5": 0.625, "1.0": 0.75, "2.0": 0.75},
-                      "base_better": True}  # fmt: skip
-    assert steering.weight == 1.0 and {(c[1], c[2], c[3]) for c in calls} == {("", 7500, 4), ("camera", 7500, 4)}
+    assert chosen == {"chosen": 1.0, "best_of": 1, "base_better": True,
+                      "success": {"base": 0.875, "w=0,best_of=8": 0.5, "w=0.5,best_of=1": 0.625,
+                                  "w=0.5,best_of=8": 0.625, "w=1,best_of=1": 0.75, "w=1,best_of=8": 0.75,
+                                  "w=2,best_of=1": 0.75, "w=2,best_of=8": 0.375}}  # fmt: skip
+    assert (steering.weight, steering.best_of) == (1.0, 1)
+    assert {(c[1], c[2], c[3]) for c in calls} == {("", 7500, 4), ("camera", 7500, 4)}
+    assert len(calls) == 2 * 8  # every pair and the base, in both settings
 
 
 def test_vla_rl_steer_collects_trains_and_eval_serves_the_steered_policy(tmp_path):
@@ -290,8 +305,10 @@ def test_vla_rl_steer_collects_trains_and_eval_serves_the_steered_policy(tmp_pat
     assert (summary["requests"], summary["episodes"], summary["held_out_episodes"]) == (12, 6, 2)
     assert summary["episode_success_rate"] == summary["request_success_rate"] == 0.0
     assert summary["gate"]["threshold"] == 0.5  # one class: no threshold to fit
-    # Every weight failed its 2 episodes: of equal rates the smallest.
-    assert summary["weights"] == {"chosen": 0.5, "success": {"0.0": 0.0, "0.5": 0.0, "1.0": 0.0}, "base_better": False}
+    # Every pair failed its 2 episodes: of equal rates the cheapest (N = 1, then the smallest w).
+    assert summary["weights"] == {"chosen": 0.5, "best_of": 1, "base_better": False,
+                                  "success": {"base": 0.0, **dict.fromkeys(["w=0.5,best_of=1", "w=1,best_of=1",
+                                              "w=0,best_of=8", "w=0.5,best_of=8", "w=1,best_of=8"], 0.0)}}  # fmt: skip
     # The rollouts are a LeRobotDataset: one episode per rollout, one frame per request, the steer.* features.
     from vla_core.data import open_dataset
     from vla_rl.steer import load_rollouts
@@ -312,11 +329,21 @@ def test_vla_rl_steer_collects_trains_and_eval_serves_the_steered_policy(tmp_pat
                               output_dir=str(tmp_path / "steer")))  # fmt: skip
     saved = json.loads((tmp_path / "steer" / "steering" / "config.json").read_text())
     assert saved["noise_shape"] == [8, 4] and saved["threshold"] == 0.5 and saved["weight"] == 0.5
-    assert saved["version"] == 2
+    assert (saved["version"], saved["best_of"], saved["executed"]) == (3, 1, [4, 4])  # the critic reads 4 rows
     result = evaluate(EvalConfig(checkpoint=str(tmp_path / "policy"), env=env, num_episodes=2, video_episodes=0,
                                  steer=SteerEvalConfig(dir=str(tmp_path / "steer" / "steering"), mode="always"),
                                  output_dir=str(tmp_path / "eval")))  # fmt: skip
     assert len(result["per_episode"]) == 2 and result["config"]["steer"]["mode"] == "always"
+    # Best-of-2 through eval (its selection is checked by hand in the test of `SteeredPolicy.select`); the record
+    # names the steering's files, so a steering trained again in the same folder is not resumed as this one.
+    best = evaluate(EvalConfig(checkpoint=str(tmp_path / "policy"), env=env, num_episodes=2, video_episodes=0,
+                               steer=SteerEvalConfig(dir=str(tmp_path / "steer" / "steering"), mode="always",
+                                                     best_of=2), output_dir=str(tmp_path / "eval_best")))  # fmt: skip
+    assert len(best["per_episode"]) == 2 and best["config"]["steer"]["best_of"] == 2
+    from vla_rl.eval import files_sha256, identity
+
+    steered_identity = identity(EvalConfig(steer=SteerEvalConfig(dir=str(tmp_path / "steer" / "steering"))), "sha")
+    assert steered_identity["steering_sha256"] == files_sha256(tmp_path / "steer" / "steering")
     # serve and the policy server load the same composition in their inference process.
     from robot_bridge.config import ServeConfig
     from robot_bridge.inference import policy_info
@@ -350,3 +377,57 @@ def test_a_policy_without_a_flow_velocity_is_refused_naming_the_fix():
     with pytest.raises(ValueError, match="steering needs a flow policy: .*--policy.objective=flow"):
         check_steerable(make_policy("diffusion"))
     check_steerable(make_policy("diffusion-flow"))  # a flow policy passes
+
+
+def test_best_of_n_runs_the_candidate_the_critic_ranks_first_in_the_steered_rows():
+    """Row 0 gated (logit +5), row 1 not. With w = 1 and the RL velocity the constant 0.2, a candidate's end is its
+    noise - 0.2 exactly (the composed velocity is 0.2 at every step). The critic's Q is stubbed to x_0[:, 0, 0]:
+    of N = 4 candidates drawn from torch's stream after the seed, row 0 runs the one whose noise has the largest
+    first value, and the critic saw each candidate's end; row 1 is the unsteered chunk bit for bit."""
+    torch.manual_seed(0)
+    policy = make_policy("diffusion-flow")
+    obs = observation()
+    noise = torch.rand(B, H, A, generator=torch.Generator().manual_seed(2)) - 0.5
+    low, high = torch.tensor([-2.0, 0.0]), torch.tensor([2.0, 1.0])  # the tiny policies' action range
+    normalized = lambda actions: (actions - low) / (high - low) * 2 - 1
+    free = policy.predict_chunk(obs, noise=noise).actions
+    steering, _ = steering_for(policy, [5.0, -5.0], c=0.2)
+    seen = []
+    steering.critic.q = lambda z, x0: seen.append(x0.clone()) or x0[:, 0, 0]
+    torch.manual_seed(3)
+    chunk = SteeredPolicy(policy, steering, "gated", best_of=4).predict_chunk(obs, noise=noise)
+    torch.manual_seed(3)
+    candidates = torch.randn(4, H, A)  # one steered row, 4 candidates: the draw its sampler makes
+    torch.testing.assert_close(seen[0], candidates - 0.2, rtol=0, atol=1e-5)
+    best = candidates[candidates[:, 0, 0].argmax()]
+    torch.testing.assert_close(normalized(chunk.actions[0]), (best - 0.2).clamp(-1, 1), rtol=0, atol=1e-5)
+    torch.testing.assert_close(chunk.actions[1], free[1], rtol=0, atol=0)
+    # No row gated: nothing is sampled beyond the one chunk (the critic is never asked).
+    seen.clear()
+    quiet, _ = steering_for(policy, [-5.0, -5.0], c=0.2)
+    quiet.critic.q = steering.critic.q
+    torch.testing.assert_close(SteeredPolicy(policy, quiet, "gated", best_of=4).predict_chunk(obs, noise=noise).actions,
+                               free, rtol=0, atol=0)  # fmt: skip
+    assert not seen
+    with pytest.raises(ValueError, match="best_of=0: it must be >= 1"):
+        SteeredPolicy(policy, steering, "gated", best_of=0)
+
+
+def test_a_steering_saved_without_its_critic_loads_and_refuses_best_of_n(tmp_path):
+    """A version-2 steering (before best-of-N: no critic in its files) still steers by composition; asking it for
+    candidates names the fix."""
+    from safetensors.torch import load_file, save_file
+
+    policy = make_policy("diffusion-flow")
+    Steering(tuple(policy.noise_shape), policy.latent_dim, hidden=8, weight=0.5).save(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    for key in ("best_of", "executed"):
+        del config[key]
+    (tmp_path / "config.json").write_text(json.dumps({**config, "version": 2}))
+    weights = load_file(str(tmp_path / "model.safetensors"))
+    save_file({k: v for k, v in weights.items() if not k.startswith("critic.")}, str(tmp_path / "model.safetensors"))
+    old = Steering.load(tmp_path)
+    assert old.critic is None and old.best_of == 1 and old.weight == 0.5
+    assert SteeredPolicy(policy, old, "gated").best_of == 1
+    with pytest.raises(ValueError, match="needs the critic .* train it again with `vla-rl steer`"):
+        SteeredPolicy(policy, old, "gated", best_of=8)

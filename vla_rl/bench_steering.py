@@ -97,6 +97,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -211,7 +212,11 @@ def _bench_one_seed(cfg: BenchSteeringConfig, out: Path) -> dict[str, Any]:
         return report
     cells = ["", *kept]
     steering_dir = out / "steer" / "steering"
-    if not (steering_dir / "config.json").exists():
+    if not _steering_current(steering_dir):
+        # Absent, or trained before the best-of-N amendment: trained again from its rollouts (the collection is
+        # the same), and any steered arm evaluated with the old one goes with it.
+        for stale in [*(out / "eval").glob("*/always"), *(out / "eval").glob("*/gated")]:
+            shutil.rmtree(stale)
         stages.steer(stages.SteerConfig(
             checkpoint=str(base_dir), env=env, variations=cells, episodes=cfg.steer_episodes, seed=cfg.seed + 7000,
             flow_steps=cfg.steer_field_steps, num_threads=cfg.num_threads, output_dir=str(out / "steer"),
@@ -245,6 +250,14 @@ def _bench_one_seed(cfg: BenchSteeringConfig, out: Path) -> dict[str, Any]:
     _plot(report, out / "steering.png")
     write_text_atomic(out / "steering.json", json.dumps(report, indent=2))
     return report
+
+
+def _steering_current(directory: Path) -> bool:
+    """Whether ``directory`` holds a steering of today's version (a version-2 one predates best-of-N)."""
+    from vla_rl.steering import VERSION
+
+    config = directory / "config.json"
+    return config.exists() and json.loads(config.read_text()).get("version") == VERSION
 
 
 SIGMAS = (1.0, 1.25, 1.5, 1.75, 2.0)  # the noise scales the sigma probe tries

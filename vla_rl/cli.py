@@ -151,7 +151,8 @@ def _run_steer(cfg):
         f"{summary['requests']} requests ({summary['request_success_rate']:.0%} in successful episodes); gate "
         f"threshold {gate['threshold']:.3f} (held out: AUC {gate['auc']}, failures caught {gate['tpr']}, successes "
         f"steered {gate['fpr']}); flow loss {summary['flow_loss']['first']} -> {summary['flow_loss']['last']}; "
-        f"weight {summary['weights']['chosen']} (gated success by weight: {summary['weights']['success']}); "
+        f"weight {summary['weights']['chosen']}, best of {summary['weights']['best_of']} (gated success by pair: "
+        f"{summary['weights']['success']}); "
         f"{cfg.output_dir}/steering\n"
         f"evaluate: vla-rl eval --checkpoint={cfg.checkpoint} --steer.dir={cfg.output_dir}/steering --steer.mode=gated"
     )

@@ -21,6 +21,7 @@ the provenance a re-run needs), ``episodes.jsonl`` (each episode as it ends), ``
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -63,6 +64,7 @@ class SteerEvalConfig:
     dir: str = ""  # a `vla-rl steer` output's steering/ (RL²) or a `vla-rl dsrl` output's dsrl/; "" = unsteered
     mode: str = "gated"  # gated: where the failure predictor expects a failure; always: every chunk
     weight: float = 0.0  # w in v = v_base + w (v_RL - v_base); 0 = the weight `vla-rl steer` chose
+    best_of: int = 0  # candidates the critic chooses among in a steered chunk (1: none); 0 = the N `vla-rl steer` chose
 
 
 @dataclass
@@ -276,9 +278,9 @@ def check_draws(cfg: EvalConfig) -> None:
 def composed(policy, cfg: EvalConfig):
     """``policy`` as the evaluation runs it: its noise scaled (``--noise_scale``) or steered (``--steer.dir``, RL² or
     DSRL), never both; the steering flags without a steering are refused in one line."""
-    if not cfg.steer.dir and (cfg.steer.mode, cfg.steer.weight) != (SteerEvalConfig.mode, SteerEvalConfig.weight):
-        raise ValueError("--steer.mode and --steer.weight steer nothing without --steer.dir (a `vla-rl steer` "
-                         "output's steering/ folder): pass it, or drop them")  # fmt: skip
+    if not cfg.steer.dir and asdict(cfg.steer) != asdict(SteerEvalConfig()):
+        raise ValueError("--steer.mode, --steer.weight and --steer.best_of steer nothing without --steer.dir (a "
+                         "`vla-rl steer` output's steering/ folder): pass it, or drop them")  # fmt: skip
     if cfg.noise_scale != 1.0 and cfg.steer.dir:
         raise ValueError("--noise_scale probes the base's own noise and --steer.dir steers it: pass one")
     if cfg.noise_scale != 1.0:
@@ -288,7 +290,7 @@ def composed(policy, cfg: EvalConfig):
     if cfg.steer.dir:
         from vla_rl.steering import load_steered
 
-        return load_steered(policy, cfg.steer.dir, cfg.steer.mode, cfg.steer.weight or None)
+        return load_steered(policy, cfg.steer.dir, cfg.steer.mode, cfg.steer.weight or None, cfg.steer.best_of or None)
     return policy
 
 
@@ -303,7 +305,18 @@ def identity(cfg: EvalConfig, weights_sha256: str) -> dict:
         skip += ("noise_scale",)
     if not cfg.steer.dir:  # unsteered: the steer mode and weight (whose defaults changed) change nothing
         skip += ("steer",)
-    return {**{k: v for k, v in asdict(cfg).items() if k not in skip}, "weights_sha256": weights_sha256}
+    steered = {"steering_sha256": files_sha256(Path(cfg.steer.dir))} if cfg.steer.dir else {}
+    return {**{k: v for k, v in asdict(cfg).items() if k not in skip}, "weights_sha256": weights_sha256, **steered}
+
+
+def files_sha256(directory: Path) -> str:
+    """sha256 over the files of a steering folder (names and bytes, in name order): a steering trained again in the
+    same folder is another steering, so its records are not resumed as this one's."""
+    digest = hashlib.sha256()
+    for path in sorted(p for p in directory.iterdir() if p.is_file()) if directory.is_dir() else []:
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
 
 
 def _run_rounds(plan: EpisodePlan, record: EvalRecord, delayed, recorder, policy, delays_seen: dict, bar,

@@ -12,11 +12,14 @@ the method and its math). Stages, into ``output_dir``:
 2. train: episodes split by a seeded draw (``held_out_fraction`` held out). On the training episodes' requests:
    the chunk-level critic (IQL), then the RL flow policy by advantage-weighted flow matching, and the failure
    predictor; its threshold on the held-out episodes' requests (Youden's J).
-3. choose the weight w among ``weights``: the gated steered policy with each, ``choose_episodes`` episodes per
-   setting from seed ``seed + 500`` (neither the collection's nor eval's); the highest episode success rate,
-   of equal rates the smallest w. The base (w = 0) runs on the same episodes for the record; ``base_better``
-   says when it beat the chosen w (the steering then hurts where it was chosen).
-4. write ``steering/`` (config.json with the threshold, the weight and the metrics, model.safetensors) and
+3. choose the weight w among ``weights`` and the candidates N among ``best_of`` (best-of-N selection by the critic
+   in steered chunks; N = 1: none), together: the gated steered policy with each pair (w = 0 only with N > 1:
+   the critic choosing among the base's own samples), ``choose_episodes`` episodes per setting from seed
+   ``seed + 500`` (neither the collection's nor eval's); the highest episode success rate, of equal rates the
+   cheapest: the smallest N, then the smallest w. The base runs on the same episodes for the record; ``base_better`` says when
+   it beat the chosen pair (the steering then hurts where it was chosen).
+4. write ``steering/`` (config.json with the threshold, the weight, N and the metrics; model.safetensors with the
+   critic) and
    ``steer_summary.json``. Success is counted per episode (``episode_success_rate``) and per request
    (``request_success_rate``: the share of requests whose episode succeeded; failing episodes are longer, so
    this is lower). Evaluate with ``vla-rl eval --checkpoint=<base> --steer.dir=<output_dir>/steering
@@ -45,7 +48,6 @@ from vla_core.types import OBS_IMAGES, OBS_STATE, TASK, ActionChunk
 from vla_rl.checkpoint import load_policy
 from vla_rl.eval_record import weights_sha256
 from vla_rl.steering import (
-    ChunkCritic,
     SteeredPolicy,
     Steering,
     advantage_weights,
@@ -81,7 +83,9 @@ class SteerConfig:
     gamma: float = 0.95  # discount per request
     expectile: float = 0.9  # IQL's tau: V tends to the best returns the data shows from a state
     beta: float = 0.05  # temperature of the advantage weights: sharp, so the chunks above the state's value dominate
-    weights: list[float] = field(default_factory=lambda: [0.5, 1.0])  # the composition's w, chosen in stage 3
+    # the composition's w and the best-of-N candidates, chosen together in stage 3 (w = 0 is tried with N > 1 only)
+    weights: list[float] = field(default_factory=lambda: [0.0, 0.5, 1.0])
+    best_of: list[int] = field(default_factory=lambda: [1, 8])
     choose_episodes: int = 32  # per setting and weight, in stage 3 (0: the largest weight, unchosen)
     chunking: ChunkingConfig = field(default_factory=ChunkingConfig)
     delay: DelayConfig = field(default_factory=DelayConfig)
@@ -100,9 +104,10 @@ def run_steer(cfg: SteerConfig) -> dict[str, Any]:
         raise ValueError(
             "RL²'s critic reads the rows of a chunk that run at zero delay: run vla-rl steer without --delay"
         )
-    if not cfg.weights or min(cfg.weights) <= 0 or cfg.choose_episodes < 0 or not 0 < cfg.expectile < 1:
-        raise ValueError("--weights must be a non-empty list of weights > 0, --choose_episodes >= 0 and --expectile "
-                         "in (0, 1)")  # fmt: skip
+    if not candidates(cfg) or min(cfg.weights) < 0 or min(cfg.best_of, default=0) < 1 or cfg.choose_episodes < 0 \
+            or not 0 < cfg.expectile < 1:  # fmt: skip
+        raise ValueError("--weights must be weights >= 0 and --best_of counts >= 1 giving at least one pair other "
+                         "than w = 0 with N = 1 (the base); --choose_episodes >= 0 and --expectile in (0, 1)")  # fmt: skip
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     policy, _ = load_policy(cfg.checkpoint, device=cfg.device)
@@ -332,10 +337,10 @@ def train(cfg: SteerConfig, data: dict[str, torch.Tensor], noise_shape: tuple[in
     held = set(order[: max(1, round(len(order) * cfg.held_out_fraction))].tolist())
     is_held = torch.tensor([int(e) in held for e in data["episode"]])
     fail = ~data["success"].bool()
-    steering = Steering(noise_shape, latent_dim, cfg.hidden)
+    steering = Steering(noise_shape, latent_dim, cfg.hidden, executed=executed)
     rows = decisions(data)
     train_rows = {k: v[~is_held] for k, v in rows.items()}
-    critic = ChunkCritic(noise_shape, latent_dim, cfg.hidden, *executed)
+    critic = steering.critic  # saved with the steering: it ranks best-of-N candidates
     critic_loss = train_critic(critic, train_rows, cfg.critic_steps, cfg.critic_lr, cfg.batch_size, cfg.gamma,
                                cfg.expectile, generator)  # fmt: skip
     with torch.no_grad():
@@ -369,20 +374,33 @@ def train(cfg: SteerConfig, data: dict[str, torch.Tensor], noise_shape: tuple[in
 # -- choose the weight ---------------------------------------------------------------------------
 
 
+def candidates(cfg: SteerConfig) -> list[tuple[float, int]]:
+    """The (w, N) pairs stage 3 tries, in the order of its tie-break: the cheapest first (the smallest N, then the
+    smallest w); w = 0 with N = 1 is the base and never a candidate."""
+    pairs = {(float(w), int(n)) for w in cfg.weights for n in cfg.best_of if w > 0 or n > 1}
+    return sorted(pairs, key=lambda pair: (pair[1], pair[0]))
+
+
+def pair_name(w: float, n: int) -> str:
+    """A pair's key in the summary, e.g. ``w=0.5,best_of=8``."""
+    return f"w={w:g},best_of={n}"
+
+
 def choose_weight(cfg: SteerConfig, policy, steering: Steering) -> dict[str, Any]:
-    """Stage 3: the episode success of the gated steered policy with each of ``cfg.weights`` on ``choose_episodes``
-    episodes per setting from seed ``cfg.seed + 500``; sets ``steering.weight`` to the best (of equal rates the
-    smallest) and returns {"chosen": w, "success": {w: rate} (w = 0: the base), "base_better"}. ``choose_episodes``
-    0: the largest, unchosen."""
+    """Stage 3: the episode success of the gated steered policy with each pair of `candidates` on ``choose_episodes``
+    episodes per setting from seed ``cfg.seed + 500``; sets ``steering.weight`` and ``steering.best_of`` to the best
+    (of equal rates the first in `candidates`' order) and returns {"chosen": w, "best_of": N, "success": {"base":
+    rate, `pair_name`: rate}, "base_better"}. ``choose_episodes`` 0: the last pair, unchosen."""
     from sim.factory import make_env
 
+    pairs = candidates(cfg)
     if not cfg.choose_episodes:
-        steering.weight = max(cfg.weights)
-        return {"chosen": steering.weight, "success": {}}
+        steering.weight, steering.best_of = pairs[-1]
+        return {"chosen": steering.weight, "best_of": steering.best_of, "success": {}}
     rates = {}
     steering.to(policy.device)
-    for w in [0.0, *sorted(cfg.weights)]:  # 0: the base itself, for the record (never chosen)
-        steered = SteeredPolicy(policy, steering, "gated", w)
+    for pair in [(0.0, 1), *pairs]:  # (0, 1): the base itself, for the record (never chosen)
+        steered = SteeredPolicy(policy, steering, "gated", *pair)
         successes = episodes = 0
         for variation in cfg.variations or [cfg.env.variation]:
             setting = replace(cfg, env=replace(cfg.env, variation=variation), seed=cfg.seed + 500,
@@ -390,11 +408,12 @@ def choose_weight(cfg: SteerConfig, policy, steering: Steering) -> dict[str, Any
             with make_env(setting.env) as env:
                 outcomes = rollout_outcomes(setting, steered, env)
             successes, episodes = successes + int(outcomes.sum()), episodes + len(outcomes)
-        rates[w] = successes / episodes
-    best = max((w for w in rates if w > 0), key=lambda w: (rates[w], -w))
-    steering.weight = best
-    return {"chosen": best, "success": {str(w): round(r, 4) for w, r in rates.items()},
-            "base_better": rates[0.0] > rates[best]}  # fmt: skip
+        rates[pair] = successes / episodes
+    best = max(pairs, key=lambda pair: (rates[pair], -pairs.index(pair)))
+    steering.weight, steering.best_of = best
+    return {"chosen": best[0], "best_of": best[1],
+            "success": {("base" if p == (0.0, 1) else pair_name(*p)): round(r, 4) for p, r in rates.items()},
+            "base_better": rates[(0.0, 1)] > rates[best]}  # fmt: skip
 
 
 @torch.no_grad()

@@ -29,6 +29,10 @@ request's rows are the ones running when the episode ends), discount ``gamma`` p
    above the state's value and drops the rest, which is how it can move beyond the base's dominant mode.
 3. The failure predictor: a logistic MLP on z, binary cross-entropy on the training episodes' requests (label:
    the episode failed); the threshold maximizes Youden's J on the held-out episodes' requests.
+
+Best-of-N (the paper's optional selection, since 2026-12-07): in a chunk the gate steers, the sampler runs
+``best_of`` times from fresh noises with the composed velocity, and the chunk the critic's Q(z, x_0) ranks first
+runs. The critic is saved with the steering for it. `vla-rl steer` chooses w and N together on held-out rollouts.
 """
 
 from __future__ import annotations
@@ -43,13 +47,13 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from vla_core.types import Steer
+from vla_core.types import TASK, Steer
 from vla_rl.rl.networks import mlp
 
 MAX_WEIGHT = 100.0  # the largest advantage weight: one chunk must not be the whole loss
 SteerMode = str  # "gated" (where the predictor expects failure) or "always"
 STEER_MODES = ("gated", "always")
-VERSION = 2  # of the saved steering: 2 = the RL flow policy on observation-only latents
+VERSION = 3  # of the saved steering: 3 = with its critic and best_of; 2 = without (loaded; selects nothing)
 
 
 def batch_size(obs: dict) -> int:
@@ -112,15 +116,20 @@ class FailurePredictor(nn.Module):
 
 
 class Steering(nn.Module):
-    """The RL flow policy, the failure predictor, the threshold and the chosen weight, saved together (config.json +
-    model.safetensors). The critic trains them and is not saved."""
+    """The RL flow policy, the failure predictor, the threshold, the chosen weight and ``best_of``, and the critic
+    that ranks best-of-N candidates (``critic`` None: a version-2 steering, saved without it), saved together
+    (config.json + model.safetensors). ``executed``: (the rows of a chunk that run, the action's width), what the
+    critic reads."""
 
     def __init__(self, noise_shape: tuple[int, ...], latent_dim: int, hidden: int = 256, threshold: float = 0.5,
-                 weight: float = 1.0, metrics: dict[str, Any] | None = None, base_sha256: str = ""):  # fmt: skip
+                 weight: float = 1.0, metrics: dict[str, Any] | None = None, base_sha256: str = "",
+                 executed: tuple[int, int] | None = (0, 0), best_of: int = 1):  # fmt: skip
         super().__init__()
         self.flow = RLFlowPolicy(noise_shape, latent_dim, hidden)
         self.predictor = FailurePredictor(latent_dim)
+        self.critic = None if executed is None else ChunkCritic(noise_shape, latent_dim, hidden, *executed)
         self.threshold, self.weight, self.hidden = float(threshold), float(weight), hidden
+        self.best_of = int(best_of)
         self.metrics = dict(metrics or {})
         self.base_sha256 = base_sha256  # the weights of the base policy it was trained on ("" = not recorded)
 
@@ -130,7 +139,7 @@ class Steering(nn.Module):
         if mode not in STEER_MODES:
             raise ValueError(f"steer mode must be one of {STEER_MODES}, got {mode!r}")
         w = self.weight if weight is None else float(weight)
-        on = torch.sigmoid(self.predictor(z.float())) > self.threshold if mode == "gated" else None
+        on = self.gate(z) if mode == "gated" else None
 
         def steer(x_t: torch.Tensor, t: torch.Tensor, latents: torch.Tensor, velocity: torch.Tensor) -> torch.Tensor:
             gate = torch.ones(len(x_t), dtype=torch.bool, device=x_t.device) if on is None else on.to(x_t.device)
@@ -143,11 +152,16 @@ class Steering(nn.Module):
         steer.reads_velocity = True
         return steer
 
+    def gate(self, z: torch.Tensor) -> torch.Tensor:
+        """(B,) bool: the chunks the failure predictor expects to fail, from their observation-only latents (B, L)."""
+        return torch.sigmoid(self.predictor(z.float())) > self.threshold
+
     def save(self, directory: Path, extra: dict[str, Any] | None = None) -> None:
         """config.json and model.safetensors in ``directory``, each written atomically."""
         directory.mkdir(parents=True, exist_ok=True)
         config = {"version": VERSION, "noise_shape": list(self.flow.noise_shape), "latent_dim": self.flow.latent_dim,
-                  "hidden": self.hidden, "threshold": self.threshold, "weight": self.weight,
+                  "hidden": self.hidden, "threshold": self.threshold, "weight": self.weight, "best_of": self.best_of,
+                  "executed": None if self.critic is None else [self.critic.executed_rows, self.critic.action_dim],
                   "base_sha256": self.base_sha256, "metrics": self.metrics, **(extra or {})}  # fmt: skip
         tmp = directory / "model.safetensors.tmp"
         save_file({k: v.contiguous() for k, v in self.state_dict().items()}, str(tmp))
@@ -162,11 +176,13 @@ class Steering(nn.Module):
         if not (directory / "config.json").exists():
             raise ValueError(f"{directory} holds no steering (config.json); write one with `vla-rl steer`")
         config = json.loads((directory / "config.json").read_text())
-        if config.get("version") != VERSION:
+        if config.get("version") not in (2, VERSION):
             raise ValueError(f"{directory} holds a steering of an earlier vla-rl steer (a residual field on the noise's "
                              "latents), which this version no longer runs: train it again with `vla-rl steer`")  # fmt: skip
+        executed = tuple(config["executed"]) if config.get("executed") else None  # version 2: no critic saved
         steering = cls(tuple(config["noise_shape"]), config["latent_dim"], config["hidden"], config["threshold"],
-                       config["weight"], config.get("metrics"), config.get("base_sha256", ""))  # fmt: skip
+                       config["weight"], config.get("metrics"), config.get("base_sha256", ""), executed,
+                       config.get("best_of", 1))  # fmt: skip
         steering.trained_on = config.get("checkpoint", "")
         steering.load_state_dict(load_file(str(directory / "model.safetensors")))
         return steering.eval()
@@ -217,9 +233,10 @@ class NoiseScaledPolicy(WrappedPolicy):
 
 class SteeredPolicy(WrappedPolicy):
     """The frozen ``base`` policy whose every ``predict_chunk`` is steered (see the module docstring); ``weight``
-    None takes the one `vla-rl steer` chose."""
+    and ``best_of`` None take the ones `vla-rl steer` chose."""
 
-    def __init__(self, base: nn.Module, steering: Steering, mode: SteerMode = "gated", weight: float | None = None):
+    def __init__(self, base: nn.Module, steering: Steering, mode: SteerMode = "gated", weight: float | None = None,
+                 best_of: int | None = None):  # fmt: skip
         super().__init__()
         if tuple(base.noise_shape) != steering.flow.noise_shape or base.latent_dim != steering.flow.latent_dim:
             raise ValueError(
@@ -239,31 +256,74 @@ class SteeredPolicy(WrappedPolicy):
                 )
         self.base, self.steering, self.mode = base, steering, mode
         self.weight = steering.weight if weight is None else float(weight)  # None: the weight `vla-rl steer` chose
+        self.best_of = steering.best_of if best_of is None else int(best_of)
         if mode not in STEER_MODES:  # checked now, not at the first chunk
             raise ValueError(f"steer mode must be one of {STEER_MODES}, got {mode!r}")
+        if self.best_of < 1:
+            raise ValueError(f"best_of={self.best_of}: it must be >= 1 (1: no candidates beside the one chunk)")
+        if self.best_of > 1 and steering.critic is None:
+            raise ValueError(f"best_of={self.best_of} needs the critic that ranks the candidates, which this steering "
+                             "(from before best-of-N) does not hold: train it again with `vla-rl steer`")  # fmt: skip
 
     def predict_chunk(self, obs, obs_step=None, **kwargs):
         # One more pass of the expert per chunk (a LeRobot VLA's hook also encodes its prefix again: about one more
         # inference per chunk, even where the gate steers nothing).
         z = observation_latents(self.base, obs)
-        return self.base.predict_chunk(obs, obs_step, steer=self.steering.steer(z, self.mode, self.weight), **kwargs)
+        chunk = self.base.predict_chunk(obs, obs_step, steer=self.steering.steer(z, self.mode, self.weight), **kwargs)
+        if self.best_of == 1:
+            return chunk
+        rows = torch.ones(len(z), dtype=torch.bool) if self.mode == "always" else self.steering.gate(z).cpu()
+        if not rows.any():
+            return chunk
+        if any(v is not None for k, v in kwargs.items() if k != "noise"):
+            raise ValueError(f"best-of-N selection samples whole chunks at zero delay; it cannot keep "
+                             f"{sorted(k for k, v in kwargs.items() if v is not None and k != 'noise')}: pass best_of=1")  # fmt: skip
+        picked = self.select(obs, obs_step, z, rows.nonzero().flatten())
+        actions = chunk.actions.clone()
+        actions[rows.to(actions.device)] = picked
+        return type(chunk)(actions, chunk.obs_step)
+
+    @torch.no_grad()
+    def select(self, obs: dict, obs_step: torch.Tensor | None, z: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """The actions (R, H, A) of the steered ``rows`` (R,): each row's ``best_of`` chunks sampled from fresh noise
+        with the composed velocity, the one of highest Q(z, x_0) kept (the first of equal ones)."""
+        n, r = self.best_of, len(rows)
+        take = rows.to(z.device).repeat_interleave(n)  # each row n times, in a block
+        sub = {k: [v[i] for i in take.tolist()] if k == TASK else v[take.to(v.device)]
+               for k, v in obs.items() if k == TASK or torch.is_tensor(v)}  # fmt: skip
+        step = None if obs_step is None else obs_step[take.to(obs_step.device)]
+        composed = self.steering.steer(z[take], "always", self.weight)
+        seen: dict[str, torch.Tensor] = {}
+
+        def candidate(x_t, t, latents, velocity):  # composed, and keeps where this Euler step lands
+            extra = composed(x_t, t, latents, velocity)
+            # x - (v + extra) * t: where the step from t lands; at the last step t is the step size 1/n, so the end
+            seen["x0"] = x_t - (velocity + extra) * t.view(-1, *[1] * (x_t.ndim - 1))
+            return extra
+
+        candidate.reads_velocity = True
+        sampled = self.base.predict_chunk(sub, step, steer=candidate).actions  # (R n, H, A)
+        q = self.steering.critic.q(z[take].float(), seen["x0"].float()).view(r, n)
+        best = q.argmax(1)
+        return sampled.view(r, n, *sampled.shape[1:])[torch.arange(r, device=sampled.device), best.to(sampled.device)]
 
 
-def load_steered(base: nn.Module, directory: str | Path, mode: SteerMode = "gated", weight: float | None = None):
+def load_steered(base: nn.Module, directory: str | Path, mode: SteerMode = "gated", weight: float | None = None,
+                 best_of: int | None = None):  # fmt: skip
     """``base`` steered by the steering in ``directory``, of either kind: a `vla-rl steer` output's ``steering/``
-    (RL², gated or always at ``weight``, None: the chosen one) or a `vla-rl dsrl` output's ``dsrl/`` (the agent's
-    noise in every chunk: it has no gate and no weight, so a weight or the mode ``always`` is refused). Either
-    refuses a base other than the one it was trained on, in one line."""
+    (RL², gated or always at ``weight`` with ``best_of`` candidates, None: the chosen ones) or a `vla-rl dsrl`
+    output's ``dsrl/`` (the agent's noise in every chunk: it has no gate, weight or candidates, so any of them or
+    the mode ``always`` is refused). Either refuses a base other than the one it was trained on, in one line."""
     directory = Path(directory)
     config_file = directory / "config.json"
     if config_file.is_file() and "sac" in json.loads(config_file.read_text()):
-        if weight or mode != "gated":
-            raise ValueError(f"{directory} is a DSRL agent, which sets every chunk's noise with no gate and no "
-                             "weight: drop the steering mode and weight")  # fmt: skip
+        if weight or best_of or mode != "gated":
+            raise ValueError(f"{directory} is a DSRL agent, which sets every chunk's noise with no gate, weight or "
+                             "best-of-N: drop the steering mode, weight and best_of")  # fmt: skip
         from vla_rl.dsrl import load_noise_policy
 
         return load_noise_policy(directory, base)
-    return SteeredPolicy(base, Steering.load(directory).to(base.device), mode, weight)
+    return SteeredPolicy(base, Steering.load(directory).to(base.device), mode, weight, best_of)
 
 
 # -- the learner ---------------------------------------------------------------------------------
