@@ -91,6 +91,21 @@ Protocol history:
   run in ``<output_dir>/seed<s>`` and pools them (`pool_steering`): each seed's final line, then the pooled line
   with `` seeds=<s,...>`` appended; the targets stay judged on each seed. The two gates read back pooled:
   ``headroom_ood=+28.4 cells=3/8 seeds=0,1``.
+- 2026-12-07 (the day's fourth session), a method change fixed before any RL² arm is evaluated under this protocol
+  (seed 0's steer stage had run and chosen w = 0.5; no arm of it was evaluated; seed 1's had not run). A pilot of
+  the RL² arm as built (seed 0's base, its own 100 rollouts a setting, 100 episodes a cell from seed 40000, never
+  the held-out 5000; README.md) gained +1 to +5 points gated, far below the cells' headroom (+15.6 to +44.7): the
+  RL flow policy alone samples worse chunks than the base. A probe on the same rollouts and seed, of the paper's
+  optional best-of-N selection by the critic (the pilot's critic recipe; base / gated best-of-8 / gated best-of-16
+  / every chunk best-of-8 / every chunk best-of-16, candidates from the base itself): ``position_far`` 0.43 / 0.63 /
+  0.52 / 0.51 / 0.36, ``camera_far`` 0.46 / 0.53 / 0.50 / 0.52 / 0.54, ``camera`` 0.68 / - / 0.70 / - / 0.74, in
+  distribution 1.00 / - / 1.00 / - / 0.99 (100 episodes each: +-10 points). Now the steer stage is `vla-rl steer`
+  with best-of-N (`vla_rl.steering`): w among 0, 0.5, 1 and N among 1, 8 chosen together on its 32 episodes per
+  setting from ``seed + 7500`` (w = 0 only with N > 1; of equal success the cheapest pair); the gated and
+  always-steer arms run the chosen pair. Seed 0's steering (version 2) is trained again from its collected
+  rollouts when the run goes on; its headroom, sigma probe and DSRL stages are kept. N = 16 is not tried: the
+  probe's best-of-16 did no better than best-of-8 where both ran (the critic's errors are chosen more often among
+  more candidates). Nothing of the gate, the DSRL arm or the targets changes.
 """
 
 from __future__ import annotations
