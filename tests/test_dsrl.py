@@ -133,8 +133,8 @@ def test_vla_rl_dsrl_trains_through_the_shared_rollout_and_evaluates_both_arms(t
     agent_noise = served.predict_chunk(obs).actions  # deterministic: the actor's mean noise, whatever the stream
     torch.testing.assert_close(served.predict_chunk(obs).actions, agent_noise, rtol=0, atol=0)
     assert (served.base.predict_chunk(obs).actions - agent_noise).abs().max() > 1e-4  # not the base's own draw
-    for flags in ({"weight": 0.5}, {"mode": "always"}):
-        with pytest.raises(ValueError, match="is a DSRL agent, which sets every chunk's noise with no gate and no"):
+    for flags in ({"weight": 0.5}, {"mode": "always"}, {"best_of": 8}):
+        with pytest.raises(ValueError, match="is a DSRL agent, which sets every chunk's noise with no gate, weight or"):
             evaluate(EvalConfig(checkpoint=str(tmp_path / "policy"), env=env, num_episodes=2, video_episodes=0,
                                 steer=SteerEvalConfig(dir=agent_dir, **flags), output_dir=str(tmp_path / "e2")))  # fmt: skip
     from vla_rl.checkpoint import load_policy
@@ -195,3 +195,29 @@ def test_a_stopped_dsrl_run_resumes_to_the_result_of_one_never_stopped(tmp_path,
         run_dsrl(config("zero", checkpoint_every=0))
     with pytest.raises(ValueError, match="steers the noise of the rows that run at zero delay"):
         run_dsrl(config("delayed", delay=DelayConfig(steps=2)))
+
+
+def test_the_saved_replay_holds_its_filled_rows_and_a_full_buffer_resumes_writing_where_it_was():
+    """A buffer of 10 after 14 writes (wrapped: rows 0-3 hold the 11th-14th): the saved state holds its 10 filled
+    rows (not the preallocated storage), and a buffer rebuilt from it holds the same rows and overwrites row 4 next,
+    as the original does."""
+    from tensordict import TensorDict
+    from torchrl.data import LazyTensorStorage, ReplayBuffer
+
+    from vla_rl.dsrl import filled_rows
+
+    def buffer():
+        return ReplayBuffer(storage=LazyTensorStorage(10), batch_size=3)
+
+    original = buffer()
+    assert filled_rows(original) is None
+    original.extend(TensorDict({"a": torch.arange(7.0)}, batch_size=[7]))
+    assert filled_rows(original)["a"].tolist() == [0, 1, 2, 3, 4, 5, 6]  # 7 rows of a storage of 10
+    original.extend(TensorDict({"a": torch.arange(7.0) + 100}, batch_size=[7]))
+    rebuilt = buffer()
+    rebuilt.extend(filled_rows(original))
+    rebuilt._writer.load_state_dict(original._writer.state_dict())
+    for rb in (original, rebuilt):
+        rb.extend(TensorDict({"a": torch.tensor([-1.0])}, batch_size=[1]))
+    expected = [103, 104, 105, 106, -1, 5, 6, 100, 101, 102]
+    assert original.storage[:10]["a"].tolist() == rebuilt.storage[:10]["a"].tolist() == expected

@@ -174,9 +174,16 @@ def save_state(path: Path, agent: NoiseAgent, replay, shell, history: list[dict]
     estimate reads them across episodes), written atomically."""
     tmp = path.with_name(path.name + ".tmp")
     torch.save({"made_with": made_with, "history": history, "agent": agent.state_dict(),
-                "task": agent.task, "replay": replay.state_dict(), "torch_rng": torch.get_rng_state(),
+                "task": agent.task, "replay_rows": filled_rows(replay), "replay_writer": replay._writer.state_dict(),
+                "torch_rng": torch.get_rng_state(),
                 "delay": shell.delay.state_dict(), "lags": shell.protocol.lags.cpu()}, tmp)  # fmt: skip
     tmp.replace(path)
+
+
+def filled_rows(replay):
+    """The replay buffer's filled rows in its storage's order (a TensorDict; None when empty). torchrl's own
+    state_dict holds the whole preallocated storage: gigabytes of images for a buffer a few percent full."""
+    return replay.storage[: len(replay)] if len(replay) else None
 
 
 def load_state(path: Path, agent: NoiseAgent, replay, shell, made_with: dict) -> list[dict]:
@@ -190,7 +197,12 @@ def load_state(path: Path, agent: NoiseAgent, replay, shell, made_with: dict) ->
                              f"against {value!r}): pass another --output_dir, or delete it to start again")  # fmt: skip
     agent.load_state_dict(saved["agent"])
     agent.task = saved["task"]
-    replay.load_state_dict(saved["replay"])
+    if "replay" in saved:  # written before 2026-12-07: torchrl's own state, the whole preallocated storage
+        replay.load_state_dict(saved["replay"])
+    else:  # the filled rows, in the storage's order, then the writer's cursor (where a full buffer writes next)
+        if saved["replay_rows"] is not None:
+            replay.extend(saved["replay_rows"])
+        replay._writer.load_state_dict(saved["replay_writer"])
     torch.set_rng_state(saved["torch_rng"])
     shell.delay.load_state_dict(saved["delay"])
     shell.protocol.lags = saved["lags"].to(shell.protocol.lags.device)
