@@ -184,6 +184,16 @@ def _run_pretrain_encoder(cfg):
     )
 
 
+def _run_probe_localization(cfg):
+    from vla_rl.probe_localization import final_line, probe_localization
+
+    report = probe_localization(cfg)
+    for name, row in {**report["encoders"], "mean_baseline": report["mean_baseline"]}.items():
+        print(f"{name}: median {row['median_cm']} cm, mean {row['mean_cm']} cm, RMSE per axis {row['rmse_cm']} cm")
+    print(f"{report['frames']['held_out']} held-out frames; {cfg.output_dir}/localization.json")
+    print(final_line(report))
+
+
 def _run_train_prm(cfg):
     from vla_rl.train_prm import train_prm
 
@@ -365,8 +375,8 @@ COMMANDS: dict[str, Command] = {
         _run_train_prm,
     ),
     "steer": Command(
-        "latent steering (RL²) of a frozen flow policy: collect its rollouts, train the steering field and the "
-        "failure predictor offline; evaluate with eval --steer.dir",
+        "latent steering (RL²) of a frozen flow policy: collect its rollouts, train the critic, the RL flow policy and "
+        "the failure predictor offline, choose the weight and best-of-N; evaluate with eval --steer.dir",
         "vla_rl.steer:SteerConfig",
         _run_steer,
     ),
@@ -374,6 +384,12 @@ COMMANDS: dict[str, Command] = {
         "DSRL: soft actor-critic over the initial noise of a frozen flow policy, then both evaluated",
         "vla_rl.dsrl:DSRLConfig",
         _run_dsrl,
+    ),
+    "probe-localization": Command(
+        "can a policy's vision front end find the task's object? a linear head on each policy type's readout regresses "
+        "the object relative to the end effector on expert frames: the held-out error, against predicting the mean",
+        "vla_rl.probe_localization:ProbeLocalizationConfig",
+        _run_probe_localization,
     ),
     "pretrain-encoder": Command(
         "pretrain SigLIP-style towers on the suite's scenes (object positions, task identity), saved as "

@@ -1,0 +1,61 @@
+"""`vla-rl probe-localization`: the held-out split, the error figures, the labels (the task's object minus the end
+effector, in cm, checked against the sim itself), and a rerun that reuses finished encoders."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from vla_rl.probe_localization import errors_cm, final_line, held_out
+
+
+def test_the_last_episodes_are_held_out_as_few_as_hold_the_frames_never_all():
+    episode = torch.tensor([0, 0, 1, 1, 1, 2, 2])
+    assert held_out(episode, 2).tolist() == [False] * 5 + [True] * 2
+    assert held_out(episode, 3).tolist() == [False] * 2 + [True] * 5
+    assert held_out(episode, 100).tolist() == [False] * 2 + [True] * 5  # episode 0 always trains
+
+
+def test_the_errors_are_distances_and_per_axis_rmse_in_cm():
+    label = torch.tensor([[3.0, 4.0, 0.0], [0.0, 0.0, 1.0], [0.0, 0.0, 2.0]])
+    errors = errors_cm(torch.zeros(3, 3), label)
+    assert errors["median_cm"] == 2.0 and errors["mean_cm"] == pytest.approx(8 / 3, abs=1e-3)
+    assert errors["rmse_cm"] == pytest.approx([math.sqrt(3), math.sqrt(16 / 3), math.sqrt(5 / 3)], abs=1e-3)
+    report = {"encoders": {"diffusion": {"median_cm": 1.104}}, "mean_baseline": {"median_cm": 7.0}}
+    assert final_line(report) == "localization_cm diffusion=1.10 mean_baseline=7.00"
+
+
+def test_the_labels_are_the_object_minus_the_end_effector_and_a_rerun_reuses_finished_encoders(tmp_path):
+    """track, 2 worlds, 4 episodes: world 0's first frame is its reset from the seed, so its label is the ball's
+    privileged position minus the end effector there (read from a fresh env), times 100. A second run adds the
+    second encoder and keeps the first's figures; another seed in the same folder is refused."""
+    from sim.config import EnvConfig
+    from sim.factory import make_env
+    from vla_rl.probe_localization import ProbeLocalizationConfig, collect_frames, probe_localization
+
+    env = EnvConfig(task="track", num_envs=2, image_size=32, num_threads=1, render_threads=1)
+    cfg = ProbeLocalizationConfig(env=env, encoders=["diffusion"], episodes=4, held_out_frames=10, steps=3,
+                                  batch_size=4, output_dir=str(tmp_path))  # fmt: skip
+    frames, features, instruction = collect_frames(cfg)
+    with make_env(env) as sim:
+        sim.reset(seed=cfg.seed)
+        ball, ee = sim.privileged_state()["target"][0], sim.ee_positions()[0]
+    # World 0's first episode is among the first 4 of 2 worlds to end: one frame holds its reset's label.
+    assert np.isclose(frames["label"].numpy(), (ball - ee) * 100, atol=1e-4).all(axis=1).sum() == 1
+    assert frames["observation.images.front"].dtype == torch.uint8 and "observation.images.front" in features
+    assert torch.unique(frames["episode"]).tolist() == [0, 1, 2, 3] and instruction
+    report = probe_localization(cfg)
+    assert list(report["encoders"]) == ["diffusion"] and report["frames"]["held_out"] >= 10
+    assert report["frames"]["train"] + report["frames"]["held_out"] == len(frames["label"])
+    again = probe_localization(
+        ProbeLocalizationConfig(**{**cfg.__dict__, "encoders": ["diffusion", "autoregressive_vla"]})
+    )
+    assert again["encoders"]["diffusion"] == report["encoders"]["diffusion"]
+    assert set(again["encoders"]) == {"diffusion", "autoregressive_vla"}
+    assert json.loads((tmp_path / "localization.json").read_text()) == again
+    with pytest.raises(ValueError, match="written with another config"):
+        probe_localization(ProbeLocalizationConfig(**{**cfg.__dict__, "seed": 1}))
