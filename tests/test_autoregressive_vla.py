@@ -507,3 +507,39 @@ def test_an_openpi_libero_evaluation_runs_it(tmp_path):
     (episode,) = result["per_episode"]
     assert episode["task"] == "libero_spatial/0" and episode["initial_state"] == 0
     assert episode["success"] or episode["length"] == 220
+
+
+@pytest.mark.parametrize("vision", ["keypoints", "both"])
+def test_keypoint_image_tokens_come_first_per_camera_train_and_reload(tiny_dataset, tmp_path, vision):
+    """``vision=keypoints``: each camera's image tokens are its keypoint CNN's K tokens (the coordinates' linear map
+    plus each keypoint's embedding); ``both``: those, then the SigLIP patches exactly as the tower gives them. Every
+    trainable weight gets a gradient (with ``keypoints`` the tower is frozen, not trainable), and the checkpoint
+    reloads the same prompt."""
+    from vla_core.types import image_key
+
+    summary = _train(tiny_dataset[0], tmp_path / "run", steps=3, vision=vision, num_keypoints=4, vision_channels=8)
+    policy = PreTrainedPolicy.from_pretrained(Path(summary["checkpoint"]) / "pretrained_model")
+    backbone, cfg = policy.backbone, policy.config
+    batch = _batch(tiny_dataset[0])
+    with torch.no_grad():
+        prefix, _ = policy.prefix(batch)
+        image = torch.nn.functional.interpolate(batch[image_key(cfg.cameras[0])], size=(64, 64), mode="bilinear")
+        xy = backbone.keypoints[0].encoder(image).view(len(image), 4, 2)
+        expected = backbone.keypoints[0].coordinates(xy) + backbone.keypoints[0].index
+        torch.testing.assert_close(prefix[:, :4], expected, rtol=0, atol=1e-5)
+        patches = backbone.vlm.model.get_image_features(pixel_values=backbone._pixels(batch[image_key(cfg.cameras[0])]))
+        patches = getattr(patches, "pooler_output", patches)
+        text = backbone.tokenize(list(batch["task"]), prefix.device)[0].shape[1]
+        if vision == "both":
+            torch.testing.assert_close(prefix[:, 4 : 4 + patches.shape[1]], patches, rtol=0, atol=1e-5)
+        image_tokens = len(cfg.cameras) * (4 + (patches.shape[1] if vision == "both" else 0))
+        assert prefix.shape[1] == image_tokens + text + 1  # then the instruction and the state (no committed rows)
+    policy.train()
+    policy(batch).backward()
+    assert not [name for name, p in policy.named_parameters() if p.requires_grad and p.grad is None]
+    tower = [p.requires_grad for p in backbone.vlm.model.vision_tower.parameters()]
+    assert (not any(tower)) if vision == "keypoints" else all(tower)
+    policy.save_pretrained(tmp_path / "saved")
+    again = PreTrainedPolicy.from_pretrained(tmp_path / "saved")
+    with torch.no_grad():
+        torch.testing.assert_close(again.prefix(batch)[0], prefix, rtol=0, atol=0)

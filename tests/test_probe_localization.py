@@ -25,8 +25,30 @@ def test_the_errors_are_distances_and_per_axis_rmse_in_cm():
     errors = errors_cm(torch.zeros(3, 3), label)
     assert errors["median_cm"] == 2.0 and errors["mean_cm"] == pytest.approx(8 / 3, abs=1e-3)
     assert errors["rmse_cm"] == pytest.approx([math.sqrt(3), math.sqrt(16 / 3), math.sqrt(5 / 3)], abs=1e-3)
-    report = {"encoders": {"diffusion": {"median_cm": 1.104}}, "mean_baseline": {"median_cm": 7.0}}
-    assert final_line(report) == "localization_cm diffusion=1.10 mean_baseline=7.00"
+    report = {"encoders": {"diffusion": {"median_cm": 1.104}, "autoregressive_vla:vision=keypoints": {"median_cm": 2.5}},
+              "mean_baseline": {"median_cm": 7.0}}  # fmt: skip
+    assert final_line(report) == (
+        "localization_cm diffusion=1.10 autoregressive_vla:vision-keypoints=2.50 mean_baseline=7.00"
+    )
+
+
+def test_an_encoder_is_a_policy_type_with_its_fields_set_and_a_bad_one_names_the_choices():
+    from vla_rl.probe_localization import encoder_config
+
+    config = encoder_config("autoregressive_vla:vision=keypoints,layers=4,temperature=0.5")
+    assert (config.type, config.vision, config.layers, config.temperature) == (
+        "autoregressive_vla",
+        "keypoints",
+        4,
+        0.5,
+    )
+    assert encoder_config("diffusion").type == "diffusion"
+    with pytest.raises(ValueError, match="unknown policy type 'nope'.*'diffusion'"):
+        encoder_config("nope")
+    with pytest.raises(ValueError, match="diffusion has no field 'foo'"):
+        encoder_config("diffusion:foo=1")
+    with pytest.raises(ValueError, match="policy.vision must be one of"):
+        encoder_config("autoregressive_vla:vision=eyes")
 
 
 def test_the_labels_are_the_object_minus_the_end_effector_and_a_rerun_reuses_finished_encoders(tmp_path):

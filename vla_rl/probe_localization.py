@@ -16,7 +16,8 @@ the label, trained end to end with one recipe for all: ``steps`` AdamW steps of 
 Reported per encoder on the held-out frames: the median and mean error (the distance from the label, cm), the RMSE
 per axis, beside the same figures for predicting the training frames' mean. ``localization.json`` is written after
 each encoder (atomically); a rerun with the same config reuses the finished ones. The final line is
-``localization_cm <encoder>=<median error> ... mean_baseline=<median error>``.
+``localization_cm <encoder>=<median error> ... mean_baseline=<median error>`` (an encoder's settings written
+``type:field-value`` there).
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ class ProbeLocalizationConfig:
     front end: the median error on held-out expert frames, against predicting the mean."""
 
     env: EnvConfig = field(default_factory=lambda: EnvConfig(task="track", num_envs=25))
-    encoders: list[str] = field(default_factory=lambda: ["diffusion", "autoregressive_vla"])  # policy types
+    # policy types at their default config, or with fields set: "autoregressive_vla:vision=keypoints,layers=4"
+    encoders: list[str] = field(default_factory=lambda: ["diffusion", "autoregressive_vla"])
     episodes: int = 260  # expert episodes (every control step a frame)
     held_out_frames: int = 1500  # the last episodes' frames, at least this many
     seed: int = 0  # of the expert episodes' initial states
@@ -153,6 +155,31 @@ def errors_cm(predicted: torch.Tensor, label: torch.Tensor) -> dict[str, Any]:
             "rmse_cm": [round(float(v), 3) for v in rmse]}  # fmt: skip
 
 
+def encoder_config(spec: str):
+    """A policy config from ``type`` or ``type:field=value,...`` (each value read as its field's default's type);
+    an unknown type or field is refused, naming the choices."""
+    from dataclasses import fields
+
+    from policies import PolicyConfig
+
+    kind, _, settings = spec.partition(":")
+    try:
+        config = PolicyConfig.get_choice_class(kind)()
+    except KeyError:
+        raise ValueError(f"--encoders: unknown policy type {kind!r} in {spec!r}; one of "
+                         f"{sorted(PolicyConfig.get_known_choices())}") from None  # fmt: skip
+    known = {f.name for f in fields(config)}
+    for setting in filter(None, settings.split(",")):
+        name, _, value = setting.partition("=")
+        if name not in known:
+            raise ValueError(f"--encoders: {kind} has no field {name!r} (in {spec!r})")
+        default = getattr(config, name)
+        kind_of = type(default)
+        setattr(config, name, value.lower() in ("1", "true") if kind_of is bool else kind_of(value))
+    config.validate()
+    return config
+
+
 def readout(policy):
     """What the policy's action head reads of an observation, (B, F): the autoregressive VLA's last prompt hidden
     state (`prefix_features`), or an encoder's observation encoding (`encode_observation`)."""
@@ -166,15 +193,15 @@ def train_probe(cfg: ProbeLocalizationConfig, encoder: str, train: dict, test: d
     """(predicted labels of the test frames (M, 3), the loss per step): the policy type ``encoder`` built fresh for
     the env's ``features`` and normalized on the training frames, a linear head on its readout, trained end to end
     (the module docstring's recipe)."""
-    from policies import PolicyConfig, policy_class
+    from policies import policy_class
     from vla_rl.train import random_shift
 
     torch.manual_seed(cfg.seed)
-    pcfg = PolicyConfig.get_choice_class(encoder)()
+    pcfg = encoder_config(encoder)
     pcfg.image_size = cfg.env.image_size  # built for the frames' size (the keypoint encoder does not resize)
     stats = {OBS_STATE: {"mean": train[OBS_STATE].mean(0), "std": train[OBS_STATE].std(0).clamp(min=1e-6)},
              ACTION: {"min": train[ACTION].min(0).values, "max": train[ACTION].max(0).values}}  # fmt: skip
-    policy = policy_class(encoder).from_dataset(pcfg, features, stats, [instruction])
+    policy = policy_class(pcfg.type).from_dataset(pcfg, features, stats, [instruction])
     read = readout(policy)
     images = [k for k in train if k.startswith("observation.images.")]
 
@@ -214,4 +241,5 @@ def final_line(report: dict[str, Any]) -> str:
         **{k: v["median_cm"] for k, v in report["encoders"].items()},
         "mean_baseline": report["mean_baseline"]["median_cm"],
     }
-    return "localization_cm " + " ".join(f"{k}={v:.2f}" for k, v in medians.items())
+    # an encoder's own settings read "type:field-value" here, so that each figure is the one "=" of its word
+    return "localization_cm " + " ".join(f"{k.replace('=', '-')}={v:.2f}" for k, v in medians.items())

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from policies.autoregressive_vla.configuration_autoregressive_vla import AutoregressiveVLAConfig
+from policies.keypoints import ImageEncoder
 from policies.tokenizer import PAD_WORD, UNKNOWN_WORD, WordTokenizer
 
 
@@ -141,10 +142,26 @@ def _reading(processor, max_text_tokens: int):
     return tokenize, tuple(image.image_mean), tuple(image.image_std)
 
 
+class KeypointTokens(nn.Module):
+    """(B, 3, S, S) in [0, 1] -> (B, K, width): the keypoint CNN (`policies.keypoints.ImageEncoder`, the diffusion
+    policy's vision), each keypoint a token: a linear map of its (x, y) plus the keypoint's own learned embedding."""
+
+    def __init__(self, channels: int, keypoints: int, width: int):
+        super().__init__()
+        self.encoder = ImageEncoder(channels, keypoints)
+        self.coordinates = nn.Linear(2, width)
+        self.index = nn.Parameter(torch.randn(keypoints, width) * 0.02)
+
+    def forward(self, image: torch.Tensor) -> torch.Tensor:
+        xy = self.encoder(image).unflatten(1, (-1, 2))  # (B, K, 2)
+        return self.coordinates(xy) + self.index
+
+
 class Backbone(nn.Module):
     """The VLM and the prompt's own inputs: observation -> (prefix (B, P, width), mask (B, P)).
 
-    The prefix is [camera_1 patches | ... | instruction tokens | committed actions | state]; its mask is
+    The prefix is [camera_1 image tokens | ... | instruction tokens | committed actions | state], a camera's
+    image tokens its SigLIP patches, its keypoint tokens, or both (``vision``); its mask is
     False on instruction padding and on committed rows that are not committed. The state token is last
     and always present: its hidden state is what a value head reads.
     """
@@ -161,6 +178,15 @@ class Backbone(nn.Module):
         self.committed_proj = nn.Linear(cfg.action_dim, width) if cfg.max_delay_steps else None
         self.committed_row = nn.Parameter(torch.zeros(cfg.max_delay_steps, width)) if cfg.max_delay_steps else None
         self.lm = ActionLM(self.vlm)
+        self.vision, self.keypoint_size = cfg.vision, cfg.image_size
+        self.keypoints = None
+        if cfg.vision != "siglip":
+            self.keypoints = nn.ModuleList(
+                [KeypointTokens(cfg.vision_channels, cfg.num_keypoints, width) for _ in cfg.cameras]
+            )
+        if cfg.vision == "keypoints":  # the tower reads nothing: frozen, so no optimizer or DDP waits on it
+            self.vlm.model.vision_tower.requires_grad_(False)
+            self.vlm.model.multi_modal_projector.requires_grad_(False)
 
     def save(self, directory: Path) -> None:
         """A pretrained backbone's extended config and processor into ``directory`` (`build_vlm`'s ``saved``); the
@@ -178,10 +204,7 @@ class Backbone(nn.Module):
         """images: per camera (B, 3, S, S) in [0, 1]; state (B, S) normalized; committed: (normalized actions
         (B, D, A), known (B, D) bool), D = max_delay_steps, or None -> (prefix (B, P, width), mask (B, P) long)."""
         b, device = state.shape[0], state.device
-        pixels = torch.cat([self._pixels(image) for image in images])  # (n_cam * B, 3, s, s)
-        patches = self.vlm.model.get_image_features(pixel_values=pixels)  # (n_cam * B, P, width)
-        patches = getattr(patches, "pooler_output", patches)  # transformers 5 wraps it; 4.x returns the tensor
-        patches = patches.unflatten(0, (len(images), b)).permute(1, 0, 2, 3).flatten(1, 2)  # (B, n_cam * P, width)
+        patches = self.image_tokens(images)  # (B, n_cam * P, width)
         ids, text_mask = self.tokenize(list(instructions), device)
         parts = [patches, self.lm.get_input_embeddings()(ids).to(patches)]
         masks = [torch.ones(patches.shape[:2], dtype=torch.long, device=device), text_mask.long()]
@@ -198,7 +221,24 @@ class Backbone(nn.Module):
         masks.append(torch.ones(b, 1, dtype=torch.long, device=device))
         return torch.cat(parts, 1), torch.cat(masks, 1)
 
+    def image_tokens(self, images: list[torch.Tensor]) -> torch.Tensor:
+        """Per camera (B, 3, S, S) in [0, 1] -> (B, n_cam * P, width): each camera's tokens in turn (``vision``)."""
+        b, per_camera = images[0].shape[0], []
+        if self.keypoints is not None:  # the keypoint CNN is built for one size: resized to it, not normalized
+            per_camera.append([enc(_sized(image, self.keypoint_size)) for enc, image in zip(self.keypoints, images)])
+        if self.vision != "keypoints":
+            pixels = torch.cat([self._pixels(image) for image in images])  # (n_cam * B, 3, s, s)
+            patches = self.vlm.model.get_image_features(pixel_values=pixels)  # (n_cam * B, P, width)
+            patches = getattr(patches, "pooler_output", patches)  # transformers 5 wraps it; 4.x returns the tensor
+            per_camera.append(patches.unflatten(0, (len(images), b)).unbind(0))
+        return torch.cat([token for camera in zip(*per_camera) for token in camera], 1)
+
     def _pixels(self, image: torch.Tensor) -> torch.Tensor:
-        if image.shape[-1] != self.image_size or image.shape[-2] != self.image_size:
-            image = F.interpolate(image, size=(self.image_size, self.image_size), mode="bilinear", align_corners=False)
-        return (image - self.pixel_mean) / self.pixel_std
+        return (_sized(image, self.image_size) - self.pixel_mean) / self.pixel_std
+
+
+def _sized(image: torch.Tensor, size: int) -> torch.Tensor:
+    """(B, 3, H, W) -> (B, 3, size, size), bilinear where it differs."""
+    if image.shape[-1] != size or image.shape[-2] != size:
+        image = F.interpolate(image, size=(size, size), mode="bilinear", align_corners=False)
+    return image

@@ -8,6 +8,7 @@ from typing import Literal, get_args
 from policies.pretrained import PolicyConfig
 
 ActionTokenizerKind = Literal["fast", "uniform_bins"]
+VisionKind = Literal["siglip", "keypoints", "both"]
 
 
 @PolicyConfig.register_subclass("autoregressive_vla")
@@ -33,6 +34,13 @@ class AutoregressiveVLAConfig(PolicyConfig):
     heads: int = 4  # attention heads (SigLIP and Gemma)
     kv_heads: int = 1  # Gemma's key-value heads (multi-query attention, as PaliGemma's Gemma)
     mlp_ratio: int = 4  # MLP width / width
+    # -- the image tokens --
+    # siglip: the SigLIP patches (what a pretrained PaliGemma fills); keypoints: per camera the diffusion policy's
+    # keypoint CNN (`policies.keypoints`), each keypoint's image coordinates one token (the tower then unused, frozen);
+    # both: the keypoint tokens, then the patches. `vla-rl probe-localization` measures which finds the object.
+    vision: VisionKind = "siglip"
+    vision_channels: int = 32  # keypoints: the CNN's width
+    num_keypoints: int = 32  # keypoints: per camera, one token each
     # -- action tokens --
     action_tokenizer: ActionTokenizerKind = "fast"  # fast (DCT + BPE over the chunk) or uniform_bins (RT-2/OpenVLA)
     # fast: the BPE vocabulary's size; uniform_bins: the bins per dimension. The action tokens in the vocabulary.
@@ -50,6 +58,11 @@ class AutoregressiveVLAConfig(PolicyConfig):
             raise ValueError(
                 f"policy.action_tokenizer must be one of {get_args(ActionTokenizerKind)}, got {self.action_tokenizer!r}"
             )
+        if self.vision not in get_args(VisionKind):
+            raise ValueError(f"policy.vision must be one of {get_args(VisionKind)}, got {self.vision!r}")
+        if self.vision != "siglip" and (self.vision_channels % 8 or self.num_keypoints < 1):
+            raise ValueError(f"policy.vision_channels={self.vision_channels} must be a multiple of 8 (its group norm) "
+                             f"and policy.num_keypoints={self.num_keypoints} >= 1")  # fmt: skip
         if self.width % self.heads or self.vision_width % self.heads or self.heads % self.kv_heads:
             raise ValueError(
                 f"policy.width={self.width} and vision_width={self.vision_width} must be divisible by policy.heads="
