@@ -198,9 +198,11 @@ def test_a_stopped_dsrl_run_resumes_to_the_result_of_one_never_stopped(tmp_path,
 
 
 def test_the_saved_replay_holds_its_filled_rows_and_a_full_buffer_resumes_writing_where_it_was():
-    """A buffer of 10 after 14 writes (wrapped: rows 0-3 hold the 11th-14th): the saved state holds its 10 filled
-    rows (not the preallocated storage), and a buffer rebuilt from it holds the same rows and overwrites row 4 next,
-    as the original does."""
+    """The saved rows of a buffer of 10,000 holding 10 are 10 rows on disk (a copy: a slice would save the whole
+    preallocated storage). A buffer of 10 after 14 writes (wrapped: rows 0-3 hold the 11th-14th) rebuilt from its
+    filled rows and writer holds the same rows and overwrites row 4 next, as the original does."""
+    import io
+
     from tensordict import TensorDict
     from torchrl.data import LazyTensorStorage, ReplayBuffer
 
@@ -209,6 +211,11 @@ def test_the_saved_replay_holds_its_filled_rows_and_a_full_buffer_resumes_writin
     def buffer():
         return ReplayBuffer(storage=LazyTensorStorage(10), batch_size=3)
 
+    big = ReplayBuffer(storage=LazyTensorStorage(10_000), batch_size=3)
+    big.extend(TensorDict({"a": torch.zeros(10, 100)}, batch_size=[10]))
+    saved = io.BytesIO()
+    torch.save(filled_rows(big), saved)
+    assert saved.tell() < 100_000  # 10 rows of 100 floats, not the 4 MB preallocated for 10,000
     original = buffer()
     assert filled_rows(original) is None
     original.extend(TensorDict({"a": torch.arange(7.0)}, batch_size=[7]))

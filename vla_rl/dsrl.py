@@ -183,7 +183,8 @@ def save_state(path: Path, agent: NoiseAgent, replay, shell, history: list[dict]
 def filled_rows(replay):
     """The replay buffer's filled rows in its storage's order (a TensorDict; None when empty). torchrl's own
     state_dict holds the whole preallocated storage: gigabytes of images for a buffer a few percent full."""
-    return replay.storage[: len(replay)] if len(replay) else None
+    # a copy: the slice is a view, and torch.save writes a view's whole underlying storage
+    return replay.storage[: len(replay)].clone() if len(replay) else None
 
 
 def load_state(path: Path, agent: NoiseAgent, replay, shell, made_with: dict) -> list[dict]:

@@ -167,6 +167,8 @@ def evaluate(cfg: EvalConfig, policy=None, expected_weights: str | None = None) 
         ckpt = cfg.checkpoint
     policy = composed(policy, cfg)
     origin = provenance(policy)
+    if cfg.steer.dir:  # the steering's files as they were evaluated (a finished part is checked against them)
+        origin["steering_sha256"] = files_sha256(Path(cfg.steer.dir))
     if expected_weights is not None and origin["weights_sha256"] != expected_weights:
         raise ValueError(
             f"{ckpt} does not hold the weights the record measured (sha256 {origin['weights_sha256'][:12]}... "
@@ -294,9 +296,10 @@ def composed(policy, cfg: EvalConfig):
     return policy
 
 
-def identity(cfg: EvalConfig, weights_sha256: str) -> dict:
+def identity(cfg: EvalConfig, weights_sha256: str, steering_sha256: str | None = None) -> dict:
     """What must match for a record to be resumed or reused: the config without what does not change the
-    episodes, and the weights."""
+    episodes, the weights, and a steering's files (``steering_sha256`` as a record saved it; None: as the
+    folder holds them now)."""
     skip = ("resume", "overwrite", "rerun", "output_dir", "video_episodes", "video_size", "tokenizer_dir")
     # Fields added since, at the value that changes nothing: left out, as a record from before them holds none.
     if cfg.draws_per_state == 1:
@@ -305,7 +308,9 @@ def identity(cfg: EvalConfig, weights_sha256: str) -> dict:
         skip += ("noise_scale",)
     if not cfg.steer.dir:  # unsteered: the steer mode and weight (whose defaults changed) change nothing
         skip += ("steer",)
-    steered = {"steering_sha256": files_sha256(Path(cfg.steer.dir))} if cfg.steer.dir else {}
+    if steering_sha256 is None and cfg.steer.dir:
+        steering_sha256 = files_sha256(Path(cfg.steer.dir))
+    steered = {"steering_sha256": steering_sha256} if cfg.steer.dir else {}
     return {**{k: v for k, v in asdict(cfg).items() if k not in skip}, "weights_sha256": weights_sha256, **steered}
 
 
@@ -374,7 +379,8 @@ def evaluate_tasks(cfg: EvalConfig, policy=None, expected_weights: str | None = 
             part = json.loads(done.read_text())
             ran = draccus.decode(EvalConfig, part["config"])
             weights = weights or ran_weights(one, policy)  # every part evaluates the same weights: hashed once
-            if identity(ran, part["provenance"]["weights_sha256"]) != identity(one, weights):
+            saved = part["provenance"]
+            if identity(ran, saved["weights_sha256"], saved.get("steering_sha256", "")) != identity(one, weights):
                 raise ValueError(
                     f"{folder} holds an evaluation of {task} under another config or other weights; resume with "
                     "the run's own flags, or pass --overwrite=true"
