@@ -127,12 +127,14 @@ class ServeConfig:
     tokenizer_dir: str = ""
     device: str = "cpu"  # torch device of the policy
     # Steering composed with the checkpoint in the inference process ("" = none): a `vla-rl steer` output's
-    # steering/ folder (RL²: gated, where its failure predictor expects a failure, or always; weight w, 0: the one
-    # `vla-rl steer` chose), or a `vla-rl dsrl` output's dsrl/ folder (the agent's noise in every chunk).
+    # steering/ folder (RL²: gated, where its failure predictor expects a failure, or always; weight w and best-of-N
+    # candidates, 0: the ones `vla-rl steer` chose), or a `vla-rl dsrl` output's dsrl/ folder (the agent's noise in
+    # every chunk).
     # The mode is checked where the steering loads (`vla_rl.steering`), in the inference worker.
     steer_dir: str = ""
     steer_mode: str = "gated"
     steer_weight: float = 0.0
+    steer_best_of: int = 0
     cameras: list[CameraTopic] = field(default_factory=lambda: [CameraTopic()])  # camera topic -> policy image feature
     # JointState names, in observation.state order
     state_names: list[str] = field(default_factory=lambda: list(SIM_STATE_NAMES))
@@ -245,9 +247,10 @@ class ServeConfig:
             raise ValueError("inference: remote and inference_server: HOST:PORT (a `vla-rl policy-server`) go together; "
                              "set both, or neither")  # fmt: skip
         # 1.0, the former default, still written in configs copied before it changed, steers nothing either.
-        if not self.steer_dir and (self.steer_mode != ServeConfig.steer_mode or self.steer_weight not in (0.0, 1.0)):
-            raise ValueError("steer_mode and steer_weight steer nothing without steer_dir (a `vla-rl steer` output's "
-                             "steering/ folder): set it, or drop them")  # fmt: skip
+        if not self.steer_dir and (self.steer_mode != ServeConfig.steer_mode or self.steer_weight not in (0.0, 1.0)
+                                   or self.steer_best_of):  # fmt: skip
+            raise ValueError("steer_mode, steer_weight and steer_best_of steer nothing without steer_dir (a `vla-rl "
+                             "steer` output's steering/ folder): set it, or drop them")  # fmt: skip
         if self.inference == "remote" and self.steer_dir:
             raise ValueError("with inference: remote the policy server runs the policy: give it the steering "
                              "(`vla-rl policy-server --steer_dir=...`) and leave steer_dir empty here")  # fmt: skip

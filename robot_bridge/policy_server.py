@@ -51,6 +51,7 @@ class PolicyServerConfig:
     steer_dir: str = ""  # steering (RL² or DSRL) composed with the policy (as `vla-rl serve --steer_dir`); "" = none
     steer_mode: str = "gated"  # gated or always
     steer_weight: float = 0.0  # 0: the weight `vla-rl steer` chose
+    steer_best_of: int = 0  # RL²'s best-of-N candidates in a steered chunk; 0: the N `vla-rl steer` chose
     address: str = "0.0.0.0:50051"  # host:port to listen on (port 0: any free port, printed at start)
     num_threads: int = 1  # torch CPU threads of the policy
     added_latency_s: float = 0.0  # seconds added to every answer: a slow model's latency on a fast machine

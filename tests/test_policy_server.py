@@ -167,9 +167,10 @@ def test_remote_inference_needs_its_server_and_keeps_the_latency_on_the_server()
         ServeConfig(inference="remote", inference_server="gpu-box:50051", added_latency_s=0.1).validate()
     with pytest.raises(ValueError, match=r"give it the steering \(`vla-rl policy-server --steer_dir"):
         ServeConfig(inference="remote", inference_server="gpu-box:50051", steer_dir="steer/steering").validate()
-    with pytest.raises(ValueError, match="steer_mode and steer_weight steer nothing without steer_dir"):
-        ServeConfig(steer_mode="always").validate()
-    with pytest.raises(ValueError, match="steer_mode and steer_weight steer nothing without steer_dir"):
-        ServeConfig(steer_weight=0.5).validate()
+    for steering in ({"steer_mode": "always"}, {"steer_weight": 0.5}, {"steer_best_of": 8}):
+        with pytest.raises(
+            ValueError, match="steer_mode, steer_weight and steer_best_of steer nothing without steer_dir"
+        ):
+            ServeConfig(**steering).validate()
     ServeConfig(steer_weight=1.0).validate()  # the former default, in configs copied before it changed
     ServeConfig(inference="remote", inference_server="gpu-box:50051").validate()

@@ -49,6 +49,23 @@ def test_an_encoder_is_a_policy_type_with_its_fields_set_and_a_bad_one_names_the
         encoder_config("diffusion:foo=1")
     with pytest.raises(ValueError, match="policy.vision must be one of"):
         encoder_config("autoregressive_vla:vision=eyes")
+    with pytest.raises(ValueError, match="diffusion.cameras is not a number, a string or a flag"):
+        encoder_config("diffusion:cameras=front")
+
+
+def test_the_readout_of_condition_tokens_is_their_mean_over_the_unmasked_ones():
+    """The diffusion VLA's encoding is tokens (B, L, F) with a mask: tokens [1, 2], [3, 4] kept and [100, 100]
+    masked give [2, 3]; a plain (B, F) encoding is read as it is."""
+    from types import SimpleNamespace
+
+    from vla_rl.probe_localization import readout
+
+    tokens = torch.tensor([[[1.0, 2.0], [3.0, 4.0], [100.0, 100.0]]])
+    pooled = readout(SimpleNamespace(encode_observation=lambda obs: (tokens, torch.tensor([[1, 1, 0]]))))({})
+    assert pooled.tolist() == [[2.0, 3.0]]
+    assert readout(SimpleNamespace(encode_observation=lambda obs: tokens[:, 0]))({}).tolist() == [[1.0, 2.0]]
+    with pytest.raises(ValueError, match="has no observation readout"):
+        readout(SimpleNamespace())
 
 
 def test_the_labels_are_the_object_minus_the_end_effector_and_a_rerun_reuses_finished_encoders(tmp_path):

@@ -352,6 +352,10 @@ def test_vla_rl_steer_collects_trains_and_eval_serves_the_steered_policy(tmp_pat
     served = _loader(ServeConfig(checkpoint=str(tmp_path / "policy"), steer_dir=str(tmp_path / "steer" / "steering"),
                                  steer_mode="always"))()  # fmt: skip
     assert isinstance(served, SteeredPolicy) and served.mode == "always" and served.weight == 0.5  # the chosen
+    assert served.best_of == 1  # the chosen N
+    served = _loader(ServeConfig(checkpoint=str(tmp_path / "policy"), steer_dir=str(tmp_path / "steer" / "steering"),
+                                 steer_best_of=4))()  # fmt: skip
+    assert served.best_of == 4
     assert policy_info(served)["noise_shape"] == (8, 4) and policy_info(served)["horizon"] == 8
     with pytest.raises(ValueError, match="steer nothing without --steer.dir"):
         evaluate(EvalConfig(checkpoint=str(tmp_path / "policy"), env=env, num_episodes=2, video_episodes=0,
@@ -382,8 +386,9 @@ def test_a_policy_without_a_flow_velocity_is_refused_naming_the_fix():
 def test_best_of_n_runs_the_candidate_the_critic_ranks_first_in_the_steered_rows():
     """Row 0 gated (logit +5), row 1 not. With w = 1 and the RL velocity the constant 0.2, a candidate's end is its
     noise - 0.2 exactly (the composed velocity is 0.2 at every step). The critic's Q is stubbed to x_0[:, 0, 0]:
-    of N = 4 candidates drawn from torch's stream after the seed, row 0 runs the one whose noise has the largest
-    first value, and the critic saw each candidate's end; row 1 is the unsteered chunk bit for bit."""
+    of N = 4 candidates (the first from the request's noise, three drawn from torch's stream after the seed), row 0
+    runs the one whose noise has the largest first value, and the critic saw each candidate's end; row 1 is the
+    unsteered chunk bit for bit. A request's real-time-chunking guidance reaches each of its candidates."""
     torch.manual_seed(0)
     policy = make_policy("diffusion-flow")
     obs = observation()
@@ -397,7 +402,8 @@ def test_best_of_n_runs_the_candidate_the_critic_ranks_first_in_the_steered_rows
     torch.manual_seed(3)
     chunk = SteeredPolicy(policy, steering, "gated", best_of=4).predict_chunk(obs, noise=noise)
     torch.manual_seed(3)
-    candidates = torch.randn(4, H, A)  # one steered row, 4 candidates: the draw its sampler makes
+    candidates = torch.randn(4, H, A)  # one steered row, 4 candidates drawn from the stream after the seed,
+    candidates[0] = noise[0]  # the first from the request's own noise
     torch.testing.assert_close(seen[0], candidates - 0.2, rtol=0, atol=1e-5)
     best = candidates[candidates[:, 0, 0].argmax()]
     torch.testing.assert_close(normalized(chunk.actions[0]), (best - 0.2).clamp(-1, 1), rtol=0, atol=1e-5)
@@ -411,6 +417,17 @@ def test_best_of_n_runs_the_candidate_the_critic_ranks_first_in_the_steered_rows
     assert not seen
     with pytest.raises(ValueError, match="best_of=0: it must be >= 1"):
         SteeredPolicy(policy, steering, "gated", best_of=0)
+    # Guidance (target (B, H, A), weights (B, H)): the candidates' call gets row 0's, repeated for its 4 candidates.
+    calls = []
+    plain = policy.predict_chunk
+    policy.predict_chunk = lambda *args, **kwargs: calls.append(kwargs) or plain(*args, **kwargs)
+    target, weights = torch.rand(B, H, A), torch.rand(B, H)
+    SteeredPolicy(policy, steering, "gated", best_of=4).predict_chunk(obs, noise=noise, inpaint=(target, weights))
+    repeated = calls[-1]["inpaint"]
+    torch.testing.assert_close(repeated[0], target[[0, 0, 0, 0]], rtol=0, atol=0)
+    torch.testing.assert_close(repeated[1], weights[[0, 0, 0, 0]], rtol=0, atol=0)
+    with pytest.raises(ValueError, match="prepared request cannot be repeated per candidate"):
+        SteeredPolicy(policy, steering, "gated", best_of=4).predict_chunk(obs, prepared={"cond": None})
 
 
 def test_a_steering_saved_without_its_critic_loads_and_refuses_best_of_n(tmp_path):

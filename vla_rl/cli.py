@@ -40,7 +40,7 @@ class Command:
 
 
 def _policy_from_checkpoint(path: str, device: str, tokenizer_dir: str = "", steer_dir: str = "",
-                            steer_mode: str = "gated", steer_weight: float = 0.0):  # fmt: skip
+                            steer_mode: str = "gated", steer_weight: float = 0.0, steer_best_of: int = 0):  # fmt: skip
     """The serve node's policy loader; runs inside its inference worker, so a bad checkpoint is reported there.
     With ``steer_dir`` the policy is steered there too, RL² or DSRL (`vla_rl.steering.load_steered`)."""
     from vla_rl.checkpoint import load_policy
@@ -49,7 +49,7 @@ def _policy_from_checkpoint(path: str, device: str, tokenizer_dir: str = "", ste
     if steer_dir:
         from vla_rl.steering import load_steered
 
-        policy = load_steered(policy, steer_dir, steer_mode, steer_weight or None)
+        policy = load_steered(policy, steer_dir, steer_mode, steer_weight or None, steer_best_of or None)
     return policy
 
 
@@ -58,7 +58,7 @@ def _loader(cfg):
     from functools import partial
 
     return partial(_policy_from_checkpoint, cfg.checkpoint, cfg.device, cfg.tokenizer_dir, cfg.steer_dir,
-                   cfg.steer_mode, cfg.steer_weight)  # fmt: skip
+                   cfg.steer_mode, cfg.steer_weight, cfg.steer_best_of)  # fmt: skip
 
 
 def _run_serve(cfg):

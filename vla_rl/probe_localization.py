@@ -1,8 +1,8 @@
 """`vla-rl probe-localization`: can a policy's vision front end find the task's object? The bound to measure before
 training a policy on a task (a policy that cannot localize the object from one observation cannot act on it).
 
-Data: ``episodes`` episodes of the task's scripted expert in the batched sim (from ``seed``, the frames a
-`vla-rl record` of the task holds), every control step a frame: its observation (images and state) and the label,
+Data: ``episodes`` episodes of the task's scripted expert in the batched sim (from ``seed``; every episode, where
+`vla-rl record` keeps the successful ones only), every control step a frame: its observation (images and state) and the label,
 the task's object (its first privileged position: the cube, the reach or track ball, the drawer's handle) minus the
 end effector, in cm. Whole episodes are held out, the last ones, until ``held_out_frames`` frames are.
 
@@ -173,8 +173,9 @@ def encoder_config(spec: str):
         name, _, value = setting.partition("=")
         if name not in known:
             raise ValueError(f"--encoders: {kind} has no field {name!r} (in {spec!r})")
-        default = getattr(config, name)
-        kind_of = type(default)
+        kind_of = type(getattr(config, name))
+        if kind_of not in (int, float, str, bool):
+            raise ValueError(f"--encoders: {kind}.{name} is not a number, a string or a flag; only those are set here")
         setattr(config, name, value.lower() in ("1", "true") if kind_of is bool else kind_of(value))
     config.validate()
     return config
@@ -182,11 +183,22 @@ def encoder_config(spec: str):
 
 def readout(policy):
     """What the policy's action head reads of an observation, (B, F): the autoregressive VLA's last prompt hidden
-    state (`prefix_features`), or an encoder's observation encoding (`encode_observation`)."""
-    for name in ("prefix_features", "encode_observation"):
-        if hasattr(policy, name):
-            return getattr(policy, name)
-    raise ValueError(f"{type(policy).__name__} has no observation readout (prefix_features or encode_observation)")
+    state (`prefix_features`), or an encoder's observation encoding (`encode_observation`; condition tokens
+    (B, L, F) with their mask, the diffusion VLA's, mean-pooled over the unmasked ones)."""
+    if hasattr(policy, "prefix_features"):
+        return policy.prefix_features
+    if not hasattr(policy, "encode_observation"):
+        raise ValueError(f"{type(policy).__name__} has no observation readout (prefix_features or encode_observation)")
+
+    def encoded(obs: dict) -> torch.Tensor:
+        out = policy.encode_observation(obs)
+        if isinstance(out, tuple):  # tokens (B, L, F) and their mask (B, L)
+            tokens, mask = out
+            weights = mask.to(tokens.dtype).unsqueeze(-1)
+            return (tokens * weights).sum(1) / weights.sum(1).clamp(min=1)
+        return out
+
+    return encoded
 
 
 def train_probe(cfg: ProbeLocalizationConfig, encoder: str, train: dict, test: dict, features: dict, instruction: str):
@@ -199,6 +211,7 @@ def train_probe(cfg: ProbeLocalizationConfig, encoder: str, train: dict, test: d
     torch.manual_seed(cfg.seed)
     pcfg = encoder_config(encoder)
     pcfg.image_size = cfg.env.image_size  # built for the frames' size (the keypoint encoder does not resize)
+    pcfg.validate()  # again, at that size
     stats = {OBS_STATE: {"mean": train[OBS_STATE].mean(0), "std": train[OBS_STATE].std(0).clamp(min=1e-6)},
              ACTION: {"min": train[ACTION].min(0).values, "max": train[ACTION].max(0).values}}  # fmt: skip
     policy = policy_class(pcfg.type).from_dataset(pcfg, features, stats, [instruction])

@@ -86,7 +86,7 @@ class SteerConfig:
     # the composition's w and the best-of-N candidates, chosen together in stage 3 (w = 0 is tried with N > 1 only)
     weights: list[float] = field(default_factory=lambda: [0.0, 0.5, 1.0])
     best_of: list[int] = field(default_factory=lambda: [1, 8])
-    choose_episodes: int = 32  # per setting and weight, in stage 3 (0: the largest weight, unchosen)
+    choose_episodes: int = 32  # per setting and pair, in stage 3 (0: the last pair, unchosen: the largest N, then w)
     chunking: ChunkingConfig = field(default_factory=ChunkingConfig)
     delay: DelayConfig = field(default_factory=DelayConfig)
     device: str = "cpu"

@@ -268,6 +268,9 @@ class SteeredPolicy(WrappedPolicy):
     def predict_chunk(self, obs, obs_step=None, **kwargs):
         # One more pass of the expert per chunk (a LeRobot VLA's hook also encodes its prefix again: about one more
         # inference per chunk, even where the gate steers nothing).
+        if self.best_of > 1 and kwargs.get("prepared") is not None:  # refused on every request, steered or not
+            raise ValueError("best-of-N selection samples whole chunks from the request's observation; a latency-aware "
+                             "policy's prepared request cannot be repeated per candidate: pass best_of=1")  # fmt: skip
         z = observation_latents(self.base, obs)
         chunk = self.base.predict_chunk(obs, obs_step, steer=self.steering.steer(z, self.mode, self.weight), **kwargs)
         if self.best_of == 1:
@@ -275,23 +278,28 @@ class SteeredPolicy(WrappedPolicy):
         rows = torch.ones(len(z), dtype=torch.bool) if self.mode == "always" else self.steering.gate(z).cpu()
         if not rows.any():
             return chunk
-        if any(v is not None for k, v in kwargs.items() if k != "noise"):
-            raise ValueError(f"best-of-N selection samples whole chunks at zero delay; it cannot keep "
-                             f"{sorted(k for k, v in kwargs.items() if v is not None and k != 'noise')}: pass best_of=1")  # fmt: skip
-        picked = self.select(obs, obs_step, z, rows.nonzero().flatten())
+        picked = self.select(obs, obs_step, z, rows.nonzero().flatten(), kwargs.get("noise"), kwargs.get("inpaint"))
         actions = chunk.actions.clone()
         actions[rows.to(actions.device)] = picked
         return type(chunk)(actions, chunk.obs_step)
 
     @torch.no_grad()
-    def select(self, obs: dict, obs_step: torch.Tensor | None, z: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """The actions (R, H, A) of the steered ``rows`` (R,): each row's ``best_of`` chunks sampled from fresh noise
-        with the composed velocity, the one of highest Q(z, x_0) kept (the first of equal ones)."""
+    def select(self, obs: dict, obs_step: torch.Tensor | None, z: torch.Tensor, rows: torch.Tensor,
+               noise: torch.Tensor | None = None, inpaint: tuple[torch.Tensor, torch.Tensor] | None = None,
+               ) -> torch.Tensor:  # fmt: skip
+        """The actions (R, H, A) of the steered ``rows`` (R,): each row's ``best_of`` chunks sampled with the
+        composed velocity (and the request's guidance ``inpaint``, repeated per candidate), the one of highest
+        Q(z, x_0) kept (the first of equal ones). Their noise is drawn from torch's stream; with a given ``noise``
+        (B, *S) a row's first candidate starts from its own."""
         n, r = self.best_of, len(rows)
         take = rows.to(z.device).repeat_interleave(n)  # each row n times, in a block
         sub = {k: [v[i] for i in take.tolist()] if k == TASK else v[take.to(v.device)]
                for k, v in obs.items() if k == TASK or torch.is_tensor(v)}  # fmt: skip
         step = None if obs_step is None else obs_step[take.to(obs_step.device)]
+        starts = torch.randn(r * n, *self.base.noise_shape, device=self.base.device)
+        if noise is not None:
+            starts[::n] = noise[rows.to(noise.device)].to(starts)
+        guidance = None if inpaint is None else tuple(g[take.to(g.device)] for g in inpaint)
         composed = self.steering.steer(z[take], "always", self.weight)
         seen: dict[str, torch.Tensor] = {}
 
@@ -302,7 +310,9 @@ class SteeredPolicy(WrappedPolicy):
             return extra
 
         candidate.reads_velocity = True
-        sampled = self.base.predict_chunk(sub, step, steer=candidate).actions  # (R n, H, A)
+        sampled = self.base.predict_chunk(
+            sub, step, noise=starts, inpaint=guidance, steer=candidate
+        ).actions  # (R n, H, A)
         q = self.steering.critic.q(z[take].float(), seen["x0"].float()).view(r, n)
         best = q.argmax(1)
         return sampled.view(r, n, *sampled.shape[1:])[torch.arange(r, device=sampled.device), best.to(sampled.device)]
