@@ -74,8 +74,12 @@ def test_bench_steering_quick_runs_every_stage_and_reports_each_cell(tmp_path):
         bench_steering(BenchSteeringConfig(quick=True, eval_seed=5001, output_dir=str(tmp_path)))
     # A steering from before best-of-N (version 2) is trained again from the same rollouts, and only the steered
     # arms are evaluated again.
-    config = out / "steer" / "steering" / "config.json"
-    config.write_text(json.dumps({**json.loads(config.read_text()), "version": 2}))
+    from safetensors.torch import load_file, save_file
+
+    config, weights = out / "steer" / "steering" / "config.json", out / "steer" / "steering" / "model.safetensors"
+    old = {k: v for k, v in json.loads(config.read_text()).items() if k not in ("executed", "best_of")}
+    config.write_text(json.dumps({**old, "version": 2}))  # as version 2 wrote it: no critic
+    save_file({k: v for k, v in load_file(str(weights)).items() if not k.startswith("critic.")}, str(weights))
     rollouts = {p: p.stat().st_mtime_ns for p in (out / "steer" / "rollouts").rglob("*.parquet")}
     bench_steering(BenchSteeringConfig(quick=True, num_threads=1, output_dir=str(tmp_path)))
     assert json.loads(config.read_text())["version"] == 3

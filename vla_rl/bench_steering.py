@@ -268,11 +268,10 @@ def _bench_one_seed(cfg: BenchSteeringConfig, out: Path) -> dict[str, Any]:
 
 
 def _steering_current(directory: Path) -> bool:
-    """Whether ``directory`` holds a steering of today's version (a version-2 one predates best-of-N)."""
-    from vla_rl.steering import VERSION
+    """Whether ``directory`` holds a steering with its critic (today's; one saved before best-of-N holds none)."""
+    from vla_rl import stages
 
-    config = directory / "config.json"
-    return config.exists() and json.loads(config.read_text()).get("version") == VERSION
+    return (directory / "config.json").exists() and stages.Steering.load(directory).critic is not None
 
 
 SIGMAS = (1.0, 1.25, 1.5, 1.75, 2.0)  # the noise scales the sigma probe tries
