@@ -98,3 +98,25 @@ def test_the_labels_are_the_object_minus_the_end_effector_and_a_rerun_reuses_fin
     assert json.loads((tmp_path / "localization.json").read_text()) == again
     with pytest.raises(ValueError, match="written with another config"):
         probe_localization(ProbeLocalizationConfig(**{**cfg.__dict__, "seed": 1}))
+
+
+def test_a_frozen_checkpoint_is_read_as_it_is_and_only_the_head_learns(tmp_path, monkeypatch):
+    """``frozen:<checkpoint>``: the policy loaded from the folder keeps every weight through the probe (compared with
+    a second load of the same folder); its figures are reported under the spec."""
+    import vla_rl.checkpoint
+    from sim.config import EnvConfig
+    from tiny_policies import save_lift_flow_policy
+    from vla_rl.probe_localization import ProbeLocalizationConfig, probe_localization
+
+    save_lift_flow_policy(tmp_path / "policy", image_size=32)
+    loaded = []
+    load = vla_rl.checkpoint.load_policy
+    monkeypatch.setattr(vla_rl.checkpoint, "load_policy", lambda *a, **k: loaded.append(load(*a, **k)) or loaded[-1])
+    env = EnvConfig(task="track", num_envs=2, image_size=32, num_threads=1, render_threads=1)
+    spec = f"frozen:{tmp_path / 'policy'}"
+    report = probe_localization(ProbeLocalizationConfig(env=env, encoders=[spec], episodes=4, held_out_frames=10,
+                                                        steps=30, batch_size=8, lr=1e-2, output_dir=str(tmp_path / "p")))  # fmt: skip
+    after = loaded[0][0].state_dict()
+    before = load(str(tmp_path / "policy"))[0].state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+    assert math.isfinite(report["encoders"][spec]["median_cm"]) and report["frames"]["held_out"] >= 10

@@ -13,6 +13,10 @@ patches, instruction and state through Gemma, what its value head reads). A line
 the label, trained end to end with one recipe for all: ``steps`` AdamW steps of ``batch_size`` training frames at
 ``lr``, images shifted by up to ``shift`` pixels.
 
+An encoder ``frozen:<checkpoint>`` is a trained policy read as it is: its weights frozen, the head alone trained
+with the same recipe. It asks what training (imitation, RL) taught the readout, where a fresh encoder asks what the
+front end can learn.
+
 Reported per encoder on the held-out frames: the median and mean error (the distance from the label, cm), the RMSE
 per axis, beside the same figures for predicting the training frames' mean. ``localization.json`` is written after
 each encoder (atomically); a rerun with the same config reuses the finished ones. The final line is
@@ -43,7 +47,8 @@ class ProbeLocalizationConfig:
     front end: the median error on held-out expert frames, against predicting the mean."""
 
     env: EnvConfig = field(default_factory=lambda: EnvConfig(task="track", num_envs=25))
-    # policy types at their default config, or with fields set: "autoregressive_vla:vision=keypoints,layers=4"
+    # policy types at their default config, or with fields set: "autoregressive_vla:vision=keypoints,layers=4";
+    # or a trained checkpoint read frozen, its head alone trained: "frozen:outputs/track/ar/checkpoints/last"
     encoders: list[str] = field(default_factory=lambda: ["diffusion", "autoregressive_vla"])
     episodes: int = 260  # expert episodes (every control step a frame)
     held_out_frames: int = 1500  # the last episodes' frames, at least this many
@@ -155,6 +160,9 @@ def errors_cm(predicted: torch.Tensor, label: torch.Tensor) -> dict[str, Any]:
             "rmse_cm": [round(float(v), 3) for v in rmse]}  # fmt: skip
 
 
+FROZEN = "frozen:"  # an encoder spec's prefix: a trained checkpoint, read frozen
+
+
 def encoder_config(spec: str):
     """A policy config from ``type`` or ``type:field=value,...`` (each value read as its field's default's type);
     an unknown type or field is refused, naming the choices."""
@@ -206,15 +214,20 @@ def train_probe(cfg: ProbeLocalizationConfig, encoder: str, train: dict, test: d
     the env's ``features`` and normalized on the training frames, a linear head on its readout, trained end to end
     (the module docstring's recipe)."""
     from policies import policy_class
+    from vla_rl.checkpoint import load_policy
     from vla_rl.train import random_shift
 
     torch.manual_seed(cfg.seed)
-    pcfg = encoder_config(encoder)
-    pcfg.image_size = cfg.env.image_size  # built for the frames' size (the keypoint encoder does not resize)
-    pcfg.validate()  # again, at that size
-    stats = {OBS_STATE: {"mean": train[OBS_STATE].mean(0), "std": train[OBS_STATE].std(0).clamp(min=1e-6)},
-             ACTION: {"min": train[ACTION].min(0).values, "max": train[ACTION].max(0).values}}  # fmt: skip
-    policy = policy_class(pcfg.type).from_dataset(pcfg, features, stats, [instruction])
+    frozen = encoder.startswith(FROZEN)
+    if frozen:  # a trained policy, its own normalization and sizes
+        policy = load_policy(encoder.removeprefix(FROZEN))[0].requires_grad_(False)
+    else:
+        pcfg = encoder_config(encoder)
+        pcfg.image_size = cfg.env.image_size  # built for the frames' size (the keypoint encoder does not resize)
+        pcfg.validate()  # again, at that size
+        stats = {OBS_STATE: {"mean": train[OBS_STATE].mean(0), "std": train[OBS_STATE].std(0).clamp(min=1e-6)},
+                 ACTION: {"min": train[ACTION].min(0).values, "max": train[ACTION].max(0).values}}  # fmt: skip
+        policy = policy_class(pcfg.type).from_dataset(pcfg, features, stats, [instruction])
     read = readout(policy)
     images = [k for k in train if k.startswith("observation.images.")]
 
@@ -231,8 +244,8 @@ def train_probe(cfg: ProbeLocalizationConfig, encoder: str, train: dict, test: d
     head = torch.nn.Linear(width, 3)
     scale = train["label"].std(0).clamp(min=1e-3)  # the head regresses standardized labels
     center = train["label"].mean(0)
-    optimizer = torch.optim.AdamW([*policy.parameters(), *head.parameters()], lr=cfg.lr)
-    policy.train()
+    optimizer = torch.optim.AdamW([*([] if frozen else policy.parameters()), *head.parameters()], lr=cfg.lr)
+    policy.train(not frozen)
     losses = []
     for _ in tqdm(range(cfg.steps), desc=f"probe {encoder}", unit="step"):
         rows = torch.randint(len(train["label"]), (cfg.batch_size,), generator=generator)
