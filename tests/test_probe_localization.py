@@ -103,9 +103,10 @@ def test_the_labels_are_the_object_minus_the_end_effector_and_a_rerun_reuses_fin
 def test_a_frozen_checkpoint_is_read_as_it_is_and_only_the_head_learns(tmp_path, monkeypatch):
     """``frozen:<checkpoint>``: the policy loaded from the folder keeps every weight through the probe (compared with
     a second load of the same folder); its figures are reported under the spec."""
+    from tiny_policies import save_lift_flow_policy
+
     import vla_rl.checkpoint
     from sim.config import EnvConfig
-    from tiny_policies import save_lift_flow_policy
     from vla_rl.probe_localization import ProbeLocalizationConfig, probe_localization
 
     save_lift_flow_policy(tmp_path / "policy", image_size=32)

@@ -129,6 +129,12 @@ def test_the_predictor_learns_which_latents_fail():
     assert choose_threshold(torch.sigmoid(predictor(held)).detach(), held[:, 0] > 0)["auc"] > 0.98
 
 
+def normalized(actions: torch.Tensor) -> torch.Tensor:
+    """Actions in the tiny policies' range ([-2, 2] and [0, 1]) in the sampler's normalized units, [-1, 1]."""
+    low, high = torch.tensor([-2.0, 0.0]), torch.tensor([2.0, 1.0])
+    return (actions - low) / (high - low) * 2 - 1
+
+
 def steering_for(policy, fail_logits: list[float], c: float, weight: float = 1.0) -> tuple[Steering, list]:
     """A steering whose predictor says ``fail_logits`` per row (recording its input) and whose RL flow policy's
     velocity is the constant ``c``."""
@@ -151,8 +157,6 @@ def test_the_gate_reads_the_state_and_the_steered_rows_follow_the_composed_veloc
     policy = make_policy(kind)
     obs = observation()
     noise = torch.rand(B, H, A, generator=torch.Generator().manual_seed(2)) - 0.5
-    low, high = torch.tensor([-2.0, 0.0]), torch.tensor([2.0, 1.0])  # the tiny policies' action range
-    normalized = lambda actions: (actions - low) / (high - low) * 2 - 1
     free = policy.predict_chunk(obs, noise=noise).actions
     steering, seen = steering_for(policy, [5.0, -5.0], c=0.2)
     gated = SteeredPolicy(policy, steering, "gated").predict_chunk(obs, noise=noise)
@@ -393,8 +397,6 @@ def test_best_of_n_runs_the_candidate_the_critic_ranks_first_in_the_steered_rows
     policy = make_policy("diffusion-flow")
     obs = observation()
     noise = torch.rand(B, H, A, generator=torch.Generator().manual_seed(2)) - 0.5
-    low, high = torch.tensor([-2.0, 0.0]), torch.tensor([2.0, 1.0])  # the tiny policies' action range
-    normalized = lambda actions: (actions - low) / (high - low) * 2 - 1
     free = policy.predict_chunk(obs, noise=noise).actions
     steering, _ = steering_for(policy, [5.0, -5.0], c=0.2)
     seen = []

@@ -150,3 +150,13 @@ class FrameSampler:
         task = torch.randint(0, len(self.by_task), (n,), generator=generator).tolist()
         u = torch.rand(n, generator=generator).tolist()
         return torch.tensor([self.by_task[t][int(x * len(self.by_task[t]))].item() for t, x in zip(task, u)])
+
+
+def random_shift(images: torch.Tensor, shift: int, generator: torch.Generator) -> torch.Tensor:
+    """(B, C, S, S) -> same shape, each image translated by up to ``shift`` pixels (edge padding)."""
+    if shift <= 0:
+        return images
+    b, _, s, _ = images.shape
+    padded = torch.nn.functional.pad(images, (shift,) * 4, mode="replicate")
+    dx, dy = torch.randint(0, 2 * shift + 1, (2, b), generator=generator).tolist()
+    return torch.stack([padded[i, :, dy[i] : dy[i] + s, dx[i] : dx[i] + s] for i in range(b)])

@@ -214,8 +214,8 @@ def train_probe(cfg: ProbeLocalizationConfig, encoder: str, train: dict, test: d
     the env's ``features`` and normalized on the training frames, a linear head on its readout, trained end to end
     (the module docstring's recipe)."""
     from policies import policy_class
+    from vla_core.data import random_shift
     from vla_rl.checkpoint import load_policy
-    from vla_rl.train import random_shift
 
     torch.manual_seed(cfg.seed)
     frozen = encoder.startswith(FROZEN)

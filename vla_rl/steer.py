@@ -54,6 +54,7 @@ from vla_rl.steering import (
     check_steerable,
     choose_threshold,
     observation_latents,
+    sampler_end,
     train_critic,
     train_flow_policy,
     train_predictor,
@@ -154,15 +155,13 @@ def record_request(policy, obs: dict, obs_step: torch.Tensor, generator: torch.G
     noise = torch.randn(batch, *policy.noise_shape, generator=generator).to(policy.device)
     seen: dict[str, torch.Tensor] = {}
 
-    def recording(x_t, t, latents, velocity):  # adds nothing; keeps the last step's state and velocity
-        seen["x"], seen["t"], seen["v"] = x_t.detach(), t.detach(), velocity.detach()
+    def recording(x_t, t, latents, velocity):  # adds nothing; keeps where each step lands (the last's: the end)
+        seen["x0"] = sampler_end(x_t.detach(), t.detach(), velocity.detach())
         return torch.zeros_like(x_t)
 
     recording.reads_velocity = True
     chunk = policy.predict_chunk(obs, obs_step, noise=noise, steer=recording)
-    step = seen["t"].view(-1, *[1] * (noise.ndim - 1))  # the last Euler step's time is its size, 1 / n
-    x0 = seen["x"] - seen["v"] * step
-    return chunk.actions, {"z": observation_latents(policy, obs).cpu(), "x0": x0.float().cpu()}
+    return chunk.actions, {"z": observation_latents(policy, obs).cpu(), "x0": seen["x0"].float().cpu()}
 
 
 COLLECTION_FILE = "vla_rl_steer_collection.json"  # in the dataset's meta/: what the rollouts were collected with

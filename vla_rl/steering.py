@@ -56,6 +56,12 @@ STEER_MODES = ("gated", "always")
 VERSION = 3  # of the saved steering: 3 = with its critic and best_of; 2 = without (loaded; selects nothing)
 
 
+def sampler_end(x_t: torch.Tensor, t: torch.Tensor, velocity: torch.Tensor) -> torch.Tensor:
+    """(B, *S) where the Euler step from x_t at times t (B,) with ``velocity`` (its total, any steer added) lands:
+    x_t - velocity * t. At the sampler's last step t is the step size 1/n, so this is the sampler's end x_0."""
+    return x_t - velocity * t.view(-1, *[1] * (x_t.ndim - 1))
+
+
 def batch_size(obs: dict) -> int:
     """The number of samples in an observation batch (its first tensor's leading size)."""
     return next(v for v in obs.values() if torch.is_tensor(v)).shape[0]
@@ -305,8 +311,7 @@ class SteeredPolicy(WrappedPolicy):
 
         def candidate(x_t, t, latents, velocity):  # composed, and keeps where this Euler step lands
             extra = composed(x_t, t, latents, velocity)
-            # x - (v + extra) * t: where the step from t lands; at the last step t is the step size 1/n, so the end
-            seen["x0"] = x_t - (velocity + extra) * t.view(-1, *[1] * (x_t.ndim - 1))
+            seen["x0"] = sampler_end(x_t, t, velocity + extra)  # the last step's is the sampler's end
             return extra
 
         candidate.reads_velocity = True

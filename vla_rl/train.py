@@ -48,6 +48,7 @@ from tqdm import tqdm
 
 from policies import DiffusionConfig, PolicyConfig
 from vla_core import crash_log, interrupt
+from vla_core.data import random_shift
 from vla_core.files import temporary_beside, write_text_atomic
 from vla_core.runtime import DelayConfig, DelayModel, LatencySpec, committed_prefix
 from vla_core.types import ACTION, OBS_IMAGES, ZERO_DELAY_PASS
@@ -167,16 +168,6 @@ class TrainingProgress:
         self.step, self.history, self.loss_window = saved["step"], saved["history"], saved["loss_window"]
         self.val_history, self.train_seconds = saved["val_history"], saved["train_seconds"]
         return saved["lr"]
-
-
-def random_shift(images: torch.Tensor, shift: int, generator: torch.Generator) -> torch.Tensor:
-    """(B, C, S, S) -> same shape, each image translated by up to ``shift`` pixels (edge padding)."""
-    if shift <= 0:
-        return images
-    b, _, s, _ = images.shape
-    padded = torch.nn.functional.pad(images, (shift,) * 4, mode="replicate")
-    dx, dy = torch.randint(0, 2 * shift + 1, (2, b), generator=generator).tolist()
-    return torch.stack([padded[i, :, dy[i] : dy[i] + s, dx[i] : dx[i] + s] for i in range(b)])
 
 
 def check_delay(cfg: TrainConfig, control_dt: float | None, checkpoint: Path | None = None) -> DelayModel:
