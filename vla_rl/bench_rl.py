@@ -125,6 +125,16 @@ Protocol history (runs as README.md reports them, each by its final line):
   was resumed with its command in its PPO arm; imitation 0.525, PPO 0.735 [0.67, 0.79], GRPO 0.770 [0.71, 0.82],
   ``ppo_gain=+21.0 grpo_gain=+24.5 env_steps=151350 minutes=33.2``; pooled over seeds 2 and 3 ``ppo_gain=+19.5
   grpo_gain=+23.0 env_steps=151350 minutes=96.2 seeds=2,3``. The 93% target is missed on each seed by both arms.
+- 2026-12-07 (the day's fifth session), a probe that changes nothing here, fixed before it runs. Already measured
+  (9 s, no cameras): the scripted expert acting on ``track``'s state as old as a 4-step chunk leaves it (0-3
+  steps) succeeds 0.980 [0.95, 0.99] of 200 episodes from seed 5000 (every step: 0.980; 8-step chunks: 0.965),
+  so the chunk's timeline does not cap the arms. The probe: does a base trained on more demonstrations cover
+  the states neither imitation (best of 16: 0.800) nor PPO (0.925) solves? Seed 2's setting with 800
+  demonstrations (seed 2) instead of 200, ``diffusion``, horizon 16, 4 executed, batch 64, 4,000 steps (and
+  8,000 if time allows), evaluated on 200 held-out episodes from seed 5000 and as the best of 16 on 40 initial
+  states of seed 20000 (640 episodes). What it decides: if the 800-demonstration base's best of 16 reaches 0.95
+  or more, a run (c) with ``--demos=800`` is proposed in its own amendment before it runs; if not, more
+  demonstrations are not what reaches 93%.
 """
 
 from __future__ import annotations
