@@ -31,6 +31,33 @@ def test_help_explains_every_field():
     assert "--dataset.root" in res.stdout
 
 
+def _every_command():
+    from vla_rl.cli import COMMANDS
+
+    for name, command in COMMANDS.items():
+        yield from ([f"{name} {sub}" for sub in command.subcommands] if command.subcommands else [name])
+
+
+def test_every_command_and_bench_subcommand_explains_its_fields(capsys):
+    """Each `--help` exits 0 and lists its fields, a field whose comment holds a percent sign included (argparse
+    %-formats help strings: robot-parity's comment "episode e runs in world e % num_envs" once crashed it)."""
+    import pytest
+
+    from vla_rl.cli import main
+
+    names = list(_every_command())
+    assert {"bench robot-parity", "bench delay-beyond", "sim-robot", "dsrl", "train"} <= set(names)
+    for name in names:
+        with pytest.raises(SystemExit) as stop:
+            main([*name.split(), "--help"])
+        out = capsys.readouterr().out
+        assert stop.value.code == 0, name
+        assert out.startswith(f"usage: vla-rl {name}") and "  --" in out, name
+    with pytest.raises(SystemExit):
+        main(["bench", "robot-parity", "--help"])
+    assert "episode e runs in world e %" in capsys.readouterr().out
+
+
 def test_unknown_key_is_one_line_error():
     res = vla_rl("train", "--policy.horizn=8")
     assert res.returncode == 2

@@ -546,7 +546,10 @@ def parse_config(name: str, args: list[str]):
 
     config_cls = _command(name).config()
     if any(a in ("-h", "--help") for a in args):
-        draccus.parse(config_cls, args=["--help"], prog=f"vla-rl {name}", preferred_help="inline")
+        from draccus.argparsing import ArgumentParser
+
+        ArgumentParser(config_class=config_cls, prog=f"vla-rl {name}", preferred_help="inline",
+                       formatter_class=_plain_text_help()).parse_args(["--help"])  # fmt: skip
     try:
         args, config_path = _split_config_path(args)
         args = _renamed_args(config_cls, args, name)
@@ -708,6 +711,22 @@ def _layer(base: dict, top: dict) -> dict:
         else:
             out[key] = value
     return out
+
+
+def _plain_text_help():
+    """draccus's help formatter reading field comments as plain text: argparse %-formats every help string, so a
+    comment's "%" (``5%``, ``p99 %``) would crash ``--help``; here it is a percent sign."""
+    import copy
+
+    from draccus.help_formatter import SimpleHelpFormatter
+
+    class PlainTextHelp(SimpleHelpFormatter):
+        def _get_help_string(self, action):
+            literal = copy.copy(action)
+            literal.help = (action.help or "").replace("%", "%%")
+            return super()._get_help_string(literal)
+
+    return PlainTextHelp
 
 
 def main(argv: list[str] | None = None) -> int:
