@@ -114,3 +114,27 @@ def test_fitted_on_a_recorded_dataset_the_round_trip_keeps_its_bound_and_the_tok
     assert again.encode(inside).tokens == tokenizer.encode(inside).tokens
     with pytest.raises(ValueError, match="unknown action tokenizer 'bpe'"):
         fit_action_tokenizer("bpe", chunks)
+
+
+def test_the_relative_frame_is_steps_from_the_state_and_the_row_before_and_inverts_exactly():
+    """Worked by hand: the arm at (0.10, 0.20, 0.30) (state entries 2..4, after two joints), a chunk of three
+    rows; ee steps from the state, then from the row before; the grip (no state entry of its name) absolute."""
+    import torch
+
+    from policies.action_tokenizers.relative import delta_indices, from_delta, to_delta
+
+    state_names = ["joint1", "joint2", "ee_x", "ee_y", "ee_z"]
+    indices = delta_indices(state_names, ["ee_x", "ee_y", "ee_z", "grip"])
+    assert indices == [2, 3, 4, -1]
+    state = torch.tensor([[0.5, -0.5, 0.10, 0.20, 0.30]], dtype=torch.float64)
+    chunk = torch.tensor([[[0.11, 0.20, 0.28, 0.0], [0.13, 0.19, 0.28, 1.0], [0.13, 0.19, 0.25, 1.0]]],
+                         dtype=torch.float64)  # fmt: skip
+    expected = torch.tensor([[[0.01, 0.00, -0.02, 0.0], [0.02, -0.01, 0.00, 1.0], [0.00, 0.00, -0.03, 1.0]]],
+                            dtype=torch.float64)  # fmt: skip
+    deltas = to_delta(chunk, state, indices)
+    assert torch.allclose(deltas, expected, atol=1e-12)
+    assert torch.allclose(from_delta(deltas, state, indices), chunk, atol=1e-12)
+    with pytest.raises(ValueError, match="no action dimension"):
+        delta_indices(state_names, ["dx", "grip"])
+    with pytest.raises(ValueError, match="has no names"):
+        delta_indices(None, ["ee_x"])

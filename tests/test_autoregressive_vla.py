@@ -351,6 +351,64 @@ def test_a_resumed_run_keeps_the_tokenizer_it_saved(tiny_dataset, tmp_path):
     assert not np.array_equal(saved.low, fit_action_tokenizer("uniform_bins", chunks, num_bins=256).low)
 
 
+def test_in_the_delta_frame_the_tokens_are_the_steps_and_decoding_them_returns_the_demonstration(tiny_dataset):
+    """``action_frame=delta``: the indices come from the dataset's names (the arm's ee_x/y/z; the grip absolute),
+    the bins are fitted on the steps (a far narrower range than the absolute targets'), a batch is tokenized as
+    its steps, and decoding a demonstration's own tokens gives it back within the accumulated rounding: each
+    row's error at most the sum of the half bins of the rows up to it. The checkpoint keeps the indices."""
+    from policies.action_tokenizers.relative import to_delta
+    from policies.autoregressive_vla.modeling_autoregressive_vla import AutoregressiveVLAPolicy
+    from policies.token_decoding import Decoded, score_tokens
+
+    root = tiny_dataset[0]
+    demos, dataset = _demos(root), open_dataset(str(root), None)
+    names = demos.state_names
+    config = AutoregressiveVLAConfig(action_tokenizer="uniform_bins", action_frame="delta")
+    policy = AutoregressiveVLAPolicy.from_dataset(config, dataset.meta.features, dataset.meta.stats, demos.tasks)
+    policy.fit_to_demonstrations(demos)
+    assert policy.config.delta_state_indices == [names.index("ee_x"), names.index("ee_y"), names.index("ee_z"), -1]
+    tokenizer = policy.action_tokenizer
+    absolute = _demos(root).action_chunks(16).double()
+    assert (
+        (tokenizer.high - tokenizer.low)[:3] < 0.5 * (absolute.amax((0, 1)) - absolute.amin((0, 1))).numpy()[:3]
+    ).all()
+    batch = _batch(root)
+    steps = to_delta(batch["action"].double(), batch["observation.state"].double(), policy.config.delta_state_indices)
+    tokens = tokenizer.encode(steps.numpy()).tokens
+    ids, mask = policy.token_ids(tokens)
+    decoded = Decoded(ids=ids, mask=mask, log_probs=torch.zeros(ids.shape))
+    actions = policy.detokenize(decoded, batch)
+    half_bin = torch.as_tensor(tokenizer.bin_width / 2, dtype=torch.float32)
+    rows = torch.arange(1, 17, dtype=torch.float32)[:, None]
+    bound = torch.cat([rows * half_bin[:3], half_bin[3:].expand(16, 1)], dim=1)  # the grip's error is its own row's
+    inside = torch.as_tensor(tokenizer.encode(steps.numpy()).clipped == 0)
+    assert inside.any()
+    assert ((actions - batch["action"]).abs()[inside] <= bound + 1e-5).all()
+    with torch.no_grad():  # the training loss is the negative log-likelihood of the steps' tokens
+        prefix, prefix_mask = policy.prefix(batch)
+        log_probs = score_tokens(policy.backbone.lm, prefix, prefix_mask, ids, mask, policy.token_space,
+                                 max_tokens=policy.token_budget)  # fmt: skip
+        assert torch.isclose(policy(batch), -log_probs.sum() / mask.sum())
+
+
+def test_a_delta_frame_checkpoint_reloads_its_indices_and_decodes_from_the_observed_state(tiny_dataset, tmp_path):
+    """Trained two steps and reloaded: the indices travel in config.json, and the same tokens give chunks that
+    move with the observed state (the arm 1 cm further along x: every row's x 1 cm further; the grip unmoved)."""
+
+    out = Path(_train(tiny_dataset[0], tmp_path / "run", steps=2, action_tokenizer="uniform_bins",
+                      action_frame="delta")["checkpoint"]) / "pretrained_model"  # fmt: skip
+    policy = PreTrainedPolicy.from_pretrained(out)
+    names = _demos(tiny_dataset[0]).state_names
+    assert policy.config.delta_state_indices == [names.index("ee_x"), names.index("ee_y"), names.index("ee_z"), -1]
+    batch = _batch(tiny_dataset[0])
+    _chunk, decoded = policy.sample_tokens(batch, None, 1.0, generator=torch.Generator().manual_seed(0))
+    moved = {**batch, "observation.state": batch["observation.state"].clone()}
+    moved["observation.state"][:, names.index("ee_x")] += 0.01
+    shift = policy.detokenize(decoded, moved) - policy.detokenize(decoded, batch)
+    assert torch.allclose(shift[..., 0], torch.full_like(shift[..., 0], 0.01), atol=1e-6)
+    assert torch.equal(shift[..., 1:], torch.zeros_like(shift[..., 1:]))
+
+
 def test_bad_input_gets_one_line_naming_the_fix(ar_checkpoint, tmp_path):
     """A checkpoint without its tokenizer, a tokenizer fitted on other action dimensions, a token budget shorter
     than the data's chunks, and clipping of out-of-range training actions, which is counted."""

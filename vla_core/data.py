@@ -66,6 +66,15 @@ def _as_uint8(images: torch.Tensor) -> torch.Tensor:
     return (images * 255).round().clamp(0, 255).to(torch.uint8)
 
 
+def _entry_names(feature: dict) -> list[str] | None:
+    """A vector feature's entry names as LeRobot records them (a list, or a dict of one list such as
+    ``{"motors": [...]}``), None when it records none."""
+    names = feature.get("names")
+    if isinstance(names, dict) and len(names) == 1:
+        names = next(iter(names.values()))
+    return [str(n) for n in names] if isinstance(names, list) and names else None
+
+
 class ChunkedDemos:
     """All frames of a dataset in memory.
 
@@ -87,6 +96,7 @@ class ChunkedDemos:
         columns = [OBS_STATE, ACTION, "episode_index", "task_index"] + [f"{OBS_IMAGES}.{c}" for c in self.cameras]
         table = dataset.hf_dataset.select_columns(columns).with_format("torch")[:]
         self.images = {c: _as_uint8(table[f"{OBS_IMAGES}.{c}"]) for c in self.cameras}
+        self.state_names, self.action_names = _entry_names(features[OBS_STATE]), _entry_names(features[ACTION])
         self.state = table[OBS_STATE].float()
         self.action = table[ACTION].float()
         self.episode = episode = table["episode_index"].long()

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, get_args
 
 from policies.pretrained import PolicyConfig
 
 ActionTokenizerKind = Literal["fast", "uniform_bins"]
 VisionKind = Literal["siglip", "keypoints", "both"]
+ActionFrame = Literal["absolute", "delta"]
 
 
 @PolicyConfig.register_subclass("autoregressive_vla")
@@ -50,6 +51,13 @@ class AutoregressiveVLAConfig(PolicyConfig):
     # longest chunk of the training data, plus a quarter), set when the tokenizer is fitted.
     max_action_tokens: int = 0
     temperature: float = 0.0  # predict_chunk's decoding: 0 = greedy, else sampled at this temperature
+    # The frame the tokenizer writes in (`policies.action_tokenizers.relative`): absolute = the dataset's actions;
+    # delta = row 0 as the step from the state's entry of the same name, later rows as the step from the row before
+    # (dimensions with no such state entry stay absolute); the range is fitted on those steps.
+    action_frame: ActionFrame = "absolute"
+    # delta: per action dimension the state entry row 0 is relative to (-1: absolute); set from the dataset's names
+    # when the tokenizer is fitted, saved with the checkpoint.
+    delta_state_indices: list[int] = field(default_factory=list)
 
     def validate(self) -> None:
         """Raise ValueError naming the fix for an inconsistent config."""
@@ -78,5 +86,11 @@ class AutoregressiveVLAConfig(PolicyConfig):
                 f"policy.max_action_tokens={self.max_action_tokens}: uniform bins write exactly horizon x action_dim "
                 f"tokens per chunk; leave it at 0 (set from the data)"
             )
+        if self.action_frame not in get_args(ActionFrame):
+            raise ValueError(f"policy.action_frame must be one of {get_args(ActionFrame)}, got {self.action_frame!r}")
+        if self.delta_state_indices and (self.action_frame != "delta" or (
+                self.action_dim and len(self.delta_state_indices) != self.action_dim)):  # fmt: skip
+            raise ValueError(f"policy.delta_state_indices={self.delta_state_indices} belongs to action_frame=delta, one "
+                             f"per action dimension ({self.action_dim}): leave it empty, it is set from the data")  # fmt: skip
         if not self.temperature >= 0:
             raise ValueError(f"policy.temperature must be >= 0 (0 = greedy), got {self.temperature}")

@@ -20,8 +20,9 @@ closes a FAST sequence) are appended to the backbone's vocabulary.
   chunk it returns starts with the committed actions exactly, as the denoising policies' do.
 - RL (`policies.token_actor`): the decision is the token sequence, one factor per token.
 
-Actions enter the tokenizer in dataset units (it has its own fitted range); states are normalized with
-the dataset statistics, which are buffers of the policy, as in every vla-rl policy.
+Actions enter the tokenizer in dataset units (it has its own fitted range), absolute or, with ``action_frame``
+delta, as steps from the state and from the row before (`policies.action_tokenizers.relative`); states are
+normalized with the dataset statistics, which are buffers of the policy, as in every vla-rl policy.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import numpy as np
 import torch
 
 from policies.action_tokenizers import fit_action_tokenizer, load_action_tokenizer
+from policies.action_tokenizers.relative import delta_indices, from_delta, to_delta
 from policies.autoregressive_vla.backbone import Backbone
 from policies.autoregressive_vla.configuration_autoregressive_vla import AutoregressiveVLAConfig
 from policies.observation import check_observation
@@ -86,7 +88,12 @@ class AutoregressiveVLAPolicy(TokenRL, PreTrainedPolicy):
         """Fit the action tokenizer on the chunks of ``frames`` (the training frames; all when None) of
         ``demos`` (`vla_core.data.ChunkedDemos`), and set the token budget from them."""
         cfg = self.config
-        chunks = demos.action_chunks(cfg.horizon, frames).double().numpy()
+        chunks = demos.action_chunks(cfg.horizon, frames).double()
+        if cfg.action_frame == "delta":
+            cfg.delta_state_indices = delta_indices(demos.state_names, demos.action_names)
+            states = demos.state if frames is None else demos.state[frames]
+            chunks = to_delta(chunks, states.double(), cfg.delta_state_indices)
+        chunks = chunks.numpy()
         setting = {"vocab_size": cfg.action_vocab_size, "scale": cfg.fast_scale} if cfg.action_tokenizer == "fast" \
             else {"num_bins": cfg.action_vocab_size}  # fmt: skip
         tokenizer = fit_action_tokenizer(cfg.action_tokenizer, chunks, **setting)
@@ -195,7 +202,8 @@ class AutoregressiveVLAPolicy(TokenRL, PreTrainedPolicy):
             raise ValueError(f"batch actions must be (B, {cfg.horizon}, {cfg.action_dim}), got {tuple(actions.shape)}")
         if copies != 1:
             raise ValueError("the autoregressive_vla policy has no Level-2 copies; drop --l2_copies")
-        tokenized = self._tokenizer().encode(actions.detach().cpu().double().numpy())
+        actions = self.to_frame(actions.detach().cpu().double(), batch[OBS_STATE].cpu())
+        tokenized = self._tokenizer().encode(actions.numpy())
         self.clipped_values += int(tokenized.clipped.sum())
         self.tokenized_values += actions.numel()
         ids, mask = self.token_ids(tokenized.tokens)
@@ -232,11 +240,30 @@ class AutoregressiveVLAPolicy(TokenRL, PreTrainedPolicy):
         """(B, H, A) actions in dataset units of decoded sequences, the committed rows kept exactly."""
         result = self._tokenizer().decode(decoded.action_tokens(self.token_space))
         self._count_invalid(result.valid)
-        actions = torch.as_tensor(result.chunks, dtype=torch.float32, device=self.device)
+        actions = self.from_frame(torch.as_tensor(result.chunks), obs[OBS_STATE].cpu())
+        actions = actions.to(device=self.device, dtype=torch.float32)
         committed = self.committed_actions(obs)
         if committed is not None:
             actions = torch.where(committed[1][..., None], committed[0], actions)
         return actions
+
+    def to_frame(self, actions: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+        """Chunks (B, H, A) in dataset units -> the frame the tokenizer writes in (``config.action_frame``)."""
+        if self.config.action_frame == "absolute":
+            return actions
+        return to_delta(actions, state.to(actions.dtype), self._delta_indices())
+
+    def from_frame(self, chunks: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+        """The inverse of `to_frame`: detokenized chunks (B, H, A) -> dataset units, from the observed states."""
+        if self.config.action_frame == "absolute":
+            return chunks
+        return from_delta(chunks, state.to(chunks.dtype), self._delta_indices())
+
+    def _delta_indices(self) -> list[int]:
+        if len(self.config.delta_state_indices) != self.config.action_dim:
+            raise ValueError("policy.action_frame=delta has no delta_state_indices: fit the tokenizer with "
+                             "fit_to_demonstrations (vla-rl train does), or load a checkpoint that saved them")  # fmt: skip
+        return self.config.delta_state_indices
 
     def _count_invalid(self, valid: np.ndarray) -> None:
         first = self.invalid_chunks == 0
