@@ -13,7 +13,7 @@ from typing import Any, Literal, get_args
 from robot_bridge import topics as topic_table
 from vla_core.robot import SIM_PANDA, ActionSpace
 from vla_core.runtime import ChunkingConfig
-from vla_core.types import image_key
+from vla_core.types import SteerMode, image_key
 
 # The defaults serve the simulated Panda (`vla-rl sim-robot`), as its description
 # (`vla_core.robot.SIM_PANDA`) states: the state it publishes, the actions it accepts and what it
@@ -132,7 +132,7 @@ class ServeConfig:
     # every chunk).
     # The mode is checked where the steering loads (`vla_rl.steering`), in the inference worker.
     steer_dir: str = ""
-    steer_mode: str = "gated"
+    steer_mode: SteerMode = "gated"
     steer_weight: float = 0.0
     steer_best_of: int = 0
     cameras: list[CameraTopic] = field(default_factory=lambda: [CameraTopic()])  # camera topic -> policy image feature

@@ -35,6 +35,7 @@ from typing import Any
 
 from robot_bridge import wire
 from robot_bridge.inference import InferenceRequest, InferenceResult, MidObservation, WorkerStatus, serve_requests
+from vla_core.types import SteerMode
 
 SERVICE, METHOD = "vla_rl.PolicyServer", "Session"
 SESSION = f"/{SERVICE}/{METHOD}"
@@ -49,13 +50,20 @@ class PolicyServerConfig:
     tokenizer_dir: str = ""  # a LeRobot VLA's tokenizer, in a local folder (as `vla-rl serve --tokenizer_dir`)
     device: str = "cpu"  # torch device of the policy
     steer_dir: str = ""  # steering (RL² or DSRL) composed with the policy (as `vla-rl serve --steer_dir`); "" = none
-    steer_mode: str = "gated"  # gated or always
+    steer_mode: SteerMode = "gated"  # gated (where its failure predictor expects a failure) or always
     steer_weight: float = 0.0  # 0: the weight `vla-rl steer` chose
     steer_best_of: int = 0  # RL²'s best-of-N candidates in a steered chunk; 0: the N `vla-rl steer` chose
     address: str = "0.0.0.0:50051"  # host:port to listen on (port 0: any free port, printed at start)
     num_threads: int = 1  # torch CPU threads of the policy
     added_latency_s: float = 0.0  # seconds added to every answer: a slow model's latency on a fast machine
     load_retry_s: float = 5.0  # a checkpoint that fails to load is tried again after this long
+
+    def validate(self) -> None:
+        """Raise ValueError naming the fix for flags that would be ignored."""
+        if not self.steer_dir and (self.steer_mode != PolicyServerConfig.steer_mode or self.steer_weight
+                                   or self.steer_best_of):  # fmt: skip
+            raise ValueError("--steer_mode, --steer_weight and --steer_best_of steer nothing without --steer_dir (a "
+                             "`vla-rl steer` output's steering/ folder): set it, or drop them")  # fmt: skip
 
 
 class _SessionConnection:
@@ -280,6 +288,7 @@ def _until_none(outbox: queue.Queue) -> Iterator[bytes]:
 
 def run_policy_server(cfg: PolicyServerConfig, load_policy: Callable[[], Any]) -> None:
     """Serve until Ctrl-C; prints the address it listens on."""
+    cfg.validate()
     server = PolicyServer(load_policy, cfg)
     server.start()
     host = cfg.address.rsplit(":", 1)[0]

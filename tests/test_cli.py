@@ -58,6 +58,20 @@ def test_every_command_and_bench_subcommand_explains_its_fields(capsys):
     assert "episode e runs in world e %" in capsys.readouterr().out
 
 
+def test_a_steer_mode_outside_its_choices_is_refused_when_parsed(capsys):
+    """`steer.mode` and its siblings are Literals: a wrong value is one line at parse time, before any steering
+    loads, naming the choices; the policy server refuses steering flags without a steering as serve does."""
+    from vla_rl.cli import main
+
+    for argv in (["eval", "--steer.mode=sometimes"], ["serve", "--steer_mode=sometimes"],
+                 ["policy-server", "--steer_mode=sometimes"]):  # fmt: skip
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "sometimes" in err[0] and "gated" in err[0] and "always" in err[0], (argv, err)
+    assert main(["policy-server", "--steer_mode=always", "--address=127.0.0.1:0"]) == 2
+    assert "steer nothing without --steer_dir" in capsys.readouterr().err
+
+
 def test_unknown_key_is_one_line_error():
     res = vla_rl("train", "--policy.horizn=8")
     assert res.returncode == 2

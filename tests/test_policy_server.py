@@ -173,4 +173,10 @@ def test_remote_inference_needs_its_server_and_keeps_the_latency_on_the_server()
         ):
             ServeConfig(**steering).validate()
     ServeConfig(steer_weight=1.0).validate()  # the former default, in configs copied before it changed
+    from robot_bridge.policy_server import PolicyServerConfig
+
+    for steering in ({"steer_mode": "always"}, {"steer_weight": 0.5}, {"steer_best_of": 8}):  # the server as serve
+        with pytest.raises(ValueError, match="steer nothing without --steer_dir"):
+            PolicyServerConfig(**steering).validate()
+    PolicyServerConfig(steer_dir="steer/steering", steer_mode="always").validate()
     ServeConfig(inference="remote", inference_server="gpu-box:50051").validate()

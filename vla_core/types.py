@@ -18,10 +18,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import numpy as np
 import torch
+
+# Where a latent steering (RL²) acts: gated = in the chunks its failure predictor expects to fail; always = every chunk.
+SteerMode = Literal["gated", "always"]
 
 OBS_STATE = "observation.state"
 OBS_IMAGES = "observation.images"

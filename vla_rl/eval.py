@@ -38,7 +38,7 @@ from sim.libero_protocol import with_libero_cameras
 from vla_core import crash_log, interrupt
 from vla_core.files import temporary_beside, write_text_atomic
 from vla_core.runtime import ChunkingConfig, DelayConfig, DelayModel, LatencySpec, noise_shape, request_noise
-from vla_core.types import TASK, ActionChunk, world_indices
+from vla_core.types import TASK, ActionChunk, SteerMode, world_indices
 from vla_rl.checkpoint import load_policy
 from vla_rl.eval_record import (
     EpisodePlan,
@@ -62,7 +62,7 @@ DEFAULT_EPISODES = 50  # episodes of an evaluation off LIBERO when --num_episode
 @dataclass
 class SteerEvalConfig:
     dir: str = ""  # a `vla-rl steer` output's steering/ (RL²) or a `vla-rl dsrl` output's dsrl/; "" = unsteered
-    mode: str = "gated"  # gated: where the failure predictor expects a failure; always: every chunk
+    mode: SteerMode = "gated"  # gated: where the failure predictor expects a failure; always: every chunk
     weight: float = 0.0  # w in v = v_base + w (v_RL - v_base); 0 = the weight `vla-rl steer` chose
     best_of: int = 0  # candidates the critic chooses among in a steered chunk (1: none); 0 = the N `vla-rl steer` chose
 

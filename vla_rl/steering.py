@@ -41,18 +41,17 @@ import copy
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from vla_core.types import TASK, Steer
+from vla_core.types import TASK, Steer, SteerMode
 from vla_rl.rl.networks import mlp
 
 MAX_WEIGHT = 100.0  # the largest advantage weight: one chunk must not be the whole loss
-SteerMode = str  # "gated" (where the predictor expects failure) or "always"
-STEER_MODES = ("gated", "always")
+STEER_MODES = get_args(SteerMode)
 VERSION = 3  # of the saved steering: 3 = with its critic and best_of; 2 = without (loaded; selects nothing)
 
 
