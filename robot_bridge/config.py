@@ -34,6 +34,7 @@ Reliability = Literal["best_effort", "reliable"]
 # controllers take them (`robot_bridge.trajectory`).
 Output = Literal["ticks", "trajectory"]
 GripperOpen = Literal["upper", "lower"]  # which of a gripper joint's limits is open (grip 0)
+OtherCommanders = Literal["hold", "warn"]
 
 
 @dataclass
@@ -157,6 +158,10 @@ class ServeConfig:
     # onto each one's range, gripper_open naming the limit that is open.
     gripper_joints: list[str] = field(default_factory=lambda: ["finger_joint1", "finger_joint2"])
     gripper_open: GripperOpen = "upper"
+    # Another node publishing on a command topic serve publishes on (a teleop node left running, a second serve):
+    # a fault on /diagnostics naming the topic and the node, logged once. hold: serve holds until it is gone;
+    # warn: serve goes on commanding, the report at WARN. (ros2_control's controllers take commands from anyone.)
+    other_commanders: OtherCommanders = "hold"
     # output=trajectory: metres within which an end-effector waypoint counts as reached by the IK; a chunk
     # with a waypoint the IK does not reach is not sent (ik_failures), and the previous trajectory runs on.
     ik_tolerance: float = 0.001
@@ -233,6 +238,8 @@ class ServeConfig:
             "ros_executor": (self.ros_executor, get_args(RosExecutor)),
             "output": (self.output, get_args(Output)),
             "gripper_open": (self.gripper_open, get_args(GripperOpen)),
+            "other_commanders": (self.other_commanders, get_args(OtherCommanders)),
+            "steer_mode": (self.steer_mode, get_args(SteerMode)),
             "qos.sensor_reliability": (self.qos.sensor_reliability, get_args(Reliability)),
         }
         for name, (value, allowed) in choices.items():

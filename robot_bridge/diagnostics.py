@@ -74,13 +74,16 @@ class BridgeDiagnostics:
         return values
 
     @staticmethod
-    def message(state: str, cause: str | None, values: dict[str, str], hardware_id: str, stamp):
-        """diagnostic_msgs/DiagnosticArray of one status: the node's state, its cause, and ``values``."""
+    def message(state: str, cause: str | None, values: dict[str, str], hardware_id: str, stamp, warning: str = ""):
+        """diagnostic_msgs/DiagnosticArray of one status: the node's state, its cause, and ``values``;
+        ``warning``: a fault that does not hold (another commander under ``other_commanders: warn``), which raises
+        an OK report to WARN and follows the state in its message."""
         from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
 
+        level = STATE_LEVELS[state] if not (warning and STATE_LEVELS[state] == "OK") else "WARN"
         status = DiagnosticStatus(
-            level=getattr(DiagnosticStatus, STATE_LEVELS[state]), name="vla_rl serve", hardware_id=hardware_id,
-            message=state + (f": {cause}" if cause else ""),
+            level=getattr(DiagnosticStatus, level), name="vla_rl serve", hardware_id=hardware_id,
+            message=state + (f": {cause}" if cause else "") + (f"; {warning}" if warning else ""),
             values=[KeyValue(key=k, value=v) for k, v in values.items()],
         )  # fmt: skip
         msg = DiagnosticArray(status=[status])

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from robot_bridge.commanders import CommanderWatch
 from robot_bridge.config import ServeConfig
 from robot_bridge.description import DescriptionSource
 from robot_bridge.diagnostics import BridgeDiagnostics
@@ -30,7 +31,9 @@ class Hold:
     """The node's state (RUNNING, LOADING, HOLDING, ESTOP, FAILED), its cause, and the safety-filtered command.
 
     ``logger`` has rclpy's ``info``/``warning``/``error``; ``log_limiter`` rate-limits what repeats;
-    ``description`` (optional): the robot description's source, whose problem (none yet, or rejected) holds.
+    ``description`` (optional): the robot description's source, whose problem (none yet, or rejected) holds;
+    ``commanders`` (optional): the other publishers on the command topics, which hold with ``other_commanders:
+    hold``.
     """
 
     def __init__(
@@ -43,8 +46,9 @@ class Hold:
         log_limiter: LogLimiter,
         logger,
         description: DescriptionSource | None = None,
+        commanders: CommanderWatch | None = None,
     ) -> None:
-        self.config, self.period, self.description = config, period, description
+        self.config, self.period, self.description, self.commanders = config, period, description, commanders
         self.inputs, self.scheduler, self.diagnostics = inputs, scheduler, diagnostics
         self.log_limiter, self.logger = log_limiter, logger
         s = config.safety
@@ -83,7 +87,9 @@ class Hold:
         if self.safety.estopped:
             return "estop", "e-stop engaged"
         robot = self.description.problem() if self.description is not None else None
+        commanders = self.commanders.problem() if self.commanders and self.config.other_commanders == "hold" else None
         for problem in (
+            commanders,
             robot,
             self.scheduler.health.worker_problem(self.scheduler.worker.alive(), self.scheduler.worker.io_error),
             self.inputs.fault(),

@@ -56,6 +56,7 @@ from std_msgs.msg import Float64MultiArray, String
 
 from robot_bridge import codec, topics
 from robot_bridge.chunk_scheduler import ChunkScheduler
+from robot_bridge.commanders import CommanderWatch, Endpoint
 from robot_bridge.config import ServeConfig, apply_overrides, flat_fields
 from robot_bridge.description import ActionMapping, DescriptionSource, safety_limits
 from robot_bridge.diagnostics import BridgeDiagnostics
@@ -124,8 +125,9 @@ class PolicyBridge(Node):
             cfg, load_policy, self.inputs, self.diagnostics, self.log_limiter, logger, self._publish_chunk
         )
         self.robot = DescriptionSource(cfg, self.diagnostics, self.log_limiter, self._on_description)
+        self.commanders = self._commander_watch()
         self.hold = Hold(cfg, self.period, self.inputs, self.scheduler, self.diagnostics, self.log_limiter, logger,
-                         self.robot)  # fmt: skip
+                         self.robot, self.commanders)  # fmt: skip
         self.planner: TrajectoryPlanner | None = None  # output=trajectory, once the description is known
         self._arm_in_state: list[int] = []  # where the arm joints are in the joint state (output=trajectory)
         self._tick_step, self._tick_ns = -1, 0  # the step of the latest tick and its time (ns, this node's clock)
@@ -214,6 +216,27 @@ class PolicyBridge(Node):
         self._chunk_pub = self.create_publisher(String, cfg.topics.chunk_info, qos)
         self._diagnostics_pub = self.create_publisher(topics.DIAGNOSTICS.message_class(), cfg.topics.diagnostics, qos)
         self._period_msg = codec.duration_msg(self.period)
+
+    def _commander_watch(self) -> CommanderWatch:
+        """The watch over this node's command topics (per-tick commands, the arm's and gripper's trajectories;
+        not the FollowJointTrajectory action, whose goals are no topic's messages)."""
+        own: dict[str, int] = {}
+        for pub in (self._trajectory_pub, self._array_pub, self._arm_pub, self._gripper_pub):
+            if pub is not None:
+                own[pub.topic_name] = own.get(pub.topic_name, 0) + 1
+        return CommanderWatch(Endpoint(self.get_name(), self.get_namespace()), own)
+
+    def _check_commanders(self) -> None:
+        """Ask the graph who publishes on the command topics; a change is logged once."""
+        graph = {t: [Endpoint(i.node_name, i.node_namespace) for i in self.get_publishers_info_by_topic(t)]
+                 for t in self.commanders.topics}  # fmt: skip
+        if self.commanders.update(graph):
+            line = self.commanders.describe()
+            if line:
+                rule = "holding until it is gone" if self.config.other_commanders == "hold" else "commanding beside it"
+                self.log_limiter("commanders " + line, "warning", f"another node commands the robot ({line}): {rule}")
+            else:
+                self.log_limiter("commanders", "info", "no other node publishes on the command topics any more")
 
     def _create_subscriptions_and_timers(self) -> None:
         cfg = self.config
@@ -443,12 +466,16 @@ class PolicyBridge(Node):
             "stale_inputs": ", ".join(self.inputs.stale(time.monotonic())),
             "instruction": self.inputs.instruction,
             "dry_run": str(self.config.dry_run),
+            "other_commanders": self.commanders.describe(),
         }
         return self.diagnostics.values(self.hold.state, self.hold.cause, live)
 
     def publish_diagnostics(self) -> None:
+        self._check_commanders()
         stamp = self.get_clock().now().to_msg()
-        msg = self.diagnostics.message(self.hold.state, self.hold.cause, self.status_values(), self.get_name(), stamp)
+        warning = f"other commanders: {self.commanders.describe()}" if self.commanders.others else ""
+        msg = self.diagnostics.message(self.hold.state, self.hold.cause, self.status_values(), self.get_name(), stamp,
+                                       warning if self.config.other_commanders == "warn" else "")  # fmt: skip
         self._diagnostics_pub.publish(msg)
 
     def close(self) -> None:

@@ -19,9 +19,10 @@ __all__ = ["STOPPED_BY_SIGINT", "RobotClient", "last_json", "ros_environ", "star
 
 
 class RobotClient:
-    """An rclpy node in the test process that watches the sim robot and sends it commands."""
+    """An rclpy node in the test process that watches the sim robot and, with ``commands``, sends it commands
+    (without, it publishes on no command topic: beside a serve node it would be another commander)."""
 
-    def __init__(self, domain_id: int):
+    def __init__(self, domain_id: int, commands: bool = False):
         import rclpy
         import rclpy.executors
         from diagnostic_msgs.msg import DiagnosticArray
@@ -48,11 +49,13 @@ class RobotClient:
         latched = QoSProfile(depth=1, durability=DurabilityPolicy.TRANSIENT_LOCAL)
         sub(String, "/instruction", lambda m: self.instructions.append(m.data), latched)
         sub(DiagnosticArray, "/diagnostics", lambda m: self.diagnostics.extend(m.status), 50)
-        self.trajectory_pub = self.node.create_publisher(JointTrajectory, "/command/joint_trajectory", 10)
-        self.array_pub = self.node.create_publisher(Float64MultiArray, "/command/array", 10)
-        # A robot with --input=trajectory: its arm's and gripper's joint_trajectory_controller-like topics.
-        self.arm_pub = self.node.create_publisher(JointTrajectory, "/arm_controller/joint_trajectory", 10)
-        self.gripper_pub = self.node.create_publisher(JointTrajectory, "/gripper_controller/joint_trajectory", 10)
+        self.trajectory_pub = self.array_pub = self.arm_pub = self.gripper_pub = None
+        if commands:
+            self.trajectory_pub = self.node.create_publisher(JointTrajectory, "/command/joint_trajectory", 10)
+            self.array_pub = self.node.create_publisher(Float64MultiArray, "/command/array", 10)
+            # A robot with --input=trajectory: its arm's and gripper's joint_trajectory_controller-like topics.
+            self.arm_pub = self.node.create_publisher(JointTrajectory, "/arm_controller/joint_trajectory", 10)
+            self.gripper_pub = self.node.create_publisher(JointTrajectory, "/gripper_controller/joint_trajectory", 10)
 
     def spin_until(self, predicate, timeout: float, what: str):
         """Spin until ``predicate()`` returns an array or a truthy value and return it; fail naming ``what``
@@ -106,6 +109,7 @@ class RobotClient:
         """Until the robot's publishers and our command subscriptions have matched each other (``trajectories``:
         the subscriptions of a robot with --input=trajectory)."""
         pubs = (self.arm_pub, self.gripper_pub) if trajectories else (self.trajectory_pub, self.array_pub)
+        pubs = [p for p in pubs if p is not None]  # a client without commands waits for the robot's topics alone
         self.spin_until(lambda: all(p.get_subscription_count() for p in pubs) and self.joint_states and self.statuses,
                         timeout, "the sim robot")  # fmt: skip
 

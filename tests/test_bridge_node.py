@@ -541,6 +541,57 @@ def test_estop_latches_until_released(ros):
         bridge.close()
 
 
+def test_another_node_on_the_command_topic_holds_until_it_is_gone_and_is_named(ros):
+    """A second node publishing on serve's command topic (a teleop left running) is a fault naming the topic and
+    the node: serve holds (constant commands) until its publisher is gone, then runs again."""
+    context, executor = ros
+    bridge, robot = make_bridge(context, executor)
+    intruder = rclpy.create_node("teleop", namespace="/operator", context=context)
+    try:
+        assert spin_until(executor, lambda: bridge.hold.state == "RUNNING"), bridge.hold.cause
+        assert robot.diagnostics and robot.diagnostics[-1]["other_commanders"] == ""
+        publisher = intruder.create_publisher(JointTrajectory, "/command/joint_trajectory", 10)
+        assert spin_until(executor, lambda: bridge.hold.state == "HOLDING"), bridge.hold.state
+        assert "/command/joint_trajectory: /operator/teleop" in bridge.hold.cause
+        assert "other_commanders: warn" in bridge.hold.cause  # the fix named
+        assert spin_until(executor, lambda: robot.diagnostics[-1]["other_commanders"] == "/command/joint_trajectory: "
+                          "/operator/teleop")  # fmt: skip
+        first = len(robot.commands)
+        assert spin_until(executor, lambda: len(robot.commands) >= first + 12)
+        held = [c[1] for c in robot.commands[first + 3 : first + 12]]
+        assert all(c == held[0] for c in held)
+        intruder.destroy_publisher(publisher)
+        assert spin_until(executor, lambda: bridge.hold.state == "RUNNING"), bridge.hold.cause
+    finally:
+        intruder.destroy_node()
+        bridge.close()
+
+
+def test_with_other_commanders_warn_serve_commands_beside_it_and_reports_warn(ros):
+    """``other_commanders: warn``: the policy's commands go on (they change), and /diagnostics is at WARN with the
+    other node named while the state stays RUNNING."""
+    from diagnostic_msgs.msg import DiagnosticStatus
+
+    context, executor = ros
+    bridge, robot = make_bridge(context, executor, other_commanders="warn")
+    levels = []
+    robot.node.create_subscription(DiagnosticArray, "/diagnostics", lambda m: levels.append(m.status[0]), 10)
+    intruder = rclpy.create_node("teleop", context=context)
+    try:
+        assert spin_until(executor, lambda: bridge.hold.state == "RUNNING"), bridge.hold.cause
+        intruder.create_publisher(JointTrajectory, "/command/joint_trajectory", 10)
+        warned = "RUNNING; other commanders: /command/joint_trajectory: /teleop"  # the level OK raised to WARN
+        assert spin_until(executor, lambda: levels and levels[-1].message == warned), levels[-1:]
+        assert levels[-1].level == DiagnosticStatus.WARN
+        first = len(robot.commands)
+        assert spin_until(executor, lambda: len(robot.commands) >= first + 12)
+        assert bridge.hold.state == "RUNNING"
+        assert len({tuple(c[1]) for c in robot.commands[first:]}) > 1  # the ramp policy's commands, not a hold
+    finally:
+        intruder.destroy_node()
+        bridge.close()
+
+
 def test_dry_run_publishes_nothing_to_the_robot(ros):
     context, executor = ros
     bridge, robot = make_bridge(context, executor, dry_run=True)

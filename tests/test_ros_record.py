@@ -24,7 +24,7 @@ def recording(tmp_path_factory):
     )
     robot = start_command(["sim-robot", "--env.task=reach", f"--env.max_episode_steps={EPISODE_STEPS}", "--sync=true",
                            "--compressed_images=true", "--seed=5"], DOMAIN_ID, logs, "robot")  # fmt: skip
-    client = RobotClient(DOMAIN_ID)
+    client = RobotClient(DOMAIN_ID, commands=True)
     sent, observed = [], []  # actions (4,); (state (11,), image (64, 64, 3)) each command was chosen from
     try:
         client.wait_for_robot()

@@ -18,7 +18,7 @@ TIMEOUT = 30  # seconds to wait for an event
 
 @pytest.fixture
 def client():
-    c = RobotClient(DOMAIN_ID)
+    c = RobotClient(DOMAIN_ID, commands=True)
     yield c
     c.close()
 
