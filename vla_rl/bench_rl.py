@@ -135,6 +135,15 @@ Protocol history (runs as README.md reports them, each by its final line):
   states of seed 20000 (640 episodes). What it decides: if the 800-demonstration base's best of 16 reaches 0.95
   or more, a run (c) with ``--demos=800`` is proposed in its own amendment before it runs; if not, more
   demonstrations are not what reaches 93%.
+- 2026-12-07, the probe's result, recorded after it: the 800-demonstration base (4,000 steps, final loss 0.0073)
+  succeeds 0.545 [0.48, 0.61] on the 200 held-out episodes (the 200-demonstration base of seed 2: 0.550) and, as
+  the best of 16, mean 0.544 and best 0.775 with 9 of 40 states never solved (200 demonstrations: 0.575, 0.800,
+  8 never). Four times the demonstrations moves neither figure: more demonstrations are not what reaches 93%,
+  and no run (c) is proposed. Two further expert probes (no cameras, 4-step chunks, 200 episodes from seed
+  5000) bound what one frame withholds: the expert aiming at the ball's position alone (velocity zeroed)
+  succeeds 1.000, and guessing the ball's direction at random per chunk 1.000: the direction one frame cannot
+  tell does not cap the task either. What fails is the policy's own precision on some initial states (9 of 40
+  never solved by any of 16 samples), not its information or its data's quantity.
 """
 
 from __future__ import annotations
