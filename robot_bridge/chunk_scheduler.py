@@ -25,7 +25,6 @@ still in flight is answered, logged and dropped), and requests are numbered from
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -36,7 +35,7 @@ import torch
 from robot_bridge import inference as worker
 from robot_bridge.config import ServeConfig
 from robot_bridge.diagnostics import BridgeDiagnostics
-from robot_bridge.inputs import JOINT_STATES, BridgeInputs
+from robot_bridge.inputs import BridgeInputs
 from robot_bridge.log_limit import LogLimiter
 from robot_bridge.low_latency import LowLatencyRunner
 from robot_bridge.policy_health import PolicyHealth, fit_protocol
@@ -178,7 +177,7 @@ class ChunkScheduler:
         """Start the robot's next episode when the newest joint state is stamped after the end the robot
         announced (`BridgeInputs.ended_episode`); True when it did, and the node then anchors its hold anew."""
         ended = self.inputs.ended_episode
-        if ended is None or self.inputs.stamp.get(JOINT_STATES, -math.inf) <= ended[1]:
+        if ended is None or self.inputs.state_time <= ended[1]:
             return False
         self.inputs.ended_episode = None
         self.episode, self.episode_requests = ended[0] + 1, 0
@@ -281,8 +280,8 @@ class ChunkScheduler:
         self.worker.submit(worker.InferenceRequest(self._request_id, request, int(p.step[0]), guidance,
                                                    needs_mid=not asked, noise=noise))  # fmt: skip
         self.in_flight = worker.InFlightRequest(
-            self._request_id, sent=now, delay_steps=int(p.announced[0]), obs_stamp=self.inputs.stamp.get(JOINT_STATES, 0.0),
-            obs_arrival=self.inputs.arrival[JOINT_STATES], guided=guidance is not None,
+            self._request_id, sent=now, delay_steps=int(p.announced[0]), obs_stamp=self.inputs.state_time,
+            obs_arrival=self.inputs.state_arrival, guided=guidance is not None,
             instruction=self.inputs.instruction, observation=observation, episode=self.episode,
             index=self.episode_requests,
         )  # fmt: skip

@@ -54,6 +54,9 @@ class TopicsConfig:
     """Topic names of each role; the defaults and the message types are those of `robot_bridge.topics`."""
 
     joint_states: str = topic_table.JOINT_STATES.name  # sensor_msgs/JointState from the robot
+    # More topics of sensor_msgs/JointState (a gripper's driver publishing its own): the state is assembled by joint
+    # name from every message on all of them, and on joint_states from every publisher (`robot_bridge.joint_states`).
+    more_joint_states: list[str] = field(default_factory=list)
     instruction: str = topic_table.INSTRUCTION.name  # std_msgs/String; a new one takes effect at the next chunk request
     estop: str = topic_table.ESTOP.name  # std_msgs/Bool; True latches a hold until False arrives
     # trajectory_msgs/JointTrajectory, one point per control step
@@ -104,6 +107,9 @@ class SafetyConfig:
     # and none further apart than this (seconds); else no request goes out (unpaired_observations), and a camera
     # unpaired longer than stale_after_s holds the robot.
     pair_tolerance_s: float = 0.1
+    # One joint reported by two sources (two messages of different joint sets) at stamps within pair_tolerance_s of
+    # each other, with values further apart than this (rad or m), is a fault: two drivers disagree.
+    joint_agreement_tolerance: float = 0.01
     # [low, high] per JointState entry (by name): a state outside [low - state_margin, high +
     # state_margin] is a sensor fault and is rejected (hold) before it reaches the policy. Names not
     # in state_names are ignored and entries without bounds are unchecked; {} checks nothing, except, with a
@@ -296,6 +302,13 @@ class ServeConfig:
             raise ValueError(f"safety.pair_tolerance_s must be > 0 seconds, got {self.safety.pair_tolerance_s}")
         if self.safety.state_margin < 0:
             raise ValueError(f"safety.state_margin must be >= 0, got {self.safety.state_margin}")
+        if not self.safety.joint_agreement_tolerance >= 0:
+            raise ValueError(f"safety.joint_agreement_tolerance must be >= 0 (rad or m), got "
+                             f"{self.safety.joint_agreement_tolerance}")  # fmt: skip
+        topics = [self.topics.joint_states, *self.topics.more_joint_states]
+        if len(set(topics)) != len(topics) or not all(topics):
+            raise ValueError(f"topics.more_joint_states {self.topics.more_joint_states} must name other topics than "
+                             f"topics.joint_states ({self.topics.joint_states!r}), each once")  # fmt: skip
         for name, bound in self.safety.state_bounds.items():
             if len(bound) != 2 or not bound[0] <= bound[1]:
                 raise ValueError(f"safety.state_bounds.{name} must be [low, high] with low <= high, got {bound}")

@@ -5,7 +5,9 @@ Each message is decoded by `robot_bridge.codec` (the decoder `vla-rl convert` us
 data) and checked: shape, encoding, finiteness, a header stamp neither ahead of the node's clock
 (beyond ``safety.future_stamp_tolerance_s``) nor out of order (see `BridgeInputs._accept`), and for
 joint states the plausibility bounds of ``safety.state_bounds``. A rejected message leaves a fault
-on its source (the hold names it) until that source's next good message.
+on its source (the hold names it) until that source's next good message. The state is assembled by
+joint name from every joint state message (`robot_bridge.joint_states`): a source is the set of
+joints a message carries, and each joint goes stale on its own.
 
 Images are paired with the joint state by header stamp when an observation is built (what
 message_filters' approximate synchronizer does): each camera keeps its last ``IMAGE_BUFFER`` images, and
@@ -28,13 +30,16 @@ from typing import Any
 import numpy as np
 
 from robot_bridge import topics
-from robot_bridge.codec import InputRejected, decode_image, joint_state_vector, stamp_seconds
+from robot_bridge.codec import InputRejected, decode_image, stamp_seconds
 from robot_bridge.config import CameraTopic, ServeConfig
 from robot_bridge.diagnostics import BridgeDiagnostics
+from robot_bridge.joint_states import JointStateAssembly, source_name
 from robot_bridge.log_limit import LogLimiter
 from vla_core.types import OBS_STATE, TASK
 
-JOINT_STATES = "joint_states"  # the joint states' source name; a camera's is "camera <name>"
+# The joint states' source name when one message carries every joint the policy reads; a source carrying some of
+# them is named by them (`joint_states.source_name`); a camera's is "camera <name>".
+JOINT_STATES = "joint_states"
 # Images kept per camera for pairing: a camera at 30 Hz and joint states at up to 1 kHz give the closest image
 # within the last 8 (about 0.27 s), longer than any pairing tolerance worth setting.
 IMAGE_BUFFER = 8
@@ -96,8 +101,13 @@ class BridgeInputs:
         self.log_limiter = log_limiter
         self.log_info = log_info
         self.on_joint_state_arrival = on_joint_state
-        self.state: np.ndarray | None = None  # (S,) in state_names order
-        self.state_stamp = None  # builtin_interfaces/Time of that joint state, echoed exactly in the commands
+        # The state assembled by joint name from every joint state message (`robot_bridge.joint_states`).
+        self.joints = JointStateAssembly(config.state_names, config.safety.joint_agreement_tolerance,
+                                         config.safety.pair_tolerance_s)  # fmt: skip
+        self.state: np.ndarray | None = None  # (S,) in state_names order, once every joint has been reported
+        self.state_stamp = None  # builtin_interfaces/Time of the message that last updated it, echoed in the commands
+        self.state_time = -math.inf  # that stamp in seconds: the observation's stamp, what images pair with
+        self.state_arrival = -math.inf  # that message's arrival (monotonic)
         self.arrival: dict[str, float] = {}  # source -> monotonic arrival of its newest accepted message
         self.stamp: dict[str, float] = {}  # source -> header stamp of that message, seconds
         self.images: dict[str, np.ndarray] = {}  # camera -> its newest accepted image, (H, W, 3) uint8
@@ -129,11 +139,10 @@ class BridgeInputs:
         return self.config.image_size or self.policy_image_size
 
     def subscribe(self, node, sensor_qos, command_qos) -> None:
-        """Subscribe ``node`` to the joint states, every camera and the instruction."""
+        """Subscribe ``node`` to the joint states (every topic of them), every camera and the instruction."""
         cfg = self.config
-        node.create_subscription(
-            topics.JOINT_STATES.message_class(), cfg.topics.joint_states, self.on_joint_state, sensor_qos
-        )
+        for topic in [cfg.topics.joint_states, *cfg.topics.more_joint_states]:
+            node.create_subscription(topics.JOINT_STATES.message_class(), topic, self.on_joint_state, sensor_qos)
         for cam in cfg.cameras:
             image_type = topics.camera(cam.name, cam.compressed).message_class()
             node.create_subscription(image_type, cam.topic, lambda msg, c=cam: self.on_image(c, msg), sensor_qos)
@@ -148,20 +157,38 @@ class BridgeInputs:
     # -- callbacks -------------------------------------------------------------------------------
 
     def on_joint_state(self, msg) -> None:
+        """A JointState from any publisher: its joints the policy reads update the assembled state (a message with
+        none of them is ignored). Checked per message, a rejection a fault of its source until its next good one."""
         # The callback's start stands for the arrival: rclpy's EventsExecutor cannot pass MessageInfo
         # (the DDS receive time), and dispatches within tens of microseconds of it.
         arrival = time.monotonic()
-        cfg = self.config
+        cfg, names = self.config, list(msg.name)
+        source = self._joint_source(names)
         try:
-            vector = joint_state_vector(msg, cfg.state_names)
-            check_bounds(vector, cfg.state_names, self.state_low, self.state_high, cfg.safety.state_margin)
-            self._accept(JOINT_STATES, stamp_seconds(msg.header.stamp), arrival)
-            self.state = vector
-            self.state_stamp = msg.header.stamp
+            key, carried, values = self.joints.read(names, msg.position)
+            if not len(carried):
+                return
+            check_bounds(values, [cfg.state_names[i] for i in carried], self.state_low[carried],
+                         self.state_high[carried], cfg.safety.state_margin)  # fmt: skip
+            stamp = stamp_seconds(msg.header.stamp)
+            self._accept(source, stamp, arrival)
+            disagreement = self.joints.disagreement(key, carried, values, stamp)
+            if disagreement:
+                raise InputRejected(disagreement, "disagreement")
+            self.joints.take(key, carried, values, stamp, arrival)
+            if self.joints.complete:
+                self.state = self.joints.values.copy()
+                self.state_stamp, self.state_time, self.state_arrival = msg.header.stamp, stamp, arrival
         except InputRejected as err:
-            self.reject(JOINT_STATES, err)
+            self.reject(source, err)
         if self.on_joint_state_arrival is not None:
             self.on_joint_state_arrival(arrival)
+
+    def _joint_source(self, names: list[str]) -> str:
+        """The source name of a message carrying ``names``: ``joint_states`` when it carries every joint the policy
+        reads (one publisher for the whole robot), else named by the joints it carries."""
+        wanted = self.config.state_names
+        return JOINT_STATES if set(wanted) <= set(names) else source_name(frozenset(names), wanted)
 
     def on_image(self, camera: CameraTopic, msg) -> None:
         arrival = time.monotonic()
@@ -240,15 +267,22 @@ class BridgeInputs:
         return key, "rejected input: " + "; ".join(reason for _, reason in self.faults.values())
 
     def stale(self, now: float) -> list[str]:
-        """The sources with no accepted message in the last ``safety.stale_after_s`` seconds."""
+        """The inputs with nothing accepted in the last ``safety.stale_after_s`` seconds: ``joint_states`` when
+        every joint is, else the joints that are (never reported: missing), then the cameras."""
         limit = self.config.safety.stale_after_s
-        sources = [JOINT_STATES] + [f"camera {c.name}" for c in self.config.cameras]
-        return [s for s in sources if now - self.arrival.get(s, -math.inf) > limit]
+        joints = self.joints.stale(now, limit)
+        out = []
+        if len(joints) == len(self.config.state_names):
+            out.append(JOINT_STATES)
+        elif joints:
+            missing = set(self.joints.missing())
+            out.append(f"{JOINT_STATES} " + " ".join(f"{n} (missing)" if n in missing else n for n in joints))
+        cameras = [f"camera {c.name}" for c in self.config.cameras]
+        return out + [s for s in cameras if now - self.arrival.get(s, -math.inf) > limit]
 
     def _closest(self, camera: str) -> tuple[float, np.ndarray]:
         """(stamp seconds, (H, W, 3) uint8) of the camera's buffered image closest in stamp to the newest joint state."""
-        state_stamp = self.stamp[JOINT_STATES]
-        return min(self.frames[camera], key=lambda frame: abs(frame[0] - state_stamp))
+        return min(self.frames[camera], key=lambda frame: abs(frame[0] - self.state_time))
 
     def paired_image(self, camera: CameraTopic, quiet: bool = False) -> np.ndarray | None:
         """(H, W, 3) uint8: the camera's buffered image closest in stamp to the newest joint state, or None when
@@ -256,7 +290,7 @@ class BridgeInputs:
         and a hold cause once it lasts longer than ``safety.stale_after_s``: :meth:`pairing_problem`). ``quiet``: none
         of that, only the answer (the low-latency part asks every tick; the requests count and say it)."""
         source = f"camera {camera.name}"
-        state_stamp, tolerance = self.stamp[JOINT_STATES], self.config.safety.pair_tolerance_s
+        state_stamp, tolerance = self.state_time, self.config.safety.pair_tolerance_s
         stamp, rgb = self._closest(camera.name)
         if abs(stamp - state_stamp) <= tolerance:
             if not quiet:
@@ -282,7 +316,7 @@ class BridgeInputs:
         tolerance = self.config.safety.pair_tolerance_s
         for source in list(self.unpaired):
             stamp, _ = self._closest(source.removeprefix("camera "))
-            if abs(stamp - self.stamp[JOINT_STATES]) <= tolerance:
+            if abs(stamp - self.state_time) <= tolerance:
                 del self.unpaired[source]
         limit = self.config.safety.stale_after_s
         lasting = sorted((source, why) for source, (since, why) in self.unpaired.items() if now - since > limit)

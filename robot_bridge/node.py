@@ -61,7 +61,7 @@ from robot_bridge.config import ServeConfig, apply_overrides, flat_fields
 from robot_bridge.description import ActionMapping, DescriptionSource, safety_limits
 from robot_bridge.diagnostics import BridgeDiagnostics
 from robot_bridge.hold import Hold, TickBudget
-from robot_bridge.inputs import JOINT_STATES, BridgeInputs
+from robot_bridge.inputs import BridgeInputs
 from robot_bridge.log_limit import LogLimiter
 from robot_bridge.scheduling import lock_memory, quiet_interpreter, use_realtime
 from robot_bridge.trajectory import IKFailure, PlannedTrajectory, TrajectoryPlanner
@@ -313,7 +313,7 @@ class PolicyBridge(Node):
         if self.on_tick is not None:
             record = TickRecord(
                 plan.next_step, scheduled, published, command, cause is None and plan.next_target is not None,
-                self.hold.state, plan.next_is_seam, self.inputs.stamp.get(JOINT_STATES, 0.0),
+                self.hold.state, plan.next_is_seam, self.inputs.state_time if self.inputs.state is not None else 0.0,
             )  # fmt: skip
             self.on_tick(record)
         if plan.next_is_seam:

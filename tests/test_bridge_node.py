@@ -32,7 +32,7 @@ from sensor_msgs.msg import CompressedImage, Image, JointState
 from std_msgs.msg import Bool, String
 from trajectory_msgs.msg import JointTrajectory
 
-from robot_bridge.config import SIM_ACTION_NAMES, SIM_STATE_NAMES, CameraTopic, ServeConfig
+from robot_bridge.config import SIM_ACTION_NAMES, SIM_STATE_NAMES, CameraTopic, ServeConfig, TopicsConfig
 from robot_bridge.node import PolicyBridge
 from vla_core.runtime import ChunkingConfig
 
@@ -266,7 +266,6 @@ def _bad_state(kind):
 @pytest.mark.parametrize(
     "kind, rejection, words",
     [("nan", "not_finite", ["joint_states", "non-finite", "joint1"]),
-     ("missing", "missing_names", ["joint_states", "lacks", "ee_z"]),
      ("length", "wrong_length", ["joint_states", "names", "positions"]),
      ("old", "out_of_order", ["joint_states", "out-of-order"]),
      # Accepted before, after which every valid state was out of order until the clock caught up.
@@ -292,6 +291,90 @@ def test_bad_joint_states_hold_and_recover(ros, kind, rejection, words):
         assert spin_until(executor, lambda: f"rejected_{rejection}" in robot.diagnostics[-1])
         if kind == "old":
             assert bridge.diagnostics.counters["out_of_order"] == bridge.diagnostics.rejections["out_of_order"]
+    finally:
+        bridge.close()
+
+
+def test_a_joint_no_message_carries_any_more_holds_stale_by_name_and_rejects_nothing(ros):
+    """Joint states that stop carrying ee_z (a partial message is a source of the joints it carries, not a bad
+    message): the hold names ee_z as stale, nothing is rejected, and it recovers once ee_z is reported again."""
+    context, executor = ros
+    bridge, robot = make_bridge(context, executor)
+    try:
+        expect_hold_then_recover(executor, bridge, robot, lambda: setattr(robot, "state_override", _bad_state("missing")),
+                                 lambda: setattr(robot, "state_override", None), ["stale", "joint_states ee_z"])  # fmt: skip
+        assert bridge.diagnostics.counters["rejected_messages"] == 0
+    finally:
+        bridge.close()
+
+
+class GripperDriver:
+    """A second driver: publishes gripper_width alone (stamped as the test robot's latest state) at ``hz``, on
+    ``topic``; ``value`` what it reports (the test robot's own is 0.04)."""
+
+    def __init__(self, context, robot, topic="/joint_states", hz=HZ / 2):
+        self.node = rclpy.create_node("gripper_driver", context=context)
+        self.pub = self.node.create_publisher(
+            JointState, topic, QoSProfile(depth=1, reliability=ReliabilityPolicy.BEST_EFFORT)
+        )
+        self.robot, self.value, self.publishing, self.sent = robot, 0.04, True, 0
+        self.node.create_timer(1.0 / hz, self._publish)
+
+    def _publish(self):
+        if self.publishing:
+            msg = JointState(name=["gripper_width"], position=[self.value])
+            msg.header.stamp.sec, msg.header.stamp.nanosec = int(self.robot.stamp), int((self.robot.stamp % 1) * 1e9)
+            self.pub.publish(msg)
+            self.sent += 1
+
+
+def _without_gripper(msg):
+    keep = [i for i, n in enumerate(msg.name) if n != "gripper_width"]
+    msg.name, msg.position = [msg.name[i] for i in keep], [msg.position[i] for i in keep]
+    return msg
+
+
+@pytest.mark.parametrize("topic", ["/joint_states", "/gripper/joint_states"])
+def test_joint_states_from_two_drivers_at_their_own_rates_are_assembled_by_name(ros, topic):
+    """The arm's driver (every joint but gripper_width, at the control rate) and a gripper driver (gripper_width
+    alone, at half of it), on one topic or on a second one (topics.more_joint_states): the policy runs on the
+    assembled state; the gripper driver stopping holds naming gripper_width; it coming back recovers. Before the
+    gripper is first reported the hold names it missing."""
+    context, executor = ros
+    more = [topic] if topic != "/joint_states" else []
+    bridge, robot = make_bridge(context, executor, topics=TopicsConfig(more_joint_states=more))
+    robot.state_override = _without_gripper
+    try:
+        assert spin_until(executor, lambda: bridge.hold.cause and "gripper_width (missing)" in bridge.hold.cause)
+        driver = GripperDriver(context, robot, topic)
+        executor.add_node(driver.node)
+        assert spin_until(executor, lambda: bridge.hold.state == "RUNNING"), bridge.hold.cause
+        assert bridge.inputs.state[SIM_STATE_NAMES.index("gripper_width")] == 0.04
+        assert bridge.diagnostics.counters["rejected_messages"] == 0
+        expect_hold_then_recover(executor, bridge, robot, lambda: setattr(driver, "publishing", False),
+                                 lambda: setattr(driver, "publishing", True), ["stale", "joint_states gripper_width"])  # fmt: skip
+    finally:
+        bridge.close()
+
+
+def test_two_drivers_disagreeing_about_a_joint_is_a_fault_naming_it(ros):
+    """A gripper driver reporting gripper_width 1 cm away from the arm driver's value, at the same stamps: a
+    rejection (``disagreement``) naming the joint and both values; agreeing again recovers."""
+    context, executor = ros
+    bridge, robot = make_bridge(context, executor)
+    driver = GripperDriver(context, robot, hz=HZ)
+    driver.value = 0.05
+    executor.add_node(driver.node)
+    try:
+        assert spin_until(executor, lambda: bridge.diagnostics.rejections.get("disagreement", 0) > 0)
+        assert spin_until(executor, lambda: bridge.hold.state == "HOLDING" and "gripper_width" in bridge.hold.cause)
+        assert (
+            "0.04" in bridge.hold.cause
+            and "0.05" in bridge.hold.cause
+            and "joint_agreement_tolerance" in bridge.hold.cause
+        )
+        driver.value = 0.0405  # within the tolerance (0.01)
+        assert spin_until(executor, lambda: bridge.hold.state == "RUNNING"), bridge.hold.cause
     finally:
         bridge.close()
 

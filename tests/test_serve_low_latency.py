@@ -14,7 +14,7 @@ import torch
 from robot_bridge.chunk_scheduler import ChunkScheduler
 from robot_bridge.config import SIM_ACTION_NAMES, SIM_STATE_NAMES, CameraTopic, ServeConfig
 from robot_bridge.diagnostics import BridgeDiagnostics
-from robot_bridge.inputs import JOINT_STATES, BridgeInputs
+from robot_bridge.inputs import BridgeInputs
 from robot_bridge.log_limit import LogLimiter
 from robot_bridge.low_latency import LowLatencyRunner
 from vla_core.runtime.protocol import StepContext
@@ -61,7 +61,7 @@ def _scheduler(lines: list[str]) -> ChunkScheduler:
     inputs.state = np.zeros(len(SIM_STATE_NAMES))
     image = np.zeros((8, 8, 3), dtype=np.uint8)
     inputs.images["front"], inputs.frames["front"] = image, deque([(0.0, image)])
-    inputs.arrival[JOINT_STATES], inputs.stamp[JOINT_STATES] = 0.0, 0.0
+    inputs.state_arrival, inputs.state_time = 0.0, 0.0  # the state's message: arrived and stamped at 0 s
     return ChunkScheduler(config, _no_slow_policy, inputs, diagnostics, limiter, logger, lambda chunk: None)
 
 
