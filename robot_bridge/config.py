@@ -35,6 +35,7 @@ Reliability = Literal["best_effort", "reliable"]
 Output = Literal["ticks", "trajectory"]
 GripperOpen = Literal["upper", "lower"]  # which of a gripper joint's limits is open (grip 0)
 OtherCommanders = Literal["hold", "warn"]
+Durability = Literal["volatile", "transient_local"]
 
 
 @dataclass
@@ -82,8 +83,14 @@ class TopicsConfig:
 @dataclass
 class QosConfig:
     sensor_reliability: Reliability = "best_effort"  # best_effort or reliable, for joint states and images
+    # volatile or transient_local requested of the joint states and images (transient_local: only from publishers
+    # that offer it)
+    sensor_durability: Durability = "volatile"
     sensor_depth: int = 1  # queue depth of the sensor subscriptions (1 = only the newest matters)
     command_depth: int = 10  # queue depth of the reliable command publishers
+    # volatile or transient_local offered by the command publishers: a controller that requests transient_local
+    # receives nothing from a volatile publisher (transient_local serves both)
+    command_durability: Durability = "volatile"
 
 
 @dataclass
@@ -247,6 +254,8 @@ class ServeConfig:
             "other_commanders": (self.other_commanders, get_args(OtherCommanders)),
             "steer_mode": (self.steer_mode, get_args(SteerMode)),
             "qos.sensor_reliability": (self.qos.sensor_reliability, get_args(Reliability)),
+            "qos.sensor_durability": (self.qos.sensor_durability, get_args(Durability)),
+            "qos.command_durability": (self.qos.command_durability, get_args(Durability)),
         }
         for name, (value, allowed) in choices.items():
             if value not in allowed:

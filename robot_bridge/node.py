@@ -63,6 +63,7 @@ from robot_bridge.diagnostics import BridgeDiagnostics
 from robot_bridge.hold import Hold, TickBudget
 from robot_bridge.inputs import BridgeInputs
 from robot_bridge.log_limit import LogLimiter
+from robot_bridge.qos_check import QosWatch, read_graph
 from robot_bridge.scheduling import lock_memory, quiet_interpreter, use_realtime
 from robot_bridge.trajectory import IKFailure, PlannedTrajectory, TrajectoryPlanner
 from vla_core.renamed import RENAMED, renamed_line
@@ -126,6 +127,7 @@ class PolicyBridge(Node):
         )
         self.robot = DescriptionSource(cfg, self.diagnostics, self.log_limiter, self._on_description)
         self.commanders = self._commander_watch()
+        self.qos_watch = QosWatch([])  # its endpoints read from the node at each check
         self.hold = Hold(cfg, self.period, self.inputs, self.scheduler, self.diagnostics, self.log_limiter, logger,
                          self.robot, self.commanders)  # fmt: skip
         self.planner: TrajectoryPlanner | None = None  # output=trajectory, once the description is known
@@ -179,20 +181,20 @@ class PolicyBridge(Node):
                 overrides[new] = param.value
         apply_overrides(self.config, overrides)
 
-    def _qos(self, sensor: bool) -> QoSProfile:
-        """Sensors: the configured reliability and depth; commands and reports: reliable."""
+    def _qos(self, sensor: bool, command: bool = False) -> QoSProfile:
+        """Sensors: the configured reliability, durability and depth; commands (``command``: the configured
+        durability) and reports: reliable."""
         q = self.config.qos
+        durability = {"volatile": DurabilityPolicy.VOLATILE, "transient_local": DurabilityPolicy.TRANSIENT_LOCAL}
         if sensor:
             reliability = {"best_effort": ReliabilityPolicy.BEST_EFFORT, "reliable": ReliabilityPolicy.RELIABLE}
-            return QoSProfile(
-                history=HistoryPolicy.KEEP_LAST, depth=q.sensor_depth, reliability=reliability[q.sensor_reliability]
-            )
-        return QoSProfile(
-            history=HistoryPolicy.KEEP_LAST, depth=q.command_depth, reliability=ReliabilityPolicy.RELIABLE
-        )
+            return QoSProfile(history=HistoryPolicy.KEEP_LAST, depth=q.sensor_depth,
+                              reliability=reliability[q.sensor_reliability], durability=durability[q.sensor_durability])  # fmt: skip
+        return QoSProfile(history=HistoryPolicy.KEEP_LAST, depth=q.command_depth, reliability=ReliabilityPolicy.RELIABLE,
+                          durability=durability[q.command_durability] if command else DurabilityPolicy.VOLATILE)  # fmt: skip
 
     def _create_publishers(self) -> None:
-        cfg, qos = self.config, self._qos(sensor=False)
+        cfg, qos, report = self.config, self._qos(sensor=False, command=True), self._qos(sensor=False)
         # Dry run: the command topics do not exist at all, so nothing can reach the robot; each output has its own.
         per_tick = cfg.output == "ticks" and not cfg.dry_run
         self._trajectory_pub = (
@@ -213,8 +215,10 @@ class PolicyBridge(Node):
                                                            self.log_limiter)  # fmt: skip
             else:
                 self._arm_pub = self.create_publisher(trajectory_type, cfg.topics.arm_trajectory, qos)
-        self._chunk_pub = self.create_publisher(String, cfg.topics.chunk_info, qos)
-        self._diagnostics_pub = self.create_publisher(topics.DIAGNOSTICS.message_class(), cfg.topics.diagnostics, qos)
+        self._chunk_pub = self.create_publisher(String, cfg.topics.chunk_info, report)
+        self._diagnostics_pub = self.create_publisher(
+            topics.DIAGNOSTICS.message_class(), cfg.topics.diagnostics, report
+        )
         self._period_msg = codec.duration_msg(self.period)
 
     def _commander_watch(self) -> CommanderWatch:
@@ -225,6 +229,29 @@ class PolicyBridge(Node):
             if pub is not None:
                 own[pub.topic_name] = own.get(pub.topic_name, 0) + 1
         return CommanderWatch(Endpoint(self.get_name(), self.get_namespace()), own)
+
+    def _check_qos(self) -> None:
+        """Ask the graph for the QoS of every peer on this node's topics; a change of the mismatches is logged."""
+        cfg = self.config
+        commands = {cfg.topics.joint_trajectory, cfg.topics.command_array, cfg.topics.arm_trajectory,
+                    cfg.topics.gripper_trajectory}  # fmt: skip
+        sensors = {cfg.topics.joint_states, *cfg.topics.more_joint_states, *(c.topic for c in cfg.cameras)}
+
+        def settings(topic: str, direction: str) -> tuple[tuple[str, str], ...]:
+            if topic in commands and direction == "publish":
+                return (("durability", "qos.command_durability"),)
+            if topic in sensors and direction == "subscribe":
+                return ("reliability", "qos.sensor_reliability"), ("durability", "qos.sensor_durability")
+            return ()
+
+        endpoints, peers = read_graph(self, settings)
+        self.qos_watch.endpoints = endpoints
+        if self.qos_watch.update(peers):
+            line = self.qos_watch.describe()
+            if line:
+                self.log_limiter("qos " + line, "warning", f"incompatible QoS, these endpoints never connect: {line}")
+            else:
+                self.log_limiter("qos", "info", "no incompatible QoS on this node's topics any more")
 
     def _check_commanders(self) -> None:
         """Ask the graph who publishes on the command topics; a change is logged once."""
@@ -467,15 +494,19 @@ class PolicyBridge(Node):
             "instruction": self.inputs.instruction,
             "dry_run": str(self.config.dry_run),
             "other_commanders": self.commanders.describe(),
+            "qos_mismatches": self.qos_watch.describe(),
         }
         return self.diagnostics.values(self.hold.state, self.hold.cause, live)
 
     def publish_diagnostics(self) -> None:
         self._check_commanders()
+        self._check_qos()
         stamp = self.get_clock().now().to_msg()
-        warning = f"other commanders: {self.commanders.describe()}" if self.commanders.others else ""
+        warnings = [f"incompatible QoS: {self.qos_watch.describe()}"] if self.qos_watch.problems else []
+        if self.commanders.others and self.config.other_commanders == "warn":
+            warnings.insert(0, f"other commanders: {self.commanders.describe()}")
         msg = self.diagnostics.message(self.hold.state, self.hold.cause, self.status_values(), self.get_name(), stamp,
-                                       warning if self.config.other_commanders == "warn" else "")  # fmt: skip
+                                       "; ".join(warnings))  # fmt: skip
         self._diagnostics_pub.publish(msg)
 
     def close(self) -> None:

@@ -32,7 +32,7 @@ from sensor_msgs.msg import CompressedImage, Image, JointState
 from std_msgs.msg import Bool, String
 from trajectory_msgs.msg import JointTrajectory
 
-from robot_bridge.config import SIM_ACTION_NAMES, SIM_STATE_NAMES, CameraTopic, ServeConfig, TopicsConfig
+from robot_bridge.config import SIM_ACTION_NAMES, SIM_STATE_NAMES, CameraTopic, QosConfig, ServeConfig, TopicsConfig
 from robot_bridge.node import PolicyBridge
 from vla_core.runtime import ChunkingConfig
 
@@ -632,7 +632,7 @@ def test_another_node_on_the_command_topic_holds_until_it_is_gone_and_is_named(r
     intruder = rclpy.create_node("teleop", namespace="/operator", context=context)
     try:
         assert spin_until(executor, lambda: bridge.hold.state == "RUNNING"), bridge.hold.cause
-        assert robot.diagnostics and robot.diagnostics[-1]["other_commanders"] == ""
+        assert spin_until(executor, lambda: robot.diagnostics) and robot.diagnostics[-1]["other_commanders"] == ""
         publisher = intruder.create_publisher(JointTrajectory, "/command/joint_trajectory", 10)
         assert spin_until(executor, lambda: bridge.hold.state == "HOLDING"), bridge.hold.state
         assert "/command/joint_trajectory: /operator/teleop" in bridge.hold.cause
@@ -672,6 +672,48 @@ def test_with_other_commanders_warn_serve_commands_beside_it_and_reports_warn(ro
         assert len({tuple(c[1]) for c in robot.commands[first:]}) > 1  # the ramp policy's commands, not a hold
     finally:
         intruder.destroy_node()
+        bridge.close()
+
+
+def test_a_controller_requesting_transient_local_is_named_with_the_setting_that_reaches_it(ros):
+    """A controller subscribing to the command topic with transient-local durability never connects to a volatile
+    publisher: /diagnostics names the topic, the node, the policy and the setting (WARN), and clears when it goes;
+    with qos.command_durability: transient_local it receives the commands."""
+    from diagnostic_msgs.msg import DiagnosticStatus
+    from rclpy.qos import DurabilityPolicy
+
+    context, executor = ros
+    bridge, robot = make_bridge(context, executor)
+    latched = QoSProfile(depth=10, durability=DurabilityPolicy.TRANSIENT_LOCAL)
+    controller = rclpy.create_node("controller", context=context)
+    received = []
+    try:
+        assert spin_until(executor, lambda: bridge.hold.state == "RUNNING"), bridge.hold.cause
+        subscription = controller.create_subscription(JointTrajectory, "/command/joint_trajectory", received.append,
+                                                      latched)  # fmt: skip
+        executor.add_node(controller)
+        expected = ("/command/joint_trajectory: /controller requests durability transient_local, serve offers "
+                    "volatile (set qos.command_durability: transient_local)")  # fmt: skip
+        assert spin_until(executor, lambda: robot.diagnostics[-1].get("qos_mismatches") == expected)
+        commands = len(robot.commands)
+        assert spin_until(executor, lambda: len(robot.commands) > commands + 10) and received == []
+        controller.destroy_subscription(subscription)
+        assert spin_until(executor, lambda: robot.diagnostics[-1].get("qos_mismatches") == "")
+    finally:
+        controller.destroy_node()
+        bridge.close()
+    bridge, robot = make_bridge(context, executor, qos=QosConfig(command_durability="transient_local"))
+    levels = []
+    robot.node.create_subscription(DiagnosticArray, "/diagnostics", lambda m: levels.append(m.status[0]), 10)
+    controller = rclpy.create_node("controller", context=context)
+    controller.create_subscription(JointTrajectory, "/command/joint_trajectory", received.append, latched)
+    executor.add_node(controller)
+    try:
+        assert spin_until(executor, lambda: len(received) > 10)
+        assert spin_until(executor, lambda: any(d.level == DiagnosticStatus.OK for d in levels))
+        assert all(d.get("qos_mismatches") == "" for d in robot.diagnostics)
+    finally:
+        controller.destroy_node()
         bridge.close()
 
 

@@ -164,6 +164,34 @@ def test_commands_move_the_arm_bad_ones_are_rejected_and_stale_ones_hold(client,
     assert "holding position" in err and "commands resumed" in err
 
 
+def test_a_subscriber_whose_qos_never_connects_is_named_on_the_robots_diagnostics(client, tmp_path):
+    """A node subscribing to the joint states with transient-local durability (the robot publishes volatile):
+    the robot's /diagnostics rises to WARN naming the topic, the node and the policy; gone, it clears."""
+    from diagnostic_msgs.msg import DiagnosticStatus
+    from rclpy.qos import DurabilityPolicy, QoSProfile
+    from sensor_msgs.msg import JointState
+
+    robot = start_command(["sim-robot", "--env.task=reach", "--env.max_episode_steps=1000", "--diagnostics_period_s=0.2"],
+                          DOMAIN_ID, tmp_path, "robot")  # fmt: skip
+    try:
+        client.wait_for_robot()
+        subscription = client.node.create_subscription(
+            JointState,
+            "/joint_states",
+            lambda m: None,
+            QoSProfile(depth=1, durability=DurabilityPolicy.TRANSIENT_LOCAL),
+        )
+        expected = ("/joint_states: /test_client requests durability transient_local, the robot offers volatile (make "
+                    "/test_client request volatile)")  # fmt: skip
+        client.spin_until(lambda: _diagnostic(client, "qos_mismatches") == expected, TIMEOUT, "the QoS mismatch")
+        assert client.diagnostics[-1].level == DiagnosticStatus.WARN and expected in client.diagnostics[-1].message
+        client.node.destroy_subscription(subscription)
+        client.spin_until(lambda: _diagnostic(client, "qos_mismatches") == "", TIMEOUT, "the mismatch cleared")
+    finally:
+        code, _out, err = stop_command(robot, tmp_path, "robot")
+    assert code == STOPPED_BY_SIGINT and "incompatible QoS, these endpoints never connect: /joint_states" in err
+
+
 @pytest.mark.slow
 def test_real_time_mode_keeps_pace(client, tmp_path):
     """Without commands, for 100 control steps (5 s at 20 Hz): simulated time keeps up with the wall clock."""

@@ -261,6 +261,11 @@ class SimRobot:
             node.create_timer(env.control_dt / cfg.realtime_factor, self._control_step)
         node.create_timer(cfg.diagnostics_period_s, self._publish_diagnostics)
         self._idle_since = time.monotonic()
+        from robot_bridge.qos_check import QosWatch
+
+        self.qos_watch = QosWatch(
+            [], own="the robot"
+        )  # peers whose QoS never connects to this robot's topics, asked each report
 
     def _begin_episode(self) -> None:
         """Publish the new episode's instruction and first observation: from now on it runs. A command that
@@ -519,6 +524,18 @@ class SimRobot:
 
         self.instruction_pub.publish(String(data=self.env.task.instruction))
 
+    def _check_qos(self) -> str:
+        """The graph's peers on this robot's topics whose QoS never connects (`robot_bridge.qos_check`), one line;
+        a change is logged. Its own QoS is fixed (reliable, volatile; the instruction transient local): the peer
+        is the one to change."""
+        from robot_bridge.qos_check import read_graph
+
+        endpoints, peers = read_graph(self.node, lambda topic, direction: ())
+        self.qos_watch.endpoints = endpoints
+        if self.qos_watch.update(peers) and self.qos_watch.problems:
+            self.log.warning(f"incompatible QoS, these endpoints never connect: {self.qos_watch.describe()}")
+        return self.qos_watch.describe()
+
     def _publish_diagnostics(self) -> None:
         from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
 
@@ -546,6 +563,9 @@ class SimRobot:
             level, message = DiagnosticStatus.OK, "no command yet; holding position"
         else:
             level, message = DiagnosticStatus.OK, "following commands"
+        mismatches = self._check_qos()
+        if mismatches:  # a peer that never connects: at least WARN, named with its fix
+            level, message = max(level, DiagnosticStatus.WARN), f"{message}; incompatible QoS: {mismatches}"
         values = {
             "command_state": state,
             "commands_received": self.gate.received,
@@ -558,6 +578,7 @@ class SimRobot:
             "realtime_factor": f"{self.realtime_factor():.3f}",
             "step_ms_mean": f"{1e3 * self._step_seconds / max(1, self.tick):.2f}",
             **self._trajectory_report(),
+            "qos_mismatches": mismatches,
         }
         status = DiagnosticStatus(level=level, name=f"{self.cfg.node_name}: commands", message=message,
                                   hardware_id=self.cfg.node_name,
