@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from robot_bridge.scheduling import normal_scheduling, use_normal
+from vla_core.lifetime import exit_with_parent
 from vla_core.runtime.noise import noise_shape
 from vla_core.runtime.protocol import LatencySpec
 from vla_core.types import OBS_IMAGES, OBS_MID, TASK, LatencyAwarePolicy, Policy
@@ -162,10 +163,14 @@ def serve_requests(
     nice: int,
     load_retry_s: float,
     added_latency_s: float = 0.0,
+    parent_pid: int = 0,
 ) -> None:
     """Worker body: load the policy (retrying), then answer requests until a ``None`` request arrives.
+    parent_pid: in a worker process, the node's: the worker ends with it, even if it is killed (0: a thread).
     added_latency_s: an artificial inference delay, a slow model's on a fast machine: slept before each answer,
     or, for a request that waits for its mid-inference observation, in its slow part, before that wait."""
+    if parent_pid:
+        exit_with_parent(parent_pid)
     # A thread started from the real-time control thread inherits its SCHED_FIFO (a process is
     # started without it); inference must never preempt control, so it goes back to normal first.
     use_normal()
@@ -260,7 +265,8 @@ class InferenceWorker:
             raise ValueError(f"inference mode must be process or thread, got {mode!r}")
         self._conn, child = multiprocessing.Pipe()
         # A thread shares the node's process: its niceness would be the control loop's too.
-        args = (child, load_policy, cpu, num_threads, nice if mode == "process" else 0, load_retry_s, added_latency_s)
+        args = (child, load_policy, cpu, num_threads, nice if mode == "process" else 0, load_retry_s, added_latency_s,
+                os.getpid() if mode == "process" else 0)  # fmt: skip
         if mode == "process":
             # spawn, not fork: the parent holds ROS and torch threads that must not be copied mid-flight.
             self._runner = multiprocessing.get_context("spawn").Process(

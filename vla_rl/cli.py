@@ -730,6 +730,9 @@ def _plain_text_help():
 
 
 def main(argv: list[str] | None = None) -> int:
+    from vla_core.lifetime import exit_with_parent_from_environ
+
+    exit_with_parent_from_environ()  # a command another vla-rl process started ends with it (vla_core.lifetime)
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(_overview())

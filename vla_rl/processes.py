@@ -15,6 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from vla_core.lifetime import child_environ
+
 STOPPED_BY_SIGINT = 128 + signal.SIGINT  # the exit code of a `vla-rl` command ended by Ctrl-C
 
 
@@ -31,9 +33,10 @@ def start_command(args: list[str], domain_id: int, log_dir: Path, name: str) -> 
         open(log_dir / f"{name}.out", "w") as out,
         open(log_dir / f"{name}.err", "w") as err,
     ):  # the child keeps its copies
-        return subprocess.Popen(
-            [sys.executable, "-m", "vla_rl.cli", *args], stdout=out, stderr=err, env=ros_environ(domain_id)
-        )
+        return subprocess.Popen(  # ends with this process, even if it is killed (`vla_core.lifetime`)
+            [sys.executable, "-m", "vla_rl.cli", *args], stdout=out, stderr=err,
+            env=child_environ(ros_environ(domain_id)),
+        )  # fmt: skip
 
 
 def stop_command(proc: subprocess.Popen, log_dir: Path, name: str, timeout: float = 20, exits_by_itself: bool = False,
