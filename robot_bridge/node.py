@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -142,6 +143,11 @@ class PolicyBridge(Node):
                 f"reaches the policy; give each a [low, high] under safety.state_bounds in the serve YAML"
             )
         self._create_subscriptions_and_timers()
+        # The graph's answers (other commanders, QoS mismatches) are asked for off the control thread: a query is
+        # about half a millisecond, up to a few on a loaded machine, which a tick must not wait for.
+        self._closing = threading.Event()
+        self._graph_watch = threading.Thread(target=self._watch_graph, name="vla-rl-graph-watch", daemon=True)
+        self._graph_watch.start()
         logger.info(
             f"serving {cfg.checkpoint} at {cfg.control_hz:g} Hz ({cfg.clock} clock), merge={cfg.chunking.merge}, "
             f"{cfg.action_mode} {cfg.action_space} actions {cfg.action_names}" + (", DRY RUN" if cfg.dry_run else "")
@@ -229,6 +235,16 @@ class PolicyBridge(Node):
             if pub is not None:
                 own[pub.topic_name] = own.get(pub.topic_name, 0) + 1
         return CommanderWatch(Endpoint(self.get_name(), self.get_namespace()), own)
+
+    def _watch_graph(self) -> None:
+        """Graph-watch thread: the other commanders and the QoS mismatches, at the diagnostics rate, until close."""
+        while not self._closing.wait(1.0 / self.config.diagnostics_hz):
+            try:
+                self._check_commanders()
+                self._check_qos()
+            except Exception as err:  # noqa: BLE001 (the node's context shut down under it: nothing left to watch)
+                if not self._closing.is_set() and self.context.ok():
+                    self.log_limiter("graph watch", "warning", f"could not read the ROS graph: {err}")
 
     def _check_qos(self) -> None:
         """Ask the graph for the QoS of every peer on this node's topics; a change of the mismatches is logged."""
@@ -499,8 +515,6 @@ class PolicyBridge(Node):
         return self.diagnostics.values(self.hold.state, self.hold.cause, live)
 
     def publish_diagnostics(self) -> None:
-        self._check_commanders()
-        self._check_qos()
         stamp = self.get_clock().now().to_msg()
         warnings = [f"incompatible QoS: {self.qos_watch.describe()}"] if self.qos_watch.problems else []
         if self.commanders.others and self.config.other_commanders == "warn":
@@ -510,6 +524,8 @@ class PolicyBridge(Node):
         self._diagnostics_pub.publish(msg)
 
     def close(self) -> None:
+        self._closing.set()
+        self._graph_watch.join(timeout=5.0)
         self.scheduler.close()
         self.destroy_node()
 
