@@ -88,16 +88,18 @@ def test_submit_returns_at_once_while_the_worker_cannot_read_a_request_larger_th
 
 
 def test_close_ends_both_threads_in_either_mode():
-    """Process mode is the default: the node must not keep a thread reading a pipe whose worker is gone."""
+    """Process mode is the default: the node must not keep a thread reading a pipe whose worker is gone. The
+    closing protocol, not the machine's speed: with a join timeout no load reaches, the worker ends on the closing
+    message (a process exits 0, where one close had to terminate would exit -15) and both threads are gone."""
     for mode in ("thread", "process"):
         worker = InferenceWorker(partial(ramp_policy, 8, True), mode=mode)
         statuses, deadline = [], time.monotonic() + 60
         while "ready" not in statuses and time.monotonic() < deadline:  # a process's start-up is not close's time
             statuses += [m.state for m in worker.poll()]
             time.sleep(0.01)
-        start = time.monotonic()
-        worker.close()
-        assert time.monotonic() - start < 4.0, mode  # below close's 5 s join timeout: the threads ended, not waited
+        worker.close(timeout=600.0)
+        if mode == "process":
+            assert worker._runner.exitcode == 0, worker._runner.exitcode  # ended by the closing message itself
         assert not (worker._receiver.is_alive() or worker._sender.is_alive() or worker.alive()), mode
 
 
