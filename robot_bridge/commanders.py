@@ -59,8 +59,9 @@ class CommanderWatch:
     def problem(self) -> tuple[str, str] | None:
         """(key, text) for the hold while another node commands, None while serve is the only commander. The key
         names the topics and nodes, so a change of who commands is a new cause."""
-        if not self.others:
+        others = self.others  # read once: the graph-watch thread replaces it
+        if not others:
             return None
-        line = self.describe()
+        line = "; ".join(f"{topic}: {', '.join(nodes)}" for topic, nodes in sorted(others.items()))
         text = f"another node publishes on a command topic ({line}): stop it, or set other_commanders: warn to command"
         return f"other commanders {line}", text + " beside it"

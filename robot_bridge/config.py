@@ -114,8 +114,8 @@ class SafetyConfig:
     # and none further apart than this (seconds); else no request goes out (unpaired_observations), and a camera
     # unpaired longer than stale_after_s holds the robot.
     pair_tolerance_s: float = 0.1
-    # One joint reported by two sources (two messages of different joint sets) at stamps within pair_tolerance_s of
-    # each other, with values further apart than this (rad or m), is a fault: two drivers disagree.
+    # One joint reported by two sources (two messages of different joint sets) at stamps within 5 ms of each other,
+    # with values further apart than this (rad or m), is a fault: two drivers disagree.
     joint_agreement_tolerance: float = 0.01
     # [low, high] per JointState entry (by name): a state outside [low - state_margin, high +
     # state_margin] is a sensor fault and is rejected (hold) before it reaches the policy. Names not

@@ -102,12 +102,13 @@ class BridgeInputs:
         self.log_info = log_info
         self.on_joint_state_arrival = on_joint_state
         # The state assembled by joint name from every joint state message (`robot_bridge.joint_states`).
-        self.joints = JointStateAssembly(config.state_names, config.safety.joint_agreement_tolerance,
-                                         config.safety.pair_tolerance_s)  # fmt: skip
+        self.joints = JointStateAssembly(config.state_names, config.safety.joint_agreement_tolerance)
         self.state: np.ndarray | None = None  # (S,) in state_names order, once every joint has been reported
         self.state_stamp = None  # builtin_interfaces/Time of the message that last updated it, echoed in the commands
         self.state_time = -math.inf  # that stamp in seconds: the observation's stamp, what images pair with
         self.state_arrival = -math.inf  # that message's arrival (monotonic)
+        self._joint_sources: dict[frozenset[str], str] = {}  # a joint state source (its set of names) -> its name
+        self.joint_source_seen: dict[str, float] = {}  # a joint state source -> its last message's arrival, any
         self.arrival: dict[str, float] = {}  # source -> monotonic arrival of its newest accepted message
         self.stamp: dict[str, float] = {}  # source -> header stamp of that message, seconds
         self.images: dict[str, np.ndarray] = {}  # camera -> its newest accepted image, (H, W, 3) uint8
@@ -163,7 +164,8 @@ class BridgeInputs:
         # (the DDS receive time), and dispatches within tens of microseconds of it.
         arrival = time.monotonic()
         cfg, names = self.config, list(msg.name)
-        source = self._joint_source(names)
+        source = self._joint_source(frozenset(names))
+        self.joint_source_seen[source] = arrival
         try:
             key, carried, values = self.joints.read(names, msg.position)
             if not len(carried):
@@ -175,20 +177,31 @@ class BridgeInputs:
             disagreement = self.joints.disagreement(key, carried, values, stamp)
             if disagreement:
                 raise InputRejected(disagreement, "disagreement")
-            self.joints.take(key, carried, values, stamp, arrival)
+            if not self.joints.take(key, carried, values, stamp, arrival):
+                return  # every joint it carries was reported newer by another source
             if self.joints.complete:
                 self.state = self.joints.values.copy()
-                self.state_stamp, self.state_time, self.state_arrival = msg.header.stamp, stamp, arrival
+                if stamp >= self.state_time:  # the observation's stamp never goes back (another source's lag)
+                    self.state_stamp, self.state_time = msg.header.stamp, stamp
+                self.state_arrival = arrival
         except InputRejected as err:
             self.reject(source, err)
         if self.on_joint_state_arrival is not None:
             self.on_joint_state_arrival(arrival)
 
-    def _joint_source(self, names: list[str]) -> str:
-        """The source name of a message carrying ``names``: ``joint_states`` when it carries every joint the policy
-        reads (one publisher for the whole robot), else named by the joints it carries."""
-        wanted = self.config.state_names
-        return JOINT_STATES if set(wanted) <= set(names) else source_name(frozenset(names), wanted)
+    def _joint_source(self, names: frozenset[str]) -> str:
+        """The name of the source whose messages carry ``names``, one per set of names: ``joint_states`` for the
+        first that carries every joint the policy reads (one publisher for the whole robot), else named by the joints
+        it carries, numbered where two sets would read alike."""
+        if names not in self._joint_sources:
+            wanted = self.config.state_names
+            name = JOINT_STATES if set(wanted) <= names else source_name(names, wanted)
+            taken = set(self._joint_sources.values())
+            unique, n = name, 2
+            while unique in taken:
+                unique, n = f"{name} #{n}", n + 1
+            self._joint_sources[names] = unique
+        return self._joint_sources[names]
 
     def on_image(self, camera: CameraTopic, msg) -> None:
         arrival = time.monotonic()
@@ -260,7 +273,13 @@ class BridgeInputs:
         self.diagnostics.last_error = reason
 
     def fault(self) -> tuple[str, str] | None:
-        """(key, text) naming every source whose last message was rejected, or None."""
+        """(key, text) naming every source whose last message was rejected, or None. A joint state source silent for
+        ``safety.stale_after_s`` leaves its fault behind (a driver stopped after its values disagreed: the state goes
+        on from the others, or goes stale by joint)."""
+        now = time.monotonic()
+        for source, seen in list(self.joint_source_seen.items()):
+            if now - seen > self.config.safety.stale_after_s:
+                self.faults.pop(source, None)
         if not self.faults:
             return None
         key = "rejected " + ", ".join(f"{source} {kind}" for source, (kind, _) in sorted(self.faults.items()))

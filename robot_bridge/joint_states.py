@@ -6,8 +6,9 @@ its message's stamp and arrival; the state is complete once every joint has one,
 own. A message is one source's: a source is the set of joint names it carries (rclpy's EventsExecutor passes no
 publisher identity, and a driver publishes the same names every time), and its stamps must not go backwards.
 Names the policy does not read are ignored. One joint reported by two sources with values further apart than
-``agreement_tolerance`` at stamps within ``pair_tolerance_s`` of each other is a fault: two drivers disagree
-about where the robot is. No ROS import here.
+``agreement_tolerance`` at stamps within ``AGREEMENT_WINDOW_S`` of each other is a fault: two drivers disagree
+about where the robot is. A joint is never moved back in time: a source's value older than another's is not
+taken. No ROS import here.
 """
 
 from __future__ import annotations
@@ -17,6 +18,10 @@ import math
 import numpy as np
 
 from robot_bridge.codec import InputRejected
+
+# Two sources' values of one joint are compared only when their stamps are this close (seconds): the same instant,
+# where a moving joint has not moved (1 rad/s: 5 mrad, under the default tolerance of 10).
+AGREEMENT_WINDOW_S = 0.005
 
 
 def source_name(names: frozenset[str] | list[str], wanted: list[str]) -> str:
@@ -29,10 +34,10 @@ def source_name(names: frozenset[str] | list[str], wanted: list[str]) -> str:
 class JointStateAssembly:
     """The newest value, stamp (s) and arrival (monotonic s) of each joint in ``wanted`` (the state's order)."""
 
-    def __init__(self, wanted: list[str], agreement_tolerance: float, pair_tolerance_s: float):
+    def __init__(self, wanted: list[str], agreement_tolerance: float, agreement_window_s: float = AGREEMENT_WINDOW_S):
         self.wanted = list(wanted)
         self.index = {n: i for i, n in enumerate(self.wanted)}
-        self.agreement_tolerance, self.pair_tolerance_s = agreement_tolerance, pair_tolerance_s
+        self.agreement_tolerance, self.agreement_window_s = agreement_tolerance, agreement_window_s
         self.values = np.full(len(self.wanted), np.nan)
         self.stamps = np.full(len(self.wanted), -math.inf)
         self.arrivals = np.full(len(self.wanted), -math.inf)
@@ -57,7 +62,7 @@ class JointStateAssembly:
         """Why this message disagrees with another source about a joint both report (near in stamp), or ""."""
         for i, value in zip(indices.tolist(), values.tolist()):
             owner = self.owners[i]
-            if owner is None or owner == source or abs(stamp - self.stamps[i]) > self.pair_tolerance_s:
+            if owner is None or owner == source or abs(stamp - self.stamps[i]) > self.agreement_window_s:
                 continue
             if abs(value - self.values[i]) > self.agreement_tolerance:
                 return (f"{self.wanted[i]} is {self.values[i]:g} from {source_name(owner, self.wanted)} and {value:g} "
@@ -65,13 +70,21 @@ class JointStateAssembly:
                         f"drivers report it; remove one, or raise safety.joint_agreement_tolerance")  # fmt: skip
         return ""
 
-    def take(self, source: frozenset[str], indices: np.ndarray, values: np.ndarray, stamp: float, arrival: float):
-        """Record a checked message's joints."""
+    def take(
+        self, source: frozenset[str], indices: np.ndarray, values: np.ndarray, stamp: float, arrival: float
+    ) -> bool:
+        """Record a checked message's joints, each unless another source reported it at a newer stamp (a lagging
+        driver never moves a joint back in time); whether any was taken."""
+        newer = [
+            k for k, i in enumerate(indices.tolist()) if self.owners[i] in (None, source) or stamp >= self.stamps[i]
+        ]
+        indices, values = indices[newer], values[newer]
         self.values[indices] = values
         self.stamps[indices] = stamp
         self.arrivals[indices] = arrival
         for i in indices.tolist():
             self.owners[i] = source
+        return bool(newer)
 
     @property
     def complete(self) -> bool:

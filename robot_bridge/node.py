@@ -191,13 +191,16 @@ class PolicyBridge(Node):
         """Sensors: the configured reliability, durability and depth; commands (``command``: the configured
         durability) and reports: reliable."""
         q = self.config.qos
-        durability = {"volatile": DurabilityPolicy.VOLATILE, "transient_local": DurabilityPolicy.TRANSIENT_LOCAL}
         if sensor:
+            durability = {"volatile": DurabilityPolicy.VOLATILE, "transient_local": DurabilityPolicy.TRANSIENT_LOCAL}
             reliability = {"best_effort": ReliabilityPolicy.BEST_EFFORT, "reliable": ReliabilityPolicy.RELIABLE}
             return QoSProfile(history=HistoryPolicy.KEEP_LAST, depth=q.sensor_depth,
                               reliability=reliability[q.sensor_reliability], durability=durability[q.sensor_durability])  # fmt: skip
-        return QoSProfile(history=HistoryPolicy.KEEP_LAST, depth=q.command_depth, reliability=ReliabilityPolicy.RELIABLE,
-                          durability=durability[q.command_durability] if command else DurabilityPolicy.VOLATILE)  # fmt: skip
+        latched = command and q.command_durability == "transient_local"
+        # Latched commands keep only the last: a controller that (re)starts must not be replayed a queue of old ones.
+        return QoSProfile(history=HistoryPolicy.KEEP_LAST, depth=1 if latched else q.command_depth,
+                          reliability=ReliabilityPolicy.RELIABLE,
+                          durability=DurabilityPolicy.TRANSIENT_LOCAL if latched else DurabilityPolicy.VOLATILE)  # fmt: skip
 
     def _create_publishers(self) -> None:
         cfg, qos, report = self.config, self._qos(sensor=False, command=True), self._qos(sensor=False)
@@ -238,20 +241,23 @@ class PolicyBridge(Node):
 
     def _watch_graph(self) -> None:
         """Graph-watch thread: the other commanders and the QoS mismatches, at the diagnostics rate, until close."""
-        while not self._closing.wait(1.0 / self.config.diagnostics_hz):
+        while not self._closing.is_set():
             try:
                 self._check_commanders()
                 self._check_qos()
             except Exception as err:  # noqa: BLE001 (the node's context shut down under it: nothing left to watch)
                 if not self._closing.is_set() and self.context.ok():
                     self.log_limiter("graph watch", "warning", f"could not read the ROS graph: {err}")
+            self._closing.wait(1.0 / self.config.diagnostics_hz)
 
     def _check_qos(self) -> None:
         """Ask the graph for the QoS of every peer on this node's topics; a change of the mismatches is logged."""
         cfg = self.config
-        commands = {cfg.topics.joint_trajectory, cfg.topics.command_array, cfg.topics.arm_trajectory,
-                    cfg.topics.gripper_trajectory}  # fmt: skip
-        sensors = {cfg.topics.joint_states, *cfg.topics.more_joint_states, *(c.topic for c in cfg.cameras)}
+        resolve = self.resolve_topic_name  # the graph names topics resolved (namespace, remaps)
+        commands = {resolve(t) for t in (cfg.topics.joint_trajectory, cfg.topics.command_array, cfg.topics.arm_trajectory,
+                                         cfg.topics.gripper_trajectory)}  # fmt: skip
+        sensors = {resolve(t) for t in (cfg.topics.joint_states, *cfg.topics.more_joint_states,
+                                         *(c.topic for c in cfg.cameras))}  # fmt: skip
 
         def settings(topic: str, direction: str) -> tuple[tuple[str, str], ...]:
             if topic in commands and direction == "publish":

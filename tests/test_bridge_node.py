@@ -359,7 +359,8 @@ def test_joint_states_from_two_drivers_at_their_own_rates_are_assembled_by_name(
 
 def test_two_drivers_disagreeing_about_a_joint_is_a_fault_naming_it(ros):
     """A gripper driver reporting gripper_width 1 cm away from the arm driver's value, at the same stamps: a
-    rejection (``disagreement``) naming the joint and both values; agreeing again recovers."""
+    rejection (``disagreement``) naming the joint and both values; the driver stopping recovers (its fault expires),
+    and so does its agreeing again."""
     context, executor = ros
     bridge, robot = make_bridge(context, executor)
     driver = GripperDriver(context, robot, hz=HZ)
@@ -373,6 +374,10 @@ def test_two_drivers_disagreeing_about_a_joint_is_a_fault_naming_it(ros):
             and "0.05" in bridge.hold.cause
             and "joint_agreement_tolerance" in bridge.hold.cause
         )
+        driver.publishing = False  # the user removed the driver the fault named
+        assert spin_until(executor, lambda: bridge.hold.state == "RUNNING"), bridge.hold.cause
+        driver.publishing = True
+        assert spin_until(executor, lambda: bridge.hold.state == "HOLDING" and "gripper_width" in bridge.hold.cause)
         driver.value = 0.0405  # within the tolerance (0.01)
         assert spin_until(executor, lambda: bridge.hold.state == "RUNNING"), bridge.hold.cause
     finally:
@@ -694,11 +699,13 @@ def test_a_controller_requesting_transient_local_is_named_with_the_setting_that_
         executor.add_node(controller)
         expected = ("/command/joint_trajectory: /controller requests durability transient_local, serve offers "
                     "volatile (set qos.command_durability: transient_local)")  # fmt: skip
-        assert spin_until(executor, lambda: robot.diagnostics[-1].get("qos_mismatches") == expected)
+        assert spin_until(
+            executor, lambda: robot.diagnostics and robot.diagnostics[-1].get("qos_mismatches") == expected
+        )
         commands = len(robot.commands)
         assert spin_until(executor, lambda: len(robot.commands) > commands + 10) and received == []
         controller.destroy_subscription(subscription)
-        assert spin_until(executor, lambda: robot.diagnostics[-1].get("qos_mismatches") == "")
+        assert spin_until(executor, lambda: robot.diagnostics[-1].get("qos_mismatches") == ""), robot.diagnostics[-1]
     finally:
         controller.destroy_node()
         bridge.close()

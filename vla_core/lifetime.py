@@ -22,9 +22,14 @@ import time
 PARENT_ENV = "VLA_RL_PARENT_PID"  # set by a parent for a `vla-rl` command it starts: its own pid
 
 
-def exit_with_parent(parent_pid: int, poll_s: float = 0.2, grace_s: float = 3.0) -> threading.Thread:
+def exit_with_parent(parent_pid: int, poll_s: float = 0.2, grace_s: float = 15.0) -> threading.Thread | None:
     """Watch ``parent_pid`` from a daemon thread; when this process is no longer its child, SIGTERM to self, and
-    ``os._exit(1)`` after ``grace_s`` if that did not end it. Returns the thread (started)."""
+    ``os._exit(1)`` after ``grace_s`` (longer than a command's own shutdown) if that did not end it. Returns the
+    thread (started); None, watching nothing, when ``parent_pid`` runs but is not this process's parent (a
+    forkserver's child, say): no process is ended for a parent it never had. A parent already gone when the watch
+    starts (killed while this process was still importing) ends it at once."""
+    if os.getppid() != parent_pid and _running(parent_pid):
+        return None
 
     def watch() -> None:
         while os.getppid() == parent_pid:
@@ -38,6 +43,21 @@ def exit_with_parent(parent_pid: int, poll_s: float = 0.2, grace_s: float = 3.0)
     return thread
 
 
+def _running(pid: int) -> bool:
+    """Whether ``pid`` runs: it exists and is not a zombie (a killed process its own parent has not reaped yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: existence alone
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+
 def child_environ(environ: dict[str, str] | None = None) -> dict[str, str]:
     """``environ`` (this process's by default) with ``VLA_RL_PARENT_PID`` set to this process: a `vla-rl` command
     started with it ends when this process does."""
@@ -45,9 +65,7 @@ def child_environ(environ: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def exit_with_parent_from_environ() -> threading.Thread | None:
-    """`exit_with_parent` for the parent named in ``VLA_RL_PARENT_PID``, when it is set (and this process is its
-    child: a variable inherited by a grandchild names its grandparent, and is ignored)."""
+    """`exit_with_parent` for the parent named in ``VLA_RL_PARENT_PID``, when it is set (a variable inherited by a
+    grandchild names its running grandparent, and is ignored there)."""
     value = os.environ.get(PARENT_ENV, "")
-    if not value.isdigit() or int(value) != os.getppid():
-        return None
-    return exit_with_parent(int(value))
+    return exit_with_parent(int(value)) if value.isdigit() else None

@@ -530,7 +530,10 @@ class SimRobot:
         is the one to change."""
         from robot_bridge.qos_check import read_graph
 
-        endpoints, peers = read_graph(self.node, lambda topic, direction: ())
+        try:
+            endpoints, peers = read_graph(self.node, lambda topic, direction: ())
+        except Exception as err:  # noqa: BLE001 (a graph query that fails must not stop the robot)
+            return f"the ROS graph could not be read: {err}"
         self.qos_watch.endpoints = endpoints
         if self.qos_watch.update(peers) and self.qos_watch.problems:
             self.log.warning(f"incompatible QoS, these endpoints never connect: {self.qos_watch.describe()}")
