@@ -26,7 +26,7 @@ from robot_bridge.chunk_scheduler import ChunkScheduler
 from robot_bridge.config import SIM_ACTION_NAMES, SIM_STATE_NAMES, CameraTopic, ServeConfig
 from robot_bridge.diagnostics import BridgeDiagnostics
 from robot_bridge.inference import InferenceResult, WorkerStatus
-from robot_bridge.inputs import JOINT_STATES, BridgeInputs
+from robot_bridge.inputs import BridgeInputs
 from robot_bridge.log_limit import LogLimiter
 from robot_bridge.policy_health import fit_protocol
 from vla_core.runtime import ChunkingConfig, DelayConfig, request_noise
@@ -229,7 +229,7 @@ def run_bridge(merge: str, latency_log: str, latency_aware: bool = False, episod
     inputs.state = np.zeros(len(SIM_STATE_NAMES))
     image = np.zeros((8, 8, 3), dtype=np.uint8)
     inputs.images["front"], inputs.frames["front"] = image, deque([(0.0, image)])
-    inputs.arrival[JOINT_STATES], inputs.stamp[JOINT_STATES] = 0.0, 0.0
+    inputs.state_arrival, inputs.state_time = 0.0, 0.0  # the state's message: arrived and stamped at 0 s
     chunks: list[dict] = []
     scheduler = ChunkScheduler(config, lambda: policy, inputs, diagnostics, limiter, logger, chunks.append)
     clock = Clock()
@@ -248,7 +248,7 @@ def run_bridge(merge: str, latency_log: str, latency_aware: bool = False, episod
         for tick in range(STEPS + low_latency):
             clock.now = tick * DT
             inputs.state[0] = tick  # the joint state the robot reads at this tick: the step it is of
-            inputs.stamp[JOINT_STATES] = tick * DT
+            inputs.state_time = tick * DT
             inputs.frames["front"].append((tick * DT, image))  # the camera's frame of the same instant
             if tick in (episode_ends or {}):
                 inputs.ended_episode = (episode_ends[tick], (tick - 0.5) * DT)
