@@ -559,6 +559,7 @@ class BenchRobot:
         self.counting = False  # whether ticks, starvation and chunk margins are counted (the measured cycles)
         self.ticks = self.starved_ticks = 0
         self.chunk_margins_ms: list[float] = []  # per chunk: its first point's time minus its arrival
+        self.chunk_first_points_ns: list[tuple[int, int]] = []  # per chunk: (its start stamp, its first point's time)
         # per chunk: its arrival minus its DDS source timestamp (taken when serve wrote it): a late chunk's
         # lateness is then placed in the transport (this) or before it (the rest of its margin)
         self.chunk_transits_ms: list[float] = []
@@ -584,6 +585,7 @@ class BenchRobot:
         arrival = info["received_timestamp"]
         start, times, positions = trajectory_points(msg, JOINTS)
         if self.counting and len(times) > 1:
+            self.chunk_first_points_ns.append((start, int(times[0])))
             self.chunk_margins_ms.append((start + int(times[0]) - arrival) / 1e6)
             self.chunk_transits_ms.append((arrival - info["source_timestamp"]) / 1e6)
         with self.follower_lock:
@@ -601,7 +603,7 @@ class BenchRobot:
 
     def start_counting(self) -> None:
         self.ticks = self.starved_ticks = 0
-        self.chunk_margins_ms, self.chunk_transits_ms = [], []
+        self.chunk_margins_ms, self.chunk_transits_ms, self.chunk_first_points_ns = [], [], []
         self.counting = True
 
     def _on_pong(self, msg, info) -> None:
@@ -784,9 +786,16 @@ def _run_one(cfg, executor, robot: BenchRobot, rate: float, merge: MergeMode, ou
            "scheduling": serve_result["scheduling"]}  # fmt: skip
     if output == "trajectory":
         margins, transits = robot.chunk_margins_ms, robot.chunk_transits_ms
+        # The lead's arithmetic, no clock in it: a chunk merged at the tick of the state stamped s starts at s + (1 + L)
+        # periods (the tick of step n + 1 + L) with its first point one period later.
+        period_ns, lead = round(1e9 / rate), lead_steps(cfg, rate, output)
+        states = np.array(sorted(sent), dtype=np.int64)
+        on_seam = sum(abs(first - period_ns) <= 1_000 and states.size > 0
+                      and np.abs(states - (start - (1 + lead) * period_ns)).min() <= 1_000
+                      for start, first in robot.chunk_first_points_ns)  # fmt: skip
         late = [{"margin_ms": round(m, 3), "transit_ms": round(t, 3)} for m, t in zip(margins, transits) if m < 0]
         return {**row, "ticks": robot.ticks, "starved_ticks": robot.starved_ticks,
-                "chunks_received": len(margins), "late_chunks": len(late),
+                "chunks_received": len(margins), "late_chunks": len(late), "chunks_on_their_seam": int(on_seam),
                 "chunk_margin_ms": {"min": round(min(margins), 4) if margins else float("nan"),
                                     **_quantiles(margins, qs=(1, 50))},
                 "chunk_transit_ms": _quantiles(transits), "late_chunk_details": late}, ping  # fmt: skip

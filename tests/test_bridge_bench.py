@@ -278,10 +278,10 @@ def test_bench_bridge_tiny_run(tmp_path):
     assert len(sizing["inference_latencies_ms"]) >= 3 and len(sizing["warm_up_latencies_ms"]) >= 2
     p99_s = float(np.percentile(sizing["inference_latencies_ms"], 99)) / 1e3
     assert result["horizon"] == sizing["horizon"] == math.ceil(2 * 1.5 * p99_s * 100) + 50 + 10
-    # Each chunk's first point is 50 steps (0.5 s) past the step after its merge: its margin is at most 52 periods
-    # (520 ms) less the time from the state's send to its arrival, where without the lead it was under two periods
-    # (20 ms). A stall on this loaded machine can eat a few hundred ms of one chunk's, so the largest is checked.
-    assert 100 < trajectory["chunk_margin_ms"]["max"] < 520
+    # The lead's arithmetic, exactly and without timing: every chunk starts (1 + 50) periods after the stamp of the
+    # state whose tick merged it (the tick of step n + 1 + L), its first point one period later. (The margin this
+    # leaves is a timing figure, the benchmark's to report.)
+    assert trajectory["chunks_on_their_seam"] == trajectory["chunks_received"] >= 1
     assert sizing["sizing_run_horizon"] == 2 * sizing["provisional_horizon"]
     # Scheduling as the calls return it for this user on this machine, asked in a process of its own.
     probe = (
