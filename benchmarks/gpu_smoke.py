@@ -117,7 +117,9 @@ def check_policy_on_gpu(device) -> dict:
     return {"max_gap_to_cpu": gaps}
 
 
-def check_shell_on_gpu(device) -> dict:
+def check_shell_on_gpu(device, num_envs: int = 64) -> dict:
+    """The latency shell over MuJoCo Warp worlds on ``device``: every world holds its arm for 30 steps (an
+    episode each, ended by truncation), the shell's tensors on the device."""
 
     try:
         import mujoco_warp  # noqa: F401
@@ -129,19 +131,21 @@ def check_shell_on_gpu(device) -> dict:
     from vla_core.runtime.delayed_env import DelayedChunkEnv
     from vla_core.types import ActionChunk
 
-    with make_env(EnvConfig(task="reach", backend="warp", device=str(device), num_envs=64, cameras=[],
+    with make_env(EnvConfig(task="reach", backend="warp", device=str(device), num_envs=num_envs, cameras=[],
                             max_episode_steps=30)) as env:  # fmt: skip
         spec = LatencySpec(horizon=8, n_action_steps=4)
         shell = DelayedChunkEnv(env, spec, ChunkingConfig(), DelayModel(DelayConfig(kind="uniform", high=3)))
         shell.reset(seed=0)
         ended, start = 0, time.perf_counter()
         hold = env.hold_actions()
-        while ended < 64:
+        steps = 0
+        while ended < num_envs:
             chunk = ActionChunk(hold[:, None].expand(-1, 8, -1).contiguous(), shell.obs_step)
             _, _, terminated, truncated, info, need = shell.step(chunk)
             assert need.device.type == device.type and info["trace"].source.device.type == device.type
             ended += int((terminated | truncated).sum())
-    return {"episodes": ended, "seconds": round(time.perf_counter() - start, 2)}
+            steps += 1
+    return {"episodes": ended, "steps": steps, "seconds": round(time.perf_counter() - start, 2)}
 
 
 def check_ray_worker_on_gpu(device) -> dict:

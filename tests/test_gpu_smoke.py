@@ -25,6 +25,14 @@ def test_the_checks_pass_on_the_cpu():
     assert 1 <= tokens["tokens_per_chunk"] <= 8 * 2 + 1 and tokens["peak_mib"] is None
 
 
+def test_the_latency_shell_check_runs_warp_worlds_to_their_ends_on_the_cpu():
+    """MuJoCo Warp runs on the CPU too, so the shell check is exercised here, against what the protocol implies
+    independently of the code: 4 worlds held still for 30-step episodes all end by truncation, after one decision
+    per 4 executed steps, ceil(30 / 4) = 8 of them."""
+    assert {k: v for k, v in gpu_smoke.check_shell_on_gpu(torch.device("cpu"), num_envs=4).items() if k != "seconds"} == {
+        "episodes": 4, "steps": 8}  # fmt: skip
+
+
 def test_without_cuda_the_script_says_so(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert gpu_smoke.main(["--out", str(tmp_path / "out.json")]) == 2
