@@ -105,3 +105,26 @@ def test_in_memory_demos_match_lerobot_frames(tiny_dataset):
     assert batch["action_is_pad"][0].tolist() == [False, False, False, True, True, True]
     torch.testing.assert_close(batch["action"][0, 3:], demos.action[end - 1].expand(3, -1))
     torch.testing.assert_close(batch["action"][0, :3], demos.action[end - 3 : end])
+
+
+def test_the_true_state_is_recorded_as_environment_state_at_each_observations_moment(tmp_path):
+    """``environment_state=true`` on ``track``: LeRobot's observation.environment_state holds the ball's position
+    and velocity, named per axis. Checked against the task's physics, not the recorder: the ball (undamped,
+    colliding with nothing) keeps one velocity along y, at a speed in the task's range, and moves by velocity x
+    the 50 ms control period from each frame to the next. Two tasks of other entries are refused in one line."""
+    summary = record(RecordConfig(env=EnvConfig(task="track", num_envs=2, cameras=[]), num_episodes=2,
+                                  output_dir=str(tmp_path / "ds"), environment_state=True))  # fmt: skip
+    ds = LeRobotDataset("local/x", root=summary["dataset"])
+    feature = ds.meta.features["observation.environment_state"]
+    assert feature["names"] == ["target_x", "target_y", "target_z", "target_vel_x", "target_vel_y", "target_vel_z"]
+    frames = ds.hf_dataset.with_format("numpy")[:]
+    state, episode = np.stack(frames["observation.environment_state"]), np.asarray(frames["episode_index"])
+    for e in np.unique(episode):
+        ball = state[episode == e]
+        assert np.allclose(ball[:, 3:], ball[0, 3:], atol=1e-6) and ball[0, 3] == ball[0, 5] == 0.0
+        assert 0.08 <= abs(ball[0, 4]) <= 0.12
+        assert np.allclose(np.diff(ball[:, :3], axis=0), ball[:-1, 3:] * 0.05, atol=1e-5)
+    with pytest.raises(ValueError, match="other privileged entries"):
+        record(RecordConfig(env=EnvConfig(num_envs=2, cameras=[]), tasks=["track", "lift"], num_episodes=1,
+                            output_dir=str(tmp_path / "two"), environment_state=True))  # fmt: skip
+    assert not (tmp_path / "two").exists()

@@ -41,11 +41,37 @@ class RecordConfig:
     # the expert varied per episode within the workspace (`sim.tasks.variety`: approach detours, pace,
     # noise); the defaults record the expert as written. Kept in meta/vla_rl_record.json's config.
     variety: ExpertVariety = field(default_factory=ExpertVariety)
+    # Also record the task's true state (the object's position, the ball's velocity: what its scripted expert reads)
+    # as LeRobot's observation.environment_state, each frame's from the moment of its observation: labels for an
+    # auxiliary objective or a probe. Every task recorded must have the same privileged entries.
+    environment_state: bool = False
 
 
-def dataset_features(env) -> dict:
-    """The dataset's features: the env's own (`vla_core.types.BatchedEnv.features`), then each frame's reward and success."""
+ENVIRONMENT_STATE = "observation.environment_state"  # LeRobot's feature for a simulation's true state
+
+
+def environment_state_names(env) -> list[str]:
+    """The flat names of the task's privileged state (`privileged_state`: name -> (N, d)), ``<name>_<x|y|z|i>``."""
+    names = []
+    for key, value in env.privileged_state().items():
+        width = int(np.prod(value.shape[1:]))
+        axes = "xyz" if width == 3 else [str(i) for i in range(width)]
+        names += [f"{key}_{axis}" for axis in axes]
+    return names
+
+
+def environment_state(privileged: dict[str, np.ndarray]) -> np.ndarray:
+    """(N, E) float32: each world's privileged entries flattened in `environment_state_names`' order."""
+    return np.concatenate([v.reshape(len(v), -1) for v in privileged.values()], axis=1).astype(np.float32)
+
+
+def dataset_features(env, with_environment_state: bool = False) -> dict:
+    """The dataset's features: the env's own (`vla_core.types.BatchedEnv.features`), the task's true state when asked,
+    then each frame's reward and success."""
     feats = {key: dict(feature) for key, feature in env.features.items()}
+    if with_environment_state:
+        names = environment_state_names(env)
+        feats[ENVIRONMENT_STATE] = {"dtype": "float32", "shape": (len(names),), "names": names}
     feats["next.reward"] = {"dtype": "float32", "shape": (1,), "names": None}
     feats["next.success"] = {"dtype": "bool", "shape": (1,), "names": None}
     return feats
@@ -84,9 +110,16 @@ def record(cfg: RecordConfig) -> dict:
                 with make_env(replace(cfg.env, task=task)) as env:
                     if ds is None:
                         ds = LeRobotDataset.create(
-                            cfg.repo_id, fps=round(1 / env.control_dt), features=dataset_features(env), root=tmp,
+                            cfg.repo_id, fps=round(1 / env.control_dt),
+                            features=dataset_features(env, cfg.environment_state), root=tmp,
                             robot_type="panda", use_videos=False, video_backend=video_backend(),
                         )  # fmt: skip
+                    elif (
+                        cfg.environment_state
+                        and environment_state_names(env) != ds.meta.features[ENVIRONMENT_STATE]["names"]
+                    ):
+                        raise ValueError(f"--environment_state=true: task {task!r} has other privileged entries "
+                                         f"({environment_state_names(env)}) than the first task's; record it alone")  # fmt: skip
                     # Each task gets its own seed range, so tasks never share initial-state draws.
                     expert = EXPERTS[task](env.num_envs)
                     if cfg.variety.active:
@@ -120,13 +153,17 @@ def _record_task(env, expert, ds, cfg: RecordConfig, seed: int, lengths: list) -
     saved, failed = 0, 0
     with tqdm(total=cfg.num_episodes, desc=f"record {env.config.task}", unit="ep") as bar:
         while saved < cfg.num_episodes:
-            actions = expert.act(env.ee_positions(), env.privileged_state())
+            privileged = env.privileged_state()  # the true state at the observation's moment
+            actions = expert.act(env.ee_positions(), privileged)
+            true_state = environment_state(privileged) if cfg.environment_state else None
             next_obs, reward, terminated, truncated, info = env.step(torch.from_numpy(actions))
             for i in range(env.num_envs):
                 frame = {k: obs[k][i].permute(1, 2, 0).mul(255).round().to(torch.uint8).cpu().numpy()
                          for k in obs if k.startswith("observation.images.")}  # fmt: skip
                 frame[OBS_STATE] = obs[OBS_STATE][i].cpu().numpy()
                 frame[ACTION] = actions[i].astype(np.float32)
+                if true_state is not None:
+                    frame[ENVIRONMENT_STATE] = true_state[i]
                 frame["next.reward"] = np.array([float(reward[i])], dtype=np.float32)
                 frame["next.success"] = np.array([bool(info["success"][i])])
                 frame["task"] = obs["task"][i]
