@@ -124,6 +124,11 @@ def test_the_true_state_is_recorded_as_environment_state_at_each_observations_mo
         assert np.allclose(ball[:, 3:], ball[0, 3:], atol=1e-6) and ball[0, 3] == ball[0, 5] == 0.0
         assert 0.08 <= abs(ball[0, 4]) <= 0.12
         assert np.allclose(np.diff(ball[:, :3], axis=0), ball[:-1, 3:] * 0.05, atol=1e-5)
+    from vla_core.data import ChunkedDemos, open_dataset
+
+    demos = ChunkedDemos(open_dataset(summary["dataset"], None), None)  # the labels reach a training batch
+    batch = demos.batch(torch.tensor([0, 3]), 4)
+    assert torch.equal(batch["observation.environment_state"], torch.as_tensor(state[[0, 3]]))
     with pytest.raises(ValueError, match="other privileged entries"):
         record(RecordConfig(env=EnvConfig(num_envs=2, cameras=[]), tasks=["track", "lift"], num_episodes=1,
                             output_dir=str(tmp_path / "two"), environment_state=True))  # fmt: skip

@@ -66,6 +66,9 @@ def _as_uint8(images: torch.Tensor) -> torch.Tensor:
     return (images * 255).round().clamp(0, 255).to(torch.uint8)
 
 
+ENVIRONMENT_STATE = "observation.environment_state"  # LeRobot's feature for a simulation's true state
+
+
 def _entry_names(feature: dict) -> list[str] | None:
     """A vector feature's entry names as LeRobot records them (a list, or a dict of one list such as
     ``{"motors": [...]}``), None when it records none."""
@@ -94,7 +97,10 @@ class ChunkedDemos:
                 f"Choose cameras from {available}"
             )
         columns = [OBS_STATE, ACTION, "episode_index", "task_index"] + [f"{OBS_IMAGES}.{c}" for c in self.cameras]
-        table = dataset.hf_dataset.select_columns(columns).with_format("torch")[:]
+        true_state = ENVIRONMENT_STATE in features  # `vla-rl record --environment_state=true`
+        table = dataset.hf_dataset.select_columns(columns + [ENVIRONMENT_STATE] * true_state).with_format("torch")[:]
+        # (N, E) the simulation's true state of each frame, when recorded (labels, never a policy input), else None
+        self.environment_state = table[ENVIRONMENT_STATE].float() if true_state else None
         self.images = {c: _as_uint8(table[f"{OBS_IMAGES}.{c}"]) for c in self.cameras}
         self.state_names, self.action_names = _entry_names(features[OBS_STATE]), _entry_names(features[ACTION])
         self.state = table[OBS_STATE].float()
@@ -123,7 +129,8 @@ class ChunkedDemos:
     def batch(self, idx: torch.Tensor, horizon: int) -> dict:
         """Frames ``idx`` (B,) -> observation batch + ``action`` (B, horizon, A) + ``action_is_pad`` (B, horizon).
 
-        Steps past the episode's end repeat its last action and are marked as padding.
+        Steps past the episode's end repeat its last action and are marked as padding. A dataset with the true state
+        adds ``observation.environment_state`` (B, E) of the frames (labels: no policy reads it as an input).
         """
         offsets = idx[:, None] + torch.arange(horizon)[None]  # (B, H)
         last = self.episode_end[idx][:, None] - 1
@@ -132,6 +139,8 @@ class ChunkedDemos:
         batch[ACTION] = self.action[offsets.clamp(max=last)]
         batch["action_is_pad"] = offsets > last
         batch[TASK] = [self.tasks[i] for i in self.task_index[idx].tolist()]
+        if self.environment_state is not None:
+            batch[ENVIRONMENT_STATE] = self.environment_state[idx]
         return batch
 
 

@@ -20,7 +20,7 @@ from tqdm import tqdm
 from sim.config import EnvConfig
 from sim.tasks.variety import ExpertVariety, VariedExpert
 from vla_core import interrupt
-from vla_core.data import discard_dataset, quiet_datasets
+from vla_core.data import ENVIRONMENT_STATE, discard_dataset, quiet_datasets
 from vla_core.files import replace_directory
 from vla_core.types import ACTION, OBS_STATE
 
@@ -45,9 +45,6 @@ class RecordConfig:
     # as LeRobot's observation.environment_state, each frame's from the moment of its observation: labels for an
     # auxiliary objective or a probe. Every task recorded must have the same privileged entries.
     environment_state: bool = False
-
-
-ENVIRONMENT_STATE = "observation.environment_state"  # LeRobot's feature for a simulation's true state
 
 
 def environment_state_names(env) -> list[str]:
