@@ -601,3 +601,46 @@ def test_keypoint_image_tokens_come_first_per_camera_train_and_reload(tiny_datas
     again = PreTrainedPolicy.from_pretrained(tmp_path / "saved")
     with torch.no_grad():
         torch.testing.assert_close(again.prefix(batch)[0], prefix, rtol=0, atol=0)
+
+
+def test_the_auxiliary_objective_adds_the_weighted_error_of_the_true_state_read_from_the_prompt(tiny_dataset, tmp_path):
+    """``environment_state_weight``: on a dataset recorded with the true state, the loss is the token loss plus the
+    weight times the mean squared error of a linear head on the prompt's readout against the true state,
+    standardized by the dataset's own mean and std (recomputed here from the frames); a dataset without it, or a
+    batch without it, is refused naming the fix; the head travels with the checkpoint."""
+    from policies.autoregressive_vla.modeling_autoregressive_vla import AutoregressiveVLAPolicy
+    from sim.config import EnvConfig
+    from vla_rl.record import RecordConfig, record
+
+    lift = open_dataset(str(tiny_dataset[0]), None)
+    with pytest.raises(ValueError, match="record --environment_state=true"):
+        AutoregressiveVLAConfig(environment_state_weight=0.5).fit_to_dataset(lift.meta.features, ["x"])
+    root = record(RecordConfig(env=EnvConfig(task="track", num_envs=2), num_episodes=2, output_dir=str(tmp_path / "ds"),
+                               environment_state=True))["dataset"]  # fmt: skip
+    dataset, demos = open_dataset(root, None), _demos(root)
+    config = AutoregressiveVLAConfig(action_tokenizer="uniform_bins", environment_state_weight=0.5)
+    torch.manual_seed(0)
+    policy = AutoregressiveVLAPolicy.from_dataset(config, dataset.meta.features, dataset.meta.stats, demos.tasks)
+    policy.fit_to_demonstrations(demos)
+    assert policy.config.environment_state_dim == 6
+    frames = demos.environment_state.double()
+    torch.testing.assert_close(policy.environment_state_mean.double(), frames.mean(0), atol=1e-5, rtol=0)
+    torch.testing.assert_close(policy.environment_state_std.double(), frames.std(0, correction=0).clamp_min(1e-6),
+                               atol=1e-5, rtol=1e-3)  # fmt: skip
+    batch = demos.batch(torch.tensor([0, 5, 10, 15]), 16)
+    with torch.no_grad():
+        with_aux = policy(batch)
+        policy.config.environment_state_weight = 0.0
+        tokens_only = policy(batch)
+        policy.config.environment_state_weight = 0.5
+        target = (batch["observation.environment_state"].double() - frames.mean(0)) / frames.std(
+            0, correction=0
+        ).clamp_min(1e-6)
+        error = (policy.environment_state_head(policy.prefix_features(batch)).double() - target).pow(2).mean()
+    torch.testing.assert_close(with_aux.double(), tokens_only.double() + 0.5 * error, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="environment_state=true"):
+        policy({k: v for k, v in batch.items() if k != "observation.environment_state"})
+    policy.save_pretrained(tmp_path / "saved")
+    again = PreTrainedPolicy.from_pretrained(tmp_path / "saved")
+    with torch.no_grad():
+        torch.testing.assert_close(again(batch), with_aux)

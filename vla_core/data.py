@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from vla_core.types import ACTION, OBS_IMAGES, OBS_STATE, TASK
+from vla_core.types import ACTION, ENVIRONMENT_STATE, OBS_IMAGES, OBS_STATE, TASK
 
 
 def video_backend() -> str:
@@ -64,9 +64,6 @@ def _as_uint8(images: torch.Tensor) -> torch.Tensor:
     if images.dtype == torch.uint8:
         return images
     return (images * 255).round().clamp(0, 255).to(torch.uint8)
-
-
-ENVIRONMENT_STATE = "observation.environment_state"  # LeRobot's feature for a simulation's true state
 
 
 def _entry_names(feature: dict) -> list[str] | None:

@@ -27,6 +27,8 @@ import torch
 SteerMode = Literal["gated", "always"]
 
 OBS_STATE = "observation.state"
+# A simulation's true state (LeRobot's name), recorded as labels (`vla-rl record --environment_state=true`)
+ENVIRONMENT_STATE = "observation.environment_state"
 OBS_IMAGES = "observation.images"
 OBS_COMMITTED_ACTIONS = "observation.committed_actions"
 OBS_COMMITTED_MASK = "observation.committed_mask"

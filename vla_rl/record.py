@@ -20,9 +20,9 @@ from tqdm import tqdm
 from sim.config import EnvConfig
 from sim.tasks.variety import ExpertVariety, VariedExpert
 from vla_core import interrupt
-from vla_core.data import ENVIRONMENT_STATE, discard_dataset, quiet_datasets
+from vla_core.data import discard_dataset, quiet_datasets
 from vla_core.files import replace_directory
-from vla_core.types import ACTION, OBS_STATE
+from vla_core.types import ACTION, ENVIRONMENT_STATE, OBS_STATE
 
 
 @dataclass

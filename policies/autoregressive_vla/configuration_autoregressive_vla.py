@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal, get_args
 
 from policies.pretrained import PolicyConfig
+from vla_core.types import ENVIRONMENT_STATE
 
 ActionTokenizerKind = Literal["fast", "uniform_bins"]
 VisionKind = Literal["siglip", "keypoints", "both"]
@@ -55,9 +56,27 @@ class AutoregressiveVLAConfig(PolicyConfig):
     # delta = row 0 as the step from the state's entry of the same name, later rows as the step from the row before
     # (dimensions with no such state entry stay absolute); the range is fitted on those steps.
     action_frame: ActionFrame = "absolute"
+    # Imitation's auxiliary objective: a linear head on the prompt's readout (`prefix_features`) regresses the
+    # dataset's true state (observation.environment_state: `vla-rl record --environment_state=true`), standardized
+    # by its dataset statistics; its mean squared error times this weight is added to the token loss. It asks the
+    # front end where the task's objects are, which the action tokens alone do not teach (`vla-rl
+    # probe-localization`). 0 = off; the head is trained, never read when acting.
+    environment_state_weight: float = 0.0
+    environment_state_dim: int = 0  # the true state's entries, set from the dataset when the weight is > 0
     # delta: per action dimension the state entry row 0 is relative to (-1: absolute); set from the dataset's names
     # when the tokenizer is fitted, saved with the checkpoint.
     delta_state_indices: list[int] = field(default_factory=list)
+
+    def fit_to_dataset(self, features: dict[str, dict], tasks: list[str], cameras: list[str] | None = None) -> None:
+        """The base fields, and with the auxiliary objective on, the true state's size; ValueError naming the fix
+        when the dataset has none."""
+        super().fit_to_dataset(features, tasks, cameras)
+        if self.environment_state_weight > 0:
+            if ENVIRONMENT_STATE not in features:
+                raise ValueError(f"policy.environment_state_weight={self.environment_state_weight} regresses the "
+                                 f"dataset's {ENVIRONMENT_STATE}, which this dataset lacks: record it with `vla-rl "
+                                 f"record --environment_state=true`, or set the weight to 0")  # fmt: skip
+            self.environment_state_dim = int(features[ENVIRONMENT_STATE]["shape"][0])
 
     def validate(self) -> None:
         """Raise ValueError naming the fix for an inconsistent config."""
@@ -85,6 +104,10 @@ class AutoregressiveVLAConfig(PolicyConfig):
             raise ValueError(
                 f"policy.max_action_tokens={self.max_action_tokens}: uniform bins write exactly horizon x action_dim "
                 f"tokens per chunk; leave it at 0 (set from the data)"
+            )
+        if not self.environment_state_weight >= 0 or self.environment_state_dim < 0:
+            raise ValueError(
+                f"policy.environment_state_weight must be >= 0 (0: off), got {self.environment_state_weight}"
             )
         if self.action_frame not in get_args(ActionFrame):
             raise ValueError(f"policy.action_frame must be one of {get_args(ActionFrame)}, got {self.action_frame!r}")

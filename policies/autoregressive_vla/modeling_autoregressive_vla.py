@@ -43,7 +43,7 @@ from policies.observation import check_observation
 from policies.pretrained import PreTrainedPolicy
 from policies.token_actor import TokenRL
 from policies.token_decoding import ActionTokenSpace, Decoded, decode, score_tokens
-from vla_core.types import ACTION, OBS_STATE, TASK, ActionChunk, image_key
+from vla_core.types import ACTION, ENVIRONMENT_STATE, OBS_STATE, TASK, ActionChunk, image_key
 
 BUDGET_MARGIN = 1.25  # fast: the token budget is the longest training chunk's tokens times this
 BACKBONE_DIR = "backbone"  # in a saved directory: a pretrained backbone's extended config and processor
@@ -58,6 +58,12 @@ class AutoregressiveVLAPolicy(TokenRL, PreTrainedPolicy):
         super().__init__(config)
         self.backbone = Backbone(config, extra_tokens=config.action_vocab_size + 1, saved=saved_backbone)
         self.register_normalization(config.state_dim, config.action_dim)
+        self.environment_state_head = None  # the auxiliary objective's head (config.environment_state_weight)
+        if config.environment_state_weight > 0 and config.environment_state_dim > 0:
+            dim = config.environment_state_dim
+            self.environment_state_head = torch.nn.Linear(self.backbone.width, dim)
+            self.register_buffer("environment_state_mean", torch.zeros(dim))
+            self.register_buffer("environment_state_std", torch.ones(dim))
         self.action_tokenizer = None  # fitted (fit_to_demonstrations) or loaded (load_weights)
         self.clipped_values = self.tokenized_values = 0  # training actions clipped into the tokenizer's range
         self.invalid_chunks = self.decoded_chunks = 0  # decoded sequences the tokenizer could not have written
@@ -83,6 +89,18 @@ class AutoregressiveVLAPolicy(TokenRL, PreTrainedPolicy):
                 "on the dataset) or load a checkpoint that holds its action_tokenizer.json"
             )
         return self.action_tokenizer
+
+    @classmethod
+    def from_dataset(cls, config: AutoregressiveVLAConfig, features: dict, stats: dict, tasks: list[str],
+                     cameras: list[str] | None = None) -> AutoregressiveVLAPolicy:  # fmt: skip
+        """The base's, and the auxiliary objective's standardization from the true state's dataset statistics."""
+        policy = super().from_dataset(config, features, stats, tasks, cameras)
+        if policy.environment_state_head is not None:
+            mean = torch.as_tensor(stats[ENVIRONMENT_STATE]["mean"], dtype=torch.float32).reshape(-1)
+            std = torch.as_tensor(stats[ENVIRONMENT_STATE]["std"], dtype=torch.float32).reshape(-1)
+            policy.environment_state_mean.copy_(mean)
+            policy.environment_state_std.copy_(std.clamp_min(1e-6))  # a constant entry (the ball's x velocity)
+        return policy
 
     def fit_to_demonstrations(self, demos, frames: torch.Tensor | None = None) -> None:
         """Fit the action tokenizer on the chunks of ``frames`` (the training frames; all when None) of
@@ -166,7 +184,10 @@ class AutoregressiveVLAPolicy(TokenRL, PreTrainedPolicy):
 
     def prefix_features(self, obs: dict) -> torch.Tensor:
         """(B, width): the last hidden state of the prompt (its state token), what a value head reads."""
-        prefix, mask = self.prefix(obs)
+        return self._readout(*self.prefix(obs))
+
+    def _readout(self, prefix: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """(B, width): the last hidden state of a prompt (B, P, width) with its mask (B, P)."""
         positions = (mask.cumsum(1) - 1).clamp_min(0)
         return self.backbone.lm(inputs_embeds=prefix, attention_mask=mask, position_ids=positions).hidden[:, -1]
 
@@ -210,7 +231,23 @@ class AutoregressiveVLAPolicy(TokenRL, PreTrainedPolicy):
         prefix, prefix_mask = self.prefix(batch)
         log_probs = score_tokens(self.backbone.lm, prefix, prefix_mask, ids, mask, self.token_space,
                                  max_tokens=self.token_budget)  # fmt: skip
-        return -log_probs.sum() / mask.sum()
+        loss = -log_probs.sum() / mask.sum()
+        if self.environment_state_head is not None:
+            loss = loss + self.config.environment_state_weight * self.environment_state_error(
+                batch, prefix, prefix_mask
+            )
+        return loss
+
+    def environment_state_error(self, batch: dict, prefix: torch.Tensor, prefix_mask: torch.Tensor) -> torch.Tensor:
+        """The auxiliary objective: mean squared error of the head's reading of the prompt's readout (its last
+        position, as `prefix_features`) against the batch's true state, both standardized. ValueError naming the fix
+        for a batch without it."""
+        if ENVIRONMENT_STATE not in batch:
+            raise ValueError(f"policy.environment_state_weight > 0 needs {ENVIRONMENT_STATE} in every training batch: "
+                             f"train on a dataset recorded with `vla-rl record --environment_state=true`")  # fmt: skip
+        true_state = batch[ENVIRONMENT_STATE].to(self.device).float()
+        target = (true_state - self.environment_state_mean) / self.environment_state_std
+        return (self.environment_state_head(self._readout(prefix, prefix_mask)) - target).pow(2).mean()
 
     # -- inference ------------------------------------------------------------------------------
 
