@@ -125,7 +125,7 @@ Protocol history (runs as README.md reports them, each by its final line):
   was resumed with its command in its PPO arm; imitation 0.525, PPO 0.735 [0.67, 0.79], GRPO 0.770 [0.71, 0.82],
   ``ppo_gain=+21.0 grpo_gain=+24.5 env_steps=151350 minutes=33.2``; pooled over seeds 2 and 3 ``ppo_gain=+19.5
   grpo_gain=+23.0 env_steps=151350 minutes=96.2 seeds=2,3``. The 93% target is missed on each seed by both arms.
-- 2026-12-07 (the day's fifth session), a probe that changes nothing here, fixed before it runs. Already measured
+- 2026-12-07 (later that day), a probe that changes nothing here, fixed before it runs. Already measured
   (9 s, no cameras): the scripted expert acting on ``track``'s state as old as a 4-step chunk leaves it (0-3
   steps) succeeds 0.980 [0.95, 0.99] of 200 episodes from seed 5000 (every step: 0.980; 8-step chunks: 0.965),
   so the chunk's timeline does not cap the arms. The probe: does a base trained on more demonstrations cover
