@@ -67,3 +67,10 @@ def test_a_command_started_as_a_child_ends_when_its_parent_is_killed():
 def test_serves_inference_worker_process_ends_when_the_node_is_killed():
     ended, _ = _kill_parent_and_watch(PARENT_OF_WORKER)
     assert ended
+
+
+def test_the_parents_pid_is_taken_out_of_the_environment_so_no_grandchild_inherits_it(monkeypatch):
+    from vla_core.lifetime import PARENT_ENV, exit_with_parent_from_environ
+
+    monkeypatch.setenv(PARENT_ENV, "not a pid")
+    assert exit_with_parent_from_environ() is None and PARENT_ENV not in os.environ

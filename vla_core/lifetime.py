@@ -65,7 +65,7 @@ def child_environ(environ: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def exit_with_parent_from_environ() -> threading.Thread | None:
-    """`exit_with_parent` for the parent named in ``VLA_RL_PARENT_PID``, when it is set (a variable inherited by a
-    grandchild names its running grandparent, and is ignored there)."""
-    value = os.environ.get(PARENT_ENV, "")
+    """`exit_with_parent` for the parent named in ``VLA_RL_PARENT_PID``, when it is set. The variable is taken out
+    of this process's environment, so nothing this process starts inherits a pid that is not its parent."""
+    value = os.environ.pop(PARENT_ENV, "")
     return exit_with_parent(int(value)) if value.isdigit() else None
