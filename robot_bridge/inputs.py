@@ -201,6 +201,11 @@ class BridgeInputs:
             while unique in taken:
                 unique, n = f"{name} #{n}", n + 1
             self._joint_sources[names] = unique
+            if len(self._joint_sources) == 2 and self.config.clock == "joint_states":
+                self.log_limiter("joint state sources", "warning", "joint states come from more than one source "
+                                 f"({', '.join(self._joint_sources.values())}): each message ticks the control loop "
+                                 "(at most control_hz a second), so ticks are uneven; set clock: timer for a steady "
+                                 "rate")  # fmt: skip
         return self._joint_sources[names]
 
     def on_image(self, camera: CameraTopic, msg) -> None:
