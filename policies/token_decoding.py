@@ -118,17 +118,21 @@ def decode(model, prefix: torch.Tensor, prefix_mask: torch.Tensor, space: Action
 
 def score_tokens(model, prefix: torch.Tensor, prefix_mask: torch.Tensor, decoded_ids: torch.Tensor,
                  token_mask: torch.Tensor, space: ActionTokenSpace, *, min_tokens: int = 1,
-                 temperature: float = 0.0, entropy: bool = False, max_tokens: int | None = None) -> torch.Tensor:  # fmt: skip
+                 temperature: float = 0.0, entropy: bool = False, max_tokens: int | None = None,
+                 readout: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """(B, T) log-probabilities of ``decoded_ids`` (B, T) under the current weights, teacher-forced in one
     pass with autograd, over the same constrained distribution as `decode` with ``max_tokens`` (zeros where
-    ``token_mask`` (B, T) is False). ``entropy``: the entropy of that distribution at each position instead."""
+    ``token_mask`` (B, T) is False). ``entropy``: the entropy of that distribution at each position instead.
+    ``readout``: also the prompt's readout from the same pass, (B, width), the last hidden state of the prefix's
+    last position (causal: what the prefix alone gives it), for a model whose output carries ``hidden``."""
     embed = model.get_input_embeddings()
     t = decoded_ids.shape[1]
     inputs = torch.cat([prefix, embed(decoded_ids[:, :-1]).to(prefix.dtype)], 1)
     mask = torch.cat([prefix_mask.long(), token_mask[:, :-1].long()], 1)
     # The last T positions' logits, those that predicted token 0 .. T - 1 (from the prefix's last position on).
-    steps = model(inputs_embeds=inputs, attention_mask=mask, position_ids=_positions(mask), use_cache=False,
-                  logits_to_keep=t).logits  # fmt: skip
+    out = model(inputs_embeds=inputs, attention_mask=mask, position_ids=_positions(mask), use_cache=False,
+                logits_to_keep=t)  # fmt: skip
+    steps = out.logits
     vocab = model.config.vocab_size
     allowed = torch.stack([space.allowed(vocab, may_end=k >= min_tokens, device=prefix.device,
                                          must_end=max_tokens is not None and k == max_tokens - 1) for k in range(t)])  # fmt: skip
@@ -137,4 +141,5 @@ def score_tokens(model, prefix: torch.Tensor, prefix_mask: torch.Tensor, decoded
         values = -(dist.exp() * dist.masked_fill(~allowed[None], 0.0)).sum(-1)
     else:
         values = dist.gather(2, decoded_ids[..., None])[..., 0]
-    return torch.where(token_mask, values, 0.0)
+    values = torch.where(token_mask, values, 0.0)
+    return (values, out.hidden[:, prefix.shape[1] - 1]) if readout else values

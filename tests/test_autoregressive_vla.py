@@ -367,6 +367,10 @@ def test_in_the_delta_frame_the_tokens_are_the_steps_and_decoding_them_returns_t
     policy = AutoregressiveVLAPolicy.from_dataset(config, dataset.meta.features, dataset.meta.stats, demos.tasks)
     policy.fit_to_demonstrations(demos)
     assert policy.config.delta_state_indices == [names.index("ee_x"), names.index("ee_y"), names.index("ee_z"), -1]
+    with pytest.raises(ValueError, match="is set from the dataset's names"):  # by hand, another pairing: refused
+        AutoregressiveVLAPolicy.from_dataset(AutoregressiveVLAConfig(action_tokenizer="uniform_bins", action_frame="delta",
+                                                                     delta_state_indices=[0, 1, 2, -1]),
+                                             dataset.meta.features, dataset.meta.stats, demos.tasks).fit_to_demonstrations(demos)  # fmt: skip
     tokenizer = policy.action_tokenizer
     absolute = _demos(root).action_chunks(16).double()
     assert (

@@ -106,9 +106,8 @@ class AutoregressiveVLAConfig(PolicyConfig):
                 f"tokens per chunk; leave it at 0 (set from the data)"
             )
         if not self.environment_state_weight >= 0 or self.environment_state_dim < 0:
-            raise ValueError(
-                f"policy.environment_state_weight must be >= 0 (0: off), got {self.environment_state_weight}"
-            )
+            raise ValueError(f"policy.environment_state_weight must be >= 0 (0: off) and environment_state_dim >= 0 "
+                             f"(set from the data), got {self.environment_state_weight} and {self.environment_state_dim}")  # fmt: skip
         if self.action_frame not in get_args(ActionFrame):
             raise ValueError(f"policy.action_frame must be one of {get_args(ActionFrame)}, got {self.action_frame!r}")
         if self.delta_state_indices and (self.action_frame != "delta" or (

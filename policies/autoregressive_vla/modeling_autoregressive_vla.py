@@ -108,7 +108,11 @@ class AutoregressiveVLAPolicy(TokenRL, PreTrainedPolicy):
         cfg = self.config
         chunks = demos.action_chunks(cfg.horizon, frames).double()
         if cfg.action_frame == "delta":
-            cfg.delta_state_indices = delta_indices(demos.state_names, demos.action_names)
+            found = delta_indices(demos.state_names, demos.action_names)
+            if cfg.delta_state_indices not in ([], found):  # set by hand: it would be replaced unseen
+                raise ValueError(f"policy.delta_state_indices={cfg.delta_state_indices} is set from the dataset's "
+                                 f"names (here {found}): drop it")  # fmt: skip
+            cfg.delta_state_indices = found
             states = demos.state if frames is None else demos.state[frames]
             chunks = to_delta(chunks, states.double(), cfg.delta_state_indices)
         chunks = chunks.numpy()
@@ -184,10 +188,7 @@ class AutoregressiveVLAPolicy(TokenRL, PreTrainedPolicy):
 
     def prefix_features(self, obs: dict) -> torch.Tensor:
         """(B, width): the last hidden state of the prompt (its state token), what a value head reads."""
-        return self._readout(*self.prefix(obs))
-
-    def _readout(self, prefix: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """(B, width): the last hidden state of a prompt (B, P, width) with its mask (B, P)."""
+        prefix, mask = self.prefix(obs)
         positions = (mask.cumsum(1) - 1).clamp_min(0)
         return self.backbone.lm(inputs_embeds=prefix, attention_mask=mask, position_ids=positions).hidden[:, -1]
 
@@ -228,26 +229,25 @@ class AutoregressiveVLAPolicy(TokenRL, PreTrainedPolicy):
         self.clipped_values += int(tokenized.clipped.sum())
         self.tokenized_values += actions.numel()
         ids, mask = self.token_ids(tokenized.tokens)
-        prefix, prefix_mask = self.prefix(batch)
-        log_probs = score_tokens(self.backbone.lm, prefix, prefix_mask, ids, mask, self.token_space,
-                                 max_tokens=self.token_budget)  # fmt: skip
-        loss = -log_probs.sum() / mask.sum()
-        if self.environment_state_head is not None:
-            loss = loss + self.config.environment_state_weight * self.environment_state_error(
-                batch, prefix, prefix_mask
-            )
-        return loss
-
-    def environment_state_error(self, batch: dict, prefix: torch.Tensor, prefix_mask: torch.Tensor) -> torch.Tensor:
-        """The auxiliary objective: mean squared error of the head's reading of the prompt's readout (its last
-        position, as `prefix_features`) against the batch's true state, both standardized. ValueError naming the fix
-        for a batch without it."""
-        if ENVIRONMENT_STATE not in batch:
+        aux = self.environment_state_head is not None
+        if aux and ENVIRONMENT_STATE not in batch:
             raise ValueError(f"policy.environment_state_weight > 0 needs {ENVIRONMENT_STATE} in every training batch: "
                              f"train on a dataset recorded with `vla-rl record --environment_state=true`")  # fmt: skip
+        prefix, prefix_mask = self.prefix(batch)
+        scored = score_tokens(self.backbone.lm, prefix, prefix_mask, ids, mask, self.token_space,
+                              max_tokens=self.token_budget, readout=aux)  # fmt: skip
+        log_probs, readout = scored if aux else (scored, None)
+        loss = -log_probs.sum() / mask.sum()
+        if aux:  # the readout of the same pass (`prefix_features`' value), not a second one
+            loss = loss + self.config.environment_state_weight * self.environment_state_error(batch, readout)
+        return loss
+
+    def environment_state_error(self, batch: dict, readout: torch.Tensor) -> torch.Tensor:
+        """The auxiliary objective: mean squared error of the head's reading of the prompt's ``readout`` (B, width)
+        against the batch's true state (B, E), both standardized."""
         true_state = batch[ENVIRONMENT_STATE].to(self.device).float()
         target = (true_state - self.environment_state_mean) / self.environment_state_std
-        return (self.environment_state_head(self._readout(prefix, prefix_mask)) - target).pow(2).mean()
+        return (self.environment_state_head(readout) - target).pow(2).mean()
 
     # -- inference ------------------------------------------------------------------------------
 
