@@ -268,9 +268,7 @@ class ServeConfig:
         if (self.inference == "remote") != bool(self.inference_server):
             raise ValueError("inference: remote and inference_server: HOST:PORT (a `vla-rl policy-server`) go together; "
                              "set both, or neither")  # fmt: skip
-        # 1.0, the former default, still written in configs copied before it changed, steers nothing either.
-        if not self.steer_dir and (self.steer_mode != ServeConfig.steer_mode or self.steer_weight not in (0.0, 1.0)
-                                   or self.steer_best_of):  # fmt: skip
+        if steering_flags_without_steering(self):
             raise ValueError("steer_mode, steer_weight and steer_best_of steer nothing without steer_dir (a `vla-rl "
                              "steer` output's steering/ folder): set it, or drop them")  # fmt: skip
         if self.inference == "remote" and self.steer_dir:
@@ -321,6 +319,12 @@ class ServeConfig:
         for name, bound in self.safety.state_bounds.items():
             if len(bound) != 2 or not bound[0] <= bound[1]:
                 raise ValueError(f"safety.state_bounds.{name} must be [low, high] with low <= high, got {bound}")
+
+
+def steering_flags_without_steering(cfg) -> bool:
+    """Whether a serve or policy-server config sets steer_mode, steer_weight or steer_best_of without steer_dir: flags
+    that would steer nothing (a weight of 1.0, the former default still written in copied configs, counts as unset)."""
+    return not cfg.steer_dir and (cfg.steer_mode != "gated" or cfg.steer_weight not in (0.0, 1.0) or cfg.steer_best_of)
 
 
 def flat_fields(config: Any, prefix: str = "") -> dict[str, tuple[Any, str]]:

@@ -76,8 +76,8 @@ class BridgeDiagnostics:
     @staticmethod
     def message(state: str, cause: str | None, values: dict[str, str], hardware_id: str, stamp, warning: str = ""):
         """diagnostic_msgs/DiagnosticArray of one status: the node's state, its cause, and ``values``;
-        ``warning``: a fault that does not hold (another commander under ``other_commanders: warn``), which raises
-        an OK report to WARN and follows the state in its message."""
+        ``warning``: faults that do not hold (another commander under ``other_commanders: warn``, incompatible QoS),
+        which raise an OK report to WARN and follow the state in its message."""
         from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
 
         level = STATE_LEVELS[state] if not (warning and STATE_LEVELS[state] == "OK") else "WARN"

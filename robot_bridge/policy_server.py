@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from robot_bridge import wire
+from robot_bridge.config import steering_flags_without_steering
 from robot_bridge.inference import InferenceRequest, InferenceResult, MidObservation, WorkerStatus, serve_requests
 from vla_core.types import SteerMode
 
@@ -60,8 +61,7 @@ class PolicyServerConfig:
 
     def validate(self) -> None:
         """Raise ValueError naming the fix for flags that would be ignored."""
-        if not self.steer_dir and (self.steer_mode != PolicyServerConfig.steer_mode or self.steer_weight
-                                   or self.steer_best_of):  # fmt: skip
+        if steering_flags_without_steering(self):
             raise ValueError("--steer_mode, --steer_weight and --steer_best_of steer nothing without --steer_dir (a "
                              "`vla-rl steer` output's steering/ folder): set it, or drop them")  # fmt: skip
 

@@ -218,6 +218,7 @@ class SimRobot:
         self.diagnostics_pub = publisher(topics.DIAGNOSTICS)
         self.arm = self.gripper = None  # input=trajectory: the arm's and the gripper's trajectory followers
         commands = ((topics.JOINT_TRAJECTORY, self._on_trajectory), (topics.COMMAND_ARRAY, self._on_array))
+        from robot_bridge.qos_check import QosWatch
         from robot_bridge.trajectory_follower import TrackingError, TrajectoryFollower
 
         if cfg.input == "trajectory":
@@ -259,13 +260,9 @@ class SimRobot:
             node.create_timer(cfg.sync_republish_s, self._republish_if_idle)
         else:
             node.create_timer(env.control_dt / cfg.realtime_factor, self._control_step)
+        self.qos_watch = QosWatch([], own="the robot")  # peers whose QoS never connects, asked at each report
         node.create_timer(cfg.diagnostics_period_s, self._publish_diagnostics)
         self._idle_since = time.monotonic()
-        from robot_bridge.qos_check import QosWatch
-
-        self.qos_watch = QosWatch(
-            [], own="the robot"
-        )  # peers whose QoS never connects to this robot's topics, asked each report
 
     def _begin_episode(self) -> None:
         """Publish the new episode's instruction and first observation: from now on it runs. A command that
