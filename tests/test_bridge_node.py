@@ -79,6 +79,11 @@ class FakeRobot:
         self.states_sent = 0
         self.node.create_timer(1.0 / HZ, self._publish)
 
+    def close(self, executor) -> None:
+        """Stop publishing: a second robot on the same topics would otherwise meet this one's older stamps."""
+        executor.remove_node(self.node)
+        self.node.destroy_node()
+
     def flood(self, hz: float) -> None:
         """Publish joint states (only) at ``hz`` as well, as a driver publishing at its own rate would."""
         self.node.create_timer(1.0 / hz, self._publish_state)
@@ -601,6 +606,7 @@ def test_execute_steps_zero_takes_the_policys_n_action_steps(ros):
         assert gaps.min() == 3 and (gaps >= 3).all(), gaps
     finally:
         bridge.close()
+        robot.close(executor)
     bridge, _ = make_bridge(context, executor, execute_steps=0)  # the ramp policy tells no n_action_steps
     try:
         assert spin_until(executor, lambda: bridge.hold.state == "FAILED"), bridge.hold.cause
@@ -709,6 +715,7 @@ def test_a_controller_requesting_transient_local_is_named_with_the_setting_that_
     finally:
         controller.destroy_node()
         bridge.close()
+        robot.close(executor)
     bridge, robot = make_bridge(context, executor, qos=QosConfig(command_durability="transient_local"))
     levels = []
     robot.node.create_subscription(DiagnosticArray, "/diagnostics", lambda m: levels.append(m.status[0]), 10)

@@ -83,6 +83,9 @@ class ChunkedDemos:
     instruction index into ``tasks``.
     """
 
+    # (N, E) the simulation's true state of each frame, when recorded (labels, never a policy input), else None
+    environment_state: torch.Tensor | None = None
+
     def __init__(self, dataset, cameras: list[str] | None = None):
         features = dataset.meta.features
         available = [k.removeprefix(OBS_IMAGES + ".") for k in features if k.startswith(OBS_IMAGES + ".")]
@@ -96,7 +99,6 @@ class ChunkedDemos:
         columns = [OBS_STATE, ACTION, "episode_index", "task_index"] + [f"{OBS_IMAGES}.{c}" for c in self.cameras]
         true_state = ENVIRONMENT_STATE in features  # `vla-rl record --environment_state=true`
         table = dataset.hf_dataset.select_columns(columns + [ENVIRONMENT_STATE] * true_state).with_format("torch")[:]
-        # (N, E) the simulation's true state of each frame, when recorded (labels, never a policy input), else None
         self.environment_state = table[ENVIRONMENT_STATE].float() if true_state else None
         self.images = {c: _as_uint8(table[f"{OBS_IMAGES}.{c}"]) for c in self.cameras}
         self.state_names, self.action_names = _entry_names(features[OBS_STATE]), _entry_names(features[ACTION])
