@@ -38,8 +38,8 @@ def main(argv=None) -> int:
     out = Path(args.out)
     encoder = ["--pretrained-encoder", args.pretrained_encoder] if args.pretrained_encoder else []
     runs = {
-        "comparison": [*encoder, *comparison_options, "--out", str(out / "comparison" / "run")],
-        "scale": ["--scale-grid", "--scale-batch", str(args.scale_batch), "--out", str(out / "scale" / "run")],
+        "comparison": [*encoder, *comparison_options, "--out", str(out / "comparison")],
+        "scale": ["--scale-grid", "--scale-batch", str(args.scale_batch), "--out", str(out / "scale")],
     }
     for name, extra in runs.items():
         print(f"== {name}", flush=True)

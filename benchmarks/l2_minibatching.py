@@ -25,7 +25,8 @@ conventional = B frames x 1 copy; Level-2 = B/K frames x K noised copies, each f
    exclude validation.
 3. Success: both final policies run closed loop on the task with the same evaluation seeds.
 
-Results go to ``outputs/bench/l2_minibatching.json``; the last line reads
+Results go to ``<--out>/l2_minibatching.json`` (``outputs/bench/l2_minibatching/l2_minibatching.json``; inside the
+run's own folder since 2026-12-07, so two comparisons never overwrite each other); the last line reads
 ``time_ratio=<x> memory_ratio=<y> success_ratio=<z>``.
 
 Protocol history (runs as README.md reports them):
@@ -476,7 +477,7 @@ def main(argv=None) -> None:
         out.mkdir(parents=True, exist_ok=True)
         tmp = out / ".l2_minibatching.json.tmp"
         tmp.write_text(json.dumps(result, indent=2))
-        os.replace(tmp, out.parent / "l2_minibatching.json")
+        os.replace(tmp, out / "l2_minibatching.json")
         print(f"time_ratio={result['time_ratio']:.3f} memory_ratio={result['memory_ratio']:.3f} "
               f"success_ratio={result['success_ratio']:.3f}")  # fmt: skip
         return
@@ -505,16 +506,17 @@ def main(argv=None) -> None:
             f"{both[arm]['success_ci95'][1]:.3f}]" for arm in ("conventional", "level2"))
             + f"; ratio {both['ratio']:.3f} [{both['ratio_ci95'][0]:.3f}, {both['ratio_ci95'][1]:.3f}]", flush=True)  # fmt: skip
     out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     tmp = out / ".l2_minibatching.json.tmp"
     tmp.write_text(json.dumps(pooled, indent=2))
-    os.replace(tmp, out.parent / "l2_minibatching.json")
+    os.replace(tmp, out / "l2_minibatching.json")
     print(f"time_ratio={pooled['time_ratio']:.3f} memory_ratio={pooled['memory_ratio']:.3f} "
           f"success_ratio={pooled['success_ratio']:.3f}")  # fmt: skip
 
 
 def scale_grid(args) -> dict:
     """The per-step grid at real VLA scale (``--scale-grid``): So400m-shaped towers, frozen, under an action expert
-    of pi0's width, at B = ``--scale-batch``; written to ``l2_scale.json`` beside the main result."""
+    of pi0's width, at B = ``--scale-batch``; written to ``<--out>/l2_scale.json``."""
     import torch
 
     ignored = [flag for flag, given in (("--towers trained", args.towers != "frozen"), ("--pretrained-encoder",
@@ -538,7 +540,7 @@ def scale_grid(args) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / ".l2_scale.json.tmp"
     tmp.write_text(json.dumps(result, indent=2))
-    os.replace(tmp, out.parent / "l2_scale.json")
+    os.replace(tmp, out / "l2_scale.json")
     top = max(rows, key=lambda r: r["copies"])
     print(
         f"scale_time_ratio={top['time_ratio']:.3f} scale_memory_ratio={top['memory_ratio']:.3f} copies={top['copies']}"

@@ -20,7 +20,7 @@ def make_shell(env, horizon: int, execute_steps: int, delay: DelayModel, *, merg
     aware = mid_fraction is not None
     spec = LatencySpec(
         horizon=horizon, n_action_steps=execute_steps, committed_rows=committed_rows, latency_aware=aware,
-        latency_max_delay=max(committed_rows, delay.max_steps) if aware else 0,
+        latency_max_delay=max(committed_rows, delay.max_steps + lead_steps) if aware else 0,
         mid_fraction=DEFAULT_MID_FRACTION if mid_fraction is None else mid_fraction, mid_cameras=tuple(mid_cameras),
         supports_inpainting=True, low_latency_rows=low_latency_rows,
     )  # fmt: skip

@@ -309,7 +309,7 @@ def test_the_saved_random_state_gives_back_the_draws_that_would_have_come(tmp_pa
     """What a resumed round reads: torch's next draws, the delay model's next draws, the lags and the delay
     counts, after a save and a load into a process that has drawn other numbers since, are those that
     came next when saving."""
-    from types import SimpleNamespace
+    from test_latency_protocol import protocol as make_protocol
 
     from vla_core.runtime import DelayConfig, DelayModel
     from vla_rl.eval_record import load_random_state, random_state
@@ -317,12 +317,14 @@ def test_the_saved_random_state_gives_back_the_draws_that_would_have_come(tmp_pa
     torch.manual_seed(0)
     delay = DelayModel(DelayConfig(kind="uniform", low=0, high=5, seed=2))
     delay.sample(7)
-    saved = random_state(delay, torch.tensor([[1, 3]]), {2: 5})
+    saving = make_protocol()
+    saving.lags = torch.tensor([[1, 3]])
+    saved = random_state(delay, saving, {2: 5})
     expected = (torch.rand(3), delay.sample(7))
     torch.manual_seed(9)
     other = DelayModel(DelayConfig(kind="uniform", low=0, high=5, seed=2))
-    protocol, seen = SimpleNamespace(lags=torch.zeros(1, 2, dtype=torch.long)), {}
-    load_random_state(saved, other, protocol, seen)
+    protocol, seen = make_protocol(), {}
+    load_random_state(saved, other, protocol, seen, "eval_progress.pt")
     assert torch.equal(torch.rand(3), expected[0]) and torch.equal(other.sample(7), expected[1])
     assert protocol.lags.tolist() == [[1, 3]] and seen == {2: 5}
 

@@ -113,7 +113,7 @@ def test_quick_run_end_to_end_over_two_seeds_and_a_second_run_reads_them_back(tm
         return out.stdout.strip().splitlines()
 
     first = run()
-    pooled = json.loads((tmp_path / "l2_minibatching.json").read_text())
+    pooled = json.loads((tmp_path / "l2" / "l2_minibatching.json").read_text())
     assert pooled["seeds"] == [0, 1] and [r["seed"] for r in pooled["per_seed"]] == [0, 1]
     for result in pooled["per_seed"]:
         assert {(r["encoder"], r["copies"]) for r in result["per_step"]} == {("small", 1), ("small", 4)}

@@ -208,12 +208,16 @@ def test_a_demonstration_frame_under_delay_is_what_the_shell_would_show_the_poli
     assert batch[OBS_MID_STEPS].tolist() == [1, 0, 1, 0]
 
 
-def test_a_demonstration_replayed_through_the_shell_gives_the_warm_up_its_samples():
+@pytest.mark.parametrize("lead", [0, 2])
+def test_a_demonstration_replayed_through_the_shell_gives_the_warm_up_its_samples(lead):
     """Ties `delayed_sample` to `DelayedChunkEnv`: a counting env (state = step) whose "policy" replays a
-    demonstration (action at step s = 100 + s). At every request at step t > 0, the shell's request
-    state, committed actions, mask, mid state and mid steps are the sample of frame t, and each trained
-    row j of the sample is the action the env then ran at step t + j. The request at step 28 dies with
-    its 30-step episode before its mid observation: the shell drops it and the sample trains nothing."""
+    demonstration (action at step s = 100 + s), a delay of d = 4 steps and a lead of L steps (the chunk's first
+    action runs L steps after it arrives), so every request announces D = d + L and its mid observation comes
+    m = floor(0.5 d) = 2 steps after it. At every request at step t >= D (before, part of the committed window
+    holds: the episode's start), the shell's request state, committed actions, mask, mid state and mid steps are
+    the sample of frame t, the sample trains rows D .. min(H, 30 - t) - 1 (worked out by hand from the layout),
+    and each of them is the action the env then ran at step t + j. The request at step 28 dies with its 30-step
+    episode before its mid observation: the shell drops it and the sample trains nothing."""
     from shells import make_shell
     from test_delay import CountingEnv
 
@@ -222,9 +226,12 @@ def test_a_demonstration_replayed_through_the_shell_gives_the_warm_up_its_sample
     from vla_core.types import ActionChunk
     from vla_rl.latency_warmup import delayed_sample
 
-    length, horizon, d = 30, 8, 4
+    # H covers a request's window and the next's delay (D + 4 steps), so execution never holds after the start
+    length, horizon, d = 30, 8 + lead, 4
+    announced = d + lead
     env = CountingEnv(length=length)
-    shell = make_shell(env, horizon, 4, DelayModel(DelayConfig(kind="fixed", steps=d)), mid_fraction=0.5)
+    shell = make_shell(env, horizon, 4, DelayModel(DelayConfig(kind="fixed", steps=d)), mid_fraction=0.5,
+                       lead_steps=lead)  # fmt: skip
     asked = {}
     obs, need = shell.reset(seed=0)
     while len(env.applied[0]) < length:
@@ -244,17 +251,17 @@ def test_a_demonstration_replayed_through_the_shell_gives_the_warm_up_its_sample
 
     assert sorted(asked) == list(range(0, 28, 4))  # every 4 steps; 28's mid observation (30) never comes
     for t, seen in asked.items():
-        sample = delayed_sample(demos, torch.tensor([t]), torch.tensor([d]), 0.5, [], horizon, d)
+        sample = delayed_sample(demos, torch.tensor([t]), torch.tensor([announced]), 0.5, [], horizon, announced, lead)
         assert seen[OBS_STATE].item() == sample[OBS_STATE].item() == t
         assert seen[OBS_MID_STATE].item() == sample[OBS_MID_STATE].item() == t + 2
         assert seen[OBS_MID_STEPS].item() == sample[OBS_MID_STEPS].item() == 2
-        if t > 0:  # an episode's first request has nothing committed: the warm-up does not reproduce it
+        if t >= announced:  # an episode's first requests find part of their window held: not reproduced
             assert torch.equal(seen[OBS_COMMITTED_MASK], sample[OBS_COMMITTED_MASK])
             assert torch.equal(seen[OBS_COMMITTED_ACTIONS], sample[OBS_COMMITTED_ACTIONS])
         trained = (~sample["action_is_pad"][0]).nonzero().flatten().tolist()
-        assert trained[0] == d and trained[-1] == min(horizon, length - t) - 1
+        assert trained == list(range(announced, min(horizon, length - t)))
         assert all(sample["action"][0, j, 0].item() == ran[t + j] for j in trained)
-    dropped = delayed_sample(demos, torch.tensor([28]), torch.tensor([d]), 0.5, [], horizon, d)
+    dropped = delayed_sample(demos, torch.tensor([28]), torch.tensor([announced]), 0.5, [], horizon, announced, lead)
     assert dropped["action_is_pad"].all()
 
 

@@ -273,10 +273,11 @@ def bench_latency_rl(cfg: BenchLatencyRLConfig) -> dict[str, Any]:
 def _bench_one_seed(cfg: BenchLatencyRLConfig, out: Path) -> dict[str, Any]:
     """The protocol for ``cfg.seed`` in ``out``: every cell, also written as ``out / "latency_rl.json"``."""
     from vla_rl.bench_stages import check_calibration, latency_rl_cell, ppo_run, record_demos, train_imitation
+    from vla_rl.run_clock import RunClock
     from vla_rl.stages import DelayConfig
 
     calibration = check_calibration(cfg.calibration, "latency_rl", cfg) if cfg.calibration else None
-    start = time.time()
+    clock = RunClock(out / "run_clock.json")  # minutes over every process of a resumed run
     dataset = out / "dataset"
     record_demos(cfg, dataset)
     largest = max(cfg.delays)
@@ -334,7 +335,7 @@ def _bench_one_seed(cfg: BenchLatencyRLConfig, out: Path) -> dict[str, Any]:
     report = {
         "config": asdict(cfg), "cells": cells, "summary": summary, "runs": runs, "stage_minutes": stage_minutes,
         "calibration": calibration, "ceiling": ceiling,
-        "minutes": round((time.time() - start) / 60, 2),
+        "minutes": clock.stop(),
     }  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
     write_text_atomic(out / "latency_rl.json", json.dumps(report, indent=2))

@@ -229,12 +229,13 @@ def bench_rl(cfg: BenchRLConfig) -> dict[str, Any]:
 def _bench_one_seed(cfg: BenchRLConfig, out: Path) -> dict[str, Any]:
     """The protocol for ``cfg.seed`` in ``out``: its report, also written as ``out / "rl.json"``."""
     from vla_rl.bench_stages import held_out, record_demos, train_imitation
+    from vla_rl.run_clock import RunClock
 
-    start = time.time()
+    start, clock = time.time(), RunClock(out / "run_clock.json")  # minutes over every process of a resumed run
     dataset, imitation = out / "dataset", out / "imitation"
     record_demos(cfg, dataset)
     train_imitation(cfg, dataset, imitation)
-    imitation_minutes = (time.time() - start) / 60
+    imitation_minutes = (time.time() - start) / 60  # this process's: 0 when a resumed run found them made
 
     def evaluate_on_held_out(checkpoint: Path, name: str) -> dict[str, Any]:
         return held_out(cfg, checkpoint, cfg.eval_episodes, cfg.eval_seed, out / "eval" / name,
@@ -250,7 +251,7 @@ def _bench_one_seed(cfg: BenchRLConfig, out: Path) -> dict[str, Any]:
     gains = {arm: round(100 * (results[arm]["success_rate"] - before), 1) for arm in arms}
     report = {
         "config": asdict(cfg), "results": results, "gains_points": gains, "runs": runs,
-        "imitation_minutes": round(imitation_minutes, 2), "minutes": round((time.time() - start) / 60, 2),
+        "imitation_minutes": round(imitation_minutes, 2), "minutes": clock.stop(),
         "env_steps": {arm: runs[arm]["env_steps"] for arm in arms},
     }  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
@@ -329,7 +330,9 @@ def _finetune_arm(cfg: BenchRLConfig, arm: str, imitation: Path, out: Path) -> d
         extra["noise"] = replace(FinetuneConfig().noise, min_std=GRPO_MIN_STD)
     if arm == "ppo_prm":
         extra["reward"] = RewardConfig(process_model=str(_process_reward_model(cfg, out)))
-    t0 = time.time()
+    from vla_rl.run_clock import RunClock
+
+    clock = RunClock(out / "run_clocks" / f"{arm}.json")  # the arm's minutes over every process of a resumed run
     summary = finetune(FinetuneConfig(
         checkpoint=str(imitation), algo=algo, env=EnvConfig(task=cfg.task, num_envs=cfg.num_envs),
         iterations=10**6, max_env_steps=cfg.env_steps, seed=cfg.seed, output_dir=str(run_dir),
@@ -338,7 +341,7 @@ def _finetune_arm(cfg: BenchRLConfig, arm: str, imitation: Path, out: Path) -> d
         resume=(run_dir / "checkpoints" / "last").exists(), **extra,
     ))  # fmt: skip
     return {
-        "minutes": round((time.time() - t0) / 60, 2), "env_steps": summary["env_steps"],
+        "minutes": clock.stop(), "env_steps": summary["env_steps"],
         "iterations": summary["iterations"], "curve": summary["evals"],
         "rollout_env_steps_per_s": summary["rollout_env_steps_per_s"],
         "skipped_updates": summary["skipped_updates"], "plot": str(run_dir / "success.png"),

@@ -81,7 +81,6 @@ from __future__ import annotations
 
 import json
 import math
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -127,7 +126,9 @@ def bench_robot_parity(cfg: BenchRobotParityConfig) -> dict[str, Any]:
     if not cfg.quick and not cfg.checkpoint:
         raise ValueError("--checkpoint=DIR names the checkpoint to serve and evaluate (or run --quick=true)")
     out = Path(cfg.output_dir) / "quick" if cfg.quick else Path(cfg.output_dir)
-    start = time.time()
+    from vla_rl.run_clock import RunClock
+
+    clock = RunClock(out / "run_clock.json")  # minutes over every process of a resumed run
     checkpoint = quick_checkpoint(cfg, out) if cfg.quick else Path(cfg.checkpoint)
     policy = policy_settings(checkpoint)
     robot, fresh = run_robot(cfg, checkpoint, policy, out / "robot")
@@ -140,7 +141,7 @@ def bench_robot_parity(cfg: BenchRobotParityConfig) -> dict[str, Any]:
         "config": asdict(cfg), "checkpoint": str(checkpoint), "latency_aware": policy["latency_aware"],
         "summary": summarize(pairs), "pairs": pairs, "robot": {k: v for k, v in robot.items() if k != "episodes"},
         "sim": {k: sim[k] for k in ("episodes", "successes", "success_rate", "success_ci95", "delay_histogram")},
-        "minutes": round((time.time() - start) / 60, 2),
+        "minutes": clock.stop(),
     }  # fmt: skip
     write_text_atomic(out / "robot_parity.json", json.dumps(report, indent=2))
     return report

@@ -133,12 +133,12 @@ def ppo_run(cfg, out: Path, name: str, d: int, latency_aware: bool, low_latency:
     the mid-inference observation) or with a low-latency part (``low_latency``: trained alone per control step),
     either fast part fitted on the demonstrations first for ``cfg.latency_warmup_steps``. Returns its folder and
     what the report keeps of it. `bench delay-calibration` runs the baseline arms through it too."""
-    import time
 
+    from vla_rl.run_clock import RunClock
     from vla_rl.stages import DelayConfig, EnvConfig, FinetuneConfig, LatencyWarmupConfig, finetune
 
     run_dir = out / "runs" / name
-    t0 = time.time()
+    clock = RunClock(out / "run_clocks" / f"{name}.json")  # the run's minutes over every process of a resumed run
     fast = latency_aware or low_latency
     warmup = LatencyWarmupConfig(steps=cfg.latency_warmup_steps if fast else 0, dataset=str(out / "dataset"),
                                  batch_size=cfg.batch_size)  # fmt: skip
@@ -151,7 +151,7 @@ def ppo_run(cfg, out: Path, name: str, d: int, latency_aware: bool, low_latency:
     ))  # fmt: skip
     return run_dir, {
         "delay": d, "latency_aware": latency_aware, "low_latency": low_latency,
-        "minutes": round((time.time() - t0) / 60, 2),
+        "minutes": clock.stop(),
         "env_steps": summary["env_steps"], "iterations": summary["iterations"],
         "rollout_env_steps_per_s": summary["rollout_env_steps_per_s"], "skipped_updates": summary["skipped_updates"],
         "rollout_success": [h["rollout_success"] for h in summary["history"]],

@@ -213,7 +213,9 @@ def _bench_one_seed(cfg: BenchSteeringConfig, out: Path) -> dict[str, Any]:
 
     out.mkdir(parents=True, exist_ok=True)
     _same_run(cfg, out / "bench_config.json")
-    start = time.time()
+    from vla_rl.run_clock import RunClock
+
+    clock = RunClock(out / "run_clock.json")  # minutes over every process of a resumed run
     record_demos(cfg, out / "dataset")
     train_imitation(cfg, out / "dataset", out / "base")
     base_dir = stages.resolve_policy_dir(out / "base")
@@ -222,7 +224,7 @@ def _bench_one_seed(cfg: BenchSteeringConfig, out: Path) -> dict[str, Any]:
     kept = [v for v in cfg.variations if headroom[v]["kept"]]
     if cfg.headroom_only or len(kept) < 2:
         report = {"config": asdict(cfg), "headroom": headroom, "kept": kept, "steering_ran": False,
-                  "headroom_ood": _mean_headroom(headroom, kept), "minutes": round((time.time() - start) / 60, 1)}  # fmt: skip
+                  "headroom_ood": _mean_headroom(headroom, kept), "minutes": round(clock.stop(), 1)}  # fmt: skip
         write_text_atomic(out / "steering.json", json.dumps(report, indent=2))
         return report
     cells = ["", *kept]
@@ -260,7 +262,7 @@ def _bench_one_seed(cfg: BenchSteeringConfig, out: Path) -> dict[str, Any]:
                 seed=cfg.eval_seed, video_episodes=0, output_dir=str(folder), overwrite=True), policy=policy)  # fmt: skip
             table[(cell, arm)] = {k: result[k] for k in ("episodes", "successes", "success_rate", "success_ci95")}
     arms["dsrl"] = stages.load_noise_policy(out / "dsrl" / "in_distribution" / "dsrl", base)  # timed in distribution
-    report = _report(asdict(cfg), table, _timing(cfg, arms, env), time.time() - start, headroom, kept)
+    report = _report(asdict(cfg), table, _timing(cfg, arms, env), clock.stop() * 60, headroom, kept)
     report["sigma_probe"] = sigma
     _plot(report, out / "steering.png")
     write_text_atomic(out / "steering.json", json.dumps(report, indent=2))

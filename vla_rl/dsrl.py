@@ -176,7 +176,7 @@ def save_state(path: Path, agent: NoiseAgent, replay, shell, history: list[dict]
     torch.save({"made_with": made_with, "history": history, "agent": agent.state_dict(),
                 "task": agent.task, "replay_rows": filled_rows(replay), "replay_writer": replay._writer.state_dict(),
                 "torch_rng": torch.get_rng_state(),
-                "delay": shell.delay.state_dict(), "lags": shell.protocol.lags.cpu()}, tmp)  # fmt: skip
+                "delay": shell.delay.state_dict(), "lags": shell.protocol.saved_lags()}, tmp)  # fmt: skip
     tmp.replace(path)
 
 
@@ -206,7 +206,7 @@ def load_state(path: Path, agent: NoiseAgent, replay, shell, made_with: dict) ->
         replay._writer.load_state_dict(saved["replay_writer"])
     torch.set_rng_state(saved["torch_rng"])
     shell.delay.load_state_dict(saved["delay"])
-    shell.protocol.lags = saved["lags"].to(shell.protocol.lags.device)
+    shell.protocol.restore_lags(saved["lags"], str(path))
     return saved["history"]
 
 

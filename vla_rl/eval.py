@@ -200,7 +200,7 @@ def evaluate(cfg: EvalConfig, policy=None, expected_weights: str | None = None) 
         record = EvalRecord(out, identity(cfg, origin["weights_sha256"]), cfg.resume, cfg.overwrite)
         record.check_rounds(plan)
         if record.saved_state is not None:
-            load_random_state(record.saved_state, delay, delayed.protocol, delays_seen)
+            load_random_state(record.saved_state, delay, delayed.protocol, delays_seen, str(record.progress_path))
         bar = tqdm(total=plan.num_episodes, initial=len(record.episodes), desc="eval", unit="ep")
         # A stop signal ends the evaluation between env steps (vla_core.interrupt); the rounds done are
         # kept (episodes.jsonl, eval_progress.pt) and --resume=true goes on from there. eval.json is
@@ -356,7 +356,7 @@ def _run_rounds(plan: EpisodePlan, record: EvalRecord, delayed, recorder, policy
                 bar.update(1)
             finished |= done
             interrupt.raise_if_stopped()
-        record.round_done(r + 1, random_state(delayed.delay, delayed.protocol.lags, delays_seen))
+        record.round_done(r + 1, random_state(delayed.delay, delayed.protocol, delays_seen))
 
 
 def evaluate_tasks(cfg: EvalConfig, policy=None, expected_weights: str | None = None) -> dict:

@@ -155,22 +155,22 @@ def _parsed(line: str) -> dict[str, Any] | None:
         return None
 
 
-def random_state(delay, lags: torch.Tensor, delays_seen: dict[int, int]) -> dict[str, Any]:
+def random_state(delay, protocol, delays_seen: dict[int, int]) -> dict[str, Any]:
     """Every state an evaluation round reads or adds to: torch's random state (CPU and CUDA), the delay
-    model's generators, the measured lags the delay estimate keeps across episodes, and the count of
-    chunks per delay so far."""
+    model's generators, the measured lags the delay estimate keeps across episodes (with the lead they count),
+    and the count of chunks per delay so far."""
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
-    return {"torch": torch.get_rng_state(), "cuda": cuda, "delay": delay.state_dict(), "lags": lags.cpu(),
+    return {"torch": torch.get_rng_state(), "cuda": cuda, "delay": delay.state_dict(), "lags": protocol.saved_lags(),
             "delays_seen": dict(delays_seen)}  # fmt: skip
 
 
-def load_random_state(state: dict[str, Any], delay, protocol, delays_seen: dict[int, int]) -> None:
-    """Give back what `random_state` saved (``delays_seen`` is filled in place)."""
+def load_random_state(state: dict[str, Any], delay, protocol, delays_seen: dict[int, int], source: str) -> None:
+    """Give back what `random_state` saved (``delays_seen`` is filled in place); ``source`` names the file."""
     torch.set_rng_state(state["torch"])
     if state["cuda"]:
         torch.cuda.set_rng_state_all(state["cuda"])
     delay.load_state_dict(state["delay"])
-    protocol.lags = state["lags"].to(protocol.lags.device)
+    protocol.restore_lags(state["lags"], source)
     delays_seen.update(state["delays_seen"])
 
 

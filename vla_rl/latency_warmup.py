@@ -15,6 +15,11 @@ Take a chunk requested at frame t of a demonstration, under delay d, as the simu
   is frame t + m. Where the episode ends before it, the shell drops the request; every row such a
   frame could train (j >= d > m) is past the episode's end, so it trains nothing.
 
+With a lead (``--chunking.lead_steps=L``: a chunk's first action runs L steps after it arrives), the
+delay the shell announces, and lays the chunk out by, is D = d + L (capped at H - 1, as the
+protocol caps it): rows j < D never run and D actions are committed; the mid-inference observation
+stays in the inference's window, m = floor(mid_fraction * (D - L)).
+
 So the warm-up trains the head alone with the policy's own denoising loss. The inputs are the
 request's observation (frame t), the delay augmentation and the mid-inference observation of
 frame t + m. The target is the demonstrated chunk t .. t + H - 1, its rows d .. H - 1 in the loss.
@@ -67,18 +72,19 @@ class LatencyWarmupConfig:
 
 def delayed_sample(
     demos, idx: torch.Tensor, delays: torch.Tensor, mid_fraction: float, mid_cameras: list[str], horizon: int,
-    max_delay: int,
+    max_delay: int, lead_steps: int = 0,
 ) -> dict:  # fmt: skip
-    """Frames ``idx`` (B,) as a latency-aware policy sees them under ``delays`` (B,) long: the request's
-    observation (frame t), the delay augmentation (actions t .. t + d - 1), the mid-inference
-    observation (frame t + m, clamped to the episode's last), and as ``action`` (B, horizon, A) the
-    demonstrated chunk t .. t + horizon - 1, whose ``action_is_pad`` (B, horizon) marks the rows
-    past the episode's end and the rows j < d, which never run."""
+    """Frames ``idx`` (B,) as a latency-aware policy sees them under announced delays ``delays`` (B,) long (the
+    inference's steps plus ``lead_steps``): the request's observation (frame t), the delay augmentation (actions
+    t .. t + D - 1), the mid-inference observation (frame t + m, m = floor(mid_fraction * (D - lead_steps)),
+    clamped to the episode's last), and as ``action`` (B, horizon, A) the demonstrated chunk t .. t + horizon - 1,
+    whose ``action_is_pad`` (B, horizon) marks the rows past the episode's end and the rows j < D, which never run."""
     batch = demos.batch(idx, horizon)
     batch.update(committed_prefix(batch[ACTION], batch["action_is_pad"], delays, max_delay))
-    past = torch.arange(horizon)[None] < delays[:, None]  # (B, H): over before the chunk arrives
+    past = torch.arange(horizon)[None] < delays[:, None]  # (B, H): over before the chunk's first action
     batch["action_is_pad"] = batch["action_is_pad"] | past
-    steps = mid_inference_steps(delays, mid_fraction)
+    # The mid point is in the inference's window, which the lead (after the chunk arrives) is not part of.
+    steps = mid_inference_steps((delays - lead_steps).clamp(min=0), mid_fraction)
     # A frame whose episode ends before t + m has nothing left to train (see the module docstring);
     # its mid frame is clamped only to stay inside the episode.
     mid_frames = torch.minimum(idx + steps, demos.episode_end[idx] - 1)
@@ -87,11 +93,11 @@ def delayed_sample(
 
 
 def warm_up_latency_head(
-    policy, demos, delay: DelayConfig, control_dt: float, cfg: LatencyWarmupConfig, seed: int
+    policy, demos, delay: DelayConfig, control_dt: float, cfg: LatencyWarmupConfig, seed: int, lead_steps: int = 0
 ) -> list[float]:
     """Train ``policy.latency_head`` alone for ``cfg.steps`` steps (see the module docstring); every other
-    parameter is left as it was. delay: the run's delay model, control_dt: its control period.
-    Returns the loss of every step."""
+    parameter is left as it was. delay: the run's delay model, control_dt: its control period, lead_steps: the
+    run's ``chunking.lead_steps``. Returns the loss of every step."""
     pcfg = policy.config
     if policy.latency_head is None:
         raise ValueError("the policy has no fast head to warm up; add it first (add_latency_head)")
@@ -110,9 +116,10 @@ def warm_up_latency_head(
     try:
         for _ in tqdm(range(cfg.steps), desc="fast head on demonstrations", unit="step", leave=False):
             idx = torch.randint(0, len(demos), (cfg.batch_size,), generator=generator)
-            d = delays.sample(cfg.batch_size)
+            # announced as the protocol does: the drawn delay plus the lead, capped at the chunk's last index
+            d = (delays.sample(cfg.batch_size) + lead_steps).clamp(max=pcfg.horizon - 1)
             batch = delayed_sample(demos, idx, d, pcfg.mid_fraction, pcfg.mid_cameras, pcfg.horizon,
-                                   pcfg.latency_max_delay)  # fmt: skip
+                                   pcfg.latency_max_delay, lead_steps)  # fmt: skip
             batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
             loss = policy(batch, generator=noise)
             opt.zero_grad(set_to_none=True)

@@ -214,6 +214,20 @@ class LatencyProtocol:
         """D of the delay augmentation (``observation.committed_*`` rows)."""
         return self.executor.max_delay
 
+    def saved_lags(self) -> dict[str, Any]:
+        """The measured lags, to save with a run, and the lead each of them counts."""
+        return {"lags": self.lags.cpu(), "lead_steps": self.lead_steps}
+
+    def restore_lags(self, saved: dict[str, Any] | torch.Tensor, source: str) -> None:
+        """Give back `saved_lags` (``source`` names the file in the refusal). Every lag counts the lead it was
+        measured with, so lags of another ``chunking.lead_steps`` are refused. A bare tensor (saved before the lead
+        was saved beside it) is taken as measured with no lead, the default."""
+        lags, lead = (saved["lags"], saved["lead_steps"]) if isinstance(saved, dict) else (saved, 0)
+        if lead != self.lead_steps:
+            raise ValueError(f"{source} measured its delays with chunking.lead_steps={lead} (each lag counts the lead); "
+                             f"resume it with --chunking.lead_steps={lead}, not {self.lead_steps}")  # fmt: skip
+        self.lags = lags.to(self.lags.device)
+
     def due(self) -> torch.Tensor:
         """(N,) bool: the worlds that request now."""
         return ~self.in_flight & (self.executor.step >= self.next_request)

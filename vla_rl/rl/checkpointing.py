@@ -41,7 +41,7 @@ def random_state(streams: dict[str, torch.Generator], protocols: list, delay) ->
         "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
         "numpy_rng": np.random.get_state(),
         "python_rng": random.getstate(),
-        "lags": [protocol.lags.cpu() for protocol in protocols],
+        "lags": [protocol.saved_lags() for protocol in protocols],
     }
 
 
@@ -96,7 +96,7 @@ def load(directory: Path, learner, streams, protocols, delay, curriculum, proces
     if mine["cuda_rng"]:
         torch.cuda.set_rng_state_all(mine["cuda_rng"])
     for protocol, lags in zip(protocols, mine["lags"], strict=True):
-        protocol.lags = lags.to(protocol.lags.device)
+        protocol.restore_lags(lags, str(directory / STATE_FILE))
     delay.load_state_dict(mine.get("delay_devices", {}))  # written since 0.3; the CPU one is a stream above
     np.random.set_state(mine["numpy_rng"])
     random.setstate(mine["python_rng"])

@@ -34,7 +34,8 @@ def make_latency_aware(cfg, policy, max_delay: int, out: Path, control_dt: float
         return None
     from vla_rl.latency_warmup import warm_up_latency_head
 
-    fit = lambda demos: warm_up_latency_head(policy, demos, cfg.delay, control_dt, cfg.latency_warmup, cfg.seed)
+    fit = lambda demos: warm_up_latency_head(policy, demos, cfg.delay, control_dt, cfg.latency_warmup, cfg.seed,
+                                             cfg.chunking.lead_steps)  # fmt: skip
     return warm_up_fast_part(cfg, policy, out, control_dt, processes, fit)
 
 
