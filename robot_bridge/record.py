@@ -22,9 +22,11 @@ from pathlib import Path
 from typing import Literal
 
 from robot_bridge.topics import (
+    ARM_TRAJECTORY,
     COMMAND_ARRAY,
     DIAGNOSTICS,
     EPISODE,
+    GRIPPER_TRAJECTORY,
     INSTRUCTION,
     JOINT_STATES,
     JOINT_TRAJECTORY,
@@ -32,9 +34,10 @@ from robot_bridge.topics import (
     message_class,
 )
 
-# What the sim robot publishes and what serve (or a test client) commands it with.
+# What the sim robot publishes and what serve (or a test client) commands it with, per tick or, with serve's
+# --output=trajectory, as the arm's and the gripper's trajectories (each recorded once a publisher appears).
 DEFAULT_TOPICS = [t.name for t in (JOINT_STATES, camera("front"), INSTRUCTION, EPISODE, JOINT_TRAJECTORY,
-                                   COMMAND_ARRAY, DIAGNOSTICS)]  # fmt: skip
+                                   COMMAND_ARRAY, ARM_TRAJECTORY, GRIPPER_TRAJECTORY, DIAGNOSTICS)]  # fmt: skip
 # A ROS type named inside a field type: "std_msgs/Header", "sequence<trajectory_msgs/JointTrajectoryPoint>".
 _NESTED_TYPE = re.compile(r"([A-Za-z0-9_]+)/([A-Za-z0-9_]+)")
 _MSG_SEPARATOR = "=" * 80

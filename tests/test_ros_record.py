@@ -1,6 +1,7 @@
 """`vla-rl record-ros` -> MCAP -> `vla-rl convert` -> LeRobotDataset, against what the sim robot published."""
 
 import signal
+import time
 
 import numpy as np
 import pytest
@@ -129,3 +130,51 @@ def test_convert_without_episode_status_splits_at_pauses_and_names_missing_topic
         convert(ConvertConfig(input=str(mcap), output_dir=str(tmp_path / "ds2"), cameras=["wrist"]))
     with pytest.raises(FileExistsError, match="--overwrite=true"):
         convert(ConvertConfig(input=str(mcap), output_dir=str(tmp_path / "ds")))
+
+
+def test_the_trajectory_topics_are_recorded_when_trajectories_are_sent(tmp_path):
+    """With its default topics, record-ros records the arm's and the gripper's trajectory topics (serve's
+    --output=trajectory, what sim-robot's trajectory mode takes) once a node publishes on them: three
+    trajectories on each come back from the MCAP file with the joint names and positions they were sent with."""
+    import rclpy
+    from mcap.reader import make_reader
+    from mcap_ros2.decoder import DecoderFactory
+    from trajectory_msgs.msg import JointTrajectory, JointTrajectoryPoint
+
+    domain, mcap = DOMAIN_ID + 20, tmp_path / "trajectories.mcap"
+    topics = {"/arm_controller/joint_trajectory": ["joint1", "joint2"], "/gripper_controller/joint_trajectory":
+              ["finger_joint1"]}  # fmt: skip
+    recorder = start_command(["record-ros", f"--output={mcap}", "--discovery_period_s=0.2"], domain, tmp_path,
+                             "recorder")  # fmt: skip
+    context = rclpy.Context()
+    rclpy.init(context=context, domain_id=domain)
+    node = rclpy.create_node("trajectory_sender", context=context)
+    try:
+        publishers = {topic: node.create_publisher(JointTrajectory, topic, 10) for topic in topics}
+        deadline = time.monotonic() + 120  # the recorder imports and joins the graph first
+        while not all(p.get_subscription_count() >= 1 for p in publishers.values()):
+            assert time.monotonic() < deadline, "the recorder never subscribed to the trajectory topics"
+            time.sleep(0.1)
+        for k in range(3):
+            for topic, names in topics.items():
+                point = JointTrajectoryPoint(positions=[0.1 * k + j for j in range(len(names))])
+                publishers[topic].publish(JointTrajectory(joint_names=names, points=[point]))
+        time.sleep(1.0)
+    finally:
+        node.destroy_node()
+        rclpy.shutdown(context=context)
+        code, out, err = stop_command(recorder, tmp_path, "recorder", sig=signal.SIGTERM)
+    assert code == 128 + signal.SIGTERM, err
+    summary = last_json(out)
+    assert {t: summary["topics"][t]["messages"] for t in topics} == {t: 3 for t in topics}
+    sent = {(t, k): [0.1 * k + j for j in range(len(names))] for t, names in topics.items() for k in range(3)}
+    received = {}
+    with open(mcap, "rb") as f:
+        for _, channel, _, msg in make_reader(f, decoder_factories=[DecoderFactory()]).iter_decoded_messages(
+            topics=list(topics)
+        ):
+            assert list(msg.joint_names) == topics[channel.topic]
+            k = round(msg.points[0].positions[0] / 0.1)
+            received[channel.topic, k] = list(msg.points[0].positions)
+    assert received.keys() == sent.keys()
+    assert all(np.allclose(received[key], sent[key]) for key in sent)
