@@ -12,6 +12,7 @@ import numpy as np
 
 Backend = Literal["cpu", "warp"]
 RLBenchActionMode = Literal["keypose", "joint"]  # see EnvConfig.rlbench_action_mode
+RenderIsolation = Literal["thread", "process"]  # see EnvConfig.render_isolation
 
 
 @dataclass
@@ -36,6 +37,10 @@ class EnvConfig:
     # Threads rendering the camera images, each with its own GL context (cpu and warp backends);
     # 0 = one per CPU core, 1 = the calling thread only. Frames are identical for any count.
     render_threads: int = 0
+    # Where the camera images are rendered (cpu backend): process = in render_threads worker processes, each with
+    # its own GL (a driver crash costs a restarted worker, never the run; `sim.render.ProcessRenderers`); thread =
+    # in threads of this process (`sim.render.ParallelRenderers`). Frames are identical either way.
+    render_isolation: RenderIsolation = "thread"
     max_episode_steps: int = 0  # 0 = the task's own limit
     # No-op control steps after each reset, before the first observation, while objects settle: -1 = the
     # task's own (LIBERO: 10, LeRobot's; the other tasks start settled and take only 0 or -1).

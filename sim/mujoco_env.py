@@ -28,30 +28,10 @@ from sim.batched_success import HostWorlds
 from sim.config import EnvConfig, env_features, render_thread_count, reseed
 from sim.events import EventSchedules, draw_events
 from sim.ik import ArmController
-from sim.render import ParallelRenderers, Renderers
+from sim.poses import position_pass
+from sim.render import ParallelRenderers, ProcessRenderers, Renderers
 from sim.variations import VariedWorlds, scene_with_distractors
 from vla_core.types import OBS_STATE, TASK, Worlds, image_key, world_indices
-
-
-def forward_positions(model: mujoco.MjModel, data: mujoco.MjData) -> None:
-    """The position-dependent quantities of ``data``'s state that anything reads between steps.
-
-    Body, geom and site poses (the observation, the tasks' success checks), the com-based frames
-    the site Jacobians need (the controller), camera and light poses (rendering) and the contacts
-    (success checks that look at them). The dynamics a full ``mj_forward`` adds (mass matrix,
-    constraints, accelerations) would be thrown away: ``mujoco.rollout`` recomputes them from the
-    state at its first substep. About twice as fast as ``mj_forward`` on these scenes.
-    """
-    mujoco.mj_kinematics(model, data)
-    mujoco.mj_comPos(model, data)
-    mujoco.mj_camlight(model, data)
-    mujoco.mj_collision(model, data)
-
-
-def position_pass(model: mujoco.MjModel):
-    """The pass to run after stepping ``model``: :func:`forward_positions`, or ``mj_forward`` for scenes
-    with tendons, flexes or sensors, whose position-dependent quantities the kinematic pass leaves out."""
-    return forward_positions if model.ntendon == 0 and model.nflex == 0 and model.nsensor == 0 else mujoco.mj_forward
 
 
 class MujocoBatchedEnv:
@@ -64,7 +44,7 @@ class MujocoBatchedEnv:
     with a seed, or loaded from a saved state, then stepped, repeats itself bit for bit.
 
     After each step ``data[i]`` holds world i's state and its position-dependent quantities
-    (:func:`forward_positions`); run ``mujoco.mj_forward`` on it for accelerations or forces.
+    (`sim.poses.forward_positions`); run ``mujoco.mj_forward`` on it for accelerations or forces.
     """
 
     ACTION_LOW, ACTION_HIGH = ACTION_LOW, ACTION_HIGH  # the arm's workspace (`sim.arm`)
@@ -131,7 +111,8 @@ class MujocoBatchedEnv:
         self._jacp = np.zeros((self.num_envs, 3, self.model.nv))
         self._jacr = np.zeros((self.num_envs, 3, self.model.nv))
         self._renderers = Renderers(self.model)  # single frames (videos)
-        self._camera_renderers = ParallelRenderers(self.model, render_thread_count(config))
+        renderers = ProcessRenderers if config.render_isolation == "process" else ParallelRenderers
+        self._camera_renderers = renderers(self.model, render_thread_count(config))
         for cam in config.cameras:
             if mujoco.mj_name2id(self.model, mujoco.mjtObj.mjOBJ_CAMERA, cam) < 0:
                 raise ValueError(f"camera {cam!r} is not in the {config.task!r} scene; it has 'front'")

@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import os
+import signal
+import socket
+import subprocess
+import sys
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from multiprocessing.connection import Connection
 
 import mujoco
 import numpy as np
+
+from sim.variations import varied_fields
 
 # Mesa's software GL (llvmpipe, what CPU-only machines render with) splits every frame over a
 # rasterizer thread pool of its own. `ParallelRenderers` already keeps each core busy with one
@@ -100,3 +107,127 @@ class ParallelRenderers:
             ex.submit(renderers.close).result()  # freed in the thread whose context it is
             ex.shutdown()
         self._executors.clear()
+
+
+# A worker that dies this many times in a row on one request is not a rare crash: the run stops, naming it.
+MAX_RESTARTS_IN_A_ROW = 3
+
+
+class ProcessRenderers:
+    """Renders a batch of worlds in ``workers`` child processes, each with its own GL context: world ``i`` goes to
+    worker ``i * workers // N``, as `ParallelRenderers` splits them over threads.
+
+    Why processes: render threads of one process share the GL driver's state, and Mesa's llvmpipe crashed long
+    runs natively (SIGSEGV) with two threads in ``mjr_render`` at once. Processes share nothing of the driver, so
+    that race cannot happen; a worker that dies all the same (a driver's crash) is started again and renders its
+    frames again, with one line on stderr: the run loses a second, never itself or a frame (``restarts`` counts).
+
+    Each call ships, per world, what the picture depends on: its positions (``qpos``, ``mocap_pos``,
+    ``mocap_quat``) and, with per-world ``models`` (a variation), the fields a variation writes. The worker
+    (`sim.render_worker`) runs the env's own position pass on them and renders with `Renderers`, so frames are
+    bit-identical to `ParallelRenderers`' (tested). A worker is a fresh interpreter (``python -m
+    sim.render_worker``), never a fork of a process holding GL state and threads, nor a ``spawn`` that would import
+    the user's main script again; it ends with its parent (`vla_core.lifetime`).
+    """
+
+    def __init__(self, model: mujoco.MjModel, workers: int):
+        if workers < 1:
+            raise ValueError(f"render workers must be >= 1, got {workers}")
+        self.model, self.restarts = model, 0
+        self._workers = [self._launch() for _ in range(workers)]  # all start importing at once
+        for _, conn in self._workers:
+            conn.send(model)
+
+    def _launch(self) -> tuple[subprocess.Popen, Connection]:
+        here, there = socket.socketpair()
+        process = subprocess.Popen(
+            [sys.executable, "-m", "sim.render_worker", str(there.fileno()), str(os.getpid())],
+            pass_fds=[there.fileno()], stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+        there.close()  # the worker's end: with it closed here, the worker's death reads as EOF
+        return process, Connection(here.detach())
+
+    def _start(self) -> tuple[subprocess.Popen, Connection]:
+        """A worker started again, given the model."""
+        process, conn = self._launch()
+        try:
+            conn.send(self.model)
+        except OSError:
+            pass  # died at once: the next receive finds out
+        return process, conn
+
+    def frames(self, datas: Sequence[mujoco.MjData], camera: str, size: int, out: np.ndarray,
+               models: Sequence[mujoco.MjModel] | None = None) -> np.ndarray:  # fmt: skip
+        """Render ``datas`` from ``camera`` into ``out`` (len(datas), size, size, 3) uint8; returns ``out``.
+        ``models``: each world's own model (`Renderers.frame`), None = the renderers' for all."""
+        n, count = len(datas), len(self._workers)
+        bounds = [k * n // count for k in range(count + 1)]
+        requests = {}
+        for k in range(count):
+            worlds = range(bounds[k], bounds[k + 1])
+            if len(worlds):
+                requests[k] = _request(datas, worlds, camera, size, models)
+                self._send(k, requests[k])
+        for k, request in requests.items():
+            out[bounds[k] : bounds[k + 1]] = self._receive(k, request)
+        return out
+
+    def _send(self, k: int, request: tuple) -> None:
+        try:
+            self._workers[k][1].send(request)
+        except OSError:
+            pass  # it died since its last answer: `_receive` finds out and starts it again
+
+    def _receive(self, k: int, request: tuple) -> np.ndarray:
+        cause = ""
+        for _ in range(MAX_RESTARTS_IN_A_ROW + 1):
+            process, conn = self._workers[k]
+            try:
+                status, value = conn.recv()
+            except (EOFError, OSError):
+                cause = _exit_cause(process.wait())
+                self.restarts += 1
+                print(f"render worker {k} (pid {process.pid}) died ({cause}); started again, its {len(request[3])} "
+                      f"frames rendered again", file=sys.stderr)  # fmt: skip
+                conn.close()
+                self._workers[k] = self._start()
+                self._send(k, request)
+                continue
+            if status == "error":
+                raise RuntimeError(f"render worker {k} failed:\n{value}")
+            return value
+        raise RuntimeError(f"render worker {k} died {MAX_RESTARTS_IN_A_ROW + 1} times in a row on one request "
+                           f"(last: {cause}): not a rare driver crash; render in threads (--env.render_isolation=thread) "
+                           "to see the error in this process")  # fmt: skip
+
+    def close(self) -> None:
+        for process, conn in self._workers:
+            try:
+                conn.send(("close",))
+            except OSError:
+                pass
+            try:
+                process.wait(10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+            conn.close()
+        self._workers.clear()
+
+
+# A worker that dies this many times in a row on one request is not a rare crash: the run stops, naming it.
+MAX_RESTARTS_IN_A_ROW = 3
+
+
+def _request(datas, worlds: range, camera: str, size: int, models) -> tuple:
+    """What one worker needs to render ``worlds`` of ``datas``: positions and, with ``models``, varied fields."""
+    state = {"qpos": np.stack([datas[i].qpos for i in worlds])}
+    if datas[worlds[0]].mocap_pos.size:
+        state["mocap_pos"] = np.stack([datas[i].mocap_pos for i in worlds])
+        state["mocap_quat"] = np.stack([datas[i].mocap_quat for i in worlds])
+    fields = None if models is None else [varied_fields(models[i]) for i in worlds]
+    return ("frames", camera, size, list(worlds), state, fields)
+
+
+def _exit_cause(code: int) -> str:
+    return f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"

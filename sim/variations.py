@@ -48,6 +48,21 @@ VARIED_FIELDS = ("geom_size", "geom_rbound", "geom_aabb", "geom_pos", "geom_rgba
                  "light_diffuse", "light_pos")  # fmt: skip
 
 
+def varied_fields(model: mujoco.MjModel) -> dict[str, Any]:
+    """Copies of ``model``'s fields a variation may write (`VARIED_FIELDS` and the headlight)."""
+    fields = {name: getattr(model, name).copy() for name in VARIED_FIELDS}
+    headlight = {"diffuse": np.array(model.vis.headlight.diffuse), "ambient": np.array(model.vis.headlight.ambient)}
+    return {"fields": fields, "headlight": headlight}
+
+
+def set_varied_fields(model: mujoco.MjModel, saved: dict[str, Any]) -> None:
+    """Write `varied_fields`' copies into ``model`` (another model of the same scene)."""
+    for name, value in saved["fields"].items():
+        getattr(model, name)[:] = value
+    model.vis.headlight.diffuse[:] = saved["headlight"]["diffuse"]
+    model.vis.headlight.ambient[:] = saved["headlight"]["ambient"]
+
+
 def check_variation(name: str, task: Any, model: mujoco.MjModel) -> None:
     """ValueError naming the fix when ``name`` is not a variation, or ``task`` has nothing it varies."""
     if name not in ("", *VARIATIONS):
@@ -127,10 +142,7 @@ class VariedWorlds:
 
     def snapshot(self, i: int) -> dict[str, Any]:
         """World i's varied model fields and record, for a saved world (`MujocoBatchedEnv.get_state`)."""
-        model = self.models[i]
-        fields = {name: getattr(model, name).copy() for name in VARIED_FIELDS}
-        headlight = {"diffuse": np.array(model.vis.headlight.diffuse), "ambient": np.array(model.vis.headlight.ambient)}
-        return {"fields": fields, "headlight": headlight, "record": dict(self.records[i])}
+        return {**varied_fields(self.models[i]), "record": dict(self.records[i])}
 
     def load(self, i: int, snapshot: dict[str, Any] | None) -> None:
         """Give world i the variation of a :meth:`snapshot` (of any world of a batch of the same variation); a
@@ -142,11 +154,7 @@ class VariedWorlds:
                              f"{self.name!r}; load it into an env built with --env.variation={saved}")  # fmt: skip
         if not self.name:
             return
-        model = self.models[i]
-        for name, value in snapshot["fields"].items():
-            getattr(model, name)[:] = value
-        model.vis.headlight.diffuse[:] = snapshot["headlight"]["diffuse"]
-        model.vis.headlight.ambient[:] = snapshot["headlight"]["ambient"]
+        set_varied_fields(self.models[i], snapshot)
         self.records[i] = dict(snapshot["record"])
 
     # -- the variations ------------------------------------------------------------------------

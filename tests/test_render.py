@@ -72,3 +72,63 @@ def test_only_reset_worlds_are_observed_again():
 def test_negative_render_threads_is_refused_with_the_flag():
     with pytest.raises(ValueError, match=r"--env.render_threads must be >= 0"):
         MujocoBatchedEnv(EnvConfig(num_envs=2, render_threads=-1))
+
+
+@pytest.mark.parametrize("variation", ["", "colour"])
+def test_frames_rendered_in_worker_processes_equal_threads_and_survive_a_killed_worker(variation):
+    """5 worlds in 2 render worker processes (`--env.render_isolation=process`) against 1 thread, over steps that
+    end episodes (with a variation, each world's own colours): every image is bit-identical. A worker killed by
+    SIGSEGV (what a driver crash is) and one killed by SIGKILL between steps are each started again, one line on
+    stderr names the signal, and the next observation's frames are still the thread's."""
+    import os
+    import signal
+
+    cfg = {"num_envs": 5, "max_episode_steps": 3, "variation": variation, "task": "lift"}
+    with (
+        MujocoBatchedEnv(EnvConfig(**cfg, render_threads=1)) as serial,
+        MujocoBatchedEnv(EnvConfig(**cfg, render_threads=2, render_isolation="process")) as isolated,
+    ):
+        assert torch.equal(serial.reset(seed=4)[IMAGE], isolated.reset(seed=4)[IMAGE])
+        workers = isolated._camera_renderers
+        for t, kill in enumerate([None, signal.SIGSEGV, None, signal.SIGKILL, None]):
+            if kill is not None:
+                os.kill(workers._workers[t % 2][0].pid, kill)
+            a = _actions(serial, t)
+            obs_s, _, _, _, info_s = serial.step(a)
+            obs_p, _, _, _, info_p = isolated.step(a)
+            assert torch.equal(obs_s[IMAGE], obs_p[IMAGE])
+            assert torch.equal(info_s["final_obs"][IMAGE], info_p["final_obs"][IMAGE])
+        assert workers.restarts == 2
+    assert workers._workers == []  # closed with the env
+
+
+def test_a_worker_that_dies_on_every_request_stops_the_run_naming_the_fix(capfd):
+    """A worker that dies again and again on one request is no rare crash: after 3 restarts in a row the call
+    raises, naming the signal and --env.render_isolation=thread."""
+    import os
+    import signal
+
+    import mujoco
+
+    from sim.render import MAX_RESTARTS_IN_A_ROW, ProcessRenderers
+
+    env = MujocoBatchedEnv(EnvConfig(num_envs=2, task="lift", cameras=[]))
+    renderers = ProcessRenderers(env.model, 1)
+    start = renderers._start
+
+    def doomed():  # every worker started from now on is killed before it answers
+        process, conn = start()
+        os.kill(process.pid, signal.SIGKILL)
+        return process, conn
+
+    try:
+        os.kill(renderers._workers[0][0].pid, signal.SIGKILL)
+        renderers._start = doomed
+        with pytest.raises(RuntimeError, match=r"died 4 times in a row .*signal SIGKILL.*render_isolation=thread"):
+            renderers.frames([mujoco.MjData(env.model)], "front", 16, np.empty((1, 16, 16, 3), np.uint8))
+        assert renderers.restarts == MAX_RESTARTS_IN_A_ROW + 1
+        assert capfd.readouterr().err.count("died (signal SIGKILL); started again") == MAX_RESTARTS_IN_A_ROW + 1
+    finally:
+        renderers._start = start
+        renderers.close()
+        env.close()

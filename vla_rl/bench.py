@@ -14,7 +14,7 @@ What each side computes per control step, per world:
   worker process each). Each worker does what the cpu backend does for one world: clip the
   action, ``mj_jacSite`` and one `sim.ik` step to servo targets, ``substeps`` ``mj_step``
   (warm start zeroed, as `mujoco.rollout` starts), the same position pass after the physics
-  (`sim.mujoco_env.forward_positions`: ``mj_kinematics``, ``mj_comPos``, ``mj_camlight``,
+  (`sim.poses.forward_positions`: ``mj_kinematics``, ``mj_comPos``, ``mj_camlight``,
   ``mj_collision``; ``mj_forward`` on scenes with tendons, flexes or sensors), the task's success
   check and the (11,) state vector (and the camera frame). On top: the vector env's pipes and
   shared memory.
@@ -86,9 +86,9 @@ from tqdm import tqdm
 
 from sim.arm import ACTION_HIGH, ACTION_LOW, EE_IN_STATE, STATE_NAMES, arm_state, hold_actions
 from sim.batched_success import is_success
-from sim.config import Backend
+from sim.config import Backend, RenderIsolation
 from sim.ik import ArmController
-from sim.mujoco_env import position_pass
+from sim.poses import position_pass
 from sim.render import Renderers
 from sim.tasks import get_task
 
@@ -110,6 +110,8 @@ class BenchSimConfig:
     num_threads: int = 0  # physics threads of the cpu backend and raw rollout; 0 = one per CPU core
     include_render: bool = True  # also measure with the camera rendered every step (backends and gym)
     render_threads: int = 0  # the backends' render threads (`EnvConfig.render_threads`); 0 = one per CPU core
+    # cpu backend: render in threads of its process or in as many worker processes (`EnvConfig.render_isolation`)
+    render_isolation: RenderIsolation = "thread"
     render_max_envs: int = 256  # skip rendering measurements above this N (rendering dominates there)
     gym_max_envs: int = 16  # skip gym_async above this N (it runs one process per world)
     camera: str = "front"  # camera rendered in the with-render measurements
@@ -137,7 +139,7 @@ class GymTaskEnv(gymnasium.Env):
     The same scene, action, controller and physics as one world of `MujocoBatchedEnv`: a 4-D
     end-effector target [x, y, z, grip] clipped to the workspace, one `sim.ik` step to servo
     targets, ``substeps`` calls of ``mj_step``, then the batched env's position pass
-    (`sim.mujoco_env.forward_positions`, or ``mj_forward`` where it does so) so the next control
+    (`sim.poses.forward_positions`, or ``mj_forward`` where it does so) so the next control
     step reads the kinematics of the state reached. Observation: the (11,) state vector (7 joints, gripper
     width, end-effector xyz), or with ``camera`` a dict of it and the (S, S, 3) uint8 image.
     """
@@ -319,6 +321,7 @@ def backend_rate(
         task=cfg.task, backend=backend, device=device, num_envs=n, image_size=cfg.image_size,
         cameras=[cfg.camera] if render else [], substeps=cfg.substeps, num_threads=cfg.num_threads,
         render_threads=cfg.render_threads if render_threads is None else render_threads, max_episode_steps=10**9,
+        render_isolation=cfg.render_isolation if backend == "cpu" else "thread",
     )  # fmt: skip
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
 
