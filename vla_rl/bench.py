@@ -63,6 +63,13 @@ Protocol history (runs as README.md reports them: ranges over runs, not their fi
   baseline. Four runs at N = 16 with the camera: ``render_speedup_vs_gym_async`` 1.30-1.42.
 - 2026-12-02, added before its first result: the LIBERO rows and ``libero_speedup_vs_lerobot_async``
   at the end of the final line (protocol in the LIBERO rows' section below).
+- 2026-12-07, added before its first run: ``--render_isolation`` (``thread``, the design so far; ``process``,
+  render worker processes, `sim.render.ProcessRenderers`). It chooses the renderer that ships: ``process`` must
+  keep ``render_speedup_vs_gym_async`` >= 1.3 at N = 16, the median of 3 runs of ``vla-rl bench sim
+  --num_envs='[16]' --render_isolation=<each> --libero_task=''``, the two alternating (thread, process, thread,
+  ...), on a machine whose other jobs are stopped for the runs; each run has its own gymnasium baseline. If
+  ``process`` clears it, it becomes the default (it removes the race rather than living with it); if not,
+  ``thread`` stays and the miss is reported.
 """
 
 from __future__ import annotations
