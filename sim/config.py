@@ -34,13 +34,15 @@ class EnvConfig:
     cameras: list[str] = field(default_factory=lambda: ["front"])
     substeps: int = 25  # physics steps per control step (0.002 s each: 20 Hz control)
     num_threads: int = 0  # physics threads; 0 = one per CPU core
-    # Threads rendering the camera images, each with its own GL context (cpu and warp backends);
-    # 0 = one per CPU core, 1 = the calling thread only. Frames are identical for any count.
+    # Renderers of the camera images, each with its own GL context: worker processes (cpu backend, see
+    # render_isolation) or threads (warp, or render_isolation=thread; 1 = the calling thread only); 0 = one per
+    # CPU core. Frames are identical for any count.
     render_threads: int = 0
     # Where the camera images are rendered (cpu backend): process = in render_threads worker processes, each with
     # its own GL (a driver crash costs a restarted worker, never the run; `sim.render.ProcessRenderers`); thread =
-    # in threads of this process (`sim.render.ParallelRenderers`). Frames are identical either way.
-    render_isolation: RenderIsolation = "thread"
+    # in threads of this process (`sim.render.ParallelRenderers`; Mesa's llvmpipe crashed long runs natively with
+    # two of them rendering at once). Frames are identical either way; speed too (`vla-rl bench sim`).
+    render_isolation: RenderIsolation = "process"
     max_episode_steps: int = 0  # 0 = the task's own limit
     # No-op control steps after each reset, before the first observation, while objects settle: -1 = the
     # task's own (LIBERO: 10, LeRobot's; the other tasks start settled and take only 0 or -1).
@@ -67,10 +69,12 @@ class EnvConfig:
 
 
 def render_thread_count(config: EnvConfig) -> int:
-    """Threads that render the camera images of ``config``'s worlds: ``render_threads`` (0 = one
-    per CPU core), never more than the worlds, 1 when no camera is rendered."""
+    """Threads (or worker processes) that render the camera images of ``config``'s worlds: ``render_threads`` (0 =
+    one per CPU core), never more than the worlds, 1 when no camera is rendered."""
     if config.render_threads < 0:
         raise ValueError(f"--env.render_threads must be >= 0 (0 = one per CPU core), got {config.render_threads}")
+    if config.render_isolation not in ("thread", "process"):
+        raise ValueError(f"--env.render_isolation must be thread or process, got {config.render_isolation!r}")
     if not config.cameras:
         return 1
     return max(1, min(config.render_threads or os.cpu_count() or 1, config.num_envs))

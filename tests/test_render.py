@@ -1,4 +1,5 @@
-"""Camera images rendered on several threads: the same frames as one thread, and as `env.render`."""
+"""Camera images rendered on several threads or worker processes: the same frames as one thread, and as
+`env.render`."""
 
 import numpy as np
 import pytest
@@ -23,8 +24,8 @@ def test_threaded_frames_equal_one_thread_frames_through_resets():
     every image of every observation is bit-identical."""
     cfg = {"num_envs": 5, "max_episode_steps": 3}
     with (
-        MujocoBatchedEnv(EnvConfig(**cfg, render_threads=1)) as serial,
-        MujocoBatchedEnv(EnvConfig(**cfg, render_threads=3)) as threaded,
+        MujocoBatchedEnv(EnvConfig(**cfg, render_threads=1, render_isolation="thread")) as serial,
+        MujocoBatchedEnv(EnvConfig(**cfg, render_threads=3, render_isolation="thread")) as threaded,
     ):
         assert torch.equal(serial.reset(seed=4)[IMAGE], threaded.reset(seed=4)[IMAGE])
         ended = torch.zeros(5, dtype=torch.bool)
@@ -69,9 +70,11 @@ def test_only_reset_worlds_are_observed_again():
         assert obs[IMAGE].data_ptr() != final[IMAGE].data_ptr()  # final_obs is not overwritten
 
 
-def test_negative_render_threads_is_refused_with_the_flag():
+def test_negative_render_threads_and_an_unknown_isolation_are_refused_with_the_flag():
     with pytest.raises(ValueError, match=r"--env.render_threads must be >= 0"):
         MujocoBatchedEnv(EnvConfig(num_envs=2, render_threads=-1))
+    with pytest.raises(ValueError, match=r"--env.render_isolation must be thread or process, got 'threads'"):
+        MujocoBatchedEnv(EnvConfig(num_envs=2, render_isolation="threads"))
 
 
 @pytest.mark.parametrize("variation", ["", "colour"])
@@ -85,7 +88,7 @@ def test_frames_rendered_in_worker_processes_equal_threads_and_survive_a_killed_
 
     cfg = {"num_envs": 5, "max_episode_steps": 3, "variation": variation, "task": "lift"}
     with (
-        MujocoBatchedEnv(EnvConfig(**cfg, render_threads=1)) as serial,
+        MujocoBatchedEnv(EnvConfig(**cfg, render_threads=1, render_isolation="thread")) as serial,
         MujocoBatchedEnv(EnvConfig(**cfg, render_threads=2, render_isolation="process")) as isolated,
     ):
         assert torch.equal(serial.reset(seed=4)[IMAGE], isolated.reset(seed=4)[IMAGE])

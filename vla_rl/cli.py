@@ -291,6 +291,12 @@ def _run_bench_delay_calibration(cfg):
     print(format_summary(bench_delay_calibration(cfg)))
 
 
+def _run_bench_render_soak(cfg):
+    from vla_rl.bench_render_soak import bench_render_soak, format_summary
+
+    print(format_summary(bench_render_soak(cfg)))
+
+
 def _run_bench_ray(cfg):
     from vla_rl.bench_ray import bench_ray, format_summary
 
@@ -423,7 +429,7 @@ COMMANDS: dict[str, Command] = {
     "bench": Command(
         "benchmarks: `bench sim` (env-steps/s), `bench bridge` (ROS 2 latency), `bench delay` (success under "
         "delay), `bench rl` (RL fine-tuning gains), `bench latency-rl` (ARLI), `bench delay-calibration` (their task and delay), `bench robot-parity` (the "
-        "latency model against a served robot), `bench delay-beyond` (a robot slower than the policy was trained for), `bench ray` (asynchronous Ray rollouts), "
+        "latency model against a served robot), `bench delay-beyond` (a robot slower than the policy was trained for), `bench ray` (asynchronous Ray rollouts), `bench render-soak` (native crashes of the renderer), "
         "`bench libero` (LIBERO against LeRobot's evaluator), `bench ar-decoding` (token decoding speed)",
         "",
         None,
@@ -472,6 +478,11 @@ COMMANDS: dict[str, Command] = {
                 "a robot 1.5x slower than its policy was trained for: what serve's delay clamp costs on the sim robot",
                 "vla_rl.bench_delay_beyond:BenchDelayBeyondConfig",
                 _run_bench_delay_beyond,
+            ),
+            "render-soak": Command(
+                "the camera renderer for hours as fine-tuning with periodic evaluations uses it: native crashes",
+                "vla_rl.bench_render_soak:BenchRenderSoakConfig",
+                _run_bench_render_soak,
             ),
             "ray": Command(
                 "Ray on a two-node local cluster: asynchronous over synchronous rollouts, a worker killed mid-run",
