@@ -1,4 +1,4 @@
-"""`vla_rl.run_clock.RunClock`: a resumed benchmark's minutes count every process that worked on it."""
+"""`vla_rl.bench_stages.RunClock`: a resumed benchmark's minutes count every process that worked on it."""
 
 import json
 import os
@@ -7,7 +7,7 @@ import subprocess
 import sys
 import time
 
-from vla_rl.run_clock import RunClock
+from vla_rl.bench_stages import RunClock
 
 
 def test_a_clock_adds_the_seconds_of_the_processes_before_it(tmp_path):
@@ -26,7 +26,9 @@ def test_a_process_killed_without_warning_keeps_what_its_heartbeat_saved(tmp_pat
     """A process killed by SIGKILL runs no exit code; its heartbeat (every 0.1 s here) already wrote its seconds,
     so the next process's count includes them."""
     path = tmp_path / "run_clock.json"
-    code = f"from vla_rl.run_clock import RunClock; import time; RunClock({str(path)!r}, every_s=0.1); time.sleep(600)"
+    code = (
+        f"from vla_rl.bench_stages import RunClock; import time; RunClock({str(path)!r}, every_s=0.1); time.sleep(600)"
+    )
     child = subprocess.Popen([sys.executable, "-c", code])
     try:
         deadline, seconds = time.monotonic() + 120, 0.0

@@ -272,8 +272,7 @@ def bench_latency_rl(cfg: BenchLatencyRLConfig) -> dict[str, Any]:
 
 def _bench_one_seed(cfg: BenchLatencyRLConfig, out: Path) -> dict[str, Any]:
     """The protocol for ``cfg.seed`` in ``out``: every cell, also written as ``out / "latency_rl.json"``."""
-    from vla_rl.bench_stages import check_calibration, latency_rl_cell, ppo_run, record_demos, train_imitation
-    from vla_rl.run_clock import RunClock
+    from vla_rl.bench_stages import RunClock, check_calibration, latency_rl_cell, ppo_run, record_demos, train_imitation
     from vla_rl.stages import DelayConfig
 
     calibration = check_calibration(cfg.calibration, "latency_rl", cfg) if cfg.calibration else None

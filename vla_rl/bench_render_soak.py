@@ -61,7 +61,7 @@ class BenchRenderSoakConfig:
 
 def bench_render_soak(cfg: BenchRenderSoakConfig) -> dict[str, Any]:
     """Run (or resume) the soak in ``<output_dir>/<render_isolation>``; returns its report (also ``soak.json``)."""
-    from vla_rl.run_clock import RunClock
+    from vla_rl.bench_stages import RunClock
 
     if cfg.frames < 1 or cfg.num_envs < 1 or cfg.eval_envs < 1 or cfg.segment_minutes <= 0:
         raise ValueError("--frames, --num_envs and --eval_envs must be >= 1 and --segment_minutes > 0")

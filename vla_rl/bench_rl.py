@@ -228,8 +228,7 @@ def bench_rl(cfg: BenchRLConfig) -> dict[str, Any]:
 
 def _bench_one_seed(cfg: BenchRLConfig, out: Path) -> dict[str, Any]:
     """The protocol for ``cfg.seed`` in ``out``: its report, also written as ``out / "rl.json"``."""
-    from vla_rl.bench_stages import held_out, record_demos, train_imitation
-    from vla_rl.run_clock import RunClock
+    from vla_rl.bench_stages import RunClock, held_out, record_demos, train_imitation
 
     start, clock = time.time(), RunClock(out / "run_clock.json")  # minutes over every process of a resumed run
     dataset, imitation = out / "dataset", out / "imitation"
@@ -330,7 +329,7 @@ def _finetune_arm(cfg: BenchRLConfig, arm: str, imitation: Path, out: Path) -> d
         extra["noise"] = replace(FinetuneConfig().noise, min_std=GRPO_MIN_STD)
     if arm == "ppo_prm":
         extra["reward"] = RewardConfig(process_model=str(_process_reward_model(cfg, out)))
-    from vla_rl.run_clock import RunClock
+    from vla_rl.bench_stages import RunClock
 
     clock = RunClock(out / "run_clocks" / f"{arm}.json")  # the arm's minutes over every process of a resumed run
     summary = finetune(FinetuneConfig(

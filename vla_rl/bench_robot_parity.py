@@ -126,7 +126,7 @@ def bench_robot_parity(cfg: BenchRobotParityConfig) -> dict[str, Any]:
     if not cfg.quick and not cfg.checkpoint:
         raise ValueError("--checkpoint=DIR names the checkpoint to serve and evaluate (or run --quick=true)")
     out = Path(cfg.output_dir) / "quick" if cfg.quick else Path(cfg.output_dir)
-    from vla_rl.run_clock import RunClock
+    from vla_rl.bench_stages import RunClock
 
     clock = RunClock(out / "run_clock.json")  # minutes over every process of a resumed run
     checkpoint = quick_checkpoint(cfg, out) if cfg.quick else Path(cfg.checkpoint)

@@ -2,9 +2,9 @@
 delay-calibration`): scripted demonstrations, an imitation policy trained on them, one held-out
 evaluation cell, `bench latency-rl`'s PPO arm, the check a calibrated arm run passes
 (`check_calibration`, against `bench delay-calibration`'s result and its protocol file), and several
-training seeds as separate runs with their cells pooled (`seed_runs`, `pool_cells`). The first two
-are skipped or resumed when a killed run left them finished or part-done in the output folder. Each
-runs through the stages API (`vla_rl.stages`).
+training seeds as separate runs with their cells pooled (`seed_runs`, `pool_cells`), and the minutes of a
+resumable benchmark over all its processes (`RunClock`). The first two are skipped or resumed when a killed
+run left them finished or part-done in the output folder. Each runs through the stages API (`vla_rl.stages`).
 
 ``cfg`` is the benchmark's config; it names task, demos, num_envs, seed, train_steps, batch_size,
 horizon, n_action_steps and num_threads. A finished or part-done stage is reused only if it was made
@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import subprocess
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, replace
@@ -134,7 +136,6 @@ def ppo_run(cfg, out: Path, name: str, d: int, latency_aware: bool, low_latency:
     either fast part fitted on the demonstrations first for ``cfg.latency_warmup_steps``. Returns its folder and
     what the report keeps of it. `bench delay-calibration` runs the baseline arms through it too."""
 
-    from vla_rl.run_clock import RunClock
     from vla_rl.stages import DelayConfig, EnvConfig, FinetuneConfig, LatencyWarmupConfig, finetune
 
     run_dir = out / "runs" / name
@@ -425,3 +426,44 @@ def wait_until_ready(serve, log: Path, timeout_s: float) -> None:
     raise RuntimeError(
         f"vla-rl serve did not load its policy in {timeout_s:g} s; see {log} (or raise --start_timeout_s)"
     )
+
+
+# -- the minutes of a resumable benchmark, over every process that worked on it ---------------------------------
+# A benchmark killed and resumed runs in several processes; the time since the last one started leaves the earlier
+# ones out. `RunClock` keeps each process's seconds in one JSON file, under a key of its own (its start time and
+# pid), refreshed by a daemon thread every ``every_s`` seconds and whenever `minutes` is read, so a process killed
+# without warning loses at most ``every_s`` seconds of the count.
+
+
+class RunClock:
+    """Minutes spent on the work whose clock file is ``path``, by this process and every earlier one."""
+
+    def __init__(self, path: str | Path, every_s: float = 30.0):
+        self.path = Path(path)
+        self._key = f"{time.time():.6f}-{os.getpid()}"
+        self._start = time.monotonic()
+        self._lock = threading.Lock()
+        self._stopped = threading.Event()
+        self._save()
+        threading.Thread(target=self._beat, args=(every_s,), daemon=True, name="run-clock").start()
+
+    def _beat(self, every_s: float) -> None:
+        while not self._stopped.wait(every_s):
+            self._save()
+
+    def _save(self) -> dict[str, float]:
+        with self._lock:
+            seconds = json.loads(self.path.read_text()) if self.path.is_file() else {}
+            seconds[self._key] = round(time.monotonic() - self._start, 3)
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            write_text_atomic(self.path, json.dumps(seconds, indent=1))
+            return seconds
+
+    def minutes(self) -> float:
+        """Minutes over every process so far (this one up to now), rounded to 0.01."""
+        return round(sum(self._save().values()) / 60, 2)
+
+    def stop(self) -> float:
+        """The final count (`minutes`); the clock stops refreshing."""
+        self._stopped.set()
+        return self.minutes()

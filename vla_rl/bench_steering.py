@@ -213,7 +213,7 @@ def _bench_one_seed(cfg: BenchSteeringConfig, out: Path) -> dict[str, Any]:
 
     out.mkdir(parents=True, exist_ok=True)
     _same_run(cfg, out / "bench_config.json")
-    from vla_rl.run_clock import RunClock
+    from vla_rl.bench_stages import RunClock
 
     clock = RunClock(out / "run_clock.json")  # minutes over every process of a resumed run
     record_demos(cfg, out / "dataset")
