@@ -9,14 +9,16 @@ MuJoCo Warp not installed); the JSON holds every check, the last line printed is
 1. ``delay_streams``: the delay model's generators on the GPU follow the one seeding rule (stream s
    draws what seed + s draws, different streams differ) and a saved state restores the draws.
 2. ``policy_on_gpu``: a small diffusion policy and a small flow VLA on the GPU give the chunk they give
-   on the CPU for the same observation and noise; the RL actor samples and scores a chain there; a
-   latency head added on the GPU leaves the chunk unchanged.
+   on the CPU for the same observation and noise, and the chunk kept in ``gpu_smoke_reference.json``
+   (``max_gap_to_reference``: written once by ``--write-reference`` on a CPU, so a check run on the CPU
+   compares with something it did not compute); the RL actor samples and scores a chain there; a latency
+   head added on the GPU leaves the chunk unchanged.
 3. ``shell_on_gpu``: the simulation's shell of the latency protocol over a MuJoCo Warp env on the GPU,
    with uniform delays, runs whole episodes with the state on the device.
 4. ``ray_worker_on_gpu``: a Ray rollout worker that declares a GPU runs its policy copy there and hands
    the learner CPU tensors (``--ray.worker_gpus``).
 5. ``lerobot_vla_on_gpu``: LeRobot's pi0 (shrunk by the tests' config patch, `tests/tiny_lerobot_vla.py`)
-   behind vla-rl's adapter gives on the GPU the chunk it gives on the CPU; adapted as `vla-rl finetune
+   behind vla-rl's adapter gives on the GPU the chunk it gives on the CPU and the kept reference; adapted as `vla-rl finetune
    --vla.trainable=expert --vla.dtype=bfloat16 --vla.gradient_checkpointing=true` makes it, it samples a
    chain and scores it with finite float32 log-probs and gradients there; reports the peak memory.
 6. ``autoregressive_vla_on_gpu``: a small autoregressive VLA (FAST tokens fitted on random smooth chunks)
@@ -40,6 +42,23 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 class NotRun(Exception):
     """A check that cannot run here (a missing part), as opposed to one that fails."""
+
+
+# The chunks of the checks' small policies for their fixed observation and noise, computed once on a CPU by
+# `--write-reference` (again after a change that is meant to change them, saying so in the commit).
+REFERENCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_smoke_reference.json")
+REFERENCE_TOLERANCE = 1e-3  # float32 kernels of another device (or BLAS) agree to about 1e-5 on these sizes
+
+
+def gap_to_reference(name: str, actions) -> float:
+    """The largest absolute difference of ``actions`` (any device) from the kept chunk ``name``."""
+    import torch
+
+    with open(REFERENCE) as f:
+        kept = torch.tensor(json.load(f)[name])
+    if tuple(kept.shape) != tuple(actions.shape):
+        raise AssertionError(f"{name}: chunk of shape {tuple(actions.shape)}, the reference's is {tuple(kept.shape)}")
+    return float((actions.detach().cpu().double() - kept.double()).abs().max())
 
 
 def check_delay_streams(device) -> dict:
@@ -85,24 +104,32 @@ def _tiny_policy(kind: str):
     return policy.eval()
 
 
+def _policy_inputs():
+    """The fixed observation (4 worlds) and noise the small policies' chunks are compared on."""
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    obs = {"observation.images.front": torch.rand(4, 3, 16, 16, generator=g), "observation.state": torch.randn(4, 3, generator=g),
+           "task": ["go"] * 4}  # fmt: skip
+    return obs, torch.randn(4, 6, 2, generator=g)
+
+
 def check_policy_on_gpu(device) -> dict:
     import torch
 
     from policies.denoising_chain import ExplorationNoise
 
-    g = torch.Generator().manual_seed(1)
-    obs = {"observation.images.front": torch.rand(4, 3, 16, 16, generator=g), "observation.state": torch.randn(4, 3, generator=g),
-           "task": ["go"] * 4}  # fmt: skip
-    noise = torch.randn(4, 6, 2, generator=g)
+    obs, noise = _policy_inputs()
     on = lambda o: {k: v.to(device) if torch.is_tensor(v) else v for k, v in o.items()}
-    gaps = {}
+    gaps, to_reference = {}, {}
     for kind in ("diffusion", "flow"):
         policy = _tiny_policy(kind)
         cpu = policy.predict_chunk(obs, noise=noise).actions
         policy.to(device)
         gpu = policy.predict_chunk(on(obs), noise=noise.to(device)).actions
         gaps[kind] = float((gpu.cpu() - cpu).abs().max())
-        assert gaps[kind] < 1e-3, (kind, gaps[kind])
+        to_reference[kind] = gap_to_reference(kind, gpu)
+        assert gaps[kind] < 1e-3 and to_reference[kind] < REFERENCE_TOLERANCE, (kind, gaps[kind], to_reference[kind])
         actor = policy.rl_actor(ExplorationNoise(eta=0.0, min_std=0.1))
         chunk, chain = actor.act(on(obs), torch.zeros(4, dtype=torch.long, device=device))
         executed = torch.arange(policy.config.horizon, device=device).expand(4, -1) < 4  # the rows that ran
@@ -114,7 +141,7 @@ def check_policy_on_gpu(device) -> dict:
                "observation.mid.images.front": obs["observation.images.front"], "observation.mid.steps": torch.zeros(4, dtype=torch.long)}  # fmt: skip
         aware = policy.predict_chunk(on({**obs, **mid}), noise=noise.to(device)).actions
         assert torch.equal(aware, gpu), kind
-    return {"max_gap_to_cpu": gaps}
+    return {"max_gap_to_cpu": gaps, "max_gap_to_reference": to_reference}
 
 
 def check_shell_on_gpu(device, num_envs: int = 64) -> dict:
@@ -191,7 +218,8 @@ def check_ray_worker_on_gpu(device) -> dict:
     return {"worker_device": placed["device"], "decisions": len(rollout)}
 
 
-def check_lerobot_vla_on_gpu(device) -> dict:
+def _lerobot_vlas(device):
+    """The tests' tiny pi0 (seeded) loaded on the CPU and on ``device``, and its fixed observation and noise."""
     import tempfile
     from pathlib import Path
 
@@ -200,22 +228,46 @@ def check_lerobot_vla_on_gpu(device) -> dict:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from tiny_lerobot_vla import save_tiny_vla, tiny_backbones, word_tokenizer
 
-    from policies.denoising_chain import ExplorationNoise
-    from policies.lerobot.adaptation import AdaptationConfig
     from vla_rl.checkpoint import load_policy
 
     with tempfile.TemporaryDirectory() as tmp:
         tokenizer = word_tokenizer(Path(tmp) / "tokenizer", ["lift", "the", "cube"])
         save_tiny_vla(Path(tmp) / "pi0", tokenizer)
         with tiny_backbones():
-            cpu, gpu = (load_policy(Path(tmp) / "pi0", device=d, tokenizer_dir=str(Path(tmp) / "tokenizer"))[0]
-                        for d in ("cpu", device))  # fmt: skip
+            cpu, on_device = (load_policy(Path(tmp) / "pi0", device=d, tokenizer_dir=str(Path(tmp) / "tokenizer"))[0]
+                              for d in ("cpu", device))  # fmt: skip
     g = torch.Generator().manual_seed(0)
     obs = {"observation.images.front": torch.rand(2, 3, 64, 64, generator=g),
            "observation.state": torch.randn(2, 11, generator=g), "task": ["lift the cube"] * 2}  # fmt: skip
-    noise = torch.randn(2, 8, 32, generator=g)
+    return cpu, on_device, obs, torch.randn(2, 8, 32, generator=g)
+
+
+def write_reference(path: str = REFERENCE) -> dict:
+    """Compute the kept chunks on the CPU and write them to ``path`` (`--write-reference`)."""
+    obs, noise = _policy_inputs()
+    chunks = {kind: _tiny_policy(kind).predict_chunk(obs, noise=noise).actions for kind in ("diffusion", "flow")}
+    vla, _, vla_obs, vla_noise = _lerobot_vlas("cpu")
+    chunks["lerobot_vla"] = vla.predict_chunk(vla_obs, noise=vla_noise).actions
+    kept = {name: [[[round(float(v), 7) for v in row] for row in chunk] for chunk in actions.detach()]
+            for name, actions in chunks.items()}  # fmt: skip
+    with open(path, "w") as f:
+        json.dump(kept, f)
+    return kept
+
+
+def check_lerobot_vla_on_gpu(device) -> dict:
+    import torch
+
+    from policies.denoising_chain import ExplorationNoise
+    from policies.lerobot.adaptation import AdaptationConfig
+
+    cpu, gpu, obs, noise = _lerobot_vlas(device)
     on_gpu = {k: v.to(device) if torch.is_tensor(v) else v for k, v in obs.items()}
-    gap = cpu.predict_chunk(obs, noise=noise).actions - gpu.predict_chunk(on_gpu, noise=noise.to(device)).actions.cpu()
+    chunk = gpu.predict_chunk(on_gpu, noise=noise.to(device)).actions
+    gap, to_reference = (
+        cpu.predict_chunk(obs, noise=noise).actions - chunk.cpu(),
+        gap_to_reference("lerobot_vla", chunk),
+    )
     gpu.adapt(AdaptationConfig(trainable="expert", dtype="bfloat16", gradient_checkpointing=True))
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -223,11 +275,12 @@ def check_lerobot_vla_on_gpu(device) -> dict:
     score = gpu.log_prob(on_gpu, chain)
     score.sum().backward()
     grads = [p.grad for p in gpu.parameters() if p.grad is not None]
-    assert float(gap.abs().max()) < 1e-3, float(gap.abs().max())
+    assert float(gap.abs().max()) < 1e-3 and to_reference < REFERENCE_TOLERANCE, (float(gap.abs().max()), to_reference)
     assert score.dtype == torch.float32 and torch.isfinite(score).all() and torch.isfinite(behaviour).all()
     assert grads and all(torch.isfinite(gr).all() for gr in grads)
     peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
-    return {"max_gap_to_cpu": round(float(gap.abs().max()), 8), "trained_tensors": len(grads), "peak_mib": peak}
+    return {"max_gap_to_cpu": round(float(gap.abs().max()), 8), "max_gap_to_reference": round(to_reference, 8),
+            "trained_tensors": len(grads), "peak_mib": peak}  # fmt: skip
 
 
 def check_autoregressive_vla_on_gpu(device) -> dict:
@@ -291,9 +344,16 @@ CHECKS = {
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="gpu_smoke.json", help="where the JSON of every check goes")
+    parser.add_argument("--write-reference", action="store_true",
+                        help=f"compute the small policies' chunks on this CPU and keep them in {REFERENCE} (after a "
+                             "change meant to change them), then exit")  # fmt: skip
     args = parser.parse_args(argv)
     import torch
 
+    if args.write_reference:
+        kept = write_reference()
+        print(f"wrote {', '.join(kept)} to {REFERENCE}")
+        return 0
     if not torch.cuda.is_available():
         print("gpu_smoke: no CUDA device here; run this on a machine with one", file=sys.stderr)
         return 2
