@@ -1,8 +1,9 @@
 """`vla-rl serve --output=trajectory --trajectory_action=<name>`: the arm's trajectories as goals of
 control_msgs/FollowJointTrajectory, the action joint_trajectory_controller serves beside its topic.
 
-control_msgs has no pip wheel, so it is optional: imported here, and this module only when
-``trajectory_action`` is set. Each trajectory is a new goal, which the controller takes as it takes a
+control_msgs has no pip wheel: the project's install (`make`) builds its FollowJointTrajectory from
+``interfaces/control_msgs`` (control_msgs' own definitions) into the venv, and a sourced ROS 2 installation
+provides it too. It is imported here, and this module only when ``trajectory_action`` is set. Each trajectory is a new goal, which the controller takes as it takes a
 trajectory on its topic (the new one replaces the rest of the previous from its start stamp); a goal the
 server accepts is counted (``trajectory_goals_accepted``), one it rejects, or one sent while no server is
 up, too (``trajectory_rejected``) and logged once a
@@ -16,11 +17,12 @@ from robot_bridge.log_limit import LogLimiter
 
 try:
     from control_msgs.action import FollowJointTrajectory
-except ImportError:  # no pip wheel provides it; a ROS 2 installation does (ros-<distro>-control-msgs)
+except ImportError:  # not built (an install without `make`) and no ROS 2 installation sourced
     FollowJointTrajectory = None
 
 MISSING = (
-    "trajectory_action needs control_msgs, which has no pip wheel: source a ROS 2 installation that has it "
+    "trajectory_action needs control_msgs, which has no pip wheel: run `make` (it builds control_msgs' "
+    "FollowJointTrajectory into the venv from interfaces/control_msgs) or source a ROS 2 installation that has it "
     "(ros-<distro>-control-msgs), or leave trajectory_action empty to send trajectories on topics.arm_trajectory"
 )
 
