@@ -131,7 +131,8 @@ def test_the_curves_figure_plots_each_seeds_periodic_evaluations_of_each_arm(tmp
 
 
 def test_the_grpo_arm_samples_with_the_std_floor_the_pilots_chose_and_ppo_with_the_default(tmp_path, monkeypatch):
-    """The 2026-12-07 amendment: GRPO fine-tunes with --noise.min_std=0.05, PPO with finetune's 0.1; eta 0 both."""
+    """The 2026-12-07 amendment: GRPO fine-tunes with --noise.min_std=0.05, PPO with finetune's 0.1; eta 0 both. A
+    token policy's GRPO arm keeps finetune's noise (it has no chain; finetune refuses a floor set for it)."""
     from vla_rl.bench_rl import _finetune_arm
 
     seen = {}
@@ -144,3 +145,5 @@ def test_the_grpo_arm_samples_with_the_std_floor_the_pilots_chose_and_ppo_with_t
     for arm in ("ppo", "grpo"):
         _finetune_arm(BenchRLConfig(), arm, tmp_path / "imitation", tmp_path)
     assert seen == {"ppo": (0.0, 0.1, 1.0), "grpo": (0.0, 0.05, 1.0)}
+    _finetune_arm(BenchRLConfig(policy_type="autoregressive_vla"), "grpo", tmp_path / "imitation", tmp_path)
+    assert seen["grpo"] == (0.0, 0.1, 1.0)

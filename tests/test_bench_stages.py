@@ -69,3 +69,31 @@ def test_an_imitation_run_of_another_seed_or_delay_is_refused_before_training(tm
     assert ran == []
     train_imitation(BenchRLConfig(), tmp_path / "dataset", run)  # the same run: resumed
     assert ran == [("train", 0, True)]
+
+
+def test_the_token_vlas_localization_setting_records_the_true_state_and_reaches_its_imitation(tmp_path, monkeypatch):
+    """`bench rl --policy_type=autoregressive_vla --action_frame=delta --environment_state_weight=1.0`: the
+    demonstrations are recorded with the true state (a dataset without it is refused, naming the field), and the
+    imitation policy gets the frame and the objective; a run from before the fields (neither in its config)
+    resumes under the defaults, so the fields reach the policy only when set."""
+    seen = []
+    monkeypatch.setattr(stages, "record", lambda cfg: seen.append(("record", cfg.environment_state)))
+    monkeypatch.setattr(stages, "train", lambda cfg: seen.append(("train", cfg.policy.action_frame,
+                                                                   cfg.policy.environment_state_weight)))  # fmt: skip
+    localized = BenchRLConfig(policy_type="autoregressive_vla", action_frame="delta", environment_state_weight=1.0)
+    record_demos(localized, tmp_path / "fresh")
+    recorded_dataset(tmp_path / "plain")
+    with pytest.raises(ValueError, match="environment_state=None, but this run asks for environment_state=True"):
+        record_demos(localized, tmp_path / "plain")
+    train_imitation(localized, tmp_path / "fresh", tmp_path / "imitation")
+    old = tmp_path / "old_ar"
+    (old / "checkpoints").mkdir(parents=True)
+    (old / "train_config.json").write_text(json.dumps({"seed": 0, "steps": 12000, "batch_size": 64,
+        "delay": asdict(DelayConfig()), "policy": {"type": "autoregressive_vla", "horizon": 16, "n_action_steps": 4,
+                                                   "action_tokenizer": "uniform_bins"}}))  # fmt: skip
+    train_imitation(BenchRLConfig(policy_type="autoregressive_vla"), tmp_path / "fresh", old)
+    assert seen == [("record", True), ("train", "delta", 1.0), ("train", "absolute", 0.0)]
+    with pytest.raises(ValueError, match="set the token VLA's imitation; pass --policy_type=autoregressive_vla"):
+        from vla_rl.bench_rl import bench_rl
+
+        bench_rl(BenchRLConfig(environment_state_weight=1.0, output_dir=str(tmp_path / "bench")))

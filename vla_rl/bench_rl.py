@@ -162,6 +162,7 @@ ALGOS = ("ppo", "grpo")
 DEFAULT_TRAIN_STEPS = {"diffusion": 4000, "autoregressive_vla": 12000}
 PolicyType = Literal["diffusion", "autoregressive_vla"]
 ActionTokenizer = Literal["fast", "uniform_bins"]
+ActionFrame = Literal["absolute", "delta"]
 
 
 @dataclass
@@ -172,6 +173,11 @@ class BenchRLConfig:
     policy_type: PolicyType = "diffusion"  # the imitation policy RL starts from (autoregressive_vla: its own folder)
     # autoregressive_vla only: its action tokens (chosen from the imitation arm alone: the 2026-12-04 selection)
     action_tokenizer: ActionTokenizer = "uniform_bins"
+    # autoregressive_vla only: actions tokenized as absolute targets or as steps (`--policy.action_frame`)
+    action_frame: ActionFrame = "absolute"
+    # autoregressive_vla only: > 0 adds imitation's localization objective at this weight
+    # (`--policy.environment_state_weight`), the demonstrations recorded with the task's true state
+    environment_state_weight: float = 0.0
     # A third arm: PPO with a process reward model `vla-rl train-prm` fits on the benchmark's demonstrations
     process_reward: bool = False
     demos: int = 200  # scripted demonstration episodes of the imitation policy
@@ -212,6 +218,10 @@ class BenchRLConfig:
 def bench_rl(cfg: BenchRLConfig) -> dict[str, Any]:
     """Run the protocol of the module docstring; returns (and writes as ``rl.json``) its results. With
     ``cfg.seeds``, each seed's run and their pooled figures (``pooled.json``, `pool_seeds`)."""
+    if cfg.policy_type != "autoregressive_vla" and (cfg.action_frame != "absolute" or cfg.environment_state_weight):
+        raise ValueError(f"--action_frame={cfg.action_frame} and --environment_state_weight="
+                         f"{cfg.environment_state_weight} set the token VLA's imitation; pass "
+                         "--policy_type=autoregressive_vla, or leave them at absolute and 0")  # fmt: skip
     cfg.apply_quick()
     out = Path(cfg.output_dir) / "quick" if cfg.quick else Path(cfg.output_dir)
     if cfg.policy_type != "diffusion":  # the default's folder layout is kept, so its runs resume
@@ -325,8 +335,10 @@ def _finetune_arm(cfg: BenchRLConfig, arm: str, imitation: Path, out: Path) -> d
     run_dir, algo, extra = out / arm, arm.removesuffix("_prm"), {}
     if algo == "grpo":
         extra["grpo"] = GRPOConfig(group_size=min(8, cfg.num_envs))
-        # The pilots' choice (protocol history, 2026-12-07): a chain's sampling std floor of 0.05, not 0.1.
-        extra["noise"] = replace(FinetuneConfig().noise, min_std=GRPO_MIN_STD)
+        # The pilots' choice (protocol history, 2026-12-07): a chain's sampling std floor of 0.05, not 0.1. A token
+        # policy has no chain (it samples at its temperature, which finetune refuses to mix with a std floor).
+        if cfg.policy_type == "diffusion":
+            extra["noise"] = replace(FinetuneConfig().noise, min_std=GRPO_MIN_STD)
     if arm == "ppo_prm":
         extra["reward"] = RewardConfig(process_model=str(_process_reward_model(cfg, out)))
     from vla_rl.bench_stages import RunClock

@@ -41,6 +41,10 @@ def record_demos(cfg, dataset: Path) -> None:
     variety = getattr(cfg, "variety", None)  # the expert varied per episode (`bench steering`); None: as written
     if variety is not None:
         wanted["variety"] = asdict(variety)
+    # the task's true state beside each frame: the labels of the token VLA's localization objective (`bench rl`)
+    true_state = getattr(cfg, "environment_state_weight", 0) > 0
+    if true_state:
+        wanted["environment_state"] = True
     summary = dataset / "meta" / "vla_rl_record.json"
     if summary.is_file():  # reused: it must be this run's recording
         c = json.loads(summary.read_text())["config"]
@@ -50,7 +54,7 @@ def record_demos(cfg, dataset: Path) -> None:
         record(RecordConfig(
             env=EnvConfig(task=cfg.task, num_envs=min(cfg.num_envs, cfg.demos)), num_episodes=cfg.demos,
             output_dir=str(dataset), seed=cfg.seed, repo_id=f"local/vla_rl_{cfg.task}", overwrite=True,
-            **({"variety": variety} if variety is not None else {}),
+            **({"variety": variety} if variety is not None else {}), environment_state=true_state,
         ))  # fmt: skip
 
 
@@ -64,6 +68,11 @@ def train_imitation(cfg, dataset: Path, output_dir: Path, delay=None) -> None:
     policy = {"horizon": cfg.horizon, "n_action_steps": cfg.n_action_steps}
     if policy_type == "autoregressive_vla":  # the benchmark's action tokenizer (`bench rl --action_tokenizer`)
         policy["action_tokenizer"] = cfg.action_tokenizer
+        # and, where not the defaults (so runs from before these fields resume), its action frame and objective
+        if getattr(cfg, "action_frame", "absolute") != "absolute":
+            policy["action_frame"] = cfg.action_frame
+        if getattr(cfg, "environment_state_weight", 0) > 0:
+            policy["environment_state_weight"] = cfg.environment_state_weight
     if getattr(cfg, "objective", ""):  # a flow base policy (`bench steering`)
         policy["objective"] = cfg.objective
     if getattr(cfg, "action_bounds", None):  # its chunks clamped to these bounds (`bench steering`: the robot's)
