@@ -144,6 +144,17 @@ Protocol history (runs as README.md reports them, each by its final line):
   succeeds 1.000, and guessing the ball's direction at random per chunk 1.000: the direction one frame cannot
   tell does not cap the task either. What fails is the policy's own precision on some initial states (9 of 40
   never solved by any of 16 samples), not its information or its data's quantity.
+- 2026-12-07 (the day's sixth session), an amendment fixed before any of its runs: AR run 3, the token VLA that
+  sees. Its imitation probe (README.md, one training seed, 3,000 steps): with the delta action frame and the
+  localization objective at weight 1.0 the frozen readout finds the ball to 2.76 cm and the policy succeeds
+  0.270 [0.21, 0.34] on ``track`` (0.125 with the delta frame alone, 0.080 absolute). The run: ``vla-rl bench
+  rl --policy_type=autoregressive_vla --action_frame=delta --environment_state_weight=1.0 --process_reward=false
+  --seeds=[0,1] --eval_episodes=200 --num_threads=1 --output_dir=outputs/bench/rl_ar_localized``, every other
+  setting the protocol's (uniform bins; imitation 12,000 steps, the 2026-12-04 selection; 150,000 env steps per
+  arm; GRPO with finetune's noise, the token policy having no chain). Each seed its own process, seed 0 first.
+  The issue's bar, read on each seed: PPO and GRPO each +20 points over the seed's imitation; the imitation
+  success is reported beside it, and whether it is worth fine-tuning (the diffusion policy starts near 0.55 on
+  this task) is said with it, not chosen after.
 """
 
 from __future__ import annotations
