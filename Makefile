@@ -6,7 +6,8 @@ STAMP := $(VENV)/.installed
 
 .PHONY: quickstart lint test test-slow
 
-$(STAMP): pyproject.toml plugins/lerobot_policy_vla_rl/pyproject.toml interfaces/control_msgs/CMakeLists.txt
+$(STAMP): pyproject.toml plugins/lerobot_policy_vla_rl/pyproject.toml $(wildcard interfaces/control_msgs/*.*) \
+		$(wildcard interfaces/control_msgs/msg/*.msg interfaces/control_msgs/action/*.action)
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install --upgrade pip
 	# The project with every extra, and its LeRobot plugin (LeRobot's tools then load vla-rl policies).

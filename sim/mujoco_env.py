@@ -111,13 +111,13 @@ class MujocoBatchedEnv:
         self._jacp = np.zeros((self.num_envs, 3, self.model.nv))
         self._jacr = np.zeros((self.num_envs, 3, self.model.nv))
         self._renderers = Renderers(self.model)  # single frames (videos)
+        for cam in config.cameras:
+            if mujoco.mj_name2id(self.model, mujoco.mjtObj.mjOBJ_CAMERA, cam) < 0:
+                raise ValueError(f"camera {cam!r} is not in the {config.task!r} scene; it has 'front'")
         count = render_thread_count(config)
         # Render worker processes only when there is a camera to render: an env without one starts none.
         isolated = config.render_isolation == "process" and config.cameras
         self._camera_renderers = (ProcessRenderers if isolated else ParallelRenderers)(self.model, count)
-        for cam in config.cameras:
-            if mujoco.mj_name2id(self.model, mujoco.mjtObj.mjOBJ_CAMERA, cam) < 0:
-                raise ValueError(f"camera {cam!r} is not in the {config.task!r} scene; it has 'front'")
 
         self._site = self.model.site("grasp").id
         self._controller = ArmController.from_model(self.model)

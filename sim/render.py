@@ -109,7 +109,8 @@ class ParallelRenderers:
         self._executors.clear()
 
 
-# A worker that dies this many times in a row on one request is not a rare crash: the run stops, naming it.
+# A worker that dies again after this many restarts in a row on one request is no rare crash: the run stops,
+# naming it.
 MAX_RESTARTS_IN_A_ROW = 3
 
 
@@ -136,7 +137,7 @@ class ProcessRenderers:
         self.model, self.restarts = model, 0
         self._workers = [self._launch() for _ in range(workers)]  # all start importing at once
         for _, conn in self._workers:
-            conn.send(model)
+            _send_quietly(conn, model)  # one that died at once is found and started again at its first request
 
     def _launch(self) -> tuple[subprocess.Popen, Connection]:
         here, there = socket.socketpair()
@@ -150,10 +151,7 @@ class ProcessRenderers:
     def _start(self) -> tuple[subprocess.Popen, Connection]:
         """A worker started again, given the model."""
         process, conn = self._launch()
-        try:
-            conn.send(self.model)
-        except OSError:
-            pass  # died at once: the next receive finds out
+        _send_quietly(conn, self.model)  # died at once: the next receive finds out
         return process, conn
 
     def frames(self, datas: Sequence[mujoco.MjData], camera: str, size: int, out: np.ndarray,
@@ -167,45 +165,54 @@ class ProcessRenderers:
             worlds = range(bounds[k], bounds[k + 1])
             if len(worlds):
                 requests[k] = _request(datas, worlds, camera, size, models)
-                self._send(k, requests[k])
-        for k, request in requests.items():
-            out[bounds[k] : bounds[k + 1]] = self._receive(k, request)
+                _send_quietly(self._workers[k][1], requests[k])  # one that died: `_receive` finds out
+        unanswered = set(requests)
+        try:
+            for k, request in requests.items():
+                out[bounds[k] : bounds[k + 1]] = self._receive(k, request)
+                unanswered.discard(k)
+        finally:  # an error or a stop signal left answers in their sockets: those workers are replaced, so the
+            for k in unanswered:  # next call never reads this call's frames
+                self._replace(k)
         return out
 
-    def _send(self, k: int, request: tuple) -> None:
-        try:
-            self._workers[k][1].send(request)
-        except OSError:
-            pass  # it died since its last answer: `_receive` finds out and starts it again
-
     def _receive(self, k: int, request: tuple) -> np.ndarray:
-        cause = ""
-        for _ in range(MAX_RESTARTS_IN_A_ROW + 1):
+        for restarts in range(MAX_RESTARTS_IN_A_ROW + 1):
             process, conn = self._workers[k]
             try:
                 status, value = conn.recv()
             except (EOFError, OSError):
                 cause = _exit_cause(process.wait())
+                if restarts == MAX_RESTARTS_IN_A_ROW:
+                    raise RuntimeError(
+                        f"render worker {k} died again after {restarts} restarts in a row on one request (last: "
+                        f"{cause}): not a rare driver crash; render in threads (--env.render_isolation=thread) to see "
+                        "the error in this process"
+                    ) from None
                 self.restarts += 1
                 print(f"render worker {k} (pid {process.pid}) died ({cause}); started again, its {len(request[3])} "
                       f"frames rendered again", file=sys.stderr)  # fmt: skip
                 conn.close()
                 self._workers[k] = self._start()
-                self._send(k, request)
+                _send_quietly(self._workers[k][1], request)
                 continue
             if status == "error":
                 raise RuntimeError(f"render worker {k} failed:\n{value}")
             return value
-        raise RuntimeError(f"render worker {k} died {MAX_RESTARTS_IN_A_ROW + 1} times in a row on one request "
-                           f"(last: {cause}): not a rare driver crash; render in threads (--env.render_isolation=thread) "
-                           "to see the error in this process")  # fmt: skip
+        raise AssertionError("unreachable")
+
+    def _replace(self, k: int) -> None:
+        """Worker ``k`` killed (whatever it was writing is dropped) and started again."""
+        process, conn = self._workers[k]
+        process.kill()
+        process.wait()
+        conn.close()
+        self._workers[k] = self._start()
 
     def close(self) -> None:
-        for process, conn in self._workers:
-            try:
-                conn.send(("close",))
-            except OSError:
-                pass
+        for _, conn in self._workers:
+            _send_quietly(conn, ("close",))
+        for process, conn in self._workers:  # each had its request answered (`frames`): they end at once
             try:
                 process.wait(10)
             except subprocess.TimeoutExpired:
@@ -213,10 +220,6 @@ class ProcessRenderers:
                 process.wait()
             conn.close()
         self._workers.clear()
-
-
-# A worker that dies this many times in a row on one request is not a rare crash: the run stops, naming it.
-MAX_RESTARTS_IN_A_ROW = 3
 
 
 def _request(datas, worlds: range, camera: str, size: int, models) -> tuple:
@@ -227,6 +230,14 @@ def _request(datas, worlds: range, camera: str, size: int, models) -> tuple:
         state["mocap_quat"] = np.stack([datas[i].mocap_quat for i in worlds])
     fields = None if models is None else [varied_fields(models[i]) for i in worlds]
     return ("frames", camera, size, list(worlds), state, fields)
+
+
+def _send_quietly(conn: Connection, message) -> None:
+    """Send, where a dead worker's broken pipe is found by the next receive, not here."""
+    try:
+        conn.send(message)
+    except OSError:
+        pass
 
 
 def _exit_cause(code: int) -> str:

@@ -7,15 +7,17 @@ import pytest
 from vla_rl.bench_render_soak import BenchRenderSoakConfig, _absorb, bench_render_soak, format_summary
 
 
-def test_a_segment_that_died_by_a_signal_is_a_native_crash_and_its_frames_count():
-    """Segment 0 ended by itself (exit 0) after 500 frames, segment 1 died by SIGSEGV (-11) after 200 saved, a
-    segment cut with the soak (None: found on resume) after 50: 750 frames, one native crash."""
+def test_a_segment_that_died_by_a_crash_signal_is_a_native_crash_and_its_frames_count():
+    """Segment 0 ended by itself (exit 0) after 500 frames, segment 1 died by SIGSEGV (-11) after 200 saved,
+    segment 2 by SIGKILL (-9, the out-of-memory killer: no crash of the renderer) after 100, a segment cut with the
+    soak (None: found on resume) after 50: 850 frames, one native crash."""
     state = {"frames": 0, "native_crashes": 0, "worker_restarts": 0, "segments": []}
     _absorb(state, {"frames": 500, "worker_restarts": 1}, 0)
     _absorb(state, {"frames": 200, "worker_restarts": 0}, -11)
+    _absorb(state, {"frames": 100}, -9)
     _absorb(state, {"frames": 50}, None)
-    assert (state["frames"], state["native_crashes"], state["worker_restarts"]) == (750, 1, 1)
-    assert [s["native_crash"] for s in state["segments"]] == [False, True, False]
+    assert (state["frames"], state["native_crashes"], state["worker_restarts"]) == (850, 1, 1)
+    assert [s["native_crash"] for s in state["segments"]] == [False, True, False, False]
 
 
 def test_a_quick_soak_renders_its_frames_and_a_second_run_resumes_without_rendering_more(tmp_path):

@@ -75,7 +75,7 @@ def test_the_token_vlas_localization_setting_records_the_true_state_and_reaches_
     """`bench rl --policy_type=autoregressive_vla --action_frame=delta --environment_state_weight=1.0`: the
     demonstrations are recorded with the true state (a dataset without it is refused, naming the field), and the
     imitation policy gets the frame and the objective; a run from before the fields (neither in its config)
-    resumes under the defaults, so the fields reach the policy only when set."""
+    resumes under the defaults, and a localized run is not resumed as a plain one."""
     seen = []
     monkeypatch.setattr(stages, "record", lambda cfg: seen.append(("record", cfg.environment_state)))
     monkeypatch.setattr(stages, "train", lambda cfg: seen.append(("train", cfg.policy.action_frame,
@@ -93,6 +93,13 @@ def test_the_token_vlas_localization_setting_records_the_true_state_and_reaches_
                                                    "action_tokenizer": "uniform_bins"}}))  # fmt: skip
     train_imitation(BenchRLConfig(policy_type="autoregressive_vla"), tmp_path / "fresh", old)
     assert seen == [("record", True), ("train", "delta", 1.0), ("train", "absolute", 0.0)]
+    localized_run = tmp_path / "localized"
+    (localized_run / "checkpoints").mkdir(parents=True)
+    config = json.loads((old / "train_config.json").read_text())
+    config["policy"].update(action_frame="delta", environment_state_weight=1.0)
+    (localized_run / "train_config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="action_frame=delta, but this run asks for action_frame=absolute"):
+        train_imitation(BenchRLConfig(policy_type="autoregressive_vla"), tmp_path / "fresh", localized_run)
     with pytest.raises(ValueError, match="set the token VLA's imitation; pass --policy_type=autoregressive_vla"):
         from vla_rl.bench_rl import bench_rl
 

@@ -246,8 +246,8 @@ def test_the_delay_streams_are_saved_and_restored():
 
 def test_saved_lags_come_back_only_under_the_lead_they_count():
     """A lag counts the lead its chunk waited (step - obs_step + L), so lags measured with L = 2 mean a delay 2 steps
-    shorter under L = 0: restoring them there is refused, naming the setting; under L = 2 they come back as saved,
-    and a bare tensor (saved before the lead was) counts as measured with no lead."""
+    shorter under L = 0: restoring them there is refused, naming the setting; under L = 2 they come back as saved.
+    A bare tensor (saved before the lead was) names none: it comes back under any lead, as before the change."""
     measured = protocol(lead=2)
     measured.lags = torch.tensor([[5, 6]])
     saved = measured.saved_lags()
@@ -259,8 +259,7 @@ def test_saved_lags_come_back_only_under_the_lead_they_count():
     same = protocol(lead=2)
     same.restore_lags(saved, "run.pt")
     assert same.lags.tolist() == [[5, 6]] and same.estimated_delay().tolist() == [6]
-    bare = protocol(lead=0)
-    bare.restore_lags(torch.tensor([[1, 3]]), "old.pt")
-    assert bare.lags.tolist() == [[1, 3]]
-    with pytest.raises(ValueError, match="lead_steps=0"):
-        protocol(lead=2).restore_lags(torch.tensor([[1, 3]]), "old.pt")
+    for lead in (0, 2):
+        bare = protocol(lead=lead)
+        bare.restore_lags(torch.tensor([[1, 3]]), "old.pt")
+        assert bare.lags.tolist() == [[1, 3]]

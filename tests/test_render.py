@@ -106,8 +106,8 @@ def test_frames_rendered_in_worker_processes_equal_threads_and_survive_a_killed_
 
 
 def test_a_worker_that_dies_on_every_request_stops_the_run_naming_the_fix(capfd):
-    """A worker that dies again and again on one request is no rare crash: after 3 restarts in a row the call
-    raises, naming the signal and --env.render_isolation=thread."""
+    """A worker that dies again and again on one request is no rare crash: dying again after 3 restarts in a row,
+    the call raises, naming the signal and --env.render_isolation=thread."""
     import os
     import signal
 
@@ -127,11 +127,32 @@ def test_a_worker_that_dies_on_every_request_stops_the_run_naming_the_fix(capfd)
     try:
         os.kill(renderers._workers[0][0].pid, signal.SIGKILL)
         renderers._start = doomed
-        with pytest.raises(RuntimeError, match=r"died 4 times in a row .*signal SIGKILL.*render_isolation=thread"):
+        with pytest.raises(RuntimeError, match=r"died again after 3 restarts in a row .*signal SIGKILL.*"
+                                               r"render_isolation=thread"):  # fmt: skip
             renderers.frames([mujoco.MjData(env.model)], "front", 16, np.empty((1, 16, 16, 3), np.uint8))
-        assert renderers.restarts == MAX_RESTARTS_IN_A_ROW + 1
-        assert capfd.readouterr().err.count("died (signal SIGKILL); started again") == MAX_RESTARTS_IN_A_ROW + 1
+        assert renderers.restarts == MAX_RESTARTS_IN_A_ROW == 3
+        assert capfd.readouterr().err.count("died (signal SIGKILL); started again") == MAX_RESTARTS_IN_A_ROW
     finally:
         renderers._start = start
         renderers.close()
+        env.close()
+
+
+def test_a_failed_request_leaves_no_answer_for_the_next_one():
+    """A request one worker fails (a camera the scene lacks) raises; the other worker's answer to it is dropped with
+    that worker, so the next request's frames are the next request's (those `ParallelRenderers` renders)."""
+    from sim.render import ParallelRenderers, ProcessRenderers
+
+    env = MujocoBatchedEnv(EnvConfig(num_envs=4, task="lift", cameras=[]))
+    env.reset(seed=2)
+    datas = env.data[:4]
+    isolated, threads = ProcessRenderers(env.model, 2), ParallelRenderers(env.model, 1)
+    try:
+        with pytest.raises(RuntimeError, match="render worker 0 failed"):
+            isolated.frames(datas, "no_such_camera", 16, np.empty((4, 16, 16, 3), np.uint8))
+        frames = isolated.frames(datas, "front", 16, np.empty((4, 16, 16, 3), np.uint8))
+        assert np.array_equal(frames, threads.frames(datas, "front", 16, np.empty((4, 16, 16, 3), np.uint8)))
+    finally:
+        isolated.close()
+        threads.close()
         env.close()

@@ -30,6 +30,7 @@ from __future__ import annotations
 import faulthandler
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -78,27 +79,28 @@ def bench_render_soak(cfg: BenchRenderSoakConfig) -> dict[str, Any]:
     state = state or {"config": asdict(cfg), "frames": 0, "native_crashes": 0, "worker_restarts": 0, "segments": []}
     clock = RunClock(out / "run_clock.json")
     while True:
-        if segment_file.is_file():  # a segment that ended (or was cut with this process): counted once
-            _absorb(state, json.loads(segment_file.read_text()), None)
-            segment_file.unlink()
+        k = len(state["segments"])  # the next segment's index; a segment file is counted once, under its index
+        if segment_file.is_file() and json.loads(segment_file.read_text()).get("segment") == k:
+            _absorb(state, json.loads(segment_file.read_text()), None)  # cut with this process: no exit code
             write_text_atomic(state_file, json.dumps(state, indent=2))
+            continue
         if state["frames"] >= cfg.frames:
             break
-        k = len(state["segments"])
         child = subprocess.run(
             [sys.executable, "-m", "vla_rl.bench_render_soak", json.dumps(asdict(cfg)), str(segment_file),
-             str(out / f"native_crash_{k}.log"), str(cfg.seed + k)],
+             str(out / f"native_crash_{k}.log"), str(k), str(cfg.seed + k)],
             check=False,  # a segment's death by a signal is what the soak counts, not an error
         )  # fmt: skip
-        progress = json.loads(segment_file.read_text()) if segment_file.is_file() else {"frames": 0}
+        saved = json.loads(segment_file.read_text()) if segment_file.is_file() else {}
+        progress = saved if saved.get("segment") == k else {"segment": k, "frames": 0}
         _absorb(state, progress, child.returncode)
-        segment_file.unlink(missing_ok=True)
+        write_text_atomic(state_file, json.dumps(state, indent=2))  # before anything can stop the soak
         if child.returncode < 0:
-            print(f"segment {k}: native crash (signal {-child.returncode}) after {progress['frames']} frames; its "
+            how = "native crash" if state["segments"][-1]["native_crash"] else "killed"
+            print(f"segment {k}: {how} ({_exit_cause(child.returncode)}) after {progress['frames']} frames; its "
                   f"log: {out / f'native_crash_{k}.log'}", file=sys.stderr)  # fmt: skip
         elif child.returncode != 0:
             raise RuntimeError(f"soak segment {k} failed with exit code {child.returncode} (a Python error: see above)")
-        write_text_atomic(state_file, json.dumps(state, indent=2))
         print(f"soak {cfg.render_isolation}: {state['frames']:,}/{cfg.frames:,} frames, "
               f"{state['native_crashes']} native crashes, {state['worker_restarts']} worker restarts", flush=True)  # fmt: skip
     report = {**state, "minutes": clock.stop(), "render_isolation": cfg.render_isolation}
@@ -106,9 +108,18 @@ def bench_render_soak(cfg: BenchRenderSoakConfig) -> dict[str, Any]:
     return report
 
 
+# The signals a native crash raises (those faulthandler reports); a SIGKILL (the out-of-memory killer) or a SIGTERM
+# to the segment alone ends it too, but is no crash of the renderer.
+CRASH_SIGNALS = (signal.SIGSEGV, signal.SIGABRT, signal.SIGBUS, signal.SIGFPE, signal.SIGILL)
+
+
+def _exit_cause(returncode: int) -> str:
+    return signal.Signals(-returncode).name if returncode < 0 else f"exit code {returncode}"
+
+
 def _absorb(state: dict[str, Any], progress: dict[str, Any], returncode: int | None) -> None:
-    """Add one segment's progress to the totals; a negative ``returncode`` (death by a signal) is a native crash."""
-    crashed = returncode is not None and returncode < 0
+    """Add one segment's progress to the totals; a death by a crash signal (`CRASH_SIGNALS`) is a native crash."""
+    crashed = returncode is not None and returncode < 0 and -returncode in CRASH_SIGNALS
     state["frames"] += progress.get("frames", 0)
     state["worker_restarts"] += progress.get("worker_restarts", 0)
     state["native_crashes"] += int(crashed)
@@ -120,7 +131,7 @@ def format_summary(report: dict[str, Any]) -> str:
             f"worker_restarts={report['worker_restarts']} render_isolation={report['render_isolation']}")  # fmt: skip
 
 
-def soak_segment(cfg: BenchRenderSoakConfig, progress_file: Path, seed: int) -> None:
+def soak_segment(cfg: BenchRenderSoakConfig, progress_file: Path, segment: int, seed: int) -> None:
     """One segment (the child process): train-like stepping with periodic evaluation batches for
     ``cfg.segment_minutes``, its frames saved to ``progress_file`` every few seconds."""
     import numpy as np
@@ -145,7 +156,8 @@ def soak_segment(cfg: BenchRenderSoakConfig, progress_file: Path, seed: int) -> 
 
     def save(train) -> None:
         restarts = closed_restarts + getattr(train._camera_renderers, "restarts", 0)  # threads have none
-        write_text_atomic(progress_file, json.dumps({"frames": frames, "worker_restarts": restarts, "seed": seed}))
+        write_text_atomic(progress_file, json.dumps({"segment": segment, "frames": frames, "worker_restarts": restarts,
+                                                     "seed": seed}))  # fmt: skip
 
     with make_env(env_config(cfg.num_envs)) as train:
         train.reset(seed=seed)
@@ -167,11 +179,12 @@ def soak_segment(cfg: BenchRenderSoakConfig, progress_file: Path, seed: int) -> 
         save(train)
 
 
-if __name__ == "__main__":  # a segment: python -m vla_rl.bench_render_soak <config json> <progress> <crash log> <seed>
+if __name__ == "__main__":  # a segment: python -m vla_rl.bench_render_soak <config> <progress> <crash log> <k> <seed>
     from vla_core.lifetime import exit_with_parent
 
     exit_with_parent(os.getppid())  # a soak killed with SIGKILL leaves no segment running on
-    config, progress_path, crash_log, segment_seed = sys.argv[1:5]
+    config, progress_path, crash_log, segment_index, segment_seed = sys.argv[1:6]
     with open(crash_log, "w") as log:
         faulthandler.enable(log, all_threads=True)
-        soak_segment(BenchRenderSoakConfig(**json.loads(config)), Path(progress_path), int(segment_seed))
+        soak_segment(BenchRenderSoakConfig(**json.loads(config)), Path(progress_path), int(segment_index),
+                     int(segment_seed))  # fmt: skip

@@ -58,6 +58,10 @@ def record_demos(cfg, dataset: Path) -> None:
         ))  # fmt: skip
 
 
+# The imitation settings added since the first runs, at the value those runs had.
+IMITATION_DEFAULTS = {"action_frame": "absolute", "environment_state_weight": 0.0}
+
+
 def train_imitation(cfg, dataset: Path, output_dir: Path, delay=None) -> None:
     """A policy of ``cfg.policy_type`` (``diffusion`` when the benchmark has no such field) trained on
     ``dataset`` for ``cfg.train_steps`` steps into ``output_dir`` (resumed when it has checkpoints); ``delay``:
@@ -66,13 +70,10 @@ def train_imitation(cfg, dataset: Path, output_dir: Path, delay=None) -> None:
 
     policy_type = getattr(cfg, "policy_type", "diffusion")
     policy = {"horizon": cfg.horizon, "n_action_steps": cfg.n_action_steps}
-    if policy_type == "autoregressive_vla":  # the benchmark's action tokenizer (`bench rl --action_tokenizer`)
+    if policy_type == "autoregressive_vla":  # the benchmark's action tokenizer, frame and objective (`bench rl`)
         policy["action_tokenizer"] = cfg.action_tokenizer
-        # and, where not the defaults (so runs from before these fields resume), its action frame and objective
-        if getattr(cfg, "action_frame", "absolute") != "absolute":
-            policy["action_frame"] = cfg.action_frame
-        if getattr(cfg, "environment_state_weight", 0) > 0:
-            policy["environment_state_weight"] = cfg.environment_state_weight
+        policy["action_frame"] = getattr(cfg, "action_frame", "absolute")
+        policy["environment_state_weight"] = getattr(cfg, "environment_state_weight", 0.0)
     if getattr(cfg, "objective", ""):  # a flow base policy (`bench steering`)
         policy["objective"] = cfg.objective
     if getattr(cfg, "action_bounds", None):  # its chunks clamped to these bounds (`bench steering`: the robot's)
@@ -82,7 +83,9 @@ def train_imitation(cfg, dataset: Path, output_dir: Path, delay=None) -> None:
     saved = output_dir / "train_config.json"
     if (output_dir / "checkpoints").is_dir() and saved.is_file():  # resumed: it must be this run's policy
         c = json.loads(saved.read_text())
-        recorded = {**c, "policy_type": c["policy"]["type"], **{k: c["policy"].get(k) for k in policy}}
+        # a field a run from before it lacks was at its default then
+        recorded = {**c, "policy_type": c["policy"]["type"],
+                    **{k: c["policy"].get(k, IMITATION_DEFAULTS.get(k)) for k in policy}}  # fmt: skip
         _refuse_another_run(output_dir, "an imitation policy", recorded, {
             "seed": cfg.seed, "steps": steps, "batch_size": cfg.batch_size, "delay": asdict(delay),
             "policy_type": policy_type, **policy,

@@ -221,8 +221,8 @@ class LatencyProtocol:
     def restore_lags(self, saved: dict[str, Any] | torch.Tensor, source: str) -> None:
         """Give back `saved_lags` (``source`` names the file in the refusal). Every lag counts the lead it was
         measured with, so lags of another ``chunking.lead_steps`` are refused. A bare tensor (saved before the lead
-        was saved beside it) is taken as measured with no lead, the default."""
-        lags, lead = (saved["lags"], saved["lead_steps"]) if isinstance(saved, dict) else (saved, 0)
+        was saved beside it) names no lead: it is taken as measured with this run's, as it was before."""
+        lags, lead = (saved["lags"], saved["lead_steps"]) if isinstance(saved, dict) else (saved, self.lead_steps)
         if lead != self.lead_steps:
             raise ValueError(f"{source} measured its delays with chunking.lead_steps={lead} (each lag counts the lead); "
                              f"resume it with --chunking.lead_steps={lead}, not {self.lead_steps}")  # fmt: skip
