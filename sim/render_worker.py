@@ -48,9 +48,13 @@ def serve(conn: Connection) -> None:
                         getattr(data, name)[:] = values[k]
                     pose(model, data)
                     renderers.frame(data, camera, size, out=out[k], model=None if fields is None else model)
-                conn.send(("ok", out))
+                reply = ("ok", out)
             except Exception:  # noqa: BLE001 (any error goes back to the parent, which raises it)
-                conn.send(("error", traceback.format_exc()))
+                reply = ("error", traceback.format_exc())
+            try:
+                conn.send(reply)
+            except OSError:  # the parent is gone (or replaced this worker): nobody to answer
+                return
     finally:
         renderers.close()
 
