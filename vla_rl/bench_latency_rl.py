@@ -157,6 +157,16 @@ Protocol history (runs numbered as README.md numbers them, each by its final lin
   latency_aware_over_nodelay=1.275 nodelay_gain=+7.5``; pooled ``latency_aware_over_naive=3.679
   latency_aware_over_nodelay=1.367 nodelay_gain=+11.0 seeds=0,1``. The gate misses on seed 1: not met. Seed 0's
   process died silently during its evaluations and was resumed with the same command.
+- 2026-12-07 (the day's sixth session), an amendment fixed before any run of it (the no-delay arm's budget, a last
+  time). At 450,000 steps the no-delay arm's rollout success was still rising by quarter on both seeds (seed 0
+  0.38, 0.42, 0.46, 0.48; seed 1 0.41, 0.48, 0.50, 0.53), chosen again from that baseline arm's curve alone:
+  ``--standard_env_steps=900000`` on both seeds, each seed's ``outputs/bench/latency_rl_nodelay450k/seed<s>``
+  copied to ``outputs/bench/latency_rl_nodelay900k/seed<s>`` without its ``latency_rl.json`` and ``eval/``, its
+  ``standard_d0`` run going on from its 450,000-step checkpoint, every cell evaluated again; the commands those of
+  the 450,000-step amendment with ``--standard_env_steps=900000`` and the new folders. The no-delay arm then has
+  25 times the latency-aware arm's steps. This is the last extension: whatever the gate reads at 900,000 on each
+  seed is reported as the result, and a miss stays a miss (what would close it then is step-level RL for the
+  no-delay arm, not more steps).
 """
 
 from __future__ import annotations
