@@ -805,5 +805,14 @@ def _crash_log(name: str, cfg, crash_log):
     return contextlib.nullcontext()
 
 
+def console_main() -> int:
+    """The `vla-rl` console script: a long command runs in a supervised child (`vla_rl.supervise`), so a native
+    crash ends in one line naming it and the resume command; every other command runs here, as `main`."""
+    from vla_rl.supervise import supervise, supervises
+
+    argv = sys.argv[1:]
+    return supervise(argv) if supervises(argv) else main(argv)
+
+
 if __name__ == "__main__":
     sys.exit(main())
