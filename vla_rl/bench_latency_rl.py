@@ -138,7 +138,7 @@ Protocol history (runs numbered as README.md numbers them, each by its final lin
   latency_aware_over_nodelay=1.674 nodelay_gain=+7.5``; seed 1 ``latency_aware_over_naive=3.390
   latency_aware_over_nodelay=1.404 nodelay_gain=+2.5``; pooled ``latency_aware_over_naive=3.679
   latency_aware_over_nodelay=1.536 nodelay_gain=+5.0 seeds=0,1``. The gate misses on each seed: not met.
-- 2026-12-07 (the day's third session), an amendment fixed before any run of it (the no-delay arm's budget, again).
+- 2026-12-07 (midday), an amendment fixed before any run of it (the no-delay arm's budget, again).
   At 150,000 steps the no-delay arm's rollout success was still rising by quarter on seed 1 (0.40, 0.40, 0.43,
   0.48) and barely on seed 0 (0.36, 0.38, 0.39, 0.40); its held-out gains were +7.5 and +2.5. The budget is chosen
   from that arm's own curve (a baseline arm), nothing of the delayed arms: ``--standard_env_steps=450000``, three
@@ -157,7 +157,7 @@ Protocol history (runs numbered as README.md numbers them, each by its final lin
   latency_aware_over_nodelay=1.275 nodelay_gain=+7.5``; pooled ``latency_aware_over_naive=3.679
   latency_aware_over_nodelay=1.367 nodelay_gain=+11.0 seeds=0,1``. The gate misses on seed 1: not met. Seed 0's
   process died silently during its evaluations and was resumed with the same command.
-- 2026-12-07 (the day's sixth session), an amendment fixed before any run of it (the no-delay arm's budget, a last
+- 2026-12-07 (evening), an amendment fixed before any run of it (the no-delay arm's budget, a last
   time). At 450,000 steps the no-delay arm's rollout success was still rising by quarter on both seeds (seed 0
   0.38, 0.42, 0.46, 0.48; seed 1 0.41, 0.48, 0.50, 0.53), chosen again from that baseline arm's curve alone:
   ``--standard_env_steps=900000`` on both seeds, each seed's ``outputs/bench/latency_rl_nodelay450k/seed<s>``

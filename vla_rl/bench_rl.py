@@ -121,7 +121,7 @@ Protocol history (runs as README.md reports them, each by its final line):
   [0.66, 0.79], GRPO 0.765 [0.70, 0.82], ``ppo_gain=+18.0 grpo_gain=+21.5 env_steps=151309 minutes=63.0``; the
   target is missed. Best of 16: imitation 0.575 mean, 0.800 best; PPO 0.738 mean, 0.925 best (3 of 40 states
   never solved). Seed 3 was not run.
-- 2026-12-07 (the day's third session), results of (b) seed 3 and the pool, recorded after them (README.md): seed 3
+- 2026-12-07 (midday), results of (b) seed 3 and the pool, recorded after them (README.md): seed 3
   was resumed with its command in its PPO arm; imitation 0.525, PPO 0.735 [0.67, 0.79], GRPO 0.770 [0.71, 0.82],
   ``ppo_gain=+21.0 grpo_gain=+24.5 env_steps=151350 minutes=33.2``; pooled over seeds 2 and 3 ``ppo_gain=+19.5
   grpo_gain=+23.0 env_steps=151350 minutes=96.2 seeds=2,3``. The 93% target is missed on each seed by both arms.
@@ -144,7 +144,7 @@ Protocol history (runs as README.md reports them, each by its final line):
   succeeds 1.000, and guessing the ball's direction at random per chunk 1.000: the direction one frame cannot
   tell does not cap the task either. What fails is the policy's own precision on some initial states (9 of 40
   never solved by any of 16 samples), not its information or its data's quantity.
-- 2026-12-07 (the day's sixth session), an amendment fixed before any of its runs: AR run 3, the token VLA that
+- 2026-12-07 (evening), an amendment fixed before any of its runs: AR run 3, the token VLA that
   sees. Its imitation probe (README.md, one training seed, 3,000 steps): with the delta action frame and the
   localization objective at weight 1.0 the frozen readout finds the ball to 2.76 cm and the policy succeeds
   0.270 [0.21, 0.34] on ``track`` (0.125 with the delta frame alone, 0.080 absolute). The run: ``vla-rl bench
@@ -205,7 +205,7 @@ class BenchRLConfig:
     progress_eval_episodes: int = 32
     seed: int = 0
     # Several training seeds, each its own resumable run of the protocol in <output_dir>/seed<s> (a finished seed
-    # is read back, so a claim can span sessions), then each seed's line and the line pooled over them. Empty:
+    # is read back, so a claim can span interruptions), then each seed's line and the line pooled over them. Empty:
     # the one run of --seed in <output_dir>.
     seeds: list[int] = field(default_factory=list)
     num_threads: int = 0  # torch CPU threads; 0 = all cores

@@ -248,7 +248,7 @@ def seed_runs(
     """Each of ``cfg.seeds`` as its own run: ``cfg`` with that seed (its ``output_dir`` the seed's ``folder``)
     given to ``run_one(seed_cfg, folder)``, unless that folder's ``result_file`` holds a run that finished under
     the same settings (its threads aside), which is read back. A killed seed resumes its stages, so a claim
-    over several seeds can span sessions. Returns each seed's report, by seed."""
+    over several seeds can span interruptions. Returns each seed's report, by seed."""
     if cfg.seed != 0 or len(set(cfg.seeds)) != len(cfg.seeds):
         raise ValueError(f"--seeds={cfg.seeds} runs each seed once and sets --seed itself: drop --seed={cfg.seed} "
                          "and repeat no seed")  # fmt: skip

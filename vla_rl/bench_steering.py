@@ -64,7 +64,7 @@ Protocol history:
   cells=3/8``, kept ``camera`` (+15.6), ``position_far`` (+44.7), ``camera_far`` (+26.7). (The demonstrations were
   recorded before `sim.tasks.variety` clipped its targets to the workspace; none of their 11,157 actions lies
   outside it, so they are what today's code records.)
-- 2026-12-07 (the day's third session), a method change fixed before any steering arm runs under this protocol:
+- 2026-12-07 (midday), a method change fixed before any steering arm runs under this protocol:
   the RL² arm is `vla-rl steer` as its paper builds it (`vla_rl.steering`'s docstring): a small flow policy on the
   action expert's observation-only latents, trained offline on the base's rollouts by advantage-weighted flow
   matching (beta 0.05) under a chunk-level IQL critic (gamma 0.95 per request, expectile 0.9); its velocity
@@ -77,7 +77,7 @@ Protocol history:
 - 2026-12-07, results of seed 1's gate, recorded after it (README.md): ``headroom_ood=+27.8 cells=3/8``, the same
   three cells kept as on seed 0: ``camera`` (+28.3), ``position_far`` (+32.3), ``camera_far`` (+22.8); in
   distribution 0.997. It crashed natively once in its ``camera`` cell and was resumed with the same command.
-- 2026-12-07 (the day's third session), a method change fixed before any DSRL arm runs under this protocol: the
+- 2026-12-07 (midday), a method change fixed before any DSRL arm runs under this protocol: the
   DSRL arm is DSRL-NA as its authors run it (`vla_rl.rl.sac`'s docstring), sized for two cores. Before it, a sigma
   probe of the base in distribution (noise scales 1, 1.25, 1.5, 1.75, 2; ``sigma_probe_episodes`` = 100 episodes
   each from ``headroom_seed + 1``) sets the noise bound: the largest scale whose success is at least 95% of the
@@ -91,7 +91,7 @@ Protocol history:
   run in ``<output_dir>/seed<s>`` and pools them (`pool_steering`): each seed's final line, then the pooled line
   with `` seeds=<s,...>`` appended; the targets stay judged on each seed. The two gates read back pooled:
   ``headroom_ood=+28.4 cells=3/8 seeds=0,1``.
-- 2026-12-07 (the day's fourth session), a method change fixed before any RL² arm is evaluated under this protocol
+- 2026-12-07 (afternoon), a method change fixed before any RL² arm is evaluated under this protocol
   (seed 0's steer stage had run and chosen w = 0.5; no arm of it was evaluated; seed 1's had not run). A pilot of
   the RL² arm as built (seed 0's base, its own 100 rollouts a setting, 100 episodes a cell from seed 40000, never
   the held-out 5000; README.md) gained +1 to +5 points gated, far below the cells' headroom (+15.6 to +44.7): the
