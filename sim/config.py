@@ -34,14 +34,14 @@ class EnvConfig:
     cameras: list[str] = field(default_factory=lambda: ["front"])
     substeps: int = 25  # physics steps per control step (0.002 s each: 20 Hz control)
     num_threads: int = 0  # physics threads; 0 = one per CPU core
-    # Renderers of the camera images, each with its own GL context: worker processes (cpu backend, see
-    # render_isolation) or threads (warp, or render_isolation=thread; 1 = the calling thread only); 0 = one per
-    # CPU core. Frames are identical for any count.
+    # Renderers of the camera images, each with its own GL context: worker processes (see render_isolation) or
+    # threads (render_isolation=thread; 1 = the calling thread only); 0 = one per CPU core. Frames are identical
+    # for any count.
     render_threads: int = 0
-    # Where the camera images are rendered (cpu backend): process = in render_threads worker processes, each with
-    # its own GL (a driver crash costs a restarted worker, never the run; `sim.render.ProcessRenderers`); thread =
-    # in threads of this process (`sim.render.ParallelRenderers`; Mesa's llvmpipe crashed long runs natively with
-    # two of them rendering at once). Frames are identical either way; speed too (`vla-rl bench sim`).
+    # Where the camera images are rendered (cpu and warp backends): process = in render_threads worker processes,
+    # each with its own GL (a driver crash costs a restarted worker, never the run; `sim.render.ProcessRenderers`);
+    # thread = in threads of this process (`sim.render.ParallelRenderers`; Mesa's llvmpipe crashed long runs
+    # natively with two of them rendering at once). Frames are identical either way; speed too (`vla-rl bench sim`).
     render_isolation: RenderIsolation = "process"
     max_episode_steps: int = 0  # 0 = the task's own limit
     # No-op control steps after each reset, before the first observation, while objects settle: -1 = the

@@ -25,11 +25,11 @@ from mujoco import rollout
 
 from sim.arm import ACTION_HIGH, ACTION_LOW, ACTION_NAMES, STATE_NAMES, arm_state, commanded_grip, hold_actions
 from sim.batched_success import HostWorlds
-from sim.config import EnvConfig, env_features, render_thread_count, reseed
+from sim.config import EnvConfig, env_features, reseed
 from sim.events import EventSchedules, draw_events
 from sim.ik import ArmController
 from sim.poses import position_pass
-from sim.render import ParallelRenderers, ProcessRenderers, Renderers
+from sim.render import Renderers, camera_renderers
 from sim.variations import VariedWorlds, scene_with_distractors
 from vla_core.types import OBS_STATE, TASK, Worlds, image_key, world_indices
 
@@ -114,10 +114,7 @@ class MujocoBatchedEnv:
         for cam in config.cameras:
             if mujoco.mj_name2id(self.model, mujoco.mjtObj.mjOBJ_CAMERA, cam) < 0:
                 raise ValueError(f"camera {cam!r} is not in the {config.task!r} scene; it has 'front'")
-        count = render_thread_count(config)
-        # Render worker processes only when there is a camera to render: an env without one starts none.
-        isolated = config.render_isolation == "process" and config.cameras
-        self._camera_renderers = (ProcessRenderers if isolated else ParallelRenderers)(self.model, count)
+        self._camera_renderers = camera_renderers(self.model, config)
 
         self._site = self.model.site("grasp").id
         self._controller = ArmController.from_model(self.model)

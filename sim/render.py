@@ -14,6 +14,7 @@ from multiprocessing.connection import Connection
 import mujoco
 import numpy as np
 
+from sim.config import EnvConfig, render_thread_count
 from sim.variations import varied_fields
 
 # Mesa's software GL (llvmpipe, what CPU-only machines render with) splits every frame over a
@@ -112,6 +113,14 @@ class ParallelRenderers:
 # A worker that dies again after this many restarts in a row on one request is no rare crash: the run stops,
 # naming it.
 MAX_RESTARTS_IN_A_ROW = 3
+
+
+def camera_renderers(model: mujoco.MjModel, config: EnvConfig) -> ParallelRenderers | ProcessRenderers:
+    """The renderers of a batch's camera images as ``config`` asks: ``render_threads``
+    worker processes (``render_isolation=process``) or threads; no worker is started when no camera is rendered."""
+    count = render_thread_count(config)  # validates render_threads and render_isolation
+    isolated = config.render_isolation == "process" and config.cameras
+    return (ProcessRenderers if isolated else ParallelRenderers)(model, count)
 
 
 class ProcessRenderers:

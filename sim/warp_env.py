@@ -25,10 +25,10 @@ import torch
 
 from sim.arm import ACTION_HIGH, ACTION_LOW, ACTION_NAMES, STATE_NAMES, arm_state, commanded_grip, hold_actions
 from sim.batched_success import DeviceWorlds
-from sim.config import EnvConfig, env_features, render_thread_count, reseed
+from sim.config import EnvConfig, env_features, reseed
 from sim.events import EventSchedules, draw_events
 from sim.ik import ArmController
-from sim.render import ParallelRenderers, Renderers
+from sim.render import Renderers, camera_renderers
 from vla_core.types import OBS_STATE, TASK, Worlds, image_key, world_indices
 
 try:
@@ -78,7 +78,7 @@ class WarpBatchedEnv:
                 raise ValueError(f"camera {cam!r} is not in the {config.task!r} scene; it has 'front'")
         self._host = mujoco.MjData(self.model)  # scratch world for resets, rendering and experts
         self._renderers = Renderers(self.model)  # single frames (videos)
-        self._camera_renderers = ParallelRenderers(self.model, render_thread_count(config))
+        self._camera_renderers = camera_renderers(self.model, config)
         self._camera_hosts: list[mujoco.MjData] = []  # one host copy per world for the camera images, made at first use
 
         self._site = self.model.site("grasp").id  # the end effector

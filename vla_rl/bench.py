@@ -117,7 +117,7 @@ class BenchSimConfig:
     num_threads: int = 0  # physics threads of the cpu backend and raw rollout; 0 = one per CPU core
     include_render: bool = True  # also measure with the camera rendered every step (backends and gym)
     render_threads: int = 0  # the backends' render threads (`EnvConfig.render_threads`); 0 = one per CPU core
-    # cpu backend: render in threads of its process or in as many worker processes (`EnvConfig.render_isolation`)
+    # render in threads of the backend's process or in as many worker processes (`EnvConfig.render_isolation`)
     render_isolation: RenderIsolation = "thread"
     render_max_envs: int = 256  # skip rendering measurements above this N (rendering dominates there)
     gym_max_envs: int = 16  # skip gym_async above this N (it runs one process per world)
@@ -328,7 +328,7 @@ def backend_rate(
         task=cfg.task, backend=backend, device=device, num_envs=n, image_size=cfg.image_size,
         cameras=[cfg.camera] if render else [], substeps=cfg.substeps, num_threads=cfg.num_threads,
         render_threads=cfg.render_threads if render_threads is None else render_threads, max_episode_steps=10**9,
-        render_isolation=cfg.render_isolation if backend == "cpu" else "thread",
+        render_isolation=cfg.render_isolation,
     )  # fmt: skip
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
 
