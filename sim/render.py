@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -16,6 +15,7 @@ import numpy as np
 
 from sim.config import EnvConfig, render_thread_count
 from sim.variations import varied_fields
+from vla_core.crash_log import exit_cause
 
 # Mesa's software GL (llvmpipe, what CPU-only machines render with) splits every frame over a
 # rasterizer thread pool of its own. `ParallelRenderers` already keeps each core busy with one
@@ -191,7 +191,7 @@ class ProcessRenderers:
             try:
                 status, value = conn.recv()
             except (EOFError, OSError):
-                cause = _exit_cause(process.wait())
+                cause = exit_cause(process.wait())
                 if restarts == MAX_RESTARTS_IN_A_ROW:
                     raise RuntimeError(
                         f"render worker {k} died again after {restarts} restarts in a row on one request (last: "
@@ -247,7 +247,3 @@ def _send_quietly(conn: Connection, message) -> None:
         conn.send(message)
     except OSError:
         pass
-
-
-def _exit_cause(code: int) -> str:
-    return f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"

@@ -64,6 +64,7 @@ def test_which_commands_are_supervised(monkeypatch):
     assert not supervises(["serve"]) and not supervises(["record-ros"]) and not supervises([])
     monkeypatch.setenv("VLA_RL_SUPERVISED", "1")  # the child runs the command itself
     assert not supervises(["finetune"])
+    assert crash_line(["record", "--output_dir=d"], signal.SIGBUS).endswith("; run again: vla-rl record --output_dir=d")
     assert crash_line(["bench", "rl", "--seed=1"], signal.SIGABRT) == (
         "vla-rl bench: died natively (SIGABRT); its Python stacks: native_crash.log in the command's output folder, "
         "or on stderr above; resume: vla-rl bench rl --seed=1 (its finished stages are kept)"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import signal
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,6 +21,14 @@ from typing import IO
 from vla_core.files import process_file
 
 CRASH_LOG = "native_crash.log"
+# The signals a native crash raises: those faulthandler reports. A SIGKILL (the out-of-memory killer) or a SIGTERM
+# ends a process too, but is no crash.
+CRASH_SIGNALS = (signal.SIGSEGV, signal.SIGABRT, signal.SIGBUS, signal.SIGFPE, signal.SIGILL)
+
+
+def exit_cause(returncode: int) -> str:
+    """A child's end as words: the signal's name for a negative return code (``subprocess``'s), else the code."""
+    return f"signal {signal.Signals(-returncode).name}" if returncode < 0 else f"exit code {returncode}"
 
 
 _files: list[IO[str]] = []  # the files faulthandler writes to, innermost last (a run inside a run)

@@ -30,7 +30,6 @@ from __future__ import annotations
 import faulthandler
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -39,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from sim.config import RenderIsolation
+from vla_core.crash_log import CRASH_SIGNALS, exit_cause
 from vla_core.files import write_text_atomic
 
 
@@ -97,7 +97,7 @@ def bench_render_soak(cfg: BenchRenderSoakConfig) -> dict[str, Any]:
         write_text_atomic(state_file, json.dumps(state, indent=2))  # before anything can stop the soak
         if child.returncode < 0:
             how = "native crash" if state["segments"][-1]["native_crash"] else "killed"
-            print(f"segment {k}: {how} ({_exit_cause(child.returncode)}) after {progress['frames']} frames; its "
+            print(f"segment {k}: {how} ({exit_cause(child.returncode)}) after {progress['frames']} frames; its "
                   f"log: {out / f'native_crash_{k}.log'}", file=sys.stderr)  # fmt: skip
         elif child.returncode != 0:
             raise RuntimeError(f"soak segment {k} failed with exit code {child.returncode} (a Python error: see above)")
@@ -106,15 +106,6 @@ def bench_render_soak(cfg: BenchRenderSoakConfig) -> dict[str, Any]:
     report = {**state, "minutes": clock.stop(), "render_isolation": cfg.render_isolation}
     write_text_atomic(state_file, json.dumps(report, indent=2))
     return report
-
-
-# The signals a native crash raises (those faulthandler reports); a SIGKILL (the out-of-memory killer) or a SIGTERM
-# to the segment alone ends it too, but is no crash of the renderer.
-CRASH_SIGNALS = (signal.SIGSEGV, signal.SIGABRT, signal.SIGBUS, signal.SIGFPE, signal.SIGILL)
-
-
-def _exit_cause(returncode: int) -> str:
-    return signal.Signals(-returncode).name if returncode < 0 else f"exit code {returncode}"
 
 
 def _absorb(state: dict[str, Any], progress: dict[str, Any], returncode: int | None) -> None:

@@ -18,8 +18,8 @@ import signal
 import subprocess
 import sys
 
-# The signals a native crash raises (those Python's faulthandler reports).
-CRASH_SIGNALS = (signal.SIGSEGV, signal.SIGABRT, signal.SIGBUS, signal.SIGFPE, signal.SIGILL)
+from vla_core.crash_log import CRASH_SIGNALS
+
 # Commands that run long enough to meet a driver's crash; the ROS nodes and quick tools run unsupervised.
 SUPERVISED_COMMANDS = ("quickstart", "record", "train", "eval", "finetune", "train-prm", "steer", "dsrl", "bench",
                        "pretrain-encoder", "probe-localization")  # fmt: skip
@@ -58,7 +58,9 @@ def crash_line(argv: list[str], signum: signal.Signals) -> str:
     where = f"native_crash.log in {folder} (or the folder of the stage it was running)" if folder else (
         "native_crash.log in the command's output folder, or on stderr above")  # fmt: skip
     if argv[0] in RESUMABLE:
-        resume = command if "--resume=true" in argv else f"{command} --resume=true"
-    else:
-        resume = f"{command} (its finished stages are kept)"
-    return f"vla-rl {argv[0]}: died natively ({signum.name}); its Python stacks: {where}; resume: {resume}"
+        again = "resume: " + (command if "--resume=true" in argv else f"{command} --resume=true")
+    elif argv[0] in ("bench", "quickstart"):
+        again = f"resume: {command} (its finished stages are kept)"
+    else:  # the same command runs it again (dsrl and steer go on from what they saved)
+        again = f"run again: {command}"
+    return f"vla-rl {argv[0]}: died natively ({signum.name}); its Python stacks: {where}; {again}"
