@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 import numpy as np
@@ -63,6 +63,16 @@ class EnvConfig:
     # size, colour, distractors, camera or lighting, drawn per episode from the world's seed and recorded with
     # each episode. "" = in distribution.
     variation: str = ""
+
+
+# Fields that choose how the worlds are computed, never what they compute (threads, renderers): a run resumed
+# with other values continues the same run, so resume checks leave them out (`outcome_fields`).
+EXECUTION_FIELDS = ("num_threads", "render_threads", "render_isolation")
+
+
+def outcome_fields(config: EnvConfig) -> dict[str, Any]:
+    """``config`` as a dict without its `EXECUTION_FIELDS`: what two runs must share to continue one another."""
+    return {k: v for k, v in asdict(config).items() if k not in EXECUTION_FIELDS}
 
 
 # -- what every backend shares: world selection, seeds, features ---------------------------------

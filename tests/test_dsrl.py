@@ -155,6 +155,7 @@ def test_a_stopped_dsrl_run_resumes_to_the_result_of_one_never_stopped(tmp_path,
     naming it; so is a delay (DSRL steers the rows that run at zero delay)."""
     import os
     import signal
+    from dataclasses import replace
 
     from safetensors.torch import load_file
 
@@ -167,10 +168,10 @@ def test_a_stopped_dsrl_run_resumes_to_the_result_of_one_never_stopped(tmp_path,
     env = EnvConfig(num_envs=2, max_episode_steps=8, image_size=32, num_threads=1, render_threads=1)
 
     def config(out: str, **changes) -> DSRLConfig:
-        return DSRLConfig(checkpoint=str(tmp_path / "policy"), env=env, iterations=4, eval_episodes=2,
+        return DSRLConfig(checkpoint=str(tmp_path / "policy"), **{"env": env, **changes}, iterations=4, eval_episodes=2,
                           sac=SACConfig(batch_size=2, utd=1.0, warmup_transitions=2, hidden=16, critics=2,
                                         distill_batch=1, feature_dim=8),
-                          output_dir=str(tmp_path / out), **changes)  # fmt: skip
+                          output_dir=str(tmp_path / out))  # fmt: skip
 
     straight = run_dsrl(config("straight"))
     real_collect, calls = rollout_module.collect, []
@@ -187,7 +188,15 @@ def test_a_stopped_dsrl_run_resumes_to_the_result_of_one_never_stopped(tmp_path,
     monkeypatch.setattr(rollout_module, "collect", real_collect)
     with pytest.raises(ValueError, match="another seed"):
         run_dsrl(config("resumed", seed=1))
-    resumed = run_dsrl(config("resumed"))
+    with pytest.raises(ValueError, match="another env"):
+        run_dsrl(config("resumed", env=replace(env, variation="position")))
+    # Threads and renderers choose how the worlds are computed, not what: a resume may change them, also against a
+    # file written before they were left out of the check (it kept every field of the env).
+    state_file = tmp_path / "resumed" / "dsrl_state.pt"
+    saved = torch.load(state_file, weights_only=False)
+    saved["made_with"]["env"] |= {"num_threads": 1, "render_threads": 1}
+    torch.save(saved, state_file)
+    resumed = run_dsrl(config("resumed", env=replace(env, render_isolation="thread", render_threads=2)))
     assert [h["iteration"] for h in resumed["history"]] == [0, 1, 2, 3] and resumed["history"] == straight["history"]
     a, b = (load_file(str(tmp_path / out / "dsrl" / "model.safetensors")) for out in ("straight", "resumed"))
     assert all(torch.equal(a[k], b[k]) for k in a)

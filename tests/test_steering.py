@@ -6,6 +6,7 @@ command end to end into `vla-rl eval` and serve's loader."""
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -331,6 +332,18 @@ def test_vla_rl_steer_collects_trains_and_eval_serves_the_steered_policy(tmp_pat
     with pytest.raises(ValueError, match="was collected with another seed"):  # resumed under another setting
         run_steer(SteerConfig(checkpoint=str(tmp_path / "policy"), env=env, episodes=6, seed=1,
                               output_dir=str(tmp_path / "steer")))  # fmt: skip
+    # Other threads and renderers go on from the rollouts (they change how the worlds are computed, not what), also
+    # against a collection written when every field of the env was kept; the rollouts are read, not collected again.
+    made_with = tmp_path / "steer" / "rollouts" / "meta" / "vla_rl_steer_collection.json"
+    old = json.loads(made_with.read_text())
+    made_with.write_text(json.dumps({**old, "env": {**old["env"], "num_threads": 1, "render_threads": 1}}))
+    collected = (tmp_path / "steer" / "rollouts" / "meta" / "info.json").stat().st_ino
+    again = run_steer(SteerConfig(checkpoint=str(tmp_path / "policy"), episodes=6, held_out_fraction=0.34,
+                                  env=replace(env, render_isolation="thread", render_threads=2, num_threads=2),
+                                  predictor_steps=5, critic_steps=5, flow_steps=5, batch_size=8, hidden=16,
+                                  choose_episodes=2, output_dir=str(tmp_path / "steer")))  # fmt: skip
+    assert again["requests"] == 12
+    assert (tmp_path / "steer" / "rollouts" / "meta" / "info.json").stat().st_ino == collected
     saved = json.loads((tmp_path / "steer" / "steering" / "config.json").read_text())
     assert saved["noise_shape"] == [8, 4] and saved["threshold"] == 0.5 and saved["weight"] == 0.5
     assert (saved["version"], saved["best_of"], saved["executed"]) == (3, 1, [4, 4])  # the critic reads 4 rows

@@ -28,7 +28,7 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from sim.config import EnvConfig
+from sim.config import EXECUTION_FIELDS, EnvConfig, outcome_fields
 from vla_core import interrupt
 from vla_core.runtime import ChunkingConfig, DelayConfig, DelayModel, LatencySpec
 from vla_rl.checkpoint import load_policy
@@ -101,6 +101,7 @@ def run_dsrl(cfg: DSRLConfig) -> dict[str, Any]:
     free = ("num_threads", "checkpoint_every", "iterations", "max_env_steps", "eval_episodes", "eval_seed",
             "output_dir")  # fmt: skip
     made_with = {k: v for k, v in asdict(cfg).items() if k not in free}
+    made_with["env"] = outcome_fields(cfg.env)  # its threads and renderers may change too
     made_with["base_sha256"] = weights_sha256(policy)
     made_with["version"] = VERSION
     with make_env(cfg.env) as env:
@@ -193,8 +194,11 @@ def load_state(path: Path, agent: NoiseAgent, replay, shell, made_with: dict) ->
     settings or by the earlier `vla-rl dsrl`."""
     saved = torch.load(path, weights_only=False)  # our own file: it holds the replay buffer's TensorDicts
     for name, value in made_with.items():
-        if json.loads(json.dumps(saved["made_with"].get(name))) != json.loads(json.dumps(value)):
-            raise ValueError(f"{path} was written by a run with another {name} ({saved['made_with'].get(name)!r} "
+        was = saved["made_with"].get(name)
+        if name == "env" and isinstance(was, dict):  # files written before outcome_fields kept every field
+            was = {k: v for k, v in was.items() if k not in EXECUTION_FIELDS}
+        if json.loads(json.dumps(was)) != json.loads(json.dumps(value)):
+            raise ValueError(f"{path} was written by a run with another {name} ({was!r} "
                              f"against {value!r}): pass another --output_dir, or delete it to start again")  # fmt: skip
     agent.load_state_dict(saved["agent"])
     agent.task = saved["task"]

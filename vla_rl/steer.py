@@ -39,7 +39,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from sim.config import EnvConfig
+from sim.config import EXECUTION_FIELDS, EnvConfig, outcome_fields
 from vla_core import interrupt
 from vla_core.data import discard_dataset, open_dataset, quiet_datasets
 from vla_core.files import replace_directory
@@ -116,12 +116,14 @@ def run_steer(cfg: SteerConfig) -> dict[str, Any]:
     check_steerable(policy)
     start = time.time()
     rollouts = out / "rollouts"
-    collection = {"base_sha256": weights_sha256(policy), "env": asdict(cfg.env), "variations": list(cfg.variations),
+    collection = {"base_sha256": weights_sha256(policy), "env": outcome_fields(cfg.env), "variations": list(cfg.variations),
                   "episodes": cfg.episodes, "seed": cfg.seed, "chunking": asdict(cfg.chunking),
                   "delay": asdict(cfg.delay), "version": COLLECTION_VERSION}  # fmt: skip
     if (rollouts / "meta" / "info.json").is_file():  # a run stopped after collecting goes on from its rollouts
         made_with = rollouts / "meta" / COLLECTION_FILE
         saved = json.loads(made_with.read_text()) if made_with.is_file() else {}
+        if isinstance(saved.get("env"), dict):  # collected before outcome_fields: every field kept
+            saved["env"] = {k: v for k, v in saved["env"].items() if k not in EXECUTION_FIELDS}
         for name, value in collection.items():
             if saved.get(name) != value:
                 raise ValueError(f"{rollouts} was collected with another {name} ({saved.get(name)!r} against "
