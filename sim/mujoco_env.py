@@ -105,6 +105,7 @@ class MujocoBatchedEnv:
         self._obs_qpos = np.empty((self.num_envs, 9))
         self._obs_ee = np.empty((self.num_envs, 3))
         self._success = np.zeros(self.num_envs, dtype=bool)
+        self._failure = np.zeros(self.num_envs, dtype=bool)  # the task's failure rule, where it has one
         # Each world's model: the one model, or with a variation (`sim.variations`) a copy per world.
         self._varied = VariedWorlds(config.variation, self.task, self.model, self.num_envs)
         self._models = self._varied.models
@@ -227,7 +228,7 @@ class MujocoBatchedEnv:
         expected_time = self._init_state[:, 0] + self.config.substeps * self.model.opt.timestep
         restarted = np.abs(final_state[:, 0] - expected_time) > 1e-6
         diverged = ~np.isfinite(qpos).all(axis=1) | restarted
-        terminated = success | diverged
+        terminated = success | self._failure | diverged
         truncated = (self.episode_step >= self.max_episode_steps) & ~terminated
         final_obs = self._observe()
         done = terminated | truncated
@@ -398,7 +399,10 @@ class MujocoBatchedEnv:
             mujoco.mj_setState(model, d, stored[i], self._store_spec)
             self._forward_positions(self._models[i], d)  # a varied world's own sizes collide
             ee[i] = d.site_xpos[site]
-        self._success[block] = task.success(model, HostWorlds(model, self.data[block]))
+        worlds = HostWorlds(model, self.data[block])
+        self._success[block] = task.success(model, worlds)
+        if hasattr(task, "failure"):
+            self._failure[block] = task.failure(model, worlds) & ~self._success[block]
 
     def _observe(self, worlds: np.ndarray | None = None) -> dict[str, Any]:
         """The observation of ``worlds`` (indices; None = all), in that order."""
@@ -417,5 +421,8 @@ class MujocoBatchedEnv:
             obs[image_key(cam)] = torch.from_numpy(images)
         state = np.empty((n, self.state_dim), dtype=np.float32)
         obs[OBS_STATE] = torch.from_numpy(arm_state(self._obs_qpos[index], self._obs_ee[index], out=state))
-        obs[TASK] = [self.task.instruction] * n
+        if hasattr(self.task, "instructions_of"):  # the instruction is the world's own state (`reach_switch`)
+            obs[TASK] = self.task.instructions_of(self.model, np.stack([self.data[i].qpos for i in index]))
+        else:
+            obs[TASK] = [self.task.instruction] * n
         return obs

@@ -215,7 +215,7 @@ class WarpBatchedEnv:
         )
         success = self._success()
         diverged = ~torch.isfinite(self._qpos).all(dim=1)
-        terminated = success | diverged
+        terminated = success | self._failure(success) | diverged
         truncated = (self.episode_step >= self.max_episode_steps) & ~terminated
         final_obs = self._observe()
         done = terminated | truncated
@@ -330,6 +330,12 @@ class WarpBatchedEnv:
         """(N,) bool: the task's success rule on the device state."""
         return self.task.success(self.model, self._world)
 
+    def _failure(self, success: torch.Tensor) -> torch.Tensor:
+        """(N,) bool: the task's failure rule on the device state (none: all False), never where it succeeded."""
+        if not hasattr(self.task, "failure"):
+            return torch.zeros_like(success)
+        return self.task.failure(self.model, self._world) & ~success
+
     def _ik_control(self, action: torch.Tensor) -> torch.Tensor:
         """(N, 4) clipped float64 actions -> (N, nu) servo targets: one IK step per world (``sim.ik``).
 
@@ -352,7 +358,10 @@ class WarpBatchedEnv:
             obs |= self._render_cameras()
         state = torch.empty(self.num_envs, self.state_dim, dtype=torch.float32, device=self.device)
         obs[OBS_STATE] = arm_state(self._qpos[:, :9], self._ee(), out=state)
-        obs[TASK] = [self.task.instruction] * self.num_envs
+        if hasattr(self.task, "instructions_of"):  # the instruction is the world's own state: one copy to the host
+            obs[TASK] = self.task.instructions_of(self.model, self._qpos.cpu().numpy())
+        else:
+            obs[TASK] = [self.task.instruction] * self.num_envs
         return obs
 
     def _render_cameras(self) -> dict[str, torch.Tensor]:

@@ -50,9 +50,9 @@ def _schedules(env) -> list[dict]:
     return [state["events"] for state in env.get_state()]
 
 
-def test_the_suite_has_three_tasks_with_events():
+def test_the_suite_has_four_tasks_with_events():
     with_events = sorted(name for name in TASKS if has_events(get_task(name)))
-    assert with_events == ["push_impulse", "track_jump", "track_reverse"]
+    assert with_events == ["push_impulse", "reach_switch", "track_jump", "track_reverse"]
 
 
 def _seeded_schedules(task: str, n: int) -> tuple[list, list, list, list, dict]:

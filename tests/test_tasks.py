@@ -60,6 +60,14 @@ def _track(task, model, data, solved):
         data.qpos[model.joint(joint).qposadr[0]] = coordinate
 
 
+def _reach_switch(task, model, data, solved):
+    # the ball the instruction in force names, 1 cm or 4 cm above the grasp site (the other stays 12 cm or more away)
+    from sim.tasks.reach_switch import BALLS, instruction_index, instruction_qpos
+
+    named = BALLS[instruction_index(data.qpos[instruction_qpos(model)])]
+    place_mocap_body(model, data, named, data.site("grasp").xpos + [0.0, 0.0, 0.01 if solved else 0.04])
+
+
 # name -> f(task, model, data, solved): move the task's object into a solved pose, or a near miss.
 POSE_BUILDERS = {
     "lift": _lift,
@@ -72,20 +80,22 @@ POSE_BUILDERS = {
     "track_reverse": _track,  # the same scene and success rule
     "push_impulse": _push,  # the same scene and success rule
     "track_jump": _track,  # the same scene and success rule
+    "reach_switch": _reach_switch,
 }
 
 
-def test_suite_has_ten_tasks_with_distinct_instructions():
+def test_suite_has_eleven_tasks_with_distinct_instructions():
     assert set(TASKS) == set(POSE_BUILDERS) == set(EXPERTS)
     instructions = [get_task(name).instruction for name in TASKS]
-    assert len(set(instructions)) == len(TASKS) == 10
+    assert len(set(instructions)) == len(TASKS) == 11
 
 
 @pytest.mark.parametrize("name", sorted(TASKS))
 def test_reset_is_seeded_and_randomized(name):
     with MujocoBatchedEnv(EnvConfig(task=name, num_envs=4, image_size=32)) as env:
         obs = env.reset(seed=3)
-        assert obs[TASK] == [env.task.instruction] * 4
+        # reach_switch's first instruction is drawn per world, from its two
+        assert set(obs[TASK]) <= set(getattr(env.task, "instructions", [env.task.instruction]))
         assert obs[OBS_STATE].shape == (4, 11) and obs["observation.images.front"].shape == (4, 3, 32, 32)
         first = env.privileged_state()
         joints = obs[OBS_STATE][:, :7].clone()

@@ -43,13 +43,16 @@ def make_policy(kind: str, max_delay_steps: int = 0) -> PreTrainedPolicy:
     return policy.eval()
 
 
-def save_lift_flow_policy(directory, image_size: int = 64) -> DiffusionPolicy:
+def save_lift_flow_policy(
+    directory, image_size: int = 64, horizon: int = 8, n_action_steps: int = 4
+) -> DiffusionPolicy:
     """A random flow `diffusion` policy for the lift env (front camera ``image_size`` px, 11 states, 4 actions,
-    chunks of 8, 4 executed, 4 Euler steps, actions in [-1, 1]), saved to ``directory``; returns it."""
+    chunks of ``horizon`` (8), ``n_action_steps`` (4) executed, 4 Euler steps, actions in [-1, 1]), saved to
+    ``directory``; returns it."""
     torch.manual_seed(0)
     policy = DiffusionPolicy(DiffusionConfig(
-        state_dim=11, action_dim=4, cameras=["front"], image_size=image_size, horizon=8, n_action_steps=4,
-        vocabulary=word_vocabulary([TASK]), vision_channels=8, num_keypoints=8, text_dim=8, hidden_dim=32,
+        state_dim=11, action_dim=4, cameras=["front"], image_size=image_size, horizon=horizon,
+        n_action_steps=n_action_steps, vocabulary=word_vocabulary([TASK]), vision_channels=8, num_keypoints=8, text_dim=8, hidden_dim=32,
         num_blocks=2, num_inference_steps=4, objective="flow",
     ))  # fmt: skip
     policy.set_normalization([0.0] * 11, [1.0] * 11, [-1.0] * 4, [1.0] * 4)

@@ -27,6 +27,7 @@ import os
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import draccus
 import numpy as np
@@ -38,6 +39,7 @@ from sim.libero_protocol import with_libero_cameras
 from vla_core import crash_log, interrupt
 from vla_core.files import temporary_beside, write_text_atomic
 from vla_core.runtime import ChunkingConfig, DelayConfig, DelayModel, LatencySpec, noise_shape, request_noise
+from vla_core.runtime.transition import Reaction, SwitchReactions
 from vla_core.types import TASK, ActionChunk, SteerMode, world_indices
 from vla_rl.checkpoint import load_policy
 from vla_rl.eval_record import (
@@ -229,6 +231,7 @@ def evaluate(cfg: EvalConfig, policy=None, expected_weights: str | None = None) 
         "mean_success_length": float(np.mean([e["length"] for e in episodes if e["success"]] or [0])),
         "per_task": per_task_table(episodes, env.task_names),
         "best_of_draws": best_of_draws(episodes) if cfg.draws_per_state > 1 else None,
+        "switch": switch_summary(episodes),  # an instruction that changed mid-episode (None: none did)
         "seed": cfg.seed,
         "execute_steps": execute_steps,
         "merge": cfg.chunking.merge,
@@ -329,10 +332,12 @@ def _run_rounds(plan: EpisodePlan, record: EvalRecord, delayed, recorder, policy
     """Run the rounds of ``plan`` the record has not done, appending each episode as it ends and saving the
     progress after each round (see `vla_rl.eval_record`)."""
     env, n = recorder.env, delayed.num_envs
+    reactions = SwitchReactions(n)  # an instruction that changes mid-episode: when it changed, how fast it was met
     for r in range(record.rounds_done, len(plan.rounds)):
         this = plan.rounds[r]
         recorder.enabled = r == 0
         obs, need = delayed.reset(seed=this.seed, episodes=plan.episode_numbers(r))
+        reactions.restart()
         # A world's counted episode of the round is the one this reset began: its variation (`--env.variation`).
         varied = getattr(env, "variation_record", None)
         variations = [varied(i) if varied is not None else {} for i in range(n)]
@@ -344,6 +349,9 @@ def _run_rounds(plan: EpisodePlan, record: EvalRecord, delayed, recorder, policy
                 _predict(policy, obs, need, delayed.obs_step, delayed.guidance, noise)
             )
             length += np.where(finished, 0, info["steps"].cpu().numpy())
+            met: dict[int, Reaction] = {}
+            for reaction in reactions.add(info["trace"]):
+                met.setdefault(reaction.world, reaction)  # a world's first end in the call is its counted one
             for d in info["delay_steps"][info["delay_steps"] >= 0].tolist():
                 delays_seen[d] = delays_seen.get(d, 0) + 1
             done = (terminated | truncated).cpu().numpy() & ~finished
@@ -352,11 +360,34 @@ def _run_rounds(plan: EpisodePlan, record: EvalRecord, delayed, recorder, policy
                 record.append({"round": r, "world": int(i), "task": task, **this.episodes[i],
                                "success": bool(info["success"][i]), "length": int(length[i]),
                                "requests": int(info["requests"][i]),
-                               **({"variation": variations[i]} if variations[i] else {})})  # fmt: skip
+                               **({"variation": variations[i]} if variations[i] else {}),
+                               **switch_fields(met.get(int(i)))})  # fmt: skip
                 bar.update(1)
             finished |= done
             interrupt.raise_if_stopped()
         record.round_done(r + 1, random_state(delayed.delay, delayed.protocol, delays_seen))
+
+
+def switch_fields(reaction: Reaction | None) -> dict[str, int]:
+    """An episode record's ``switch_step`` and ``reaction_steps`` (`SwitchReactions`), where its instruction
+    switched; nothing otherwise."""
+    if reaction is None or reaction.switch_step < 0:
+        return {}
+    return {"switch_step": reaction.switch_step, "reaction_steps": reaction.reaction_steps}
+
+
+def switch_summary(episodes: list[dict]) -> dict[str, Any] | None:
+    """Over the episodes whose instruction switched: how many, their success, how many met the switch (a row of a
+    chunk planned on the new instruction ran) and the reaction times' median and quartiles; None when none did."""
+    switched = [e for e in episodes if "switch_step" in e]
+    if not switched:
+        return None
+    met = sorted(e["reaction_steps"] for e in switched if e["reaction_steps"] >= 0)
+    quartiles = [float(q) for q in np.percentile(met, [25, 50, 75])] if met else None
+    return {"episodes": len(switched), "successes": sum(e["success"] for e in switched), "reacted": len(met),
+            "reaction_steps_quartiles": quartiles, "median_reaction_steps": quartiles[1] if quartiles else None,
+            "unswitched_successes": sum(e["success"] for e in episodes if "switch_step" not in e),
+            "unswitched_episodes": len(episodes) - len(switched)}  # fmt: skip
 
 
 def evaluate_tasks(cfg: EvalConfig, policy=None, expected_weights: str | None = None) -> dict:

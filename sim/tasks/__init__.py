@@ -11,6 +11,7 @@ from sim.tasks.pick_place import PickPlaceExpert, PickPlaceTask
 from sim.tasks.push import PushExpert, PushTask
 from sim.tasks.push_impulse import PushImpulseTask
 from sim.tasks.reach import ReachExpert, ReachTask
+from sim.tasks.reach_switch import ReachSwitchExpert, ReachSwitchTask
 from sim.tasks.stack import StackTask
 from sim.tasks.track import TrackExpert, TrackTask
 from sim.tasks.track_jump import TrackJumpExpert, TrackJumpTask
@@ -27,6 +28,7 @@ TASKS: dict[str, type[Task]] = {
     "track_reverse": TrackReverseTask,
     "push_impulse": PushImpulseTask,
     "track_jump": TrackJumpTask,
+    "reach_switch": ReachSwitchTask,
 }
 EXPERTS: dict[str, type[Expert]] = {
     "lift": LiftExpert,
@@ -39,6 +41,7 @@ EXPERTS: dict[str, type[Expert]] = {
     "track_reverse": TrackExpert,  # it reads the ball's current velocity, so it follows every turn
     "push_impulse": PushExpert,  # it reads the cube's current position, and starts again when it slips away
     "track_jump": TrackJumpExpert,  # it reads where the ball is now, so it follows every jump
+    "reach_switch": ReachSwitchExpert,
 }
 
 

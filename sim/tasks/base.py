@@ -33,6 +33,10 @@ class Task(Protocol):
         """(N,) bool: the task's success rule, the one every backend runs (numpy or torch, as ``worlds``)."""
         ...
 
+    # A task may also define ``failure(model, worlds) -> (N,) bool``, read like ``success``: the episode ends there
+    # (terminated, no success), e.g. `reach_switch`'s touch of the ball the instruction does not name. And
+    # ``instructions_of(model, qpos) -> list[str]`` when the instruction in force is the world's own state.
+
 
 class Expert(Protocol):
     """A scripted expert for N worlds (built as ``Expert(num_envs)``), with per-world phase state."""

@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import get_args
+from typing import Literal, get_args
 
 from vla_core.runtime.executor import MergeMode
+
+# What a world does when its instruction changes (`vla_core.runtime.protocol.LatencyProtocol.new_instruction`).
+OnNewInstruction = Literal["replan", "next_chunk"]
 
 
 @dataclass
@@ -34,6 +37,11 @@ class ChunkingConfig:
     # A robot's trajectory controller (serve --output=trajectory) needs them to receive the chunk before its
     # first point; the delay a request announces counts them. 0: a chunk takes over at the next step.
     lead_steps: int = 0
+    # When the instruction changes mid-task (SwitchVLA): replan = the queued plan is dropped after its committed
+    # lead_steps, the request in flight is abandoned (its chunk, planned under the old instruction, never runs) and
+    # a request under the new instruction goes out at once; next_chunk = the queue and the request in flight run
+    # out and the next request on schedule carries it (the behaviour before 0.3).
+    on_new_instruction: OnNewInstruction = "replan"
 
     def validate(self) -> None:
         """Raise ValueError naming the field (as ``--chunking.<name>``) for a value no run could use."""
@@ -50,6 +58,9 @@ class ChunkingConfig:
             raise ValueError(f"chunking.ensemble_coeff must be finite, got {self.ensemble_coeff}")
         if self.estimate_window < 1:
             raise ValueError(f"chunking.estimate_window must be >= 1, got {self.estimate_window}")
+        if self.on_new_instruction not in get_args(OnNewInstruction):
+            raise ValueError(f"chunking.on_new_instruction={self.on_new_instruction!r} is not one of "
+                             f"{get_args(OnNewInstruction)}; set --chunking.on_new_instruction=replan")  # fmt: skip
         if self.lead_steps < 0:
             raise ValueError(f"chunking.lead_steps must be >= 0 (0: a chunk takes over at once), got {self.lead_steps}")
 

@@ -13,6 +13,11 @@ on). A call reads once more, to refuse a submitted chunk with NaN or inf (and, r
 request opened, to look its delay up). For RL, each call also returns what every control step did
 (`StepTrace`, ``info["trace"]``: the reward and which chunk's row ran), from which RL credits each decision
 with the steps its own rows ran (`vla_core.runtime.transition.ExecutionCredit`); it costs no host read.
+
+An instruction that changes mid-episode (the observation's ``task``, compared per world after every step; an
+episode's start is no change) goes to the protocol's ``new_instruction``: with ``chunking.on_new_instruction=replan``
+the world drops its plan and what is in flight and requests at once, so the call ends there. In simulation the
+abandoned inference stops at once (the request is cancelled), so the new one starts without waiting for it.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from vla_core.runtime.config import ChunkingConfig
 from vla_core.runtime.delay import DelayModel
 from vla_core.runtime.protocol import LatencyProtocol, LatencySpec, StepContext, Use, merge_rows
 from vla_core.runtime.transition import StepTrace
-from vla_core.types import ActionChunk, BatchedEnv, Worlds, WorldState, world_indices
+from vla_core.types import TASK, ActionChunk, BatchedEnv, Worlds, WorldState, world_indices
 
 # A low-latency part's step policy: (the freshest observation of N worlds, the queue's actions (N, A) for this step,
 # the protocol's context) -> the actions (N, A) to run (`policies.pretrained.PreTrainedPolicy.low_latency_step`).
@@ -87,6 +92,7 @@ class DelayedChunkEnv:
         # index within the episode (-1: none yet).
         self._episode: torch.Tensor | None = None
         self._request_index = torch.full((env.num_envs,), -1, dtype=torch.long, device=dev)
+        self._instructions: list[str] | None = None  # each world's instruction in force (its latest observation's)
 
     @property
     def obs_step(self) -> torch.Tensor:
@@ -151,6 +157,7 @@ class DelayedChunkEnv:
         self.protocol.restart(mask)
         self._need = self._need & ~mask
         self._obs = obs
+        self._instructions = list(obs[TASK]) if TASK in obs else None
         self._open(mask)
         self._need = self._need | self.protocol.take_asked()
         return self._asked_obs(), self._need.clone()
@@ -165,6 +172,16 @@ class DelayedChunkEnv:
         self._arrival = torch.where(worlds, torch.iinfo(torch.long).max, self._arrival)
         if self.protocol.mid_fraction is not None:
             self._request_obs = merge_rows(self._request_obs, self._obs, worlds)
+
+    def _new_instruction(self, ended: torch.Tensor) -> torch.Tensor:
+        """(N,) bool: the worlds whose latest observation carries another instruction than the one before, in the
+        same episode (``ended``: (N,) the worlds whose observation starts a new episode)."""
+        now = self._obs.get(TASK)
+        if now is None or self._instructions is None:
+            return torch.zeros_like(ended)
+        changed = [new != old for new, old in zip(now, self._instructions, strict=True)]
+        self._instructions = list(now)
+        return torch.tensor(changed, dtype=torch.bool, device=self.device) & ~ended
 
     def _asked_obs(self) -> dict[str, Any]:
         """What the asked worlds' policy sees (rows of other worlds hold stale values)."""
@@ -226,7 +243,10 @@ class DelayedChunkEnv:
                           "diverged": diverged})  # fmt: skip
             success |= info["success"].to(dev)
             ended = term | trunc  # a new episode forgets the old one's queue, chunk in flight and open request
+            new_instruction = self._new_instruction(ended)
+            trace[-1]["new_instruction"] = new_instruction
             p.restart(ended)
+            p.new_instruction(new_instruction)
             requests = torch.where(ended, self._request_index + 1, requests)
             self._request_index = torch.where(ended, -1, self._request_index)
             if self._episode is not None:  # an autoreset's episode is not one a reset numbered

@@ -26,7 +26,9 @@ Each control step, per world, in this order:
    the request; each shell calls it every control step, with the observation it has.
 
 ``hold`` (the robot stopped) empties the queue and starts a new epoch; ``restart`` (a new episode)
-also resets the step counter and drops what is in flight; ``abandon`` ends a request without a chunk.
+also resets the step counter and drops what is in flight; ``abandon`` ends a request without a chunk;
+``new_instruction`` (the instruction changed mid-task) drops the plan after its committed lead and what is in
+flight, and makes a request due at once (``chunking.on_new_instruction=replan``; ``next_chunk``: nothing changes).
 
 What a policy can be run with is decided here once, from its `LatencySpec` (its config): the delays it
 fits (`LatencySpec.check_delay`) and the merges allowed for each use (`MERGES`), read alike by
@@ -179,6 +181,7 @@ class LatencyProtocol:
                 f"delay.estimate must be measured on a robot, oracle or measured in simulation, got {estimate!r}"
             )
         self.spec, self.use, self.estimate = spec, use, estimate
+        self.on_new_instruction = chunking.on_new_instruction
         # As wide as the policy reads, and as the largest delay expected: rows past what the policy reads
         # are never looked at, and a delay above it is announced as the width (counted by the robot).
         self.executor = ActionChunkExecutor(
@@ -313,6 +316,20 @@ class LatencyProtocol:
         the hold) must never run. The request stays in flight, one at a time, until its answer is dropped."""
         self.executor.discard_queue(worlds)
         self.epoch = torch.where(worlds, self.epoch + 1, self.epoch)
+
+    def new_instruction(self, worlds: torch.Tensor) -> None:
+        """The instruction of ``worlds`` (N,) bool changed at the current step (the observation a request made now
+        would be conditioned on is the first to carry it). With ``on_new_instruction=replan``: the queue is dropped
+        from slot ``lead_steps`` on (the rows before are committed: a trajectory controller already holds them), so
+        the arm holds until the new chunk; the request in flight is abandoned and its answer, planned under the old
+        instruction, never merges (a new epoch); a request is due at once. With ``next_chunk`` nothing changes:
+        the old plan runs out and the next request on schedule carries the new instruction."""
+        if self.on_new_instruction == "next_chunk":
+            return
+        self.executor.discard_queue(worlds, from_slot=self.lead_steps)
+        self.epoch = torch.where(worlds, self.epoch + 1, self.epoch)
+        self.abandon(worlds)
+        self.next_request = torch.where(worlds, self.executor.step, self.next_request)
 
     def restart(self, worlds: torch.Tensor) -> None:
         """New episodes in ``worlds``: empty queue, step 0, nothing in flight, a request at once. The lags

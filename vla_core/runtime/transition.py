@@ -39,6 +39,8 @@ class StepTrace:
         where no chunk's row has run yet in the episode (the shell's hold action).
     row: long, that chunk's row that ran; -1 where nothing was queued (a hold).
     terminated, truncated, diverged: bool, the episode ended at the step (and why).
+    new_instruction: bool, the observation after the step carries another instruction than the one before it, in
+        the same episode (SwitchVLA's switch; `vla_core.runtime.protocol.LatencyProtocol.new_instruction`).
     """
 
     reward: torch.Tensor
@@ -47,11 +49,12 @@ class StepTrace:
     terminated: torch.Tensor
     truncated: torch.Tensor
     diverged: torch.Tensor
+    new_instruction: torch.Tensor
 
     @staticmethod
     def stack(steps: list[dict[str, torch.Tensor]], num_worlds: int, device: torch.device) -> StepTrace:
         """The trace of a call from its steps' (N,) values, one dict per step with every field's name."""
-        names = ("reward", "source", "row", "terminated", "truncated", "diverged")
+        names = ("reward", "source", "row", "terminated", "truncated", "diverged", "new_instruction")
         if not steps:
             empty = {"reward": torch.float32, "source": torch.long, "row": torch.long}
             return StepTrace(*(torch.zeros(num_worlds, 0, dtype=empty.get(n, torch.bool), device=device)
@@ -123,3 +126,46 @@ class ExecutionCredit:
     def _close(self, world: int, terminated: bool, truncated: bool) -> Window:
         window, self._open[world] = self._open[world], None
         return Window(world=world, terminated=terminated, truncated=truncated, **window)
+
+
+@dataclass
+class Reaction:
+    """How one ended episode met a switch of its instruction: world; switch_step, the episode step whose observation
+    first carried the new instruction (-1: no switch); reaction_steps, from it to the first step that ran a row of
+    a chunk conditioned on an observation at or after it (-1: none ran before the episode ended)."""
+
+    world: int
+    switch_step: int
+    reaction_steps: int
+
+
+class SwitchReactions:
+    """Each world's switch and reaction to it (`Reaction`), from the shell's traces (`add`), over episodes that start
+    with the ledger (or at `restart`): the one definition of reaction time, `vla-rl eval`'s and `bench switch`'s."""
+
+    def __init__(self, num_worlds: int):
+        self._step = np.zeros(num_worlds, dtype=np.int64)  # each world's episode step (the next step's index)
+        self._switch = np.full(num_worlds, -1, dtype=np.int64)
+        self._reaction = np.full(num_worlds, -1, dtype=np.int64)
+
+    def restart(self) -> None:
+        """Every world starts an episode (a reset of the whole batch)."""
+        self._step[:], self._switch[:], self._reaction[:] = 0, -1, -1
+
+    def add(self, trace: StepTrace) -> list[Reaction]:
+        """Feed one call's trace; returns the episodes it ended, in step order."""
+        t = trace.numpy()
+        ended: list[Reaction] = []
+        for k in range(t["reward"].shape[1]):
+            for w in range(t["reward"].shape[0]):
+                step, switch = int(self._step[w]), int(self._switch[w])
+                # the step ran a row of a chunk planned on the new instruction's observations
+                if switch >= 0 and self._reaction[w] < 0 and t["row"][w, k] >= 0 and t["source"][w, k] >= switch:
+                    self._reaction[w] = step - switch
+                if t["new_instruction"][w, k] and switch < 0:  # the observation after this step carries it
+                    self._switch[w] = step + 1
+                self._step[w] += 1
+                if t["terminated"][w, k] or t["truncated"][w, k]:
+                    ended.append(Reaction(w, int(self._switch[w]), int(self._reaction[w])))
+                    self._step[w], self._switch[w], self._reaction[w] = 0, -1, -1
+        return ended
