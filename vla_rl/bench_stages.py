@@ -66,7 +66,15 @@ def train_imitation(cfg, dataset: Path, output_dir: Path, delay=None) -> None:
     """A policy of ``cfg.policy_type`` (``diffusion`` when the benchmark has no such field) trained on
     ``dataset`` for ``cfg.train_steps`` steps into ``output_dir`` (resumed when it has checkpoints); ``delay``:
     the delay augmentation (training-time RTC), None = none."""
-    from vla_rl.stages import AutoregressiveVLAConfig, DatasetConfig, DelayConfig, DiffusionConfig, TrainConfig, train
+    from vla_rl.stages import (
+        AutoregressiveVLAConfig,
+        DatasetConfig,
+        DelayConfig,
+        DiffusionConfig,
+        DiffusionVLAConfig,
+        TrainConfig,
+        train,
+    )
 
     policy_type = getattr(cfg, "policy_type", "diffusion")
     policy = {"horizon": cfg.horizon, "n_action_steps": cfg.n_action_steps}
@@ -78,6 +86,8 @@ def train_imitation(cfg, dataset: Path, output_dir: Path, delay=None) -> None:
         policy["objective"] = cfg.objective
     if getattr(cfg, "action_bounds", None):  # its chunks clamped to these bounds (`bench steering`: the robot's)
         policy["action_bounds"] = cfg.action_bounds
+    policy_configs = {"diffusion": DiffusionConfig, "diffusion_vla": DiffusionVLAConfig,
+                      "autoregressive_vla": AutoregressiveVLAConfig}  # fmt: skip
     delay = delay or DelayConfig()
     steps = getattr(cfg, "imitation_steps", None) or cfg.train_steps  # `bench rl` resolves a policy type's default
     saved = output_dir / "train_config.json"
@@ -95,7 +105,7 @@ def train_imitation(cfg, dataset: Path, output_dir: Path, delay=None) -> None:
         # A checkpoint every 1,000 steps: a killed imitation stage (12,000 steps of the AR VLA take hours) resumes.
         batch_size=cfg.batch_size, seed=cfg.seed, log_with="none", save_every=min(steps, 1000),
         num_threads=cfg.num_threads, delay=delay, resume=(output_dir / "checkpoints").is_dir(),
-        policy={"diffusion": DiffusionConfig, "autoregressive_vla": AutoregressiveVLAConfig}[policy_type](**policy),
+        policy=policy_configs[policy_type](**policy),
     ))  # fmt: skip
 
 

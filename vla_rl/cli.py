@@ -223,6 +223,12 @@ def _run_bench_delay(cfg):
     print(format_summary(bench_delay(cfg)))
 
 
+def _run_bench_switch(cfg):
+    from vla_rl.bench_switch import bench_switch, format_summary
+
+    print(format_summary(bench_switch(cfg)))
+
+
 def _run_bench_rl(cfg):
     from vla_rl.bench_rl import bench_rl, format_summary
 
@@ -430,7 +436,7 @@ COMMANDS: dict[str, Command] = {
         "benchmarks: `bench sim` (env-steps/s), `bench bridge` (ROS 2 latency), `bench delay` (success under "
         "delay), `bench rl` (RL fine-tuning gains), `bench latency-rl` (ARLI), `bench delay-calibration` (their task and delay), `bench robot-parity` (the "
         "latency model against a served robot), `bench delay-beyond` (a robot slower than the policy was trained for), `bench ray` (asynchronous Ray rollouts), `bench render-soak` (native crashes of the renderer), "
-        "`bench libero` (LIBERO against LeRobot's evaluator), `bench ar-decoding` (token decoding speed)",
+        "`bench libero` (LIBERO against LeRobot's evaluator), `bench ar-decoding` (token decoding speed), `bench switch` (instructions that change mid-task)",
         "",
         None,
         {
@@ -458,6 +464,11 @@ COMMANDS: dict[str, Command] = {
                 "steering a frozen flow policy out of distribution: RL² (gated, always) and DSRL against the base",
                 "vla_rl.bench_steering:BenchSteeringConfig",
                 _run_bench_steering,
+            ),
+            "switch": Command(
+                "instructions that change mid-task (SwitchVLA): replanning through the latency protocol vs the next chunk",
+                "vla_rl.bench_switch:BenchSwitchConfig",
+                _run_bench_switch,
             ),
             "delay-calibration": Command(
                 "the latency benchmarks' task and delay, chosen from their baseline arms by the fixed protocol",
