@@ -50,6 +50,15 @@ def has_events(task: Any) -> bool:
     return hasattr(task, "sample_events")
 
 
+def check_control_period(task: Any, control_dt: float) -> None:
+    """Refuse an env stepping ``control_dt`` seconds for a task whose events are drawn for another control period
+    (``task.control_dt``: a velocity that covers a distance in so many steps), before anything is built."""
+    planned = getattr(task, "control_dt", None) if has_events(task) else None
+    if planned is not None and abs(planned - control_dt) > 1e-9:
+        raise ValueError(f"task {task.name} draws its events for a control period of {planned} s, but the env "
+                         f"steps {control_dt} s: set --env.substeps={round(planned / 0.002)}")  # fmt: skip
+
+
 def draw_events(task: EventTask, model: mujoco.MjModel, data: mujoco.MjData, rng: np.random.Generator) -> dict:
     """One world's new episode's events, as :meth:`EventSchedules.load` takes them: {"steps": (E,),
     "velocity": (E, k)}, drawn by the task from ``rng`` right after its initial state (in ``data``)."""

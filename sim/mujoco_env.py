@@ -26,7 +26,7 @@ from mujoco import rollout
 from sim.arm import ACTION_HIGH, ACTION_LOW, ACTION_NAMES, STATE_NAMES, arm_state, commanded_grip, hold_actions
 from sim.batched_success import HostWorlds
 from sim.config import EnvConfig, env_features, reseed
-from sim.events import EventSchedules, draw_events
+from sim.events import EventSchedules, check_control_period, draw_events
 from sim.ik import ArmController
 from sim.poses import position_pass
 from sim.render import Renderers, camera_renderers
@@ -62,6 +62,7 @@ class MujocoBatchedEnv:
         self.device = torch.device("cpu")
         self.max_episode_steps = config.max_episode_steps or self.task.max_episode_steps
         self.control_dt = 0.002 * config.substeps
+        check_control_period(self.task, self.control_dt)
 
         xml = self.task.xml_path()
         self.model = (

@@ -26,7 +26,7 @@ import torch
 from sim.arm import ACTION_HIGH, ACTION_LOW, ACTION_NAMES, STATE_NAMES, arm_state, commanded_grip, hold_actions
 from sim.batched_success import DeviceWorlds
 from sim.config import EnvConfig, env_features, reseed
-from sim.events import EventSchedules, draw_events
+from sim.events import EventSchedules, check_control_period, draw_events
 from sim.ik import ArmController
 from sim.render import Renderers, camera_renderers
 from vla_core.types import OBS_STATE, TASK, Worlds, image_key, world_indices
@@ -71,6 +71,7 @@ class WarpBatchedEnv:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.max_episode_steps = config.max_episode_steps or self.task.max_episode_steps
         self.control_dt = 0.002 * config.substeps
+        check_control_period(self.task, self.control_dt)
 
         self.model = mujoco.MjModel.from_xml_path(self.task.xml_path())
         for cam in config.cameras:

@@ -66,10 +66,11 @@ class CountingEnv:
             self.applied[i].append(float(actions[i, 0]))
         reward = torch.from_numpy(self.t.astype(np.float32))  # the index of the step just taken
         self.t += 1
+        final = self._obs()  # what the step reached, before an ended episode starts again
         trunc = torch.from_numpy(self.t >= self.length)
         self.t[trunc.numpy()] = 0
         zeros = torch.zeros(self.num_envs, dtype=torch.bool)
-        return self._obs(), reward, zeros, trunc, {"success": zeros.clone()}
+        return self._obs(), reward, zeros, trunc, {"success": zeros.clone(), "final_obs": final}
 
     def hold_actions(self):
         return torch.full((self.num_envs, 1), -1.0)

@@ -50,19 +50,20 @@ def test_replan_drops_the_old_plan_and_what_is_in_flight_and_requests_at_once():
     assert ended == [Reaction(world=0, switch_step=5, reaction_steps=6)]
 
 
-def test_an_episode_start_is_no_switch():
-    """Episodes of 3 steps, the instruction of each new episode back to "count": the shell's observation changes
-    instruction at every episode's start, which is not a switch, so the plan is never dropped."""
-    env = CountingEnv(length=3)
+@pytest.mark.parametrize("switch_at,expected", [(2, [False, True, False] * 2), (3, [False, False, True] * 2)])
+def test_an_episode_start_is_no_switch_and_a_switch_at_its_last_step_is_one(switch_at, expected):
+    """Episodes of 3 steps whose observation says "count again" from step ``switch_at`` on, each new episode back to
+    "count". At 2: a switch after the 2nd step of each episode; the end (3rd step) and the next episode's "count"
+    are none. At 3: the switch is in the episode's final observation (the env's ``final_obs``), so it counts there;
+    the next episode's first observation is still no switch."""
+    env = CountingEnv(length=3, switch_at=switch_at)
     shell = make_shell(env, 4, 2, DelayModel(DelayConfig(kind="fixed", steps=0)))
     shell.reset()
-    env.switch_at = 2  # the third observation of an episode would say "count again": its end comes first
     flags = []
-    for _ in range(6):
+    while len(flags) < 6:
         chunk = torch.zeros(1, 4, 1)
         flags += shell.step(ActionChunk(chunk, shell.obs_step))[4]["trace"].new_instruction[0].tolist()
-    # t = 2 after the 2nd step of each episode (a switch), then the episode ends at its 3rd step (no switch)
-    assert flags[:6] == [False, True, False, False, True, False]
+    assert flags[:6] == expected
 
 
 def test_the_protocol_keeps_the_committed_lead_and_never_merges_the_abandoned_chunk():
@@ -183,3 +184,42 @@ def test_eval_records_each_switch_and_the_reaction_to_it(rule, tmp_path):
     for e in met:
         s = e["switch_step"]
         assert e["reaction_steps"] == (4 if rule == "replan" else math.ceil(s / 8) * 8 + 4 - s), e
+
+
+def test_runs_saved_before_the_rule_existed_resume_where_the_instruction_never_changes():
+    """The rule is part of what a resumed evaluation must share only on a task whose instruction can change: there
+    the two rules run differently; elsewhere they run alike, and a record saved before the field holds none."""
+    from sim.config import EnvConfig
+    from vla_rl.config_json import chunking_made_with
+    from vla_rl.eval import EvalConfig, identity
+
+    lift, switching = EvalConfig(env=EnvConfig(task="lift")), EvalConfig(env=EnvConfig(task="reach_switch"))
+    assert "on_new_instruction" not in identity(lift, "sha")["chunking"]
+    assert identity(switching, "sha")["chunking"]["on_new_instruction"] == "replan"
+    assert "on_new_instruction" in identity(EvalConfig(tasks=["lift", "reach_switch"]), "sha")["chunking"]
+    assert chunking_made_with(ChunkingConfig(), "lift") == {
+        "execute_steps": 0,
+        "merge": "latest",
+        "ensemble_coeff": 0.01,
+        "estimate_window": 4,
+        "lead_steps": 0,
+    }
+
+
+def test_a_task_whose_events_are_drawn_for_one_control_period_refuses_another():
+    """A switch moves the instruction joint by 1 over one control period of 0.05 s: at 10 substeps (0.02 s) it would
+    stop at 0.4 and never switch, so the env is refused, naming the setting."""
+    from sim.config import EnvConfig
+    from sim.mujoco_env import MujocoBatchedEnv
+
+    with pytest.raises(ValueError, match="--env.substeps=25"):
+        MujocoBatchedEnv(EnvConfig(task="reach_switch", num_envs=1, cameras=[], substeps=10))
+
+
+def test_the_sim_robot_refuses_a_task_whose_instruction_changes():
+    """It publishes one instruction per run: a switching task would be served the wrong one half the time."""
+    from sim.config import EnvConfig
+    from vla_rl.sim_robot import SimRobotConfig, run_sim_robot
+
+    with pytest.raises(ValueError, match="pick a task whose instruction stays"):
+        run_sim_robot(SimRobotConfig(env=EnvConfig(task="reach_switch")))

@@ -12,7 +12,8 @@ dated there). Per training seed, in ``<output_dir>/seed<s>`` with ``--seeds``:
 3. the arms: ``vla-rl eval`` of that policy at a fixed delay of ``delay`` steps, ``eval_episodes`` episodes from
    ``eval_seed``, under each rule, with the switch and reaction time of every episode (`vla_rl.eval`);
 4. the bound: the task's scripted expert planning each chunk (open loop, from its arm's position and the
-   instruction of the request's observation) through the same shell, delay and episodes, under each rule.
+   instruction of the request's observation) through the same shell, delay and episodes, under each rule (the
+   protocol's amendment of 2026-12-07; it reads no training seed, so a pooled report gives it once).
 
 Final line: ``replan_success=<x> next_chunk_success=<y> replan_over_next_chunk=<r> median_reaction_replan=<m>
 median_reaction_next_chunk=<n> episodes=<k>``; pooled over ``--seeds`` (successes summed, reactions of every
@@ -90,7 +91,11 @@ def bench_switch(cfg: BenchSwitchConfig) -> dict[str, Any]:
         return _one_seed(cfg, out)
     reports = seed_runs(cfg, lambda seed: out / f"seed{seed}", "switch.json", _one_seed)
     arms = {rule: _pool([r["arms"][rule] for r in reports.values()]) for rule in RULES}
-    bound = {rule: _pool([r["bound"][rule] for r in reports.values()]) for rule in RULES}
+    # The bound reads no training seed (the expert, the evaluation episodes, the delay): every seed's is the same
+    # 200 episodes, so it is reported once, not pooled.
+    bound = next(iter(reports.values()))["bound"]
+    if any(r["bound"] != bound for r in reports.values()):
+        raise ValueError("the seeds' expert bounds differ, though none reads its seed: their runs had other settings")
     pooled = {"config": asdict(cfg), "arms": arms, "bound": bound, "summary": summarize(arms),
               "seeds": {str(seed): report for seed, report in reports.items()}}  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
@@ -129,9 +134,16 @@ def _arm(cfg: BenchSwitchConfig, checkpoint: Path, rule: str, output_dir: Path) 
     done = output_dir / "eval.json"
     if done.is_file() and not (output_dir / "eval_progress.pt").exists():
         result = json.loads(done.read_text())
-        if not Path(result["checkpoint"]).resolve().is_relative_to(checkpoint.resolve()):
-            raise ValueError(f"{output_dir} evaluated {result['checkpoint']}, not {checkpoint}: pass another "
-                             "--output_dir (one per seed and setting)")  # fmt: skip
+        c = result["config"]
+        ran = {"checkpoint": Path(result["checkpoint"]).resolve().is_relative_to(checkpoint.resolve()),
+               "delay": c["delay"]["steps"], "num_episodes": c["num_episodes"], "seed": c["seed"],
+               "noise_seed": c["noise_seed"], "rule": c["chunking"].get("on_new_instruction"),
+               "num_envs": c["env"]["num_envs"]}  # fmt: skip
+        wanted = {"checkpoint": True, "delay": cfg.delay, "num_episodes": cfg.eval_episodes, "seed": cfg.eval_seed,
+                  "noise_seed": cfg.eval_seed, "rule": rule, "num_envs": min(cfg.num_envs, cfg.eval_episodes)}  # fmt: skip
+        if ran != wanted:
+            raise ValueError(f"{output_dir} holds an evaluation of another setting ({ran} against {wanted}): pass "
+                             "another --output_dir (one per seed and setting)")  # fmt: skip
     else:
         result = evaluate(EvalConfig(
             checkpoint=str(checkpoint), env=EnvConfig(task=cfg.task, num_envs=min(cfg.num_envs, cfg.eval_episodes)),
@@ -185,8 +197,14 @@ def expert_bound(cfg: BenchSwitchConfig, path: Path) -> dict[str, Any]:
     """The task's scripted expert planning every chunk open loop (`_expert_chunks`), through the latency shell at
     the arms' delay, chunking and episodes, under each rule: what each rule leaves a policy that perceives
     perfectly. Written to ``path``; read back if there."""
+    setting = {"task": cfg.task, "delay": cfg.delay, "horizon": cfg.horizon, "n_action_steps": cfg.n_action_steps,
+               "eval_episodes": cfg.eval_episodes, "eval_seed": cfg.eval_seed, "num_envs": cfg.num_envs}  # fmt: skip
     if path.is_file():
-        return json.loads(path.read_text())
+        saved = json.loads(path.read_text())
+        if saved.get("setting") != setting:
+            raise ValueError(f"{path} holds the bound of another setting ({saved.get('setting')} against {setting}): "
+                             "pass another --output_dir (one per seed and setting)")  # fmt: skip
+        return saved["rules"]
     from sim.config import EnvConfig
     from sim.factory import make_env
     from sim.tasks import EXPERTS
@@ -221,7 +239,7 @@ def expert_bound(cfg: BenchSwitchConfig, path: Path) -> dict[str, Any]:
                         episodes.append((bool(info["success"][i]), met[i].switch_step, met[i].reaction_steps))
                     finished |= done
             bound[rule] = _cell(episodes)
-    write_text_atomic(path, json.dumps(bound, indent=2))
+    write_text_atomic(path, json.dumps({"setting": setting, "rules": bound}, indent=2))
     return bound
 
 

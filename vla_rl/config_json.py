@@ -23,3 +23,14 @@ def flat_dict(d: dict, prefix: str = "") -> dict:
         else:
             flat[f"{prefix}{k}"] = v if isinstance(v, (int, float, str, bool)) else str(v)
     return flat
+
+
+def chunking_made_with(chunking, task: str) -> dict:
+    """``asdict(chunking)`` as a resume check compares it: ``on_new_instruction`` left out where ``task``'s
+    instruction never changes, since both rules then run alike and a run saved before the field holds none."""
+    from sim.tasks import instruction_changes
+
+    d = asdict(chunking)
+    if not instruction_changes(task):
+        d.pop("on_new_instruction")
+    return d

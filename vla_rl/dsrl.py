@@ -32,6 +32,7 @@ from sim.config import EXECUTION_FIELDS, EnvConfig, outcome_fields
 from vla_core import interrupt
 from vla_core.runtime import ChunkingConfig, DelayConfig, DelayModel, LatencySpec
 from vla_rl.checkpoint import load_policy
+from vla_rl.config_json import chunking_made_with
 from vla_rl.eval_record import weights_sha256
 from vla_rl.rl.sac import NoiseAgent, SACConfig, transitions
 from vla_rl.steering import WrappedPolicy, check_steerable
@@ -102,6 +103,7 @@ def run_dsrl(cfg: DSRLConfig) -> dict[str, Any]:
             "output_dir")  # fmt: skip
     made_with = {k: v for k, v in asdict(cfg).items() if k not in free}
     made_with["env"] = outcome_fields(cfg.env)  # its threads and renderers may change too
+    made_with["chunking"] = chunking_made_with(cfg.chunking, cfg.env.task)
     made_with["base_sha256"] = weights_sha256(policy)
     made_with["version"] = VERSION
     with make_env(cfg.env) as env:

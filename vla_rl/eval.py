@@ -314,7 +314,12 @@ def identity(cfg: EvalConfig, weights_sha256: str, steering_sha256: str | None =
     if steering_sha256 is None and cfg.steer.dir:
         steering_sha256 = files_sha256(Path(cfg.steer.dir))
     steered = {"steering_sha256": steering_sha256} if cfg.steer.dir else {}
-    return {**{k: v for k, v in asdict(cfg).items() if k not in skip}, "weights_sha256": weights_sha256, **steered}
+    kept = {k: v for k, v in asdict(cfg).items() if k not in skip}
+    from sim.tasks import instruction_changes
+
+    if not any(instruction_changes(task) for task in cfg.tasks or [cfg.env.task]):
+        kept["chunking"].pop("on_new_instruction")  # both rules run alike: a record from before it holds none
+    return {**kept, "weights_sha256": weights_sha256, **steered}
 
 
 def files_sha256(directory: Path) -> str:

@@ -654,6 +654,11 @@ def run_sim_robot(cfg: SimRobotConfig) -> dict:
         )
     if cfg.input not in get_args(CommandInput):
         raise ValueError(f"input={cfg.input!r} is not one of {get_args(CommandInput)}; pass --input=ticks")
+    from sim.tasks import instruction_changes
+
+    if instruction_changes(cfg.env.task):
+        raise ValueError(f"the sim robot publishes one instruction per run, and {cfg.env.task}'s changes mid-episode "
+                         "(not supported yet): pick a task whose instruction stays")  # fmt: skip
     if cfg.sync and cfg.input == "trajectory":
         raise ValueError("a trajectory runs on the robot's clock, not one step per command: with --input=trajectory "
                          "drop --sync=true")  # fmt: skip

@@ -46,6 +46,7 @@ from vla_core.files import replace_directory
 from vla_core.runtime import ChunkingConfig, DelayConfig, DelayModel, LatencySpec
 from vla_core.types import OBS_IMAGES, OBS_STATE, TASK, ActionChunk
 from vla_rl.checkpoint import load_policy
+from vla_rl.config_json import chunking_made_with
 from vla_rl.eval_record import weights_sha256
 from vla_rl.steering import (
     SteeredPolicy,
@@ -117,7 +118,7 @@ def run_steer(cfg: SteerConfig) -> dict[str, Any]:
     start = time.time()
     rollouts = out / "rollouts"
     collection = {"base_sha256": weights_sha256(policy), "env": outcome_fields(cfg.env), "variations": list(cfg.variations),
-                  "episodes": cfg.episodes, "seed": cfg.seed, "chunking": asdict(cfg.chunking),
+                  "episodes": cfg.episodes, "seed": cfg.seed, "chunking": chunking_made_with(cfg.chunking, cfg.env.task),
                   "delay": asdict(cfg.delay), "version": COLLECTION_VERSION}  # fmt: skip
     if (rollouts / "meta" / "info.json").is_file():  # a run stopped after collecting goes on from its rollouts
         made_with = rollouts / "meta" / COLLECTION_FILE

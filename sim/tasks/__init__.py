@@ -45,6 +45,12 @@ EXPERTS: dict[str, type[Expert]] = {
 }
 
 
+def instruction_changes(name: str) -> bool:
+    """Whether task ``name``'s instruction can change mid-episode (`reach_switch`); False for a task of another
+    simulator (LIBERO's, robosuite's, RLBench's) or none."""
+    return name in TASKS and hasattr(TASKS[name], "instructions_of")
+
+
 def get_task(name: str) -> Task:
     """Build a task by name; unknown names list the valid ones."""
     if name not in TASKS:

@@ -14,7 +14,7 @@ class Task(Protocol):
     """A tabletop task: a scene, a reset distribution, privileged state and a success rule."""
 
     name: str
-    instruction: str  # the language instruction every observation of the task carries
+    instruction: str  # the language instruction its observations carry (a switching task's first; see below)
     max_episode_steps: int
 
     def xml_path(self) -> str:

@@ -40,7 +40,8 @@ class ChunkingConfig:
     # When the instruction changes mid-task (SwitchVLA): replan = the queued plan is dropped after its committed
     # lead_steps, the request in flight is abandoned (its chunk, planned under the old instruction, never runs) and
     # a request under the new instruction goes out at once; next_chunk = the queue and the request in flight run
-    # out and the next request on schedule carries it (the behaviour before 0.3).
+    # out and the next request on schedule carries it (the behaviour before 0.3). The simulation's shell reacts; the
+    # robot's (serve) does not yet, whatever this says.
     on_new_instruction: OnNewInstruction = "replan"
 
     def validate(self) -> None:

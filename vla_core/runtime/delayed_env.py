@@ -173,15 +173,22 @@ class DelayedChunkEnv:
         if self.protocol.mid_fraction is not None:
             self._request_obs = merge_rows(self._request_obs, self._obs, worlds)
 
-    def _new_instruction(self, ended: torch.Tensor) -> torch.Tensor:
-        """(N,) bool: the worlds whose latest observation carries another instruction than the one before, in the
-        same episode (``ended``: (N,) the worlds whose observation starts a new episode)."""
+    def _new_instruction(self, ended: torch.Tensor, final_obs: dict[str, Any] | None) -> torch.Tensor:
+        """(N,) bool: the worlds whose observation after this step carries another instruction than the one before it
+        in their episode. An ended world's is its episode's last observation (``final_obs``, the env's), so a switch at
+        an episode's last step counts, and the next episode's first instruction is no switch; an env that gives no
+        final observation has ended worlds read as unswitched (``ended`` (N,) bool)."""
         now = self._obs.get(TASK)
         if now is None or self._instructions is None:
             return torch.zeros_like(ended)
-        changed = [new != old for new, old in zip(now, self._instructions, strict=True)]
+        final = (final_obs or {}).get(TASK)
+        seen = now if final is None else final
+        changed = [new != old for new, old in zip(seen, self._instructions, strict=True)]
         self._instructions = list(now)
-        return torch.tensor(changed, dtype=torch.bool, device=self.device) & ~ended
+        if not any(changed):  # the common case: no tensor made, nothing copied to the device
+            return torch.zeros_like(ended)
+        flags = torch.tensor(changed, dtype=torch.bool, device=self.device)
+        return flags if final is not None else flags & ~ended
 
     def _asked_obs(self) -> dict[str, Any]:
         """What the asked worlds' policy sees (rows of other worlds hold stale values)."""
@@ -243,10 +250,10 @@ class DelayedChunkEnv:
                           "diverged": diverged})  # fmt: skip
             success |= info["success"].to(dev)
             ended = term | trunc  # a new episode forgets the old one's queue, chunk in flight and open request
-            new_instruction = self._new_instruction(ended)
+            new_instruction = self._new_instruction(ended, info.get("final_obs"))
             trace[-1]["new_instruction"] = new_instruction
             p.restart(ended)
-            p.new_instruction(new_instruction)
+            p.new_instruction(new_instruction & ~ended)  # an ended world's new episode starts afresh anyway
             requests = torch.where(ended, self._request_index + 1, requests)
             self._request_index = torch.where(ended, -1, self._request_index)
             if self._episode is not None:  # an autoreset's episode is not one a reset numbered
