@@ -155,7 +155,7 @@ def test_finger_contact_means_not_released():
 def test_unknown_task_lists_every_valid_name():
     with pytest.raises(
         ValueError,
-        match="valid tasks: lift, open_drawer, pick_place, push, push_impulse, reach, stack, track, track_jump, "
+        match="valid tasks: lift, open_drawer, pick_place, push, push_impulse, reach, reach_switch, stack, track, track_jump, "
         "track_reverse",
     ):
         get_task("fold_laundry")
