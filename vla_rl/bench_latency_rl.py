@@ -167,6 +167,8 @@ Protocol history (runs numbered as README.md numbers them, each by its final lin
   25 times the latency-aware arm's steps. This is the last extension: whatever the gate reads at 900,000 on each
   seed is reported as the result, and a miss stays a miss (what would close it then is step-level RL for the
   no-delay arm, not more steps).
+- 2026-12-07, results of that run so far, recorded after it (README.md): seed 1 ``latency_aware_over_naive=3.390
+  latency_aware_over_nodelay=1.069 nodelay_gain=+18.0`` (the gate met); seed 0 running.
 """
 
 from __future__ import annotations
