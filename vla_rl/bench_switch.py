@@ -212,7 +212,7 @@ def expert_bound(cfg: BenchSwitchConfig, path: Path) -> dict[str, Any]:
     from vla_core.runtime.delayed_env import DelayedChunkEnv
     from vla_core.runtime.transition import SwitchReactions
     from vla_core.types import ActionChunk
-    from vla_rl.eval_record import EpisodePlan
+    from vla_rl.stages import EpisodePlan
 
     spec = LatencySpec(horizon=cfg.horizon, n_action_steps=cfg.n_action_steps)
     n = min(cfg.num_envs, cfg.eval_episodes)

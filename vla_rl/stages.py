@@ -48,6 +48,7 @@ if TYPE_CHECKING:
     from vla_rl.config_json import config_dict
     from vla_rl.dsrl import DSRLConfig, load_noise_policy
     from vla_rl.eval import EvalConfig, SteerEvalConfig
+    from vla_rl.eval_record import EpisodePlan
     from vla_rl.finetune import FinetuneConfig
     from vla_rl.latency_warmup import LatencyWarmupConfig
     from vla_rl.processes import last_json, start_command, stop_command
@@ -173,6 +174,9 @@ _EXPORTS = {
     "start_command": "vla_rl.processes",
     "stop_command": "vla_rl.processes",
     "last_json": "vla_rl.processes",
+    # The initial states `evaluate` runs (round r: batch seed seed + r), for a composition that runs its own agent on
+    # the same episodes (`bench switch`'s expert bound).
+    "EpisodePlan": "vla_rl.eval_record",
 }
 
 __all__ = [
@@ -185,6 +189,7 @@ __all__ = [
     "DiffusionConfig",
     "DiffusionVLAConfig",
     "EnvConfig",
+    "EpisodePlan",
     "EvalConfig",
     "FinetuneConfig",
     "GRPOConfig",
