@@ -71,6 +71,7 @@ def test_quick_run_fills_both_arms_and_the_bound_and_prints_the_final_line(tmp_p
         assert set(evaluation["delay_histogram"]) == {"8"} and "/imitation_10/" in evaluation["checkpoint"]
     # resumed: the finished stages and arms are read back (the arms' evaluations are not run again)
     stamp = (out / "quick" / "eval" / "replan" / "eval.json").stat().st_mtime_ns
+    pilot = (out / "quick" / "pilot" / "steps10" / "eval.json").stat().st_mtime_ns
     again = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "instruction_switch.py"), "--quick=true", "--num_threads=1",
          f"--output_dir={out}"],
@@ -79,3 +80,4 @@ def test_quick_run_fills_both_arms_and_the_bound_and_prints_the_final_line(tmp_p
     assert again.returncode == 0, again.stderr[-3000:]
     assert again.stdout.strip().splitlines()[-1] == proc.stdout.strip().splitlines()[-1]
     assert (out / "quick" / "eval" / "replan" / "eval.json").stat().st_mtime_ns == stamp
+    assert (out / "quick" / "pilot" / "steps10" / "eval.json").stat().st_mtime_ns == pilot

@@ -105,7 +105,7 @@ def bench_switch(cfg: BenchSwitchConfig) -> dict[str, Any]:
 
 def _one_seed(cfg: BenchSwitchConfig, out: Path) -> dict[str, Any]:
     """The protocol for ``cfg.seed`` in ``out``; the report is also written as ``out / "switch.json"``."""
-    from vla_rl.bench_stages import RunClock, held_out, record_demos, train_imitation
+    from vla_rl.bench_stages import RunClock, record_demos, train_imitation
 
     clock = RunClock(out / "run_clock.json")
     record_demos(cfg, out / "dataset")
@@ -113,8 +113,10 @@ def _one_seed(cfg: BenchSwitchConfig, out: Path) -> dict[str, Any]:
     for steps in cfg.train_lengths:  # the length is chosen on the shared policy alone, before either arm runs
         policy_dir = out / f"imitation_{steps}"
         train_imitation(SimpleNamespace(**asdict(cfg), train_steps=steps), out / "dataset", policy_dir)
-        pilot = held_out(cfg, policy_dir, cfg.pilot_episodes, cfg.pilot_seed, out / "pilot" / f"steps{steps}",
-                         num_envs=min(cfg.num_envs, cfg.pilot_episodes))  # fmt: skip
+        # at delay 0 under the default rule, with the evaluation's own noise (a finished pilot is read back)
+        pilot = _evaluation(cfg, policy_dir, out / "pilot" / f"steps{steps}", rule="replan", delay=0,
+                            episodes=cfg.pilot_episodes, seed=cfg.pilot_seed, noise_seed=-1)  # fmt: skip
+        pilot = {k: pilot[k] for k in ("episodes", "successes", "success_rate", "success_ci95", "mean_episode_length")}
         pilots.append({"train_steps": steps, **pilot})
         if pilot["success_rate"] >= cfg.pilot_threshold:
             break
@@ -128,31 +130,38 @@ def _one_seed(cfg: BenchSwitchConfig, out: Path) -> dict[str, Any]:
 
 
 def _arm(cfg: BenchSwitchConfig, checkpoint: Path, rule: str, output_dir: Path) -> dict[str, Any]:
-    """`vla-rl eval` of ``checkpoint`` at the fixed delay under ``rule``: success, and every episode's switch."""
+    """An arm's cell: ``checkpoint`` at the fixed delay under ``rule``, with every episode's switch."""
+    result = _evaluation(cfg, checkpoint, output_dir, rule=rule, delay=cfg.delay, episodes=cfg.eval_episodes,
+                         seed=cfg.eval_seed, noise_seed=cfg.eval_seed)  # fmt: skip
+    return _cell([(e["success"], e.get("switch_step", -1), e.get("reaction_steps", -1)) for e in result["per_episode"]])
+
+
+def _evaluation(cfg: BenchSwitchConfig, checkpoint: Path, output_dir: Path, *, rule: str, delay: int, episodes: int,
+                seed: int, noise_seed: int) -> dict[str, Any]:  # fmt: skip
+    """`vla-rl eval` of ``checkpoint`` into ``output_dir``: read back when finished there under these settings (refused
+    under others), resumed when stopped part-way, else run."""
     from vla_rl.stages import ChunkingConfig, DelayConfig, EnvConfig, EvalConfig, evaluate
 
-    done = output_dir / "eval.json"
+    done, num_envs = output_dir / "eval.json", min(cfg.num_envs, episodes)
     if done.is_file() and not (output_dir / "eval_progress.pt").exists():
         result = json.loads(done.read_text())
         c = result["config"]
         ran = {"checkpoint": Path(result["checkpoint"]).resolve().is_relative_to(checkpoint.resolve()),
                "delay": c["delay"]["steps"], "num_episodes": c["num_episodes"], "seed": c["seed"],
-               "noise_seed": c["noise_seed"], "rule": c["chunking"].get("on_new_instruction"),
+               "noise_seed": c["noise_seed"], "rule": c["chunking"].get("on_new_instruction", "replan"),
                "num_envs": c["env"]["num_envs"]}  # fmt: skip
-        wanted = {"checkpoint": True, "delay": cfg.delay, "num_episodes": cfg.eval_episodes, "seed": cfg.eval_seed,
-                  "noise_seed": cfg.eval_seed, "rule": rule, "num_envs": min(cfg.num_envs, cfg.eval_episodes)}  # fmt: skip
+        wanted = {"checkpoint": True, "delay": delay, "num_episodes": episodes, "seed": seed, "noise_seed": noise_seed,
+                  "rule": rule, "num_envs": num_envs}  # fmt: skip
         if ran != wanted:
             raise ValueError(f"{output_dir} holds an evaluation of another setting ({ran} against {wanted}): pass "
                              "another --output_dir (one per seed and setting)")  # fmt: skip
-    else:
-        result = evaluate(EvalConfig(
-            checkpoint=str(checkpoint), env=EnvConfig(task=cfg.task, num_envs=min(cfg.num_envs, cfg.eval_episodes)),
-            num_episodes=cfg.eval_episodes, seed=cfg.eval_seed, video_episodes=0, noise_seed=cfg.eval_seed,
-            chunking=ChunkingConfig(on_new_instruction=rule), delay=DelayConfig(kind="fixed", steps=cfg.delay),
-            output_dir=str(output_dir), resume=(output_dir / "eval_progress.pt").exists(),
-            overwrite=not (output_dir / "eval_progress.pt").exists(),
-        ))  # fmt: skip
-    return _cell([(e["success"], e.get("switch_step", -1), e.get("reaction_steps", -1)) for e in result["per_episode"]])
+        return result
+    stopped = (output_dir / "eval_progress.pt").exists()
+    return evaluate(EvalConfig(
+        checkpoint=str(checkpoint), env=EnvConfig(task=cfg.task, num_envs=num_envs), num_episodes=episodes, seed=seed,
+        video_episodes=0, noise_seed=noise_seed, chunking=ChunkingConfig(on_new_instruction=rule),
+        delay=DelayConfig(kind="fixed", steps=delay), output_dir=str(output_dir), resume=stopped, overwrite=not stopped,
+    ))  # fmt: skip
 
 
 def _cell(episodes: list[tuple[bool, int, int]]) -> dict[str, Any]:
