@@ -282,6 +282,11 @@ class MujocoBatchedEnv:
         camera = camera or (self.config.cameras or ["front"])[0]
         return self._renderers.frame(self.data[world], camera, size, model=self._models[world]).copy()
 
+    @property
+    def render_restarts(self) -> int:
+        """Render worker processes started again after dying (`sim.render.ProcessRenderers`; 0 with threads)."""
+        return getattr(self._camera_renderers, "restarts", 0)
+
     def variation_record(self, world: int) -> dict[str, Any]:
         """What the variation drew for ``world``'s current episode (`sim.variations`; {} in distribution)."""
         return self._varied.record(world)

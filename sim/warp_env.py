@@ -258,6 +258,11 @@ class WarpBatchedEnv:
         next(self._host_worlds([world]))
         return self._renderers.frame(self._host, camera or (self.config.cameras or ["front"])[0], size).copy()
 
+    @property
+    def render_restarts(self) -> int:
+        """Render worker processes started again after dying (`sim.render.ProcessRenderers`; 0 with threads)."""
+        return getattr(self._camera_renderers, "restarts", 0)
+
     def close(self) -> None:
         self._renderers.close()
         self._camera_renderers.close()

@@ -146,7 +146,7 @@ def soak_segment(cfg: BenchRenderSoakConfig, progress_file: Path, segment: int, 
     saved_at, end = time.monotonic(), time.monotonic() + 60 * cfg.segment_minutes
 
     def save(train) -> None:
-        restarts = closed_restarts + getattr(train._camera_renderers, "restarts", 0)  # threads have none
+        restarts = closed_restarts + train.render_restarts
         write_text_atomic(progress_file, json.dumps({"segment": segment, "frames": frames, "worker_restarts": restarts,
                                                      "seed": seed}))  # fmt: skip
 
@@ -163,7 +163,7 @@ def soak_segment(cfg: BenchRenderSoakConfig, progress_file: Path, segment: int, 
                     for _ in range(cfg.eval_steps):
                         evaluation.step(moves(evaluation))
                         frames += cfg.eval_envs
-                    closed_restarts += getattr(evaluation._camera_renderers, "restarts", 0)
+                    closed_restarts += evaluation.render_restarts
             if time.monotonic() - saved_at > 5:
                 save(train)
                 saved_at = time.monotonic()
