@@ -50,14 +50,18 @@ def test_bad_settings_are_refused_in_one_line():
         BenchSwitchConfig(train_lengths=[8000, 4000]).validate()
 
 
-@pytest.mark.slow  # records, trains, evaluates both arms and the bound end to end: about 2 minutes
-def test_quick_run_fills_both_arms_and_the_bound_and_prints_the_final_line(tmp_path):
-    out = tmp_path / "bench"
-    proc = subprocess.run(
+def quick_run(out: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "instruction_switch.py"), "--quick=true", "--num_threads=1",
          f"--output_dir={out}"],
         check=False, capture_output=True, text=True, timeout=900, cwd=ROOT,
     )  # fmt: skip
+
+
+@pytest.mark.slow  # records, trains, evaluates both arms and the bound end to end: about 2 minutes
+def test_quick_run_fills_both_arms_and_the_bound_and_prints_the_final_line(tmp_path):
+    out = tmp_path / "bench"
+    proc = quick_run(out)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert FINAL_LINE.match(proc.stdout.strip().splitlines()[-1]), proc.stdout[-500:]
     report = json.loads((out / "quick" / "switch.json").read_text())
@@ -72,11 +76,7 @@ def test_quick_run_fills_both_arms_and_the_bound_and_prints_the_final_line(tmp_p
     # resumed: the finished stages and arms are read back (the arms' evaluations are not run again)
     stamp = (out / "quick" / "eval" / "replan" / "eval.json").stat().st_mtime_ns
     pilot = (out / "quick" / "pilot" / "steps10" / "eval.json").stat().st_mtime_ns
-    again = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "instruction_switch.py"), "--quick=true", "--num_threads=1",
-         f"--output_dir={out}"],
-        check=False, capture_output=True, text=True, timeout=900, cwd=ROOT,
-    )  # fmt: skip
+    again = quick_run(out)
     assert again.returncode == 0, again.stderr[-3000:]
     assert again.stdout.strip().splitlines()[-1] == proc.stdout.strip().splitlines()[-1]
     assert (out / "quick" / "eval" / "replan" / "eval.json").stat().st_mtime_ns == stamp

@@ -195,9 +195,9 @@ def test_runs_saved_before_the_rule_existed_resume_where_the_instruction_never_c
 
     lift, switching = EvalConfig(env=EnvConfig(task="lift")), EvalConfig(env=EnvConfig(task="reach_switch"))
     assert "on_new_instruction" not in identity(lift, "sha")["chunking"]
-    assert identity(switching, "sha")["chunking"]["on_new_instruction"] == "replan"
+    assert identity(switching, "sha")["chunking"]["on_new_instruction"] == ""  # the shell's own rule
     assert "on_new_instruction" in identity(EvalConfig(tasks=["lift", "reach_switch"]), "sha")["chunking"]
-    assert chunking_made_with(ChunkingConfig(), "lift") == {
+    assert chunking_made_with(ChunkingConfig(), ["lift"]) == {
         "execute_steps": 0,
         "merge": "latest",
         "ensemble_coeff": 0.01,
@@ -223,3 +223,19 @@ def test_the_sim_robot_refuses_a_task_whose_instruction_changes():
 
     with pytest.raises(ValueError, match="pick a task whose instruction stays"):
         run_sim_robot(SimRobotConfig(env=EnvConfig(task="reach_switch")))
+
+
+def test_a_robot_follows_the_next_chunk_rule_and_refuses_replan():
+    """The robot's shell does not react to a new instruction yet: its protocol takes "" (the shell's own rule) as
+    next_chunk, where nothing changes at a switch, and refuses an explicit replan in one line; simulation's "" is
+    replan."""
+    spec = LatencySpec(horizon=6, n_action_steps=3)
+
+    def protocol(rule: str, use: str) -> LatencyProtocol:
+        chunking = ChunkingConfig(execute_steps=3, on_new_instruction=rule)
+        return LatencyProtocol(spec, chunking, use=use, num_worlds=1, action_dim=1, estimate="measured")
+
+    assert protocol("", "robot").on_new_instruction == "next_chunk"
+    assert protocol("", "eval").on_new_instruction == protocol("", "finetune").on_new_instruction == "replan"
+    with pytest.raises(ValueError, match="robot's shell does not react to a new instruction yet"):
+        protocol("replan", "robot")

@@ -166,31 +166,26 @@ def _evaluation(cfg: BenchSwitchConfig, checkpoint: Path, output_dir: Path, *, r
 
 def _cell(episodes: list[tuple[bool, int, int]]) -> dict[str, Any]:
     """An arm's cell from its episodes' (success, switch step or -1, reaction steps or -1)."""
-    from vla_rl.stages import wilson_interval
-
-    wins = sum(s for s, _, _ in episodes)
     switched = [(s, r) for s, at, r in episodes if at >= 0]
-    reactions = sorted(r for _, r in switched if r >= 0)
-    quartiles = [float(q) for q in np.percentile(reactions, [25, 50, 75])] if reactions else None
-    return {"episodes": len(episodes), "successes": wins, "success_rate": wins / len(episodes),
-            "success_ci95": list(wilson_interval(wins, len(episodes))), "switched": len(switched),
-            "switched_successes": sum(s for s, _ in switched), "reacted": len(reactions),
-            "reaction_steps_quartiles": quartiles, "median_reaction_steps": quartiles[1] if quartiles else None,
-            "reactions": reactions}  # fmt: skip
+    return _counts(len(episodes), sum(s for s, _, _ in episodes), len(switched), sum(s for s, _ in switched),
+                   sorted(r for _, r in switched if r >= 0))  # fmt: skip
 
 
 def _pool(cells: list[dict[str, Any]]) -> dict[str, Any]:
-    """Cells of several seeds as one: episodes and reactions together."""
-    episodes = []
-    for c in cells:  # rebuilt from the counts and reactions: successes are what the pooled rate reads
-        episodes += [(True, -1, -1)] * c["successes"] + [(False, -1, -1)] * (c["episodes"] - c["successes"])
-    pooled = _cell(episodes)
-    reactions = sorted(r for c in cells for r in c["reactions"])
-    quartiles = [float(q) for q in np.percentile(reactions, [25, 50, 75])] if reactions else None
-    return {**pooled, "switched": sum(c["switched"] for c in cells),
-            "switched_successes": sum(c["switched_successes"] for c in cells), "reacted": len(reactions),
-            "reaction_steps_quartiles": quartiles, "median_reaction_steps": quartiles[1] if quartiles else None,
-            "reactions": reactions}  # fmt: skip
+    """Cells of several seeds as one: counts summed, reactions together."""
+    total = {k: sum(c[k] for c in cells) for k in ("episodes", "successes", "switched", "switched_successes")}
+    return _counts(*total.values(), sorted(r for c in cells for r in c["reactions"]))
+
+
+def _counts(episodes: int, wins: int, switched: int, switched_wins: int, reactions: list[int]) -> dict[str, Any]:
+    from vla_core.runtime.transition import reaction_quartiles
+    from vla_rl.stages import wilson_interval
+
+    quartiles = reaction_quartiles(reactions)
+    return {"episodes": episodes, "successes": wins, "success_rate": wins / episodes,
+            "success_ci95": list(wilson_interval(wins, episodes)), "switched": switched,
+            "switched_successes": switched_wins, "reacted": len(reactions), "reaction_steps_quartiles": quartiles,
+            "median_reaction_steps": quartiles[1] if quartiles else None, "reactions": reactions}  # fmt: skip
 
 
 def summarize(arms: dict[str, dict]) -> dict[str, Any]:

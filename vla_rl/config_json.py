@@ -25,12 +25,12 @@ def flat_dict(d: dict, prefix: str = "") -> dict:
     return flat
 
 
-def chunking_made_with(chunking, task: str) -> dict:
-    """``asdict(chunking)`` as a resume check compares it: ``on_new_instruction`` left out where ``task``'s
-    instruction never changes, since both rules then run alike and a run saved before the field holds none."""
+def chunking_made_with(chunking, tasks: list[str]) -> dict:
+    """``asdict(chunking)`` as a resume check compares it: ``on_new_instruction`` left out where no task of ``tasks``
+    has an instruction that changes, since every rule then runs alike and a run saved before the field holds none."""
     from sim.tasks import instruction_changes
 
     d = asdict(chunking)
-    if not instruction_changes(task):
+    if not any(instruction_changes(task) for task in tasks):
         d.pop("on_new_instruction")
     return d

@@ -103,7 +103,7 @@ def run_dsrl(cfg: DSRLConfig) -> dict[str, Any]:
             "output_dir")  # fmt: skip
     made_with = {k: v for k, v in asdict(cfg).items() if k not in free}
     made_with["env"] = outcome_fields(cfg.env)  # its threads and renderers may change too
-    made_with["chunking"] = chunking_made_with(cfg.chunking, cfg.env.task)
+    made_with["chunking"] = chunking_made_with(cfg.chunking, [cfg.env.task])
     made_with["base_sha256"] = weights_sha256(policy)
     made_with["version"] = VERSION
     with make_env(cfg.env) as env:

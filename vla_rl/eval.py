@@ -39,9 +39,10 @@ from sim.libero_protocol import with_libero_cameras
 from vla_core import crash_log, interrupt
 from vla_core.files import temporary_beside, write_text_atomic
 from vla_core.runtime import ChunkingConfig, DelayConfig, DelayModel, LatencySpec, noise_shape, request_noise
-from vla_core.runtime.transition import Reaction, SwitchReactions
+from vla_core.runtime.transition import Reaction, SwitchReactions, reaction_quartiles
 from vla_core.types import TASK, ActionChunk, SteerMode, world_indices
 from vla_rl.checkpoint import load_policy
+from vla_rl.config_json import chunking_made_with
 from vla_rl.eval_record import (
     EpisodePlan,
     EvalRecord,
@@ -315,10 +316,7 @@ def identity(cfg: EvalConfig, weights_sha256: str, steering_sha256: str | None =
         steering_sha256 = files_sha256(Path(cfg.steer.dir))
     steered = {"steering_sha256": steering_sha256} if cfg.steer.dir else {}
     kept = {k: v for k, v in asdict(cfg).items() if k not in skip}
-    from sim.tasks import instruction_changes
-
-    if not any(instruction_changes(task) for task in cfg.tasks or [cfg.env.task]):
-        kept["chunking"].pop("on_new_instruction")  # both rules run alike: a record from before it holds none
+    kept["chunking"] = chunking_made_with(cfg.chunking, cfg.tasks or [cfg.env.task])
     return {**kept, "weights_sha256": weights_sha256, **steered}
 
 
@@ -387,8 +385,8 @@ def switch_summary(episodes: list[dict]) -> dict[str, Any] | None:
     switched = [e for e in episodes if "switch_step" in e]
     if not switched:
         return None
-    met = sorted(e["reaction_steps"] for e in switched if e["reaction_steps"] >= 0)
-    quartiles = [float(q) for q in np.percentile(met, [25, 50, 75])] if met else None
+    met = [e["reaction_steps"] for e in switched if e["reaction_steps"] >= 0]
+    quartiles = reaction_quartiles(met)
     return {"episodes": len(switched), "successes": sum(e["success"] for e in switched), "reacted": len(met),
             "reaction_steps_quartiles": quartiles, "median_reaction_steps": quartiles[1] if quartiles else None,
             "unswitched_successes": sum(e["success"] for e in episodes if "switch_step" not in e),

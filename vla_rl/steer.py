@@ -118,7 +118,7 @@ def run_steer(cfg: SteerConfig) -> dict[str, Any]:
     start = time.time()
     rollouts = out / "rollouts"
     collection = {"base_sha256": weights_sha256(policy), "env": outcome_fields(cfg.env), "variations": list(cfg.variations),
-                  "episodes": cfg.episodes, "seed": cfg.seed, "chunking": chunking_made_with(cfg.chunking, cfg.env.task),
+                  "episodes": cfg.episodes, "seed": cfg.seed, "chunking": chunking_made_with(cfg.chunking, [cfg.env.task]),
                   "delay": asdict(cfg.delay), "version": COLLECTION_VERSION}  # fmt: skip
     if (rollouts / "meta" / "info.json").is_file():  # a run stopped after collecting goes on from its rollouts
         made_with = rollouts / "meta" / COLLECTION_FILE

@@ -34,10 +34,9 @@ NEVER = 10**9  # the step of a switch that does not happen (past every episode's
 @dataclass
 class ReachSwitchTask:
     name: str = "reach_switch"
-    # What each value of the instruction joint says (BALLS' order). ``instruction`` is the first, the task's name
-    # for itself where one string is asked for; every observation carries the one in force (`instructions`).
+    # What each value of the instruction joint says (BALLS' order); every observation carries the one in force
+    # (`instructions_of`).
     instructions: tuple[str, str] = ("move the gripper to the red ball", "move the gripper to the blue ball")
-    instruction: str = "move the gripper to the red ball"
     # Where the balls float (metres, world frame): reach's box, in view of the `front` camera.
     target_x_range: tuple[float, float] = (0.40, 0.65)
     target_y_range: tuple[float, float] = (-0.20, 0.20)
@@ -53,6 +52,11 @@ class ReachSwitchTask:
     control_dt: float = 0.05  # seconds per control step, the env's default (`EnvConfig.substeps` = 25)
     max_episode_steps: int = 40  # 2 s at 20 Hz
     max_events: int = 2  # a switch: the instruction joint's velocity set, then zeroed
+
+    @property
+    def instruction(self) -> str:
+        """The first of ``instructions``: the task's name for itself where one string is asked for."""
+        return self.instructions[0]
 
     def xml_path(self) -> str:
         return scene_path("panda_reach_switch.xml")

@@ -11,7 +11,7 @@ from typing import Literal, get_args
 from vla_core.runtime.executor import MergeMode
 
 # What a world does when its instruction changes (`vla_core.runtime.protocol.LatencyProtocol.new_instruction`).
-OnNewInstruction = Literal["replan", "next_chunk"]
+OnNewInstruction = Literal["", "replan", "next_chunk"]
 
 
 @dataclass
@@ -40,9 +40,9 @@ class ChunkingConfig:
     # When the instruction changes mid-task (SwitchVLA): replan = the queued plan is dropped after its committed
     # lead_steps, the request in flight is abandoned (its chunk, planned under the old instruction, never runs) and
     # a request under the new instruction goes out at once; next_chunk = the queue and the request in flight run
-    # out and the next request on schedule carries it (the behaviour before 0.3). The simulation's shell reacts; the
-    # robot's (serve) does not yet, whatever this says.
-    on_new_instruction: OnNewInstruction = "replan"
+    # out and the next request on schedule carries it (the behaviour before 0.3); "" = the shell's own rule:
+    # replan in simulation, next_chunk on a robot, whose shell does not react yet (replan is refused there).
+    on_new_instruction: OnNewInstruction = ""
 
     def validate(self) -> None:
         """Raise ValueError naming the field (as ``--chunking.<name>``) for a value no run could use."""
@@ -61,7 +61,7 @@ class ChunkingConfig:
             raise ValueError(f"chunking.estimate_window must be >= 1, got {self.estimate_window}")
         if self.on_new_instruction not in get_args(OnNewInstruction):
             raise ValueError(f"chunking.on_new_instruction={self.on_new_instruction!r} is not one of "
-                             f"{get_args(OnNewInstruction)}; set --chunking.on_new_instruction=replan")  # fmt: skip
+                             f"{get_args(OnNewInstruction)}; set --chunking.on_new_instruction=replan or drop it")  # fmt: skip
         if self.lead_steps < 0:
             raise ValueError(f"chunking.lead_steps must be >= 0 (0: a chunk takes over at once), got {self.lead_steps}")
 

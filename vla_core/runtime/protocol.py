@@ -28,7 +28,8 @@ Each control step, per world, in this order:
 ``hold`` (the robot stopped) empties the queue and starts a new epoch; ``restart`` (a new episode)
 also resets the step counter and drops what is in flight; ``abandon`` ends a request without a chunk;
 ``new_instruction`` (the instruction changed mid-task) drops the plan after its committed lead and what is in
-flight, and makes a request due at once (``chunking.on_new_instruction=replan``; ``next_chunk``: nothing changes).
+flight, and makes a request due at once (``chunking.on_new_instruction=replan``, simulation's default; ``next_chunk``,
+a robot's, for its shell does not react yet: nothing changes).
 
 What a policy can be run with is decided here once, from its `LatencySpec` (its config): the delays it
 fits (`LatencySpec.check_delay`) and the merges allowed for each use (`MERGES`), read alike by
@@ -181,7 +182,11 @@ class LatencyProtocol:
                 f"delay.estimate must be measured on a robot, oracle or measured in simulation, got {estimate!r}"
             )
         self.spec, self.use, self.estimate = spec, use, estimate
-        self.on_new_instruction = chunking.on_new_instruction
+        if use == "robot" and chunking.on_new_instruction == "replan":
+            raise ValueError("chunking.on_new_instruction=replan: the robot's shell does not react to a new instruction "
+                             "yet (serve applies it from the next request on); drop the setting")  # fmt: skip
+        # "": the shell's own rule, replan in simulation, next_chunk on a robot
+        self.on_new_instruction = chunking.on_new_instruction or ("next_chunk" if use == "robot" else "replan")
         # As wide as the policy reads, and as the largest delay expected: rows past what the policy reads
         # are never looked at, and a delay above it is announced as the width (counted by the robot).
         self.executor = ActionChunkExecutor(

@@ -169,3 +169,9 @@ class SwitchReactions:
                     ended.append(Reaction(w, int(self._switch[w]), int(self._reaction[w])))
                     self._step[w], self._switch[w], self._reaction[w] = 0, -1, -1
         return ended
+
+
+def reaction_quartiles(reactions: list[int]) -> list[float] | None:
+    """The 25th, 50th and 75th percentiles of reaction times (steps; `Reaction.reaction_steps` of the episodes that
+    met their switch); None for none."""
+    return [float(q) for q in np.percentile(reactions, [25, 50, 75])] if reactions else None
